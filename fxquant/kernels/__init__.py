@@ -1,0 +1,1 @@
+"""Triton kernels, one family per file, and the bit-exact cast helper they share."""

@@ -1,0 +1,112 @@
+"""FP8 activation quantization: dynamic per-row scales (per token, or per 1xg group) and static per-tensor.
+
+A 1xg group quantizer is the per-row quantizer on the [M*K/g, g] view of a contiguous input, so both
+granularities share `_quant_fp8_rows_kernel`. Numerics match `fxquant.reference` bit for bit: fp32 math,
+IEEE division (div_rn), the amax floor, NaN/inf poison, saturation, and the shared cast helper.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fxquant.formats import AMAX_FLOOR, E4M3, E5M2
+from fxquant.kernels.cast import cast_fp8, cast_mode
+
+FP8_FORMATS = {torch.float8_e4m3fn: (E4M3, tl.float8e4nv), torch.float8_e5m2: (E5M2, tl.float8e5)}
+MAX_ROW_LEN = 16384  # one row lives in registers; longer rows go to the reference
+
+
+@triton.jit
+def _saturate(q, finite, FMAX: tl.constexpr):
+    # Clamp finite values to +-FMAX; keep NaN (min/max would drop it) and turn a non-finite input into NaN.
+    clamped = tl.minimum(tl.maximum(q, -FMAX), FMAX)
+    return tl.where(finite & (q == q), clamped, float("nan"))
+
+
+@triton.jit
+def _quant_fp8_rows_kernel(
+    # pointers
+    x_ptr, y_ptr, scale_ptr,
+    # sizes
+    n_rows, row_len,
+    # meta-parameters
+    FMAX: tl.constexpr, FP8: tl.constexpr, CAST: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_COLS)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < row_len)
+    offs = rows[:, None].to(tl.int64) * row_len + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # x: [BLOCK_ROWS, BLOCK_COLS]
+    finite = tl.abs(x) < float("inf")
+    amax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1)
+    poisoned = tl.max((~finite).to(tl.int32), axis=1) > 0
+    # Same fp32 ops as the reference: max(amax, floor) / FMAX with IEEE division; poison -> NaN scale.
+    scale = tl.where(poisoned, float("nan"), tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FMAX))
+    q = _saturate(tl.math.div_rn(x, scale[:, None]), finite, FMAX)
+    tl.store(y_ptr + offs, cast_fp8(q, FP8, CAST), mask=mask)
+    tl.store(scale_ptr + rows, scale, mask=rows < n_rows)
+
+
+@triton.jit
+def _quant_fp8_static_kernel(
+    # pointers
+    x_ptr, y_ptr, scale_ptr,
+    # sizes
+    n,
+    # meta-parameters
+    FMAX: tl.constexpr, FP8: tl.constexpr, CAST: tl.constexpr, BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    q = _saturate(tl.math.div_rn(x, tl.load(scale_ptr)), tl.abs(x) < float("inf"), FMAX)
+    tl.store(y_ptr + offs, cast_fp8(q, FP8, CAST), mask=mask)
+
+
+def _rows_config(n_rows: int, row_len: int) -> tuple[int, int, int]:
+    """(BLOCK_ROWS, BLOCK_COLS, num_warps): a whole row per tile, about 8K elements per program."""
+    block_cols = triton.next_power_of_2(row_len)
+    block_rows = max(1, min(triton.next_power_of_2(max(n_rows, 1)), 8192 // block_cols))
+    return block_rows, block_cols, 4 if block_rows * block_cols <= 4096 else 8
+
+
+def quantize_fp8_rows(x: torch.Tensor, row_len: int, fp8_dtype=torch.float8_e4m3fn):
+    """Dynamic fp8 with one scale per `row_len` contiguous elements of the last dim.
+
+    x: [..., K] with K % row_len == 0 -> (codes [..., K] fp8, scales [..., K // row_len] fp32)
+    """
+    fmt, tl_fp8 = FP8_FORMATS[fp8_dtype]
+    if x.shape[-1] % row_len or row_len > MAX_ROW_LEN:
+        raise ValueError(f"fxquant: fp8 row quantizer needs row_len <= {MAX_ROW_LEN} dividing K={x.shape[-1]}")
+    x = x.contiguous()
+    n_rows = x.numel() // row_len
+    y = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    scale = torch.empty((*x.shape[:-1], x.shape[-1] // row_len), dtype=torch.float32, device=x.device)
+    if n_rows:
+        block_rows, block_cols, warps = _rows_config(n_rows, row_len)
+        _quant_fp8_rows_kernel[(triton.cdiv(n_rows, block_rows),)](
+            x, y, scale, n_rows, row_len,
+            FMAX=fmt.max, FP8=tl_fp8, CAST=cast_mode(_quant_fp8_rows_kernel, x.device), AMAX_FLOOR=AMAX_FLOOR,
+            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=warps,
+        )
+    return y, scale
+
+
+def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor, fp8_dtype=torch.float8_e4m3fn) -> torch.Tensor:
+    """Static per-tensor fp8: x / scale, saturated, cast. scale: one-element fp32 tensor on x's device."""
+    fmt, tl_fp8 = FP8_FORMATS[fp8_dtype]
+    if scale.numel() != 1:
+        raise ValueError(f"fxquant: a static per-tensor scale has one element, got shape {tuple(scale.shape)}")
+    x = x.contiguous()
+    y = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    if x.numel():
+        block = 4096
+        _quant_fp8_static_kernel[(triton.cdiv(x.numel(), block),)](
+            x, y, scale.to(device=x.device, dtype=torch.float32).reshape(1), x.numel(),
+            FMAX=fmt.max, FP8=tl_fp8, CAST=cast_mode(_quant_fp8_static_kernel, x.device), BLOCK=block,
+            num_warps=8,
+        )
+    return y

@@ -1,0 +1,37 @@
+"""`Quantized`: a quantized tensor's codes and scales, as returned by `fxquant.quantize`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fxquant.granularity import Granularity
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """Codes plus everything needed to dequantize them.
+
+    data:         float8_e4m3fn / float8_e5m2 / int8 codes in the input's shape, or uint8 with two 4-bit
+                  codes per byte (low nibble first) and the last dim halved (int4, mxfp4, nvfp4)
+    scale:        fp32 with `granularity.scale_shape(shape)`; float8_e8m0fnu for MX; float8_e4m3fn block
+                  scales for NVFP4
+    global_scale: NVFP4's fp32 per-tensor scale, else None
+    zero_point:   asymmetric int4's uint8 zero points (scale's shape), else None
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    fmt: str
+    granularity: Granularity
+    shape: torch.Size
+    dtype: torch.dtype
+    global_scale: torch.Tensor | None = None
+    zero_point: torch.Tensor | None = None
+    scale_mode: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        extra = [t for t in (self.global_scale, self.zero_point) if t is not None]
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, *extra))
