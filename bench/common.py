@@ -1,0 +1,46 @@
+"""Timing helpers shared by the benchmarks: median of CUDA-event timings over rotating inputs."""
+
+from __future__ import annotations
+
+import itertools
+import platform
+
+import torch
+import triton
+import triton.testing
+
+L2_FLUSH_BYTES = 256 * 2**20  # several times the H200's 60 MB L2: every timed call reads from HBM
+
+
+def rotating(make_args, bytes_per_set: int) -> list:
+    """Enough independent argument sets that cycling through them defeats the L2."""
+    n = max(1, min(64, -(-L2_FLUSH_BYTES // max(bytes_per_set, 1))))
+    return [make_args() for _ in range(n)]
+
+
+def time_ms(fn, arg_sets: list) -> float:
+    """Median milliseconds of fn(*args), cycling through arg_sets."""
+    cycle = itertools.cycle(arg_sets)
+    return triton.testing.do_bench(lambda: fn(*next(cycle)), warmup=25, rep=200, return_mode="median")
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy, bytes read + written: the memory ceiling measured in the same process."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * src.numel() / ms / 1e6
+
+
+def header() -> str:
+    props = torch.cuda.get_device_properties(0)
+    return (f"GPU {props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs), "
+            f"torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}")
+
+
+def table(rows: list[dict]) -> str:
+    cols = list(rows[0])
+    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
+    line = lambda vals: "| " + " | ".join(str(v).rjust(w) for v, w in zip(vals, widths, strict=True)) + " |"
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cols), rule] + [line(r.values()) for r in rows])

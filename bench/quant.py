@@ -1,0 +1,54 @@
+"""fp8 activation quantizers on the GPU: bit-exactness against the reference, then GB/s against the copy ceiling.
+
+Run: PYTHONPATH=. python bench/quant.py
+"""
+
+from __future__ import annotations
+
+import torch
+
+import fxquant
+from bench.common import copy_bandwidth_gbs, header, rotating, table, time_ms
+from fxquant.kernels.quant_fp8 import quantize_fp8_rows, quantize_fp8_static
+
+SHAPES = [(1, 4096), (16, 4096), (128, 4096), (1024, 4096), (4096, 4096), (16384, 4096), (4096, 14336)]
+
+
+def check_bit_exact() -> int:
+    mismatches = 0
+    for m, k in [(4096, 4096), (333, 14336)]:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 40
+        for gran in ["token", ("group", 128), "tensor"]:
+            a = fxquant.quantize(x, "fp8_e4m3", gran, impl="triton")
+            b = fxquant.quantize(x, "fp8_e4m3", gran, impl="reference")
+            mismatches += int((a.data.view(torch.uint8) != b.data.view(torch.uint8)).sum())
+            mismatches += int((a.scale != b.scale).sum())
+    return mismatches
+
+
+def main():
+    print(header())
+    print("bit mismatches kernel vs reference (token, group128, tensor):", check_bit_exact())
+    ceiling = copy_bandwidth_gbs()
+    rows = []
+    for m, k in SHAPES:
+        io_bytes = lambda groups: m * k * 2 + m * k + m * groups * 4  # bf16 in, fp8 out, fp32 scales
+        args = rotating(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16),), m * k * 2)
+        scale = torch.tensor(0.05, device="cuda")
+        cases = {
+            "token": (lambda x: quantize_fp8_rows(x, k), io_bytes(1)),
+            "group128": (lambda x: quantize_fp8_rows(x, 128), io_bytes(k // 128)),
+            "static": (lambda x: quantize_fp8_static(x, scale), io_bytes(0)),
+            "torch_ref_group128": (
+                lambda x: fxquant.quantize(x, "fp8_e4m3", ("group", 128), impl="reference"), io_bytes(k // 128)),
+        }
+        for name, (fn, nbytes) in cases.items():
+            ms = time_ms(fn, args)
+            rows.append({"M": m, "K": k, "kernel": name, "us": f"{ms * 1e3:.1f}",
+                         "GB/s": f"{nbytes / ms / 1e6:.0f}", "% copy": f"{100 * nbytes / ms / 1e6 / ceiling:.0f}"})
+    print(f"copy ceiling (read+write): {ceiling:.0f} GB/s")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
