@@ -24,6 +24,12 @@ def time_ms(fn, arg_sets: list) -> float:
     return triton.testing.do_bench(lambda: fn(*next(cycle)), warmup=25, rep=200, return_mode="median")
 
 
+def graph_time_ms(fn, arg_sets: list) -> float:
+    """Median milliseconds of fn(*args) replayed from a CUDA graph: GPU time without launch overhead."""
+    cycle = itertools.cycle(arg_sets)
+    return triton.testing.do_bench_cudagraph(lambda: fn(*next(cycle)), rep=100, return_mode="median")
+
+
 def copy_bandwidth_gbs() -> float:
     """Device-to-device copy, bytes read + written: the memory ceiling measured in the same process."""
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")

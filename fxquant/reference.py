@@ -42,6 +42,11 @@ def scale_from_amax(amax: torch.Tensor, fmax: float) -> torch.Tensor:
     return amax.clamp_min(AMAX_FLOOR) / fmax
 
 
+def apply_scale(xb: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """xb / scale, per block, as kernels compute it: one IEEE reciprocal per block, then exact multiplies."""
+    return xb * (1.0 / scale)[..., None]
+
+
 def saturate(q: torch.Tensor, x: torch.Tensor, fmax: float) -> torch.Tensor:
     """Clamp finite values to +-fmax; a non-finite input element becomes NaN (inf never saturates to max)."""
     return torch.where(torch.isfinite(x), q.clamp(-fmax, fmax), torch.nan)
@@ -143,7 +148,9 @@ def _quantize_scaled(xb, fmt, gran, static_scale):
         scale = scale_from_amax(block_amax(xb), fmt.max)
     else:
         scale = torch.as_tensor(static_scale, dtype=torch.float32, device=xb.device).expand(scale_shape).clone()
-    q = saturate(xb / scale[..., None], xb, fmt.max)
+        if not (torch.isfinite(scale) & (scale > 0)).all():
+            raise ValueError("fxquant: a static scale must be finite and > 0; calibrate it, or pass scale=None")
+    q = saturate(apply_scale(xb, scale), xb, fmt.max)
     if fmt is INT8:
         # Round half to even; a NaN element stores 0 (int8 has no NaN): its NaN scale carries the poison.
         q = torch.round(q).nan_to_num(0.0)
@@ -153,7 +160,7 @@ def _quantize_scaled(xb, fmt, gran, static_scale):
 def _quantize_int4(xb, symmetric):
     if symmetric:  # codes -7..7, two's complement nibbles; +-7 keeps negation exact
         scale = scale_from_amax(block_amax(xb), 7.0)
-        q = torch.round(saturate(xb / scale[..., None], xb, 7.0)).nan_to_num(0.0)
+        q = torch.round(saturate(apply_scale(xb, scale), xb, 7.0)).nan_to_num(0.0)
         return q.to(torch.int32) & 0xF, scale, None
     # Asymmetric: the range [min(x, 0), max(x, 0)] maps onto 0..15; including 0 makes zero exact.
     lo = xb.amin(-1).clamp_max(0) if xb.shape[-1] else xb.new_zeros(xb.shape[:-1])
@@ -162,7 +169,7 @@ def _quantize_int4(xb, symmetric):
     span = torch.where(torch.isfinite(span), span, torch.nan)  # inf - inf and friends poison the group
     scale = scale_from_amax(span, 15.0)
     zp = torch.round(-lo / scale).clamp(0, 15).nan_to_num(0.0)
-    q = (torch.round(xb / scale[..., None]) + zp[..., None]).clamp(0, 15).nan_to_num(0.0)
+    q = (torch.round(apply_scale(xb, scale)) + zp[..., None]).clamp(0, 15).nan_to_num(0.0)
     return q.to(torch.int32), scale, zp.to(torch.uint8)
 
 
@@ -171,7 +178,7 @@ def _quantize_mx(xb, elem, mode):
     e = mx_scale_exponent(amax, elem, mode)
     code = torch.where(torch.isnan(amax), 0xFF, e + 127).to(torch.uint8)  # 0xFF is E8M0's NaN
     scale = code.view(E8M0.torch_dtype)
-    q = saturate(xb / scale.float()[..., None], xb, elem.max)  # division by a power of two is exact
+    q = saturate(apply_scale(xb, scale.float()), xb, elem.max)  # powers of two: exact
     if elem is E4M3:
         return q.to(E4M3.torch_dtype), scale
     # e2m1 has no NaN code: a poisoned block stores 0 and its NaN scale carries the poison.
@@ -186,5 +193,5 @@ def _quantize_nvfp4(xb):
     block_scale = block_amax(xb) / E2M1.max / global_scale
     # Floor at e4m3's smallest subnormal: zero blocks give zeros and tiny blocks keep their values.
     block_scale = block_scale.clamp(E4M3.min_subnormal, E4M3.max).to(E4M3.torch_dtype)
-    q = saturate(xb / (block_scale.float() * global_scale)[..., None], xb, E2M1.max)
+    q = saturate(apply_scale(xb, block_scale.float() * global_scale), xb, E2M1.max)
     return encode(round_to_format(q, E2M1).nan_to_num(0.0), E2M1), block_scale, global_scale

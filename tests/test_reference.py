@@ -90,7 +90,7 @@ def test_static_scale_is_used_as_given():
     x = torch.randn(8, 64)
     q = R.quantize(x, "int8", scale=0.05)
     assert torch.equal(q.scale, torch.tensor(0.05))
-    assert torch.equal(q.data, torch.round(x / torch.tensor(0.05)).clamp(-127, 127).to(torch.int8))
+    assert torch.equal(q.data, torch.round(x * (1 / torch.tensor(0.05))).clamp(-127, 127).to(torch.int8))
 
 
 @pytest.mark.parametrize("gran", GRANULARITIES, ids=str)
@@ -139,6 +139,7 @@ def test_dequantize_keeps_dtype_and_shape():
     (dict(fmt="mxfp4", scale_mode="nearest"), "unknown scale_mode"),
     (dict(fmt="int4", scale=1.0), "static scale"),
     (dict(fmt="int8", symmetric=True), "symmetric"),
+    (dict(fmt="int8", scale=0.0), "finite and > 0"),
 ])
 def test_bad_arguments_say_what_to_do(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -2,7 +2,7 @@
 
 A 1xg group quantizer is the per-row quantizer on the [M*K/g, g] view of a contiguous input, so both
 granularities share `_quant_fp8_rows_kernel`. Numerics match `fxquant.reference` bit for bit: fp32 math,
-IEEE division (div_rn), the amax floor, NaN/inf poison, saturation, and the shared cast helper.
+one IEEE reciprocal per row then multiplies, the amax floor, NaN/inf poison, saturation, and the shared cast helper.
 """
 
 from __future__ import annotations
@@ -19,10 +19,14 @@ MAX_ROW_LEN = 16384  # one row lives in registers; longer rows go to the referen
 
 
 @triton.jit
-def _saturate(q, finite, FMAX: tl.constexpr):
-    # Clamp finite values to +-FMAX; keep NaN (min/max would drop it) and turn a non-finite input into NaN.
-    clamped = tl.minimum(tl.maximum(q, -FMAX), FMAX)
-    return tl.where(finite & (q == q), clamped, float("nan"))
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _saturate(q, FMAX: tl.constexpr):
+    # Clamp to +-FMAX with NaN-propagating min/max: a poisoned value must stay NaN, never become +-FMAX.
+    return tl.minimum(tl.maximum(q, -FMAX, propagate_nan=tl.PropagateNan.ALL), FMAX, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -40,12 +44,11 @@ def _quant_fp8_rows_kernel(
     mask = (rows[:, None] < n_rows) & (cols[None, :] < row_len)
     offs = rows[:, None].to(tl.int64) * row_len + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # x: [BLOCK_ROWS, BLOCK_COLS]
-    finite = tl.abs(x) < float("inf")
-    amax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1)
-    poisoned = tl.max((~finite).to(tl.int32), axis=1) > 0
-    # Same fp32 ops as the reference: max(amax, floor) / FMAX with IEEE division; poison -> NaN scale.
-    scale = tl.where(poisoned, float("nan"), tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FMAX))
-    q = _saturate(tl.math.div_rn(x, scale[:, None]), finite, FMAX)
+    amax = tl.reduce(tl.abs(x), 1, _max_keep_nan)  # NaN or inf anywhere in a row surfaces here
+    # Same fp32 ops as the reference: max(amax, floor) / FMAX (IEEE division); a poisoned row gets a NaN
+    # scale, so every code in it is NaN.
+    scale = tl.where(amax < float("inf"), tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FMAX), float("nan"))
+    q = _saturate(x * tl.math.div_rn(1.0, scale)[:, None], FMAX)
     tl.store(y_ptr + offs, cast_fp8(q, FP8, CAST), mask=mask)
     tl.store(scale_ptr + rows, scale, mask=rows < n_rows)
 
@@ -62,7 +65,8 @@ def _quant_fp8_static_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    q = _saturate(tl.math.div_rn(x, tl.load(scale_ptr)), tl.abs(x) < float("inf"), FMAX)
+    q = _saturate(x * tl.math.div_rn(1.0, tl.load(scale_ptr)), FMAX)
+    q = tl.where(tl.abs(x) < float("inf"), q, float("nan"))  # inf is poison: NaN, never saturated to max
     tl.store(y_ptr + offs, cast_fp8(q, FP8, CAST), mask=mask)
 
 
