@@ -1,0 +1,119 @@
+"""FP8 scaled GEMM: out[M, N] = (A[M, K] * a_scale) @ (B[N, K] * b_scale).T (+ bias), fp32 accumulation.
+
+Two scale layouts:
+- row scales (per tensor, per token, per channel): a_scale [M] (stride 0 for per tensor), b_scale [N]
+  (stride 0 for per tensor), applied once in the epilogue, since they are constant along K;
+- block scales (1x128 activations, 128x128 weights): a_scale [M, K/128], b_scale [N/128, K/128], folded into
+  the fp32 accumulator at every 128-wide K step, since they change along K.
+M/N/K tails are masked. Tile shapes come from `gemm_configs.py`, tuned per M bucket on the H200.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fxquant.kernels.gemm_configs import fp8_gemm_config
+
+SCALE_BLOCK = 128
+TORCH_TO_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    # pointers
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    # sizes
+    M, N, K,
+    # strides
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bsn, stride_bsk,
+    # meta-parameters
+    BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Grouped ordering: GROUP_M row-tiles share each B column-tile while it is hot in L2.
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    mask_m, mask_n = offs_m < M, offs_n < N
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)  # [BM, BK]
+        b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < k_left), other=0.0)  # [BK, BN]
+        if BLOCK_SCALES:
+            # BLOCK_K == 128: one activation scale per row and one weight scale per tile at this K step.
+            a_s = tl.load(a_scale_ptr + offs_m * stride_asm + k * stride_ask, mask=mask_m, other=0.0)
+            b_s = tl.load(b_scale_ptr + (pid_n * BLOCK_N // 128) * stride_bsn + k * stride_bsk)
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s)
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if not BLOCK_SCALES:
+        a_s = tl.load(a_scale_ptr + offs_m * stride_asm, mask=mask_m, other=0.0)
+        b_s = tl.load(b_scale_ptr + offs_n * stride_bsn, mask=mask_n, other=0.0)
+        acc = acc * a_s[:, None] * b_s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(OUT), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def is_block_scaled(a_scale: torch.Tensor, b_scale: torch.Tensor, N: int) -> bool:
+    """1x128 / 128x128 scales vary along K (more than one column) or cover 128 rows of B each."""
+    return (a_scale.dim() == 2 and a_scale.shape[1] > 1) or (b_scale.dim() == 2 and 1 < b_scale.shape[0] < N)
+
+
+def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, config=None):
+    """a: [M, K] fp8; b: [N, K] fp8 (a weight, as F.linear takes it); returns [M, N] in out_dtype.
+
+    Row scales: a_scale [M, 1] or one element, b_scale [N, 1] or one element.
+    Block scales: a_scale [M, K/128] (1x128 groups), b_scale [N/128, K/128] (128x128 blocks).
+    """
+    M, K = a.shape
+    N = b.shape[0]
+    if b.shape[1] != K or a.dtype != b.dtype:
+        raise ValueError(f"fxquant: fp8_scaled_mm needs a [M, K] and b [N, K] of one fp8 dtype; "
+                         f"got {tuple(a.shape)} {a.dtype} and {tuple(b.shape)} {b.dtype}")
+    block_scales = is_block_scaled(a_scale, b_scale, N)
+    if block_scales:
+        want_a, want_b = (M, triton.cdiv(K, 128)), (triton.cdiv(N, 128), triton.cdiv(K, 128))
+        if tuple(a_scale.shape) != want_a or tuple(b_scale.shape) != want_b:
+            raise ValueError(f"fxquant: block-scaled fp8 GEMM needs a_scale {want_a} and b_scale {want_b}, got "
+                             f"{tuple(a_scale.shape)} and {tuple(b_scale.shape)}")
+        asm, ask = a_scale.stride()
+        bsn, bsk = b_scale.stride()
+    else:
+        asm = 0 if a_scale.numel() == 1 else a_scale.reshape(-1).stride(0)
+        bsn = 0 if b_scale.numel() == 1 else b_scale.reshape(-1).stride(0)
+        ask = bsk = 0
+    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    cfg = config or fp8_gemm_config(M, N, K, block_scales)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    _fp8_gemm_kernel[grid](
+        a, b, out, a_scale, b_scale, bias if bias is not None else out,
+        M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        asm, ask, bsn, bsk,
+        BLOCK_SCALES=block_scales, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out

@@ -1,0 +1,106 @@
+"""Every op the passes insert, as `torch.library.custom_op("fxquant::...")` with a fake impl.
+
+Dynamo, Inductor and torch.export see through these ops. CPU tensors run the pure-torch reference;
+CUDA tensors run the Triton kernels where one serves the case, else the same reference on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fxquant import reference as R
+from fxquant.granularity import Granularity
+from fxquant.quantized import Quantized
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _act_granularity(group_size: int) -> Granularity:
+    return Granularity("token") if group_size == 0 else Granularity("group", (group_size,))
+
+
+def _weight_granularity(w: Tensor, w_scale: Tensor) -> Granularity:
+    if w_scale.numel() == 1:
+        return Granularity("tensor")
+    if w_scale.shape[0] == w.shape[0]:
+        return Granularity("channel")
+    return Granularity("block", (w.shape[0] // w_scale.shape[0], w.shape[1] // w_scale.shape[1]))
+
+
+@torch.library.custom_op("fxquant::quantize_fp8", mutates_args=())
+def quantize_fp8(x: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """Dynamic e4m3 codes and fp32 scales of x [..., K]: per token (group_size 0) or per 1 x group_size."""
+    row_len = group_size or x.shape[-1]
+    if x.is_cuda:
+        from fxquant.kernels.quant_fp8 import MAX_ROW_LEN, quantize_fp8_rows
+
+        if row_len <= MAX_ROW_LEN:
+            return quantize_fp8_rows(x, row_len, E4M3)
+    q = R.quantize(x, "fp8_e4m3", _act_granularity(group_size))
+    return q.data, q.scale
+
+
+@quantize_fp8.register_fake
+def _(x, group_size):
+    groups = x.shape[-1] // group_size if group_size else 1
+    return torch.empty_like(x, dtype=E4M3), x.new_empty((*x.shape[:-1], groups), dtype=torch.float32)
+
+
+@torch.library.custom_op("fxquant::scaled_mm_fp8", mutates_args=())
+def scaled_mm_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None,
+                  out_dtype: torch.dtype) -> Tensor:
+    """(a [..., K] * a_scale) @ (w [N, K] * w_scale).T + bias, fp32 accumulation, one cast to out_dtype.
+
+    a_scale: [..., 1] per token or [..., K/g] per 1 x g group; w_scale: one element, [N, 1] or [N/128, K/128].
+    """
+    lead, K = a.shape[:-1], a.shape[-1]
+    a2, s2 = a.reshape(-1, K), a_scale.reshape(-1, a_scale.shape[-1])
+    if a.is_cuda:
+        from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
+
+        out = fp8_scaled_mm(a2, s2, w, w_scale, bias, out_dtype)
+    else:
+        group = 0 if s2.shape[1] == 1 else K // s2.shape[1]
+        qa = Quantized(a2, s2, "fp8_e4m3", _act_granularity(group), a2.shape, out_dtype)
+        qw = Quantized(w, w_scale, "fp8_e4m3", _weight_granularity(w, w_scale), w.shape, out_dtype)
+        out = R.scaled_mm(qa, qw, bias=bias, out_dtype=out_dtype)
+    return out.reshape(*lead, w.shape[0])
+
+
+@scaled_mm_fp8.register_fake
+def _(a, a_scale, w, w_scale, bias, out_dtype):
+    return a.new_empty((*a.shape[:-1], w.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("fxquant::linear_fp8", mutates_args=())
+def linear_fp8(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None, group_size: int) -> Tensor:
+    """F.linear with dynamic e4m3 activations (per token, or 1 x group_size) and a pre-quantized e4m3 weight."""
+    a, a_scale = quantize_fp8(x, group_size)
+    return scaled_mm_fp8(a, a_scale, w, w_scale, bias, x.dtype)
+
+
+@linear_fp8.register_fake
+def _(x, w, w_scale, bias, group_size):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@torch.library.custom_op("fxquant::linear_weight_only", mutates_args=())
+def linear_weight_only(x: Tensor, w: Tensor, w_scale: Tensor, w_global_scale: Tensor | None,
+                       w_zero_point: Tensor | None, bias: Tensor | None, fmt: str, group_size: int,
+                       out_features: int) -> Tensor:
+    """F.linear with a weight-only quantized weight (int8, int4, mxfp4, nvfp4), activations untouched."""
+    in_features = x.shape[-1]
+    gran = Granularity("channel") if group_size == 0 else Granularity("group", (group_size,))
+    qw = Quantized(w, w_scale, fmt, gran, torch.Size((out_features, in_features)), x.dtype,
+                   global_scale=w_global_scale, zero_point=w_zero_point)
+    # fp32 dequantization and accumulation, one cast at the end, as in every fxquant GEMM.
+    out = x.float() @ R.dequantize(qw, torch.float32).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+@linear_weight_only.register_fake
+def _(x, w, w_scale, w_global_scale, w_zero_point, bias, fmt, group_size, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
