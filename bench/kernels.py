@@ -1,0 +1,135 @@
+"""FP8 GEMMs on the GPU: correctness, an optional config sweep, then TFLOP/s and weight GB/s against
+cuBLAS (torch._scaled_mm, torch.mm) measured in the same process.
+
+Run: PYTHONPATH=. python bench/kernels.py [--sweep]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import fxquant.ops  # noqa: F401
+from bench.common import copy_bandwidth_gbs, graph_time_ms, header, rotating, table
+from fxquant import reference as R
+from fxquant.kernels.gemm_configs import fp8_gemm_config
+from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
+
+MS = [1, 16, 128, 1024, 4096]
+NKS = [(4096, 4096), (14336, 4096), (4096, 14336)]
+SCHEMES = {"tensor": ("tensor", "tensor"), "row": ("token", "channel"), "block": (("group", 128), ("block", 128, 128))}
+
+
+def operands(m, n, k, scheme):
+    ga, gw = SCHEMES[scheme]
+    qa = R.quantize(torch.randn(m, k, device="cuda"), "fp8_e4m3", ga)
+    qw = R.quantize(torch.randn(n, k, device="cuda") * 0.02, "fp8_e4m3", gw)
+    return qa, qw
+
+
+def check() -> list[dict]:
+    rows = []
+    for scheme in SCHEMES:
+        for m, n, k in [(1, 4096, 4096), (100, 14336, 4096), (1024, 4096, 14336)]:
+            qa, qw = operands(m, n, k, scheme)
+            out = fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, None, torch.float32)
+            exact = R.dequantize(qa, torch.float64) @ R.dequantize(qw, torch.float64).T
+            rows.append({"scheme": scheme, "M": m, "N": n, "K": k,
+                         "rel_err_vs_fp64": f"{float((out.double() - exact).norm() / exact.norm()):.2e}"})
+    return rows
+
+
+def scaled_mm_baselines(qa, qw, scheme):
+    """torch._scaled_mm (cuBLAS) on the same operands: w as [K, N] column-major, scales as cuBLAS wants."""
+    wt = qw.data.t()
+    if scheme == "tensor":
+        return lambda: torch._scaled_mm(qa.data, wt, qa.scale, qw.scale, out_dtype=torch.bfloat16)
+    if scheme == "row":
+        sw = qw.scale.reshape(1, -1)
+        return lambda: torch._scaled_mm(qa.data, wt, qa.scale, sw, out_dtype=torch.bfloat16)
+    sa = qa.scale.t().contiguous().t()  # 1x128 scales outer-dim-major
+    sw = qw.scale.t()  # [K/128, N/128]
+    return lambda: torch._scaled_mm(qa.data, wt, sa, sw, out_dtype=torch.bfloat16)
+
+
+def sweep_candidates(m):
+    if m <= 16:
+        return [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=s)
+                for bn in (32, 64, 128) for s in (4, 6)]
+    if m <= 128:
+        return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=s)
+                for bm in (32, 64) for bn in (64, 128) for s in (3, 5)]
+    return [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=w, num_stages=s)
+            for w in (4, 8) for s in (3, 4, 5)] + [
+            dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)]
+
+
+def sweep() -> list[dict]:
+    rows = []
+    for scheme in ("block", "row"):
+        for n, k in NKS:
+            for m in MS:
+                qa, qw = operands(m, n, k, scheme)
+                best = None
+                for cfg in sweep_candidates(m):
+                    try:
+                        ms = graph_time_ms(lambda c=cfg: fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale,
+                                                                        None, torch.bfloat16, c), [()])
+                    except Exception as exc:  # a config the compiler rejects (shared memory) is skipped
+                        print("  skip", cfg, type(exc).__name__)
+                        continue
+                    if best is None or ms < best[0]:
+                        best = (ms, cfg)
+                rows.append({"scheme": scheme, "M": m, "N": n, "K": k, "us": f"{best[0] * 1e3:.1f}",
+                             "best": " ".join(f"{key}={v}" for key, v in best[1].items())})
+    return rows
+
+
+def bench() -> list[dict]:
+    ceiling = copy_bandwidth_gbs()
+    print(f"copy ceiling (read+write): {ceiling:.0f} GB/s")
+    rows = []
+    for n, k in NKS:
+        for m in MS:
+            flops = 2 * m * n * k
+            results = {}
+            x_sets = rotating(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+                                       torch.randn(n, k, device="cuda", dtype=torch.bfloat16)), (m + n) * k * 2)
+            results["bf16 mm"] = (graph_time_ms(lambda x, w: x @ w.T, x_sets), n * k * 2)
+            for scheme in SCHEMES:
+                sets = rotating(lambda s=scheme: operands(m, n, k, s), (m + n) * k)
+                results[f"fxq {scheme}"] = (graph_time_ms(
+                    lambda qa, qw: fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, None, torch.bfloat16),
+                    sets), n * k)
+                try:
+                    results[f"cublas {scheme}"] = (graph_time_ms(
+                        lambda qa, qw, s=scheme: scaled_mm_baselines(qa, qw, s)(), sets), n * k)
+                except Exception as exc:
+                    results[f"cublas {scheme}"] = (None, f"{type(exc).__name__}: {str(exc)[:40]}")
+            lin_sets = rotating(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+                                         operands(1, n, k, "block")[1]), (m * 2 + n) * k)
+            results["fxq linear_fp8 block (quant+gemm)"] = (graph_time_ms(
+                lambda x, qw: torch.ops.fxquant.linear_fp8(x, qw.data, qw.scale, None, 128), lin_sets), n * k)
+            for name, (ms, wbytes) in results.items():
+                if ms is None:
+                    rows.append({"M": m, "N": n, "K": k, "impl": name, "us": "-", "TFLOP/s": wbytes,
+                                 "weight GB/s": "-", "% copy": "-"})
+                    continue
+                rows.append({"M": m, "N": n, "K": k, "impl": name, "us": f"{ms * 1e3:.1f}",
+                             "TFLOP/s": f"{flops / ms / 1e9:.0f}", "weight GB/s": f"{wbytes / ms / 1e6:.0f}",
+                             "% copy": f"{100 * wbytes / ms / 1e6 / ceiling:.0f}"})
+    return rows
+
+
+def main():
+    print(header())
+    print(table(check()))
+    if "--sweep" in sys.argv:
+        print(table(sweep()))
+    print("configs in use:", {m: fp8_gemm_config(m, 4096, 4096, True) for m in MS})
+    print(table(bench()))
+
+
+if __name__ == "__main__":
+    main()
