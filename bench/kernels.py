@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-import fxquant.ops  # noqa: F401
+import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from bench.common import copy_bandwidth_gbs, graph_time_ms, header, rotating, table
 from fxquant import reference as R
 from fxquant.kernels.gemm_configs import fp8_gemm_config

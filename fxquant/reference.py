@@ -37,14 +37,20 @@ def block_amax(xb: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), amax, torch.nan)
 
 
+def fdiv(a: torch.Tensor, b: float) -> torch.Tensor:
+    """a / b with IEEE division on every device: CUDA would turn a Python-scalar divisor into a multiply by
+    its rounded reciprocal, and the reference must round the same on the CPU, on CUDA and in the kernels."""
+    return a / torch.full_like(a, b)
+
+
 def scale_from_amax(amax: torch.Tensor, fmax: float) -> torch.Tensor:
     # The floor keeps all-zero blocks at scale > 0 (zeros out, not 0/0); clamp_min keeps NaN.
-    return amax.clamp_min(AMAX_FLOOR) / fmax
+    return fdiv(amax.clamp_min(AMAX_FLOOR), fmax)
 
 
 def apply_scale(xb: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """xb / scale, per block, as kernels compute it: one IEEE reciprocal per block, then exact multiplies."""
-    return xb * (1.0 / scale)[..., None]
+    return xb * (torch.ones_like(scale) / scale)[..., None]
 
 
 def saturate(q: torch.Tensor, x: torch.Tensor, fmax: float) -> torch.Tensor:
@@ -125,7 +131,7 @@ def mx_scale_exponent(amax: torch.Tensor, elem: FloatFormat, mode: str) -> torch
         max_frac = int((elem.max_mantissa - 1) * 2**23)
         e = biased - 127 - elem.emax + (mant > max_frac).to(torch.int32)
     else:  # rceil: amax / max in fp32, rounded up to a power of two (cvt.rp.satfinite.ue8m0)
-        qbits = (amax / elem.max).view(torch.int32)
+        qbits = fdiv(amax, elem.max).view(torch.int32)
         qb, qm = (qbits >> 23) & 0xFF, qbits & 0x7FFFFF
         e = torch.where(qb == 0, torch.where(qm > 0x400000, -126, -127), qb - 127 + (qm != 0).to(torch.int32))
     return e.clamp(-127, 127)  # E8M0's range: a tiny block gets 2**-127, never a zero scale
@@ -190,7 +196,7 @@ def _quantize_nvfp4(xb):
     finite = torch.where(torch.isfinite(xb), xb.abs(), 0.0)
     # The global amax skips non-finite values, so NaN poisons its own block only.
     global_scale = scale_from_amax(finite.amax() if xb.numel() else xb.new_zeros(()), E4M3.max * E2M1.max)
-    block_scale = block_amax(xb) / E2M1.max / global_scale
+    block_scale = fdiv(block_amax(xb), E2M1.max) / global_scale
     # Floor at e4m3's smallest subnormal: zero blocks give zeros and tiny blocks keep their values.
     block_scale = block_scale.clamp(E4M3.min_subnormal, E4M3.max).to(E4M3.torch_dtype)
     q = saturate(apply_scale(xb, block_scale.float() * global_scale), xb, E2M1.max)

@@ -4,10 +4,13 @@ import pytest
 import torch
 
 from fxquant import reference as R
-from fxquant.kernels.gemm_configs import FP8_GEMM_BUCKETS
+from fxquant.kernels.gemm_configs import BUCKET_PROBES
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Relative error against fp64 for fp32 output: the interpreter accumulates in fp32; sm_90's fp8 MMA
+# accumulates 128 K at a time in reduced precision before the fp32 add (see gemm_fp8.py).
+FP32_BOUND = 1e-5 if DEVICE == "cpu" else 3e-4
 SCHEMES = {"row": ("token", "channel"), "tensor": ("tensor", "tensor"), "block": (("group", 128), ("block", 128, 128))}
 # M values land in every bucket; N, K leave tails (N % BLOCK_N, K % BLOCK_K) where the scheme allows.
 SHAPES = [(1, 256, 256), (16, 128, 384), (37, 384, 256), (130, 256, 512), (5, 200, 176)]
@@ -37,15 +40,15 @@ def test_gemm_matches_fp64_product(M, N, K, scheme, out_dtype):
     out = fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, bias, out_dtype)
     assert out.dtype == out_dtype and out.shape == (M, N)
     # fp32 accumulation: ~1e-6 of the norm; a bf16 output adds its own rounding (2**-9 relative).
-    assert rel_err(out, qa, qw, bias) < (1e-5 if out_dtype == torch.float32 else 4e-3)
+    assert rel_err(out, qa, qw, bias) < (FP32_BOUND if out_dtype == torch.float32 else 4e-3)
 
 
-@pytest.mark.parametrize("bucket", range(len(FP8_GEMM_BUCKETS)))
-def test_every_bucket_config_is_exercised(bucket):
-    max_m = FP8_GEMM_BUCKETS[bucket][0] or 200
-    qa, qw = operands(max_m, 256, 256, "block", seed=bucket)
+@pytest.mark.parametrize("scheme", ["block", "row"])
+@pytest.mark.parametrize("m", BUCKET_PROBES)
+def test_every_bucket_config_is_exercised(m, scheme):
+    qa, qw = operands(m, 256, 256, scheme, seed=m)
     out = fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, torch.zeros(256, device=DEVICE), torch.float32)
-    assert rel_err(out, qa, qw, torch.zeros(256, device=DEVICE)) < 1e-5
+    assert rel_err(out, qa, qw, torch.zeros(256, device=DEVICE)) < FP32_BOUND
 
 
 def test_empty_m_and_bad_shapes():
