@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from fxquant import reference as R
+from fxquant.api import quantize
 from fxquant.granularity import Granularity
 from fxquant.quantized import Quantized
 
@@ -17,6 +18,8 @@ E4M3 = torch.float8_e4m3fn
 
 
 def _act_granularity(group_size: int) -> Granularity:
+    if group_size < 0:
+        return Granularity("tensor")
     return Granularity("token") if group_size == 0 else Granularity("group", (group_size,))
 
 
@@ -30,7 +33,11 @@ def _weight_granularity(w: Tensor, w_scale: Tensor) -> Granularity:
 
 @torch.library.custom_op("fxquant::quantize_fp8", mutates_args=())
 def quantize_fp8(x: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
-    """Dynamic e4m3 codes and fp32 scales of x [..., K]: per token (group_size 0) or per 1 x group_size."""
+    """Dynamic e4m3 codes and fp32 scales of x [..., K]: per token (group_size 0), per 1 x group_size, or
+    per tensor (group_size -1, scale of shape [1])."""
+    if group_size < 0:
+        q = quantize(x, "fp8_e4m3", "tensor")  # the static kernel on CUDA after a torch amax
+        return q.data, q.scale.reshape(1)
     row_len = group_size or x.shape[-1]
     if x.is_cuda:
         from fxquant.kernels.quant_fp8 import MAX_ROW_LEN, quantize_fp8_rows
@@ -43,6 +50,8 @@ def quantize_fp8(x: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
 
 @quantize_fp8.register_fake
 def _(x, group_size):
+    if group_size < 0:
+        return torch.empty_like(x, dtype=E4M3), x.new_empty((1,), dtype=torch.float32)
     groups = x.shape[-1] // group_size if group_size else 1
     return torch.empty_like(x, dtype=E4M3), x.new_empty((*x.shape[:-1], groups), dtype=torch.float32)
 
@@ -55,14 +64,16 @@ def scaled_mm_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, bias: 
     a_scale: [..., 1] per token or [..., K/g] per 1 x g group; w_scale: one element, [N, 1] or [N/128, K/128].
     """
     lead, K = a.shape[:-1], a.shape[-1]
-    a2, s2 = a.reshape(-1, K), a_scale.reshape(-1, a_scale.shape[-1])
+    a2 = a.reshape(-1, K)
+    s2 = a_scale.reshape(1) if a_scale.numel() == 1 else a_scale.reshape(-1, a_scale.shape[-1])
     if a.is_cuda:
         from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
 
         out = fp8_scaled_mm(a2, s2, w, w_scale, bias, out_dtype)
     else:
-        group = 0 if s2.shape[1] == 1 else K // s2.shape[1]
-        qa = Quantized(a2, s2, "fp8_e4m3", _act_granularity(group), a2.shape, out_dtype)
+        group = -1 if s2.dim() == 1 else 0 if s2.shape[1] == 1 else K // s2.shape[1]
+        qa = Quantized(a2, s2.reshape(()) if group < 0 else s2, "fp8_e4m3", _act_granularity(group), a2.shape,
+                       out_dtype)
         qw = Quantized(w, w_scale, "fp8_e4m3", _weight_granularity(w, w_scale), w.shape, out_dtype)
         out = R.scaled_mm(qa, qw, bias=bias, out_dtype=out_dtype)
     return out.reshape(*lead, w.shape[0])
@@ -104,3 +115,20 @@ def linear_weight_only(x: Tensor, w: Tensor, w_scale: Tensor, w_global_scale: Te
 @linear_weight_only.register_fake
 def _(x, w, w_scale, w_global_scale, w_zero_point, bias, fmt, group_size, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.custom_op("fxquant::linear_mxfp8", mutates_args=())
+def linear_mxfp8(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
+    """MXFP8 activations (dynamic, blocks of 32) and weight. Hopper has no MX tensor cores, so this runs
+    the reference GEMM (fp32 dequantize and matmul) on every device."""
+    qx = R.quantize(x, "mxfp8")
+    qw = Quantized(w, w_scale, "mxfp8", Granularity("group", (R.MX_BLOCK,)), w.shape, x.dtype)
+    out = R.dequantize(qx, torch.float32) @ R.dequantize(qw, torch.float32).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+@linear_mxfp8.register_fake
+def _(x, w, w_scale, bias):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))

@@ -1,0 +1,68 @@
+"""The dynamo backend: `torch.compile(model, backend="fxquant", options={...})`."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch._dynamo import register_backend
+
+from fxquant.config import from_options
+from fxquant.passes import PipelineResult, run_pipeline
+from fxquant.passes.quantize_linear import quantize_weight
+from fxquant.report import format_report
+
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+class QuantizedCallable:
+    """The compiled graph, plus a cheap check of each source weight's version on every call.
+
+    A weight changed after compile (an optimizer step, a load_state_dict) is re-quantized into the same
+    buffers, with one warning per compile; stale quantized weights are never used silently.
+    """
+
+    def __init__(self, compiled, result: PipelineResult, config):
+        self.compiled, self.result, self.config = compiled, result, config
+        self.tracked = [layer for layer in result.layers if layer.source is not None]
+        self.warned = False
+
+    def __call__(self, *args):
+        for layer in self.tracked:
+            if layer.source._version != layer.version:
+                self._requantize(layer)
+        return self.compiled(*args)
+
+    def _requantize(self, layer):
+        if not self.warned:
+            warnings.warn(f"fxquant: weight of {layer.fqn} changed after compile; re-quantizing it "
+                          "(this warning shows once per compile)", stacklevel=3)
+            self.warned = True
+        q = quantize_weight(layer.source, self.config)
+        fresh = (q.data, q.scale, q.global_scale, q.zero_point)
+        with torch.no_grad():
+            for name, tensor in zip(layer.buffers, fresh, strict=True):
+                if name is not None:
+                    getattr(self.result.gm, name).copy_(tensor)
+        layer.version = layer.source._version
+
+
+@register_backend
+def fxquant(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None):
+    """Quantize the graph per `options` (see `fxquant.config.QuantConfig`), then lower it."""
+    config = from_options(options)
+    if mode not in MODES:
+        raise ValueError(f"fxquant: unknown mode {mode!r}; valid: {', '.join(map(str, MODES))}")
+    result = run_pipeline(gm, config, example_inputs)
+    if config.report:
+        print(format_report(result.layers, result.upcast))
+    if config.inner == "eager":
+        compiled = result.gm.forward
+    else:
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = {"triton.cudagraphs": True} if mode == "reduce-overhead" else {}
+        if mode in ("max-autotune", "max-autotune-no-cudagraphs"):
+            patches.update({"max_autotune": True})
+        compiled = compile_fx(result.gm, example_inputs, config_patches=patches)
+    return QuantizedCallable(compiled, result, config)

@@ -1,0 +1,33 @@
+"""`fxquant.export`: a torch.export program of the quantized graph, that saves, loads and runs."""
+
+from __future__ import annotations
+
+import torch
+
+from fxquant.config import QuantConfig, from_options
+from fxquant.passes import run_pipeline
+
+
+def export(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, config: QuantConfig | dict | None = None,
+           dynamic_shapes=None) -> torch.export.ExportedProgram:
+    """Export `model`, quantize the exported graph per `config`, and export the result again.
+
+    The program holds fxquant ops and the quantized weights (not a high-precision copy of them); load it
+    in a process that has imported fxquant, so the ops are registered.
+    """
+    config = from_options(config)
+    gm = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes).module()
+    result = run_pipeline(gm, config)
+    _drop_unused_attributes(result.gm)
+    return torch.export.export(result.gm, args, kwargs, dynamic_shapes=dynamic_shapes)
+
+
+def _drop_unused_attributes(gm: torch.fx.GraphModule) -> None:
+    """Remove parameters and buffers no get_attr reads any more (the original weights of quantized layers)."""
+    used = {node.target for node in gm.graph.nodes if node.op == "get_attr"}
+    for name, _ in list(gm.named_parameters()) + list(gm.named_buffers()):
+        if name in used:
+            continue
+        owner_path, _, attr = name.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        delattr(owner, attr)

@@ -1,0 +1,48 @@
+"""fuse_linear: quantize_fp8 -> scaled_mm_fp8 becomes one fxquant.linear_fp8 op.
+
+Pre:  quantize_linear has run. Post: where a quantized activation feeds only its GEMM, the pair is one op,
+which the backend can serve with one fused kernel (activation quantization inside the GEMM) and which
+Inductor sees as a single node.
+
+    %q = quantize_fp8(%x, 128); %a = getitem(%q, 0); %s = getitem(%q, 1)
+    %y = scaled_mm_fp8(%a, %s, %w_q, %w_s, %b, bf16)                  ->  %y = linear_fp8(%x, %w_q, %w_s, %b, 128)
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
+from fxquant.passes.annotations import node_dtype
+
+
+class FuseLinear(PassBase):
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
+        modified = False
+        for mm in list(gm.graph.nodes):
+            if mm.target is not torch.ops.fxquant.scaled_mm_fp8.default:
+                continue
+            a, a_scale, w, w_scale, bias, out_dtype = mm.args
+            q = a.args[0] if a.target is operator.getitem else None
+            if q is None or q.target is not torch.ops.fxquant.quantize_fp8.default:
+                continue
+            if any(user.target is not operator.getitem for user in q.users) or len(a.users) > 1 \
+                    or len(a_scale.users) > 1:
+                continue  # the activation codes are used elsewhere: keep them materialized
+            x, group = q.args
+            if node_dtype(x) not in (None, out_dtype):
+                continue  # linear_fp8 returns x's dtype
+            with gm.graph.inserting_before(mm):
+                fused = gm.graph.call_function(torch.ops.fxquant.linear_fp8.default, (x, w, w_scale, bias, group))
+            fused.meta.update(mm.meta)
+            mm.replace_all_uses_with(fused)
+            for node in (mm, a, a_scale, q):
+                gm.graph.erase_node(node)
+            modified = True
+        if modified:
+            gm.graph.lint()
+            gm.recompile()
+        return PassResult(gm, modified)

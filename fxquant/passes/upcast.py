@@ -1,0 +1,76 @@
+"""upcast: reductions in low precision (softmax, norms, a hand-written RMSNorm's variance) run in fp32.
+
+Pre:  detect has run. Post: each annotated reduction with a bf16/fp16 input reads an fp32 copy of it and
+its result is cast back, so the dtypes and shapes the rest of the graph sees do not change. A bf16
+reduction over thousands of elements loses range silently; fp32 costs little here.
+
+    %y = softmax(%x_bf16, -1)       ->  %x32 = _to_copy(%x_bf16, fp32); %s = softmax(%x32, -1)
+                                        %y = _to_copy(%s, bf16)
+    %v = pow(%h_bf16, 2) ... rsqrt  ->  %v = pow(_to_copy(%h_bf16, fp32), 2) ... %r = _to_copy(rsqrt, bf16)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from fxquant.passes.annotations import LOW_PRECISION, META_KEY, annotation, aten, node_dtype, target_of
+from fxquant.passes.detect import ADD, MEAN, RSQRT
+
+UPCAST_KEY = "fxquant_upcast"  # marks nodes this pass made, so a second run changes nothing
+
+
+def _cast(graph, node, dtype):
+    new = graph.call_function(aten._to_copy.default, (node,), {"dtype": dtype})
+    new.meta[UPCAST_KEY] = True
+    return new
+
+
+class Upcast(PassBase):
+    def __init__(self):
+        super().__init__()
+        self.upcast_nodes: list[str] = []  # names, for the lint report
+
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
+        graph, modified = gm.graph, False
+        for node in list(graph.nodes):
+            found = annotation(node)
+            if found is None or node.meta.get(UPCAST_KEY) or found.kind == "linear":
+                continue
+            x = node.args[0]
+            dtype = node_dtype(x)
+            if dtype not in LOW_PRECISION:
+                continue
+            if found.kind == "softmax" and (node.kwargs.get("dtype") == torch.float32 or len(node.args) > 2):
+                continue  # softmax(x, dim, dtype=...) / aten._softmax(half_to_float) already chose
+            with graph.inserting_before(node):
+                node.replace_input_with(x, _cast(graph, x, torch.float32))
+                for arg in node.args[1:]:  # norm weight / bias follow the input into fp32
+                    if isinstance(arg, torch.fx.Node) and node_dtype(arg) in LOW_PRECISION:
+                        node.replace_input_with(arg, _cast(graph, arg, torch.float32))
+            out = node if found.kind != "rms_norm_variance" else _variance_end(node)
+            if out is None:
+                continue
+            with graph.inserting_after(out):
+                back = _cast(graph, out, dtype)
+            out.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+            back.meta.update({k: v for k, v in out.meta.items() if k != META_KEY})
+            node.meta[UPCAST_KEY] = True
+            self.upcast_nodes.append(node.name)
+            modified = True
+        if modified:
+            graph.lint()
+            gm.recompile()
+        return PassResult(gm, modified)
+
+
+def _variance_end(pow_node):
+    """The rsqrt at the end of pow -> mean -> [add eps] -> rsqrt."""
+    for mean in pow_node.users:
+        if target_of(mean) in MEAN:
+            for user in mean.users:
+                if target_of(user) in RSQRT:
+                    return user
+                if target_of(user) in ADD:
+                    return next((u for u in user.users if target_of(u) in RSQRT), None)
+    return None

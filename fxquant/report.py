@@ -1,0 +1,20 @@
+"""The per-layer report: name, shape, scheme or why skipped, and bytes before and after."""
+
+from __future__ import annotations
+
+
+def format_report(layers, upcast_nodes=()) -> str:
+    rows = [("layer", "shape [N, K]", "scheme", "bytes before", "bytes after")]
+    for layer in layers:
+        scheme = layer.scheme or f"skipped: {layer.reason}"
+        rows.append((layer.fqn, "x".join(map(str, layer.shape)), scheme, f"{layer.bytes_before:,}",
+                     f"{layer.bytes_after:,}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    before = sum(layer.bytes_before for layer in layers)
+    after = sum(layer.bytes_after for layer in layers)
+    lines.append(f"linear weights: {before:,} -> {after:,} bytes"
+                 + (f" ({before / after:.2f}x smaller)" if after else ""))
+    if upcast_nodes:
+        lines.append(f"reductions moved to fp32: {', '.join(upcast_nodes)}")
+    return "fxquant report\n" + "\n".join(lines)
