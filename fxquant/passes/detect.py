@@ -15,7 +15,14 @@ import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fxquant.passes.annotations import (
-    LAYER_NORM, LINEAR, META_KEY, RMS_NORM, SOFTMAX, Annotation, aten, target_of,
+    LAYER_NORM,
+    LINEAR,
+    META_KEY,
+    RMS_NORM,
+    SOFTMAX,
+    Annotation,
+    aten,
+    target_of,
 )
 from fxquant.passes.freeze_params import FQN_KEY
 

@@ -53,7 +53,7 @@ class Upcast(PassBase):
                 continue
             with graph.inserting_after(out):
                 back = _cast(graph, out, dtype)
-            out.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+            out.replace_all_uses_with(back, delete_user_cb=lambda user, back=back: user is not back)
             back.meta.update({k: v for k, v in out.meta.items() if k != META_KEY})
             node.meta[UPCAST_KEY] = True
             self.upcast_nodes.append(node.name)
