@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch._dynamo import register_backend
+from torch._dynamo import list_backends, register_backend
 
 from fxquant.config import from_options
 from fxquant.passes import PipelineResult, run_pipeline
@@ -47,7 +47,6 @@ class QuantizedCallable:
         layer.version = layer.source._version
 
 
-@register_backend
 def fxquant(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None):
     """Quantize the graph per `options` (see `fxquant.config.QuantConfig`), then lower it."""
     config = from_options(options)
@@ -61,8 +60,18 @@ def fxquant(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None
     else:
         from torch._inductor.compile_fx import compile_fx
 
+        # The pipeline added buffers dynamo never saw. Without dynamo's source map AOT treats every buffer as a
+        # static input, which is what these frozen weights are (and what CUDA graphs want).
+        if hasattr(result.gm, "_param_name_to_source"):
+            del result.gm._param_name_to_source
         patches = {"triton.cudagraphs": True} if mode == "reduce-overhead" else {}
         if mode in ("max-autotune", "max-autotune-no-cudagraphs"):
             patches.update({"max_autotune": True})
         compiled = compile_fx(result.gm, example_inputs, config_patches=patches)
     return QuantizedCallable(compiled, result, config)
+
+
+# Installed packages name the backend through the `torch_dynamo_backends` entry point, which dynamo loads
+# (and registers) on first use; register here only where no entry point exists (a source checkout).
+if "fxquant" not in list_backends(exclude_tags=()):
+    register_backend(fxquant, name="fxquant")

@@ -1,0 +1,134 @@
+"""Each pass on a tiny dynamo-captured graph: node counts, honest `modified`, untouched nodes, numbers."""
+
+import operator
+
+import torch
+import torch.nn.functional as F
+from models import rel_err, tiny_block
+
+import fxquant.ops  # noqa: F401
+from fxquant.config import QuantConfig
+from fxquant.passes.annotations import annotation
+from fxquant.passes.cleanup import Cleanup
+from fxquant.passes.detect import Detect
+from fxquant.passes.freeze_params import FreezeParams
+from fxquant.passes.fuse_linear import FuseLinear
+from fxquant.passes.quantize_linear import QuantizeLinear
+from fxquant.passes.upcast import Upcast
+
+X = torch.randn(2, 8, 256, dtype=torch.bfloat16)
+
+
+def capture(model, x=X):
+    """The graph and example inputs dynamo hands a backend."""
+    captured = {}
+
+    def backend(gm, example_inputs):
+        captured.update(gm=gm, inputs=example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(x)
+    return captured["gm"], captured["inputs"]
+
+
+def count(gm, target):
+    return sum(1 for n in gm.graph.nodes if n.target is target or (n.op == "call_method" and n.target == target))
+
+
+def frozen(model):
+    gm, inputs = capture(model)
+    FreezeParams(inputs)(gm)
+    return gm, inputs
+
+
+def test_freeze_params_turns_parameters_into_constants():
+    gm, inputs = capture(tiny_block())
+    result = FreezeParams(inputs)(gm)
+    assert result.modified
+    names = {n.meta.get("fxquant_fqn") for n in gm.graph.nodes if n.op == "get_attr"}
+    assert {"q.weight", "up.weight", "down.weight", "lm_head.weight", "norm.weight"} <= names
+    assert all(not n.users for n in gm.graph.nodes if n.op == "placeholder" and n.name != "l_x_")
+    assert not FreezeParams(inputs)(gm).modified
+
+
+def test_detect_finds_every_kind_and_changes_no_code():
+    gm, _ = frozen(tiny_block())
+    code = gm.code
+    result = Detect()(gm)
+    kinds = sorted(a.kind for n in gm.graph.nodes if (a := annotation(n)))
+    assert kinds == ["layer_norm", "linear", "linear", "linear", "linear", "rms_norm", "rms_norm_variance",
+                     "softmax"]
+    assert {a.fqn for n in gm.graph.nodes if (a := annotation(n)) and a.kind == "linear"} == {
+        "q", "up", "down", "lm_head"}
+    assert not result.modified and gm.code == code
+
+
+def test_detect_aten_spellings():
+    model = tiny_block()
+    gm = torch.export.export(model, (X,)).module()
+    FreezeParams(None)(gm)
+    Detect()(gm)
+    kinds = sorted(a.kind for n in gm.graph.nodes if (a := annotation(n)))
+    assert kinds.count("linear") == 4 and "softmax" in kinds and "layer_norm" in kinds
+
+
+def test_upcast_runs_reductions_in_fp32_and_keeps_dtypes():
+    model = tiny_block()
+    gm, inputs = frozen(model)
+    Detect()(gm)
+    result = Upcast()(gm)
+    assert result.modified
+    casts = [n for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default]
+    assert sum(1 for c in casts if c.kwargs["dtype"] == torch.float32) >= 4  # softmax, 3 norms
+    assert not Upcast()(gm).modified
+    out = gm(*inputs)[0]
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, model(X)) < 0.02
+
+
+def test_quantize_then_fuse_counts_and_numbers():
+    model = tiny_block()
+    gm, inputs = frozen(model)
+    Detect()(gm)
+    quantize = QuantizeLinear(QuantConfig(recipe="fp8_block"))
+    assert quantize(gm).modified
+    assert count(gm, torch.ops.fxquant.quantize_fp8.default) == 3  # lm_head skipped by default
+    assert count(gm, torch.ops.fxquant.scaled_mm_fp8.default) == 3
+    assert count(gm, torch._C._nn.linear) == 1  # lm_head untouched
+    assert [layer.fqn for layer in quantize.layers if layer.scheme is None] == ["lm_head"]
+    assert not QuantizeLinear(QuantConfig(recipe="fp8_block"))(gm).modified
+    assert FuseLinear()(gm).modified
+    assert count(gm, torch.ops.fxquant.linear_fp8.default) == 3
+    assert count(gm, torch.ops.fxquant.quantize_fp8.default) == 0 and count(gm, operator.getitem) == 0
+    assert not FuseLinear()(gm).modified
+    Cleanup()(gm)
+    assert rel_err(gm(*inputs)[0], model(X)) < 0.05
+
+
+def test_skip_and_alignment_leave_layers_in_high_precision():
+    gm, _ = frozen(tiny_block())
+    Detect()(gm)
+    quantize = QuantizeLinear(QuantConfig(recipe="int4_wo", skip=(r"^up$",)))
+    quantize(gm)
+    reasons = {layer.fqn: layer.reason for layer in quantize.layers}
+    assert reasons["up"].startswith("skip option") and reasons["lm_head"].startswith("default exclusion")
+    assert reasons["q"] == "" and reasons["down"] == ""
+    assert count(gm, torch.ops.fxquant.linear_weight_only.default) == 2
+
+
+def test_unaligned_layer_is_skipped_with_a_reason():
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(200, 64)
+
+        def forward(self, x):
+            return F.relu(self.fc(x))
+
+    gm, inputs = capture(Odd().to(torch.bfloat16), torch.randn(4, 200, dtype=torch.bfloat16))
+    FreezeParams(inputs)(gm)
+    Detect()(gm)
+    quantize = QuantizeLinear(QuantConfig(recipe="fp8_block"))
+    assert not quantize(gm).modified
+    assert "alignment" in quantize.layers[0].reason

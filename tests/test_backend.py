@@ -1,0 +1,124 @@
+"""End to end: torch.compile(backend="fxquant") on small models, every recipe, shapes, options, weights."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from models import rel_err, tiny_block
+
+import fxquant
+from fxquant.config import RECIPES
+
+X = torch.randn(2, 8, 256, dtype=torch.bfloat16)
+# Output error bound against eager bf16, per recipe: fp8 ~2^-4 per element averages down; 4-bit formats
+# carry ~2^-3 relative weight error.
+BOUNDS = {"fp8_block": 0.03, "fp8_row": 0.03, "fp8_tensor": 0.03, "mxfp8": 0.04, "int8_wo": 0.01,
+          "int4_wo": 0.05, "mxfp4_wo": 0.06, "nvfp4_wo": 0.06}
+
+
+def compiled(model, **options):
+    torch._dynamo.reset()
+    return torch.compile(model, backend="fxquant", fullgraph=True, options={"inner": "eager", **options})
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_every_recipe_stays_close_to_eager(recipe):
+    model = tiny_block()
+    with torch.no_grad():
+        assert rel_err(compiled(model, recipe=recipe)(X), model(X)) < BOUNDS[recipe]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp32_and_fp16_models_keep_their_dtype(dtype):
+    model = tiny_block(dtype)
+    x = X.to(dtype)
+    with torch.no_grad():
+        out = compiled(model)(x)
+    assert out.dtype == dtype and rel_err(out, model(x)) < 0.03
+
+
+def test_inductor_lowering():
+    model = tiny_block()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend="fxquant", options={"recipe": "fp8_row"})(X)
+    assert rel_err(out, model(X)) < 0.03
+
+
+def test_one_compile_serves_every_m():
+    """Dynamo itself specializes dims of size 0 and 1 (decode's seq = 1 gets its own graph); every other
+    batch and sequence length shares one graph: nothing fxquant adds makes a guard."""
+    model = tiny_block()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    fn = torch.compile(model, backend="fxquant", dynamic=True, options={"inner": "eager"})
+    with torch.no_grad():
+        for batch, seq in [(2, 8), (3, 5), (2, 64), (7, 2), (16, 3)]:
+            x = torch.randn(batch, seq, 256, dtype=torch.bfloat16)
+            assert rel_err(fn(x), model(x)) < 0.03
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_report_prints_once_per_compile(capsys):
+    fn = compiled(tiny_block(), report=True)
+    with torch.no_grad():
+        fn(X)
+        fn(X)
+    out = capsys.readouterr().out
+    assert out.count("fxquant report") == 1
+    assert "lm_head" in out and "skipped: default exclusion" in out and "bytes" in out
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_weight_changed_after_compile_is_requantized_with_one_warning(inner):
+    model = tiny_block()
+    fn = compiled(model, recipe="fp8_row", inner=inner)
+    with torch.no_grad():
+        fn(X)
+        model.up.weight.mul_(2.0)
+        model.down.weight.mul_(-1.0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = fn(X)
+            fn(X)
+    assert len([w for w in caught if "re-quantizing" in str(w.message)]) == 1
+    with torch.no_grad():
+        assert rel_err(out, model(X)) < 0.03
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"recipe": "fp7"}, "unknown recipe 'fp7'; valid: fp8_block"),
+    ({"recpie": "fp8_row"}, r"unknown option\(s\) \['recpie'\]; valid options"),
+    ({"inner": "tvm"}, "unknown inner 'tvm'"),
+    ({"skip": ["("]}, "is not a regex"),
+])
+def test_malformed_options_are_clear_errors(options, match):
+    with pytest.raises(Exception, match=match):
+        compiled(tiny_block(), **options)(X)
+
+
+def test_model_without_linear_layers_compiles_unchanged():
+    model = torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.GELU()).to(torch.bfloat16)
+    with torch.no_grad():
+        assert rel_err(compiled(model)(X), model(X)) < 0.01
+
+
+def test_backend_by_name_in_a_process_that_never_imports_fxquant():
+    code = (
+        "import torch\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU()).to(torch.bfloat16)\n"
+        "x = torch.randn(4, 256, dtype=torch.bfloat16)\n"
+        "with torch.no_grad():\n"
+        "    out = torch.compile(m, backend='fxquant', options={'inner': 'eager'})(x)\n"
+        "    err = ((out.float() - m(x).float()).norm() / m(x).float().norm()).item()\n"
+        "import sys; assert 'fxquant' in sys.modules and err < 0.05, err\n"
+        "print('ok', err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+def test_quantize_api_is_exported():
+    assert set(fxquant.__all__) >= {"quantize", "dequantize", "export", "QuantConfig", "backend"}
