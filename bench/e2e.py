@@ -1,0 +1,63 @@
+"""End to end on the GPU: a 4-layer Llama (hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 32000)
+from config, bf16, random weights. Eager, Inductor bf16 and fxquant recipes; first-compile time and latency.
+
+Run: PYTHONPATH=. python bench/e2e.py [recipe ...]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import triton.testing
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import fxquant  # noqa: F401  (registers the backend)
+from bench.common import header, table
+
+SHAPES = {"prefill 1x2048": (1, 2048), "decode B16x1": (16, 1), "decode B64x1": (64, 1)}
+
+
+def build():
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                         num_hidden_layers=4, vocab_size=32000)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def main():
+    print(header())
+    model = build()
+    recipes = sys.argv[1:] or ["fp8_block", "fp8_row", "int4_wo"]
+    paths = {"eager": model, "inductor bf16": None, **{f"fxquant {r}": r for r in recipes}}
+    inputs = {name: torch.randint(0, 32000, shape, device="cuda") for name, shape in SHAPES.items()}
+    rows = []
+    with torch.no_grad():
+        reference = {name: model(ids, use_cache=False).logits.float() for name, ids in inputs.items()}
+        for path, recipe in paths.items():
+            torch._dynamo.reset()
+            if path == "eager":
+                fn = model
+            elif recipe is None:
+                fn = torch.compile(model)
+            else:
+                fn = torch.compile(model, backend="fxquant", options={"recipe": recipe})
+            for name, ids in inputs.items():
+                start = time.perf_counter()
+                logits = fn(ids, use_cache=False).logits.float()
+                torch.cuda.synchronize()
+                first = time.perf_counter() - start
+                ms = triton.testing.do_bench(lambda fn=fn, ids=ids: fn(ids, use_cache=False), warmup=25, rep=200,
+                                             return_mode="median")
+                ref = reference[name]
+                err = float((logits - ref).norm() / ref.norm())
+                rows.append({"path": path, "shape": name, "ms": f"{ms:.2f}", "first call s": f"{first:.1f}",
+                             "logits rel err": f"{err:.4f}"})
+                print(rows[-1], flush=True)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
