@@ -1,7 +1,7 @@
 """End to end on the GPU: a 4-layer Llama (hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 32000)
 from config, bf16, random weights. Eager, Inductor bf16 and fxquant recipes; first-compile time and latency.
 
-Run: PYTHONPATH=. python bench/e2e.py [recipe ...]
+Run: PYTHONPATH=. python bench/e2e.py [--reduce-overhead] [recipe ...]
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ def build():
 def main():
     print(header())
     model = build()
-    recipes = sys.argv[1:] or ["fp8_block", "fp8_row", "int4_wo"]
+    mode = "reduce-overhead" if "--reduce-overhead" in sys.argv else None
+    recipes = [a for a in sys.argv[1:] if not a.startswith("--")] or ["fp8_block", "fp8_row", "int4_wo"]
+    print("mode:", mode or "default")
     paths = {"eager": model, "inductor bf16": None, **{f"fxquant {r}": r for r in recipes}}
     inputs = {name: torch.randint(0, 32000, shape, device="cuda") for name, shape in SHAPES.items()}
     rows = []
@@ -41,9 +43,9 @@ def main():
             if path == "eager":
                 fn = model
             elif recipe is None:
-                fn = torch.compile(model)
+                fn = torch.compile(model, mode=mode)
             else:
-                fn = torch.compile(model, backend="fxquant", options={"recipe": recipe})
+                fn = torch.compile(model, backend="fxquant", mode=mode, options={"recipe": recipe})
             for name, ids in inputs.items():
                 start = time.perf_counter()
                 logits = fn(ids, use_cache=False).logits.float()

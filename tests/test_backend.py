@@ -105,6 +105,13 @@ def test_model_without_linear_layers_compiles_unchanged():
         assert rel_err(compiled(model)(X), model(X)) < 0.01
 
 
+def _entry_point_installed() -> bool:
+    from importlib.metadata import entry_points
+
+    return any(ep.name == "fxquant" for ep in entry_points(group="torch_dynamo_backends"))
+
+
+@pytest.mark.skipif(not _entry_point_installed(), reason="needs `pip install` (the torch_dynamo_backends entry point)")
 def test_backend_by_name_in_a_process_that_never_imports_fxquant():
     code = (
         "import torch\n"
