@@ -45,7 +45,7 @@ def main():
             elif recipe is None:
                 fn = torch.compile(model, mode=mode)
             else:
-                fn = torch.compile(model, backend="fxquant", mode=mode, options={"recipe": recipe})
+                fn = torch.compile(model, backend="fxquant", options={"recipe": recipe, "mode": mode})
             for name, ids in inputs.items():
                 start = time.perf_counter()
                 logits = fn(ids, use_cache=False).logits.float()

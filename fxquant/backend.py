@@ -7,12 +7,10 @@ import warnings
 import torch
 from torch._dynamo import list_backends, register_backend
 
-from fxquant.config import from_options
+from fxquant.config import MODES, from_options
 from fxquant.passes import PipelineResult, run_pipeline
 from fxquant.passes.quantize_linear import quantize_weight
 from fxquant.report import format_report
-
-MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 class QuantizedCallable:
@@ -50,6 +48,7 @@ class QuantizedCallable:
 def fxquant(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None):
     """Quantize the graph per `options` (see `fxquant.config.QuantConfig`), then lower it."""
     config = from_options(options)
+    mode = mode or config.mode  # torch.compile(mode=...) or options={"mode": ...}
     if mode not in MODES:
         raise ValueError(f"fxquant: unknown mode {mode!r}; valid: {', '.join(map(str, MODES))}")
     result = run_pipeline(gm, config, example_inputs)

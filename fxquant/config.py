@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass, field, fields
 
 INNERS = ("inductor", "eager")
+# torch.compile refuses mode= together with options=, so the inner Inductor's mode also travels as an option.
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # lm_head feeds a 100k-way softmax and MoE routers pick experts: both stay in high precision by default.
 DEFAULT_SKIP = (r"(^|\.)lm_head$", r"(^|\.)router$", r"\.gate$")
 
@@ -52,12 +54,15 @@ class QuantConfig:
     skip: tuple[str, ...] = ()  # regexes on fully qualified names, added to DEFAULT_SKIP
     include: tuple[str, ...] = ()  # if given, only matching names are quantized
     inner: str = "inductor"
+    mode: str | None = None
     report: bool = False
     default_skip: tuple[str, ...] = field(default=DEFAULT_SKIP)
 
     def __post_init__(self):
         if self.recipe not in RECIPES:
             raise ValueError(f"fxquant: unknown recipe {self.recipe!r}; valid: {', '.join(RECIPES)}")
+        if self.mode not in MODES:
+            raise ValueError(f"fxquant: unknown mode {self.mode!r}; valid: {', '.join(map(str, MODES))}")
         if self.inner not in INNERS:
             raise ValueError(f"fxquant: unknown inner {self.inner!r}; valid: {', '.join(INNERS)}")
         for pattern in (*self.skip, *self.include):

@@ -92,6 +92,7 @@ def test_weight_changed_after_compile_is_requantized_with_one_warning(inner):
     ({"recipe": "fp7"}, "unknown recipe 'fp7'; valid: fp8_block"),
     ({"recpie": "fp8_row"}, r"unknown option\(s\) \['recpie'\]; valid options"),
     ({"inner": "tvm"}, "unknown inner 'tvm'"),
+    ({"mode": "fast"}, "unknown mode 'fast'"),
     ({"skip": ["("]}, "is not a regex"),
 ])
 def test_malformed_options_are_clear_errors(options, match):
