@@ -27,8 +27,9 @@ def quantize(x: torch.Tensor, fmt: str, granularity=None, *, scale=None, scale_m
     """
     if impl not in IMPLS:
         raise ValueError(f"fxquant: unknown impl {impl!r}; valid: {', '.join(IMPLS)}")
-    kernel = _triton_quantize(x, fmt, granularity, scale) if impl != "reference" else None
-    if impl == "triton" or (impl == "auto" and x.is_cuda and kernel is not None):
+    wants_kernel = impl == "triton" or (impl == "auto" and x.is_cuda)
+    kernel = _triton_quantize(x, fmt, granularity, scale) if wants_kernel else None
+    if impl == "triton" or kernel is not None:
         if kernel is None:
             raise NotImplementedError(
                 f"fxquant: no Triton quantize kernel for {fmt} with granularity {granularity!r}; kernels exist "
