@@ -20,7 +20,7 @@ import triton.language as tl
 
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 
-SCALE_BLOCK = 128
+SCALE_BLOCK = 128  # the 1x128 / 128x128 scale block
 TORCH_TO_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -34,7 +34,7 @@ def _fp8_gemm_kernel(
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bsn, stride_bsk,
     # meta-parameters
-    BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Grouped ordering: GROUP_M row-tiles share each B column-tile while it is hot in L2.
@@ -59,9 +59,9 @@ def _fp8_gemm_kernel(
         a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)  # [BM, BK]
         b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < k_left), other=0.0)  # [BK, BN]
         if BLOCK_SCALES:
-            # BLOCK_K == 128: one activation scale per row and one weight scale per tile at this K step.
+            # BLOCK_K == SCALE_BLOCK: one activation scale per row and one weight scale per tile at this K step.
             a_s = tl.load(a_scale_ptr + offs_m * stride_asm + k * stride_ask, mask=mask_m, other=0.0)
-            b_s = tl.load(b_scale_ptr + (pid_n * BLOCK_N // 128) * stride_bsn + k * stride_bsk)
+            b_s = tl.load(b_scale_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn + k * stride_bsk)
             acc += tl.dot(a, b) * (a_s[:, None] * b_s)
         else:
             # A fresh dot per K step, added in fp32: Hopper's fp8 MMA accumulates with a short mantissa,
@@ -98,7 +98,8 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
                          f"got {tuple(a.shape)} {a.dtype} and {tuple(b.shape)} {b.dtype}")
     block_scales = is_block_scaled(a_scale, b_scale, N)
     if block_scales:
-        want_a, want_b = (M, triton.cdiv(K, 128)), (triton.cdiv(N, 128), triton.cdiv(K, 128))
+        kb = triton.cdiv(K, SCALE_BLOCK)
+        want_a, want_b = (M, kb), (triton.cdiv(N, SCALE_BLOCK), kb)
         if tuple(a_scale.shape) != want_a or tuple(b_scale.shape) != want_b:
             raise ValueError(f"fxquant: block-scaled fp8 GEMM needs a_scale {want_a} and b_scale {want_b}, got "
                              f"{tuple(a_scale.shape)} and {tuple(b_scale.shape)}")
@@ -112,13 +113,17 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
     if M == 0 or N == 0:
         return out
     cfg = config or fp8_gemm_config(M, N, K, block_scales)
+    if block_scales and (cfg["BLOCK_K"] != SCALE_BLOCK or SCALE_BLOCK % cfg["BLOCK_N"]):
+        # One activation scale per K step and one weight scale per tile: any other tiling reads wrong scales.
+        raise ValueError(f"fxquant: block-scaled fp8 GEMM needs BLOCK_K == {SCALE_BLOCK} and BLOCK_N dividing "
+                         f"{SCALE_BLOCK}, got BLOCK_K={cfg['BLOCK_K']} BLOCK_N={cfg['BLOCK_N']}")
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     _fp8_gemm_kernel[grid](
         a, b, out, a_scale, b_scale, bias if bias is not None else out,
         M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         asm, ask, bsn, bsk,
-        BLOCK_SCALES=block_scales, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
+        BLOCK_SCALES=block_scales, SCALE_BLOCK=SCALE_BLOCK, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

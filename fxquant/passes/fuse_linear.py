@@ -1,8 +1,8 @@
 """fuse_linear: quantize_fp8 -> scaled_mm_fp8 becomes one fxquant.linear_fp8 op.
 
 Pre:  quantize_linear has run. Post: where a quantized activation feeds only its GEMM, the pair is one op,
-which the backend can serve with one fused kernel (activation quantization inside the GEMM) and which
-Inductor sees as a single node.
+which Inductor sees as a single node and which a fused kernel (activation quantization inside the GEMM) can
+serve without another graph change; today linear_fp8 runs the two kernels back to back.
 
     %q = quantize_fp8(%x, 128); %a = getitem(%q, 0); %s = getitem(%q, 1)
     %y = scaled_mm_fp8(%a, %s, %w_q, %w_s, %b, bf16)                  ->  %y = linear_fp8(%x, %w_q, %w_s, %b, 128)

@@ -57,3 +57,7 @@ def test_empty_m_and_bad_shapes():
     assert out.shape == (0, 128)
     with pytest.raises(ValueError, match="needs a"):
         fp8_scaled_mm(qa.data, qa.scale, qw.data[:, :64], qw.scale, None, torch.bfloat16)
+    qa, qw = operands(4, 256, 256, "block")
+    wide = dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="BLOCK_N dividing 128"):
+        fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, None, torch.bfloat16, wide)
