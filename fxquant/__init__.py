@@ -6,9 +6,10 @@ from fxquant.config import RECIPES, QuantConfig, from_options
 from fxquant.export import export
 from fxquant.formats import FORMATS, FloatFormat, IntFormat
 from fxquant.granularity import Granularity
+from fxquant.inspect import InspectReport, inspect
 from fxquant.quantized import Quantized
 
 __all__ = [
-    "FORMATS", "RECIPES", "FloatFormat", "Granularity", "IntFormat", "QuantConfig", "Quantized", "backend",
-    "dequantize", "export", "from_options", "quantize",
+    "FORMATS", "RECIPES", "FloatFormat", "Granularity", "InspectReport", "IntFormat", "QuantConfig", "Quantized",
+    "backend", "dequantize", "export", "from_options", "inspect", "quantize",
 ]

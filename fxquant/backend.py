@@ -36,7 +36,7 @@ class QuantizedCallable:
             warnings.warn(f"fxquant: weight of {layer.fqn} changed after compile; re-quantizing it "
                           "(this warning shows once per compile)", stacklevel=3)
             self.warned = True
-        q = quantize_weight(layer.source, self.config)
+        q = quantize_weight(layer.source, layer.recipe)
         fresh = (q.data, q.scale, q.global_scale, q.zero_point)
         with torch.no_grad():
             for name, tensor in zip(layer.buffers, fresh, strict=True):

@@ -46,11 +46,18 @@ RECIPES = {
     "int8_wo": LinearScheme("weight_only", "int8", "channel"),
     "int4_wo": LinearScheme("weight_only", "int4", ("group", 128), k_multiple=128),
 }
+AUTO = "auto"
+KEEP = "none"  # in layer_recipes: keep this layer in high precision
+# recipe="auto" tries these per layer and keeps the first that meets min_sqnr_db: fewest weight bytes first
+# (4.25, 4.5, 4.5 bits), then 8-bit schemes, fp8 GEMMs before int8 weight-only, which reads bf16 activations.
+AUTO_LADDER = ("mxfp4_wo", "nvfp4_wo", "int4_wo", "fp8_row", "fp8_block", "fp8_tensor", "int8_wo")
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    recipe: str = "fp8_block"
+    recipe: str = "fp8_block"  # a key of RECIPES, or "auto" (measured per layer on sample inputs)
+    layer_recipes: tuple[tuple[str, str], ...] = ()  # (regex on fully qualified name, recipe): first match wins
+    min_sqnr_db: float = 30.0  # recipe="auto": the output SQNR floor each layer's scheme must meet
     skip: tuple[str, ...] = ()  # regexes on fully qualified names, added to DEFAULT_SKIP
     include: tuple[str, ...] = ()  # if given, only matching names are quantized
     inner: str = "inductor"
@@ -59,21 +66,37 @@ class QuantConfig:
     default_skip: tuple[str, ...] = field(default=DEFAULT_SKIP)
 
     def __post_init__(self):
-        if self.recipe not in RECIPES:
-            raise ValueError(f"fxquant: unknown recipe {self.recipe!r}; valid: {', '.join(RECIPES)}")
+        if self.recipe not in RECIPES and self.recipe != AUTO:
+            raise ValueError(f"fxquant: unknown recipe {self.recipe!r}; valid: {', '.join(RECIPES)}, {AUTO}")
+        for pattern, recipe in self.layer_recipes:
+            if recipe not in RECIPES and recipe != KEEP:
+                raise ValueError(f"fxquant: layer_recipes maps {pattern!r} to unknown recipe {recipe!r}; "
+                                 f"valid: {', '.join(RECIPES)}, {KEEP}")
+        if not isinstance(self.min_sqnr_db, int | float):
+            raise ValueError(f"fxquant: min_sqnr_db must be a number of dB, got {self.min_sqnr_db!r}")
         if self.mode not in MODES:
             raise ValueError(f"fxquant: unknown mode {self.mode!r}; valid: {', '.join(map(str, MODES))}")
         if self.inner not in INNERS:
             raise ValueError(f"fxquant: unknown inner {self.inner!r}; valid: {', '.join(INNERS)}")
-        for pattern in (*self.skip, *self.include):
+        for pattern in (*self.skip, *self.include, *(p for p, _ in self.layer_recipes)):
             try:
                 re.compile(pattern)
             except re.error as exc:
                 raise ValueError(f"fxquant: skip/include pattern {pattern!r} is not a regex: {exc}") from exc
 
-    @property
-    def scheme(self) -> LinearScheme:
-        return RECIPES[self.recipe]
+    def layer_recipe(self, fqn: str | None) -> str | None:
+        """The first layer_recipes entry matching `fqn`, or None."""
+        return next((recipe for pattern, recipe in self.layer_recipes if re.search(pattern, fqn or "")), None)
+
+    def recipe_for(self, fqn: str | None) -> str:
+        """The recipe that quantizes layer `fqn`: its layer_recipes entry, else `recipe`."""
+        pinned = self.layer_recipe(fqn)
+        if pinned is not None:
+            return pinned
+        if self.recipe == AUTO:
+            raise ValueError(f"fxquant: layer {fqn!r} has no measured recipe; recipe='auto' needs sample inputs "
+                             "(torch.compile and fxquant.export pass them; use fxquant.inspect otherwise)")
+        return self.recipe
 
     def skip_reason(self, fqn: str | None) -> str | None:
         """Why the layer `fqn` stays unquantized by name, or None."""
@@ -102,4 +125,7 @@ def from_options(options: dict | QuantConfig | None) -> QuantConfig:
         if key in options:
             value = options[key]
             options[key] = (value,) if isinstance(value, str) else tuple(value)
+    if "layer_recipes" in options:
+        value = options["layer_recipes"]
+        options["layer_recipes"] = tuple((value if isinstance(value, dict) else dict(value)).items())
     return QuantConfig(**options)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from fxquant.config import RECIPES
+
 
 def format_report(layers, upcast_nodes=()) -> str:
     rows = [("layer", "shape [N, K]", "scheme", "bytes before", "bytes after")]
     for layer in layers:
-        scheme = layer.scheme or f"skipped: {layer.reason}"
+        scheme = f"{layer.recipe} ({RECIPES[layer.recipe]})" if layer.recipe else f"skipped: {layer.reason}"
         rows.append((layer.fqn, "x".join(map(str, layer.shape)), scheme, f"{layer.bytes_before:,}",
                      f"{layer.bytes_after:,}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

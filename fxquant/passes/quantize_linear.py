@@ -20,7 +20,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant import reference as R
-from fxquant.config import QuantConfig
+from fxquant.config import KEEP, RECIPES, LinearScheme, QuantConfig
 from fxquant.passes.annotations import annotation, node_dtype
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -33,7 +33,7 @@ class LayerRecord:
 
     fqn: str
     shape: tuple[int, int]
-    scheme: str | None  # None: skipped
+    recipe: str | None  # None: skipped
     reason: str  # why skipped, or ""
     bytes_before: int
     bytes_after: int
@@ -42,24 +42,40 @@ class LayerRecord:
     buffers: tuple[str, ...] = ()
 
 
-def quantize_weight(w: torch.Tensor, config: QuantConfig):
+def quantize_weight(w: torch.Tensor, recipe: str):
     """The recipe's quantized weight (codes, scale, global scale, zero point in one Quantized)."""
-    return R.quantize(w.detach(), config.scheme.weight_fmt, config.scheme.weight_granularity)
+    scheme = RECIPES[recipe]
+    return R.quantize(w.detach(), scheme.weight_fmt, scheme.weight_granularity)
 
 
-def _skip_reason(w, fqn, config: QuantConfig) -> str | None:
+def weight_skip_reason(w) -> str | None:
+    """Why no recipe can take this weight, or None."""
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
         return "weight is not a constant 2-D tensor"
     if w.dtype not in FLOAT_DTYPES:
         return f"weight dtype {w.dtype} is not a float"
-    by_name = config.skip_reason(fqn)
-    if by_name:
-        return by_name
-    n, k = w.shape
-    s = config.scheme
-    if k % s.k_multiple or n % s.n_multiple:
-        return f"alignment: needs K % {s.k_multiple} == 0 and N % {s.n_multiple} == 0, has [N={n}, K={k}]"
     return None
+
+
+def alignment_reason(shape, scheme: LinearScheme) -> str | None:
+    n, k = shape
+    if k % scheme.k_multiple or n % scheme.n_multiple:
+        return (f"alignment: needs K % {scheme.k_multiple} == 0 and N % {scheme.n_multiple} == 0, "
+                f"has [N={n}, K={k}]")
+    return None
+
+
+def skip_reason(w, fqn, config: QuantConfig) -> str | None:
+    """Why layer fqn stays in high precision under config, or None."""
+    reason = weight_skip_reason(w) or config.skip_reason(fqn)
+    if reason:
+        return reason
+    recipe = config.recipe_for(fqn)
+    return "layer_recipes keeps it in high precision" if recipe == KEEP else alignment_reason(w.shape, RECIPES[recipe])
+
+
+def linear_fqn(node: torch.fx.Node) -> str:
+    return annotation(node).fqn or node.name
 
 
 class QuantizeLinear(PassBase):
@@ -76,49 +92,51 @@ class QuantizeLinear(PassBase):
                 continue
             x, w_node = node.args[0], node.args[1]
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-            w = _fetch(gm, w_node)
-            fqn = found.fqn or node.name
-            reason = _skip_reason(w, fqn, self.config)
+            w = fetch_attr(gm, w_node)
+            fqn = linear_fqn(node)
+            reason = skip_reason(w, fqn, self.config)
             shape = tuple(w.shape) if isinstance(w, torch.Tensor) else ()
             before = w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0
             node.meta[QUANTIZED_KEY] = True
             if reason:
                 self.layers.append(LayerRecord(fqn, shape, None, reason, before, before))
                 continue
-            q = quantize_weight(w, self.config)
+            recipe = self.config.recipe_for(fqn)
+            q = quantize_weight(w, recipe)
             names = _register(gm, fqn, q)
             with gm.graph.inserting_before(node):
                 consts = [gm.graph.get_attr(n) if n else None for n in names]
-                out = self._rewrite(gm.graph, x, consts, bias, shape, node_dtype(node) or w.dtype)
+                out = emit_linear(gm.graph, RECIPES[recipe], x, consts, bias, shape, node_dtype(node) or w.dtype)
             out.meta.update(node.meta)
             node.replace_all_uses_with(out)
             gm.graph.erase_node(node)
-            self.layers.append(LayerRecord(fqn, shape, str(self.config.scheme), "", before, q.nbytes,
-                                           w, w._version, tuple(names)))
+            self.layers.append(LayerRecord(fqn, shape, recipe, "", before, q.nbytes, w, w._version, tuple(names)))
             modified = True
         if modified:
             gm.graph.lint()
             gm.recompile()
         return PassResult(gm, modified)
 
-    def _rewrite(self, graph, x, consts, bias, shape, out_dtype):
-        s = self.config.scheme
-        data, scale, global_scale, zero_point = consts
-        if s.kind == "fp8":
-            q = graph.call_function(torch.ops.fxquant.quantize_fp8.default, (x, s.act_group))
-            a = graph.call_function(operator.getitem, (q, 0))
-            a_scale = graph.call_function(operator.getitem, (q, 1))
-            return graph.call_function(torch.ops.fxquant.scaled_mm_fp8.default,
-                                       (a, a_scale, data, scale, bias, out_dtype))
-        if s.kind == "mxfp8":
-            return graph.call_function(torch.ops.fxquant.linear_mxfp8.default, (x, data, scale, bias))
-        group = s.weight_granularity[1] if isinstance(s.weight_granularity, tuple) else {
-            "mxfp4": R.MX_BLOCK, "nvfp4": R.NVFP4_BLOCK}.get(s.weight_fmt, 0)
-        return graph.call_function(torch.ops.fxquant.linear_weight_only.default,
-                                   (x, data, scale, global_scale, zero_point, bias, s.weight_fmt, group, shape[0]))
+
+def emit_linear(graph, s: LinearScheme, x, consts, bias, shape, out_dtype):
+    """The fxquant ops that compute linear(x, w, bias) from the quantized weight's (data, scale, global scale,
+    zero point) nodes; the one place that says which op serves which scheme."""
+    data, scale, global_scale, zero_point = consts
+    if s.kind == "fp8":
+        q = graph.call_function(torch.ops.fxquant.quantize_fp8.default, (x, s.act_group))
+        a = graph.call_function(operator.getitem, (q, 0))
+        a_scale = graph.call_function(operator.getitem, (q, 1))
+        return graph.call_function(torch.ops.fxquant.scaled_mm_fp8.default,
+                                   (a, a_scale, data, scale, bias, out_dtype))
+    if s.kind == "mxfp8":
+        return graph.call_function(torch.ops.fxquant.linear_mxfp8.default, (x, data, scale, bias))
+    group = s.weight_granularity[1] if isinstance(s.weight_granularity, tuple) else {
+        "mxfp4": R.MX_BLOCK, "nvfp4": R.NVFP4_BLOCK}.get(s.weight_fmt, 0)
+    return graph.call_function(torch.ops.fxquant.linear_weight_only.default,
+                               (x, data, scale, global_scale, zero_point, bias, s.weight_fmt, group, shape[0]))
 
 
-def _fetch(gm, node):
+def fetch_attr(gm, node):
     if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
         return None
     value = gm

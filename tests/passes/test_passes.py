@@ -96,7 +96,7 @@ def test_quantize_then_fuse_counts_and_numbers():
     assert count(gm, torch.ops.fxquant.quantize_fp8.default) == 3  # lm_head skipped by default
     assert count(gm, torch.ops.fxquant.scaled_mm_fp8.default) == 3
     assert count(gm, torch._C._nn.linear) == 1  # lm_head untouched
-    assert [layer.fqn for layer in quantize.layers if layer.scheme is None] == ["lm_head"]
+    assert [layer.fqn for layer in quantize.layers if layer.recipe is None] == ["lm_head"]
     assert not QuantizeLinear(QuantConfig(recipe="fp8_block"))(gm).modified
     assert FuseLinear()(gm).modified
     assert count(gm, torch.ops.fxquant.linear_fp8.default) == 3

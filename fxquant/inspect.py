@@ -1,0 +1,64 @@
+"""`fxquant.inspect`: what a recipe does to each linear layer of a model, measured on sample inputs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fxquant.config import QuantConfig, from_options
+from fxquant.measure import LayerError, measure_graph, resolve_auto
+from fxquant.passes import prepare
+
+
+@dataclass
+class InspectReport:
+    """Per-layer SQNRs (dB) of the recipe, and the config that reproduces the choices (recipe="auto")."""
+
+    layers: list[LayerError]
+    config: QuantConfig
+
+    def table(self) -> str:
+        rows = [("layer", "shape [N, K]", "recipe", "weight SQNR", "act SQNR", "output SQNR")]
+        for m in self.layers:
+            rows.append((m.fqn, "x".join(map(str, m.shape)), m.recipe or f"skipped: {m.reason}",
+                         _db(m.weight_sqnr), _db(m.act_sqnr), _db(m.out_sqnr)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+        return "fxquant inspect (SQNR in dB against an fp32 shadow of each layer)\n" + "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _db(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return "exact" if math.isinf(value) else f"{value:.1f}"
+
+
+def inspect(model: torch.nn.Module, example_inputs, config: QuantConfig | dict | None = None, *,
+            verbose: bool = False) -> InspectReport:
+    """Run `model` once on `example_inputs` (a tuple of positional arguments) and measure, per quantizable
+    linear layer, the weight, activation and output SQNR of the recipe against an fp32 shadow of that layer.
+
+    `config` is a QuantConfig or the backend's options dict. With recipe="auto" each layer gets the cheapest
+    recipe whose output SQNR meets `min_sqnr_db`; pass the returned `report.config` to torch.compile's
+    `options=` or to `fxquant.export` to quantize with those choices.
+    """
+    config = from_options(config)
+    layers: list[LayerError] = []
+
+    def capture(gm, inputs):
+        gm, _ = prepare(gm, inputs)
+        layers.extend(measure_graph(gm, inputs, config))
+        return gm.forward
+
+    args = example_inputs if isinstance(example_inputs, tuple | list) else (example_inputs,)
+    with torch.no_grad():
+        torch.compile(model, backend=capture)(*args)
+    report = InspectReport(layers, resolve_auto(config, layers))
+    if verbose:
+        print(report.table())
+    return report

@@ -1,0 +1,147 @@
+"""Per-layer error of a recipe on real inputs: weight, activation and output SQNR against an fp32 shadow.
+
+Serves `fxquant.inspect` and recipe="auto". The quantized output is computed by the same fxquant ops the
+quantize pass inserts (through `emit_linear`), so what is measured is what runs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from fxquant import reference as R
+from fxquant.config import AUTO, AUTO_LADDER, KEEP, RECIPES, QuantConfig
+from fxquant.passes.annotations import annotation, node_dtype
+from fxquant.passes.quantize_linear import (
+    alignment_reason,
+    emit_linear,
+    fetch_attr,
+    linear_fqn,
+    quantize_weight,
+    skip_reason,
+    weight_skip_reason,
+)
+
+
+@dataclass(frozen=True)
+class LayerError:
+    """One linear layer under one recipe; SQNRs in dB (inf: exact; None: not applicable or not measured)."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    recipe: str | None  # None: skipped
+    reason: str = ""  # why skipped
+    weight_sqnr: float | None = None
+    act_sqnr: float | None = None
+    out_sqnr: float | None = None
+    chosen_by_auto: bool = False  # recipe="auto" picked this recipe (or, with recipe None, found none)
+
+
+def sqnr_db(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    """10 log10(|exact|^2 / |approx - exact|^2), in fp64; NaN when either side is not finite."""
+    exact, approx = exact.detach().double(), approx.detach().double()
+    noise = (approx - exact).pow(2).sum()
+    signal = exact.pow(2).sum()
+    if not (torch.isfinite(noise) and torch.isfinite(signal)):
+        return math.nan
+    return math.inf if noise == 0 else float(10 * torch.log10(signal / noise))
+
+
+def for_each_linear(gm: torch.fx.GraphModule, example_inputs, fn: Callable) -> None:
+    """Run gm on real inputs and call fn(node, x, weight, bias) at every annotated linear with a constant weight."""
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, node):
+            found = annotation(node)
+            if found is not None and found.kind == "linear" and node.op == "call_function":
+                args, kwargs = self.fetch_args_kwargs_from_env(node)
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                w = fetch_attr(gm, node.args[1])
+                if isinstance(w, torch.Tensor):
+                    fn(node, args[0], w, bias)
+            return super().run_node(node)
+
+    with torch.no_grad():
+        Recorder(gm).run(*example_inputs)
+
+
+def quantized_linear(w: torch.Tensor, bias: torch.Tensor | None, recipe: str, out_dtype) -> torch.fx.GraphModule:
+    """linear(x, w, bias) under `recipe`, as the quantize pass would emit it, in a one-layer graph module."""
+    root, graph = torch.nn.Module(), torch.fx.Graph()
+    x = graph.placeholder("x")
+    q = quantize_weight(w, recipe)
+    consts = []
+    for name, tensor in (("data", q.data), ("scale", q.scale), ("global_scale", q.global_scale),
+                         ("zero_point", q.zero_point), ("bias", bias)):
+        if tensor is not None:
+            root.register_buffer(name, tensor)
+        consts.append(graph.get_attr(name) if tensor is not None else None)
+    out = emit_linear(graph, RECIPES[recipe], x, consts[:4], consts[4], tuple(w.shape), out_dtype)
+    graph.output(out)
+    return torch.fx.GraphModule(root, graph)
+
+
+def _act_sqnr(x: torch.Tensor, recipe: str) -> float | None:
+    scheme = RECIPES[recipe]
+    if scheme.kind == "weight_only":
+        return None
+    if scheme.kind == "mxfp8":
+        return sqnr_db(R.dequantize(R.quantize(x, "mxfp8"), torch.float32), x)
+    group = scheme.act_group
+    granularity = "tensor" if group < 0 else "token" if group == 0 else ("group", group)
+    return sqnr_db(R.dequantize(R.quantize(x, "fp8_e4m3", granularity), torch.float32), x)
+
+
+def measure(fqn: str, x: torch.Tensor, w: torch.Tensor, bias, recipe: str, out_dtype) -> LayerError:
+    """The three SQNRs of one layer under `recipe`, on the input x it saw."""
+    q = quantize_weight(w, recipe)
+    w_sqnr = sqnr_db(R.dequantize(q, torch.float32), w)
+    # The shadow: the same layer in fp32 on the same input, so only this layer's quantization is measured.
+    shadow = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    out = quantized_linear(w, bias, recipe, out_dtype)(x)
+    return LayerError(fqn, tuple(w.shape), recipe, "", w_sqnr, _act_sqnr(x, recipe), sqnr_db(out, shadow))
+
+
+def measure_graph(gm: torch.fx.GraphModule, example_inputs, config: QuantConfig) -> list[LayerError]:
+    """Every linear in gm under the recipe config gives it; recipe="auto" layers get their cheapest recipe that
+    meets config.min_sqnr_db (or none, with the best recipe's numbers in the reason)."""
+    found: list[LayerError] = []
+
+    def visit(node, x, w, bias):
+        fqn, shape, out_dtype = linear_fqn(node), tuple(w.shape), node_dtype(node) or x.dtype
+        unpinned = config.recipe == AUTO and config.layer_recipe(fqn) is None
+        if unpinned and not (weight_skip_reason(w) or config.skip_reason(fqn)):
+            found.append(_choose(fqn, x, w, bias, config.min_sqnr_db, out_dtype))
+            return
+        reason = skip_reason(w, fqn, config)
+        found.append(LayerError(fqn, shape, None, reason) if reason else
+                     measure(fqn, x, w, bias, config.recipe_for(fqn), out_dtype))
+
+    for_each_linear(gm, example_inputs, visit)
+    return found
+
+
+def _choose(fqn, x, w, bias, floor_db: float, out_dtype) -> LayerError:
+    best = None
+    for recipe in AUTO_LADDER:
+        if alignment_reason(w.shape, RECIPES[recipe]):
+            continue
+        result = measure(fqn, x, w, bias, recipe, out_dtype)
+        if result.out_sqnr >= floor_db:
+            return replace(result, chosen_by_auto=True)
+        if best is None or result.out_sqnr > best.out_sqnr:
+            best = result
+    why = f"auto: no recipe reaches {floor_db:g} dB" + (
+        f" (best {best.recipe} at {best.out_sqnr:.1f} dB)" if best is not None else " that fits the shape")
+    return LayerError(fqn, tuple(w.shape), None, why, chosen_by_auto=True)
+
+
+def resolve_auto(config: QuantConfig, measured: list[LayerError]) -> QuantConfig:
+    """config with each measured auto layer pinned to its chosen recipe (KEEP where none qualified)."""
+    pinned = tuple((f"^{re.escape(m.fqn)}$", m.recipe or KEEP) for m in measured if m.chosen_by_auto)
+    return replace(config, layer_recipes=config.layer_recipes + pinned)
