@@ -52,8 +52,9 @@ def fxquant(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None
     if mode not in MODES:
         raise ValueError(f"fxquant: unknown mode {mode!r}; valid: {', '.join(map(str, MODES))}")
     result = run_pipeline(gm, config, example_inputs)
+    result.warn()
     if config.report:
-        print(format_report(result.layers, result.upcast))
+        print(format_report(result.layers, result.findings))
     if config.inner == "eager":
         compiled = result.gm.forward
     else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fxquant.config import AUTO, QuantConfig, from_options
+from fxquant.config import QuantConfig, from_options
 from fxquant.passes import run_pipeline
 
 
@@ -17,9 +17,10 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, c
     """
     config = from_options(config)
     gm = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes).module()
-    # The exported module's placeholders are the flattened user inputs; auto measures the layers on them.
+    # The exported module's placeholders are the flattened user inputs: the lint and recipe="auto" run on them.
     inputs = torch.utils._pytree.tree_leaves((args, kwargs or {}))
-    result = run_pipeline(gm, config, inputs if config.recipe == AUTO else None)
+    result = run_pipeline(gm, config, inputs)
+    result.warn()
     _drop_unused_attributes(result.gm)
     return torch.export.export(result.gm, args, kwargs, dynamic_shapes=dynamic_shapes)
 

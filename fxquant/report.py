@@ -1,11 +1,11 @@
-"""The per-layer report: name, shape, scheme or why skipped, and bytes before and after."""
+"""The per-layer report: name, shape, scheme or why skipped, bytes before and after, and the lint's findings."""
 
 from __future__ import annotations
 
 from fxquant.config import RECIPES
 
 
-def format_report(layers, upcast_nodes=()) -> str:
+def format_report(layers, findings=()) -> str:
     rows = [("layer", "shape [N, K]", "scheme", "bytes before", "bytes after")]
     for layer in layers:
         scheme = f"{layer.recipe} ({RECIPES[layer.recipe]})" if layer.recipe else f"skipped: {layer.reason}"
@@ -17,6 +17,10 @@ def format_report(layers, upcast_nodes=()) -> str:
     after = sum(layer.bytes_after for layer in layers)
     lines.append(f"linear weights: {before:,} -> {after:,} bytes"
                  + (f" ({before / after:.2f}x smaller)" if after else ""))
-    if upcast_nodes:
-        lines.append(f"reductions moved to fp32: {', '.join(upcast_nodes)}")
+    upcast = [f.where for f in findings if f.kind == "upcast"]
+    if upcast:
+        lines.append(f"reductions moved to fp32: {', '.join(upcast)}")
+    for finding in findings:
+        if finding.kind not in ("upcast", "skipped"):  # both already shown above
+            lines.append(f"{finding.severity}: {finding.where}: {finding.message}")
     return "fxquant report\n" + "\n".join(lines)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch.fx.passes.infra.pass_manager import PassManager
 
 from fxquant.config import AUTO, QuantConfig
+from fxquant.lint import Finding, NumericsError, lint_graph, lint_layers
 from fxquant.passes.cleanup import Cleanup
 from fxquant.passes.detect import Detect
 from fxquant.passes.freeze_params import FreezeParams
@@ -22,6 +24,14 @@ class PipelineResult:
     layers: list[LayerRecord]
     upcast: list[str]
     config: QuantConfig  # with recipe="auto" resolved to per-layer recipes
+    findings: list[Finding]  # the numerics lint's, errors excluded (those refuse the compile)
+
+    def warn(self) -> None:
+        """One warning per compile listing every warning-level finding."""
+        found = [f for f in self.findings if f.severity == "warning"]
+        if found:
+            warnings.warn("fxquant numerics lint:\n" + "\n".join(f"  {f.where}: {f.message}" for f in found),
+                          stacklevel=3)
 
 
 def prepare(gm: torch.fx.GraphModule, example_inputs=None) -> tuple[torch.fx.GraphModule, Upcast]:
@@ -34,6 +44,7 @@ def prepare(gm: torch.fx.GraphModule, example_inputs=None) -> tuple[torch.fx.Gra
 def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=None) -> PipelineResult:
     """The whole pipeline; recipe="auto" measures each unpinned layer on example_inputs (real tensors) first."""
     gm, upcast = prepare(gm, example_inputs)
+    findings = lint_graph(gm, example_inputs)
     if config.recipe == AUTO:
         from fxquant.measure import measure_graph, resolve_auto
 
@@ -42,4 +53,9 @@ def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=N
         config = resolve_auto(config, measure_graph(gm, example_inputs, config))
     quantize = QuantizeLinear(config)
     result = PassManager(passes=[quantize, FuseLinear(), Cleanup()], steps=1)(gm)
-    return PipelineResult(result.graph_module, quantize.layers, upcast.upcast_nodes, config)
+    findings += lint_layers(quantize.layers, upcast.upcast_nodes)
+    errors = [f for f in findings if f.severity == "error"]
+    if errors:
+        raise NumericsError("fxquant: refusing to compile, running would produce inf/NaN:\n"
+                            + "\n".join(f"  {f.where}: {f.message}" for f in errors))
+    return PipelineResult(result.graph_module, quantize.layers, upcast.upcast_nodes, config, findings)

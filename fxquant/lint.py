@@ -1,0 +1,147 @@
+"""The numerics lint: what would fail silently, found once per compile on the graph and its real weights.
+
+Severities: "error" means running would produce inf/NaN, so compile refuses (`NumericsError`); "warning" is a
+likely bug that runs (warned once per compile); "info" goes in the report only.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from fxquant.formats import FORMATS
+from fxquant.passes.annotations import annotation, aten, node_dtype, target_of
+from fxquant.passes.quantize_linear import fetch_attr, linear_fqn
+
+FP16_MAX = FORMATS["fp16"].max
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+SCALE_OPS = {operator.truediv, operator.mul, torch.div, torch.mul, torch.Tensor.div, torch.Tensor.mul,
+             torch.Tensor.__truediv__, torch.Tensor.__mul__, aten.div.Tensor, aten.mul.Tensor}
+GEMM_TILE = 128  # the fp8 GEMM's K and N tile: a remainder runs masked tail tiles
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: str  # "error", "warning" or "info"
+    kind: str  # "nonfinite_weight", "fp16_weight", "fp8_cast", "fp16_overflow", "skipped", "tail", "upcast"
+    where: str  # layer or node name
+    message: str  # what is wrong and the fix
+
+
+class NumericsError(ValueError):
+    """Compile refused: running the graph as quantized would produce inf or NaN."""
+
+
+def lint_graph(gm: torch.fx.GraphModule, example_inputs=None) -> list[Finding]:
+    """Findings on the prepared (frozen, annotated, upcast) graph, before quantization.
+
+    example_inputs (real tensors) enable the activation checks: fp16 layers whose outputs overflow.
+    """
+    findings = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = dict(zip(placeholders, example_inputs or (), strict=False))  # e.g. a scale buffer's real value
+    for node in gm.graph.nodes:
+        found = annotation(node)
+        if found is not None and found.kind == "linear":
+            findings += _weight_findings(node, fetch_attr(gm, node.args[1]))
+        findings += _fp8_cast_findings(gm, node, values)
+    if example_inputs is not None and any(_linear_dtype(n) == torch.float16 for n in gm.graph.nodes):
+        findings += _fp16_activation_findings(gm, example_inputs)
+    return findings
+
+
+def lint_layers(layers, upcast_nodes) -> list[Finding]:
+    """Findings from what the pipeline did: skipped layers and why, masked tails, reductions moved to fp32."""
+    findings = []
+    for layer in layers:
+        if layer.recipe is None:
+            severity = "warning" if layer.reason.startswith("alignment") else "info"
+            findings.append(Finding(severity, "skipped", layer.fqn, f"stays in high precision: {layer.reason}"))
+        elif len(layer.shape) == 2 and (layer.shape[0] % GEMM_TILE or layer.shape[1] % GEMM_TILE):
+            findings.append(Finding("info", "tail", layer.fqn, f"[N, K] = {list(layer.shape)} is not a multiple "
+                                    f"of {GEMM_TILE}: its GEMM runs masked tail tiles, a little slower"))
+    for name in upcast_nodes:
+        findings.append(Finding("info", "upcast", name, "reduction was in bf16/fp16; now in fp32, cast back"))
+    return findings
+
+
+def _linear_dtype(node):
+    found = annotation(node)
+    return node_dtype(node) if found is not None and found.kind == "linear" else None
+
+
+def _weight_findings(node, w) -> list[Finding]:
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+        return []
+    fqn = linear_fqn(node)
+    bad = int((~torch.isfinite(w.detach())).sum())
+    if bad:
+        return [Finding("error", "nonfinite_weight", fqn, f"weight holds {bad} inf/NaN value(s): every output "
+                        "that reads them is NaN (quantized, the whole scale block is). Fix: repair or reload the "
+                        "checkpoint")]
+    amax = float(w.detach().abs().max()) if w.numel() else 0.0
+    if w.dtype != torch.float16 and amax > FP16_MAX:
+        return [Finding("warning", "fp16_weight", fqn, f"weight |max| {amax:.4g} is past fp16's {FP16_MAX:g}: "
+                        "this model becomes inf if cast to fp16. Fix: keep it in bf16/fp32")]
+    return []
+
+
+def _fp8_cast_findings(gm, node, values) -> list[Finding]:
+    """A cast to fp8 with no scale, or a constant scale of 1.0: the silent KV-cache-scale bug class."""
+    dtype = _cast_dtype(node)
+    if dtype not in FP8_DTYPES:
+        return []
+    source = node.args[0]
+    if target_of(source) in SCALE_OPS and len(source.args) > 1:
+        scale = source.args[1]
+        value = scale
+        if isinstance(scale, torch.fx.Node):
+            value = values.get(scale) if scale.op == "placeholder" else fetch_attr(gm, scale)
+        if _is_one(value):
+            return [Finding("warning", "fp8_cast", node.name, f"cast to {dtype} uses a static scale of 1.0: values "
+                            "past the format's max saturate and small ones flush to zero. Fix: calibrate the scale "
+                            "(amax / format max), or quantize dynamically with fxquant.quantize")]
+        return []
+    return [Finding("warning", "fp8_cast", node.name, f"cast to {dtype} with no scale (an implicit 1.0): values "
+                    "past the format's max saturate and small ones flush to zero. Fix: divide by a scale of amax / "
+                    "format max first, or use fxquant.quantize")]
+
+
+def _is_one(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() > 0 and bool((value == 1).all())
+    return isinstance(value, int | float) and value == 1
+
+
+def _cast_dtype(node):
+    target = target_of(node)
+    if target in (torch.Tensor.to, aten._to_copy.default, aten.to.dtype, torch.Tensor.type):
+        for arg in (*node.args[1:], node.kwargs.get("dtype")):
+            if isinstance(arg, torch.dtype):
+                return arg
+    return None
+
+
+def _fp16_activation_findings(gm, example_inputs) -> list[Finding]:
+    """fp16 layers whose output on the sample inputs, from finite inputs, is past fp16's max: it would be inf."""
+    from fxquant.measure import for_each_linear
+
+    findings = []
+
+    def check(node, x, w, bias):
+        if node_dtype(node) != torch.float16:
+            return
+        rows = x.reshape(-1, x.shape[-1])
+        rows = rows[torch.isfinite(rows).all(-1)].float()  # rows already poisoned propagate, as documented
+        # fp32 accumulation, as every fxquant GEMM: only the final cast to fp16 can overflow.
+        out = torch.nn.functional.linear(rows, w.float(), None if bias is None else bias.float())
+        amax = float(out.abs().max()) if out.numel() else 0.0
+        if amax > FP16_MAX:
+            findings.append(Finding("error", "fp16_overflow", linear_fqn(node), f"output reaches {amax:.4g} on the "
+                                    f"sample inputs, past fp16's {FP16_MAX:g}: it would be inf. Fix: run the model in "
+                                    "bf16, or rescale this layer and the next"))
+
+    for_each_linear(gm, example_inputs, check)
+    return findings

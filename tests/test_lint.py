@@ -1,0 +1,129 @@
+"""The numerics lint: refusals name the layer and the fix; warnings come once per compile; the report lists all."""
+
+import warnings
+
+import pytest
+import torch
+from models import tiny_block
+
+import fxquant
+from fxquant.lint import NumericsError
+
+X = torch.randn(2, 8, 256, dtype=torch.bfloat16)
+
+
+def compile_and_run(model, x, **options):
+    torch._dynamo.reset()
+    with torch.no_grad():
+        return torch.compile(model, backend="fxquant", options={"inner": "eager", **options})(x)
+
+
+def refusal(call) -> str:
+    """The NumericsError a compile raised (dynamo wraps backend errors in BackendCompilerFailed)."""
+    with pytest.raises(Exception) as caught:  # noqa: B017, PT011  (unwrapped and checked below)
+        call()
+    error = getattr(caught.value, "inner_exception", caught.value)
+    assert isinstance(error, NumericsError), caught.value
+    return str(error)
+
+
+def linear_with_weight(weight, dtype):
+    layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    return torch.nn.Sequential(layer)
+
+
+def test_fp16_layer_whose_output_overflows_refuses_naming_layer_and_fix():
+    model = linear_with_weight(torch.full((256, 256), 3.0), torch.float16)
+    x = torch.full((4, 256), 100.0, dtype=torch.float16)  # 100 * 3 * 256 = 76800 > 65504
+    message = refusal(lambda: compile_and_run(model, x, recipe="fp8_row"))
+    assert "0: output reaches 7.68e+04 on the sample inputs, past fp16's 65504" in message
+    assert "Fix: run the model in bf16" in message
+
+
+def test_fp16_layer_within_range_compiles():
+    model = linear_with_weight(torch.full((256, 256), 3.0), torch.float16)
+    x = torch.full((4, 256), 80.0, dtype=torch.float16)  # 61440: in range
+    assert torch.isfinite(compile_and_run(model, x, recipe="fp8_row")).all()
+
+
+def test_nonfinite_weight_refuses_in_the_backend_and_in_export():
+    weight = torch.randn(256, 256)
+    weight[3, 7] = float("inf")
+    model = linear_with_weight(weight, torch.bfloat16)
+    message = refusal(lambda: compile_and_run(model, X, recipe="int8_wo"))
+    assert "0: weight holds 1 inf/NaN" in message and "reload the checkpoint" in message
+    with pytest.raises(NumericsError, match="weight holds 1 inf/NaN"):
+        fxquant.export(model, (X,), config={"recipe": "fp8_block"})
+
+
+def test_bf16_weight_past_fp16_max_warns_once():
+    weight = torch.randn(256, 256)
+    weight[0, 0] = 1e5
+    model = linear_with_weight(weight, torch.bfloat16)
+    with pytest.warns(UserWarning, match="past fp16's 65504: this model becomes inf if cast to fp16"):
+        compile_and_run(model, X, recipe="fp8_row")
+
+
+class Fp8Cache(torch.nn.Module):
+    """A KV-cache-like cast to fp8 with a static scale buffer."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.proj = torch.nn.Linear(256, 256)
+        self.register_buffer("k_scale", torch.tensor(scale))
+
+    def forward(self, x):
+        k = (self.proj(x) / self.k_scale).to(torch.float8_e4m3fn)
+        return k.to(x.dtype) * self.k_scale
+
+
+class BareFp8Cast(torch.nn.Module):
+    def forward(self, x):
+        return x.to(torch.float8_e4m3fn).to(x.dtype)
+
+
+@pytest.mark.parametrize(("model", "message"), [
+    (Fp8Cache(1.0), "static scale of 1.0"),
+    (BareFp8Cast(), "with no scale"),
+])
+def test_fp8_cast_with_unit_or_no_scale_warns(model, message):
+    with pytest.warns(UserWarning, match=message):
+        compile_and_run(model.to(torch.bfloat16), X)
+
+
+def test_fp8_cast_with_a_calibrated_scale_is_quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compile_and_run(Fp8Cache(0.05).to(torch.bfloat16), X)
+
+
+class Misaligned(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.odd = torch.nn.Linear(100, 256)  # K = 100: no recipe's tensor-core tile divides it
+        self.tail = torch.nn.Linear(256, 144)  # N = 144: quantized, masked tail tiles
+
+    def forward(self, x):
+        return self.tail(self.odd(x))
+
+
+def test_misaligned_layer_warns_once_per_compile_and_the_report_lists_every_finding(capsys):
+    model = Misaligned().to(torch.bfloat16)
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend="fxquant", options={"inner": "eager", "recipe": "fp8_row", "report": True})
+    x = torch.randn(4, 100, dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for _ in range(3):
+            fn(x)
+    lint = [w for w in caught if "numerics lint" in str(w.message)]
+    assert len(lint) == 1 and "odd: stays in high precision: alignment" in str(lint[0].message)
+    report = capsys.readouterr().out
+    assert "info: tail: [N, K] = [144, 256] is not a multiple of 128" in report
+
+
+def test_report_lists_reductions_moved_to_fp32(capsys):
+    compile_and_run(tiny_block(), X, report=True)
+    assert "reductions moved to fp32:" in capsys.readouterr().out
