@@ -6,7 +6,7 @@ from fxquant.config import RECIPES, QuantConfig, from_options
 from fxquant.export import export
 from fxquant.formats import FORMATS, FloatFormat, IntFormat
 from fxquant.granularity import Granularity
-from fxquant.inspect import InspectReport, inspect
+from fxquant.inspection import InspectReport, inspect
 from fxquant.quantized import Quantized
 
 __all__ = [

@@ -107,16 +107,18 @@ def measure(fqn: str, x: torch.Tensor, w: torch.Tensor, bias, recipe: str, out_d
     return LayerError(fqn, tuple(w.shape), recipe, "", w_sqnr, _act_sqnr(x, recipe), sqnr_db(out, shadow))
 
 
-def measure_graph(gm: torch.fx.GraphModule, example_inputs, config: QuantConfig) -> list[LayerError]:
-    """Every linear in gm under the recipe config gives it; recipe="auto" layers get their cheapest recipe that
-    meets config.min_sqnr_db (or none, with the best recipe's numbers in the reason)."""
+def measure_graph(gm: torch.fx.GraphModule, example_inputs, config: QuantConfig,
+                  usable: tuple[str, ...] = tuple(RECIPES)) -> list[LayerError]:
+    """Every linear in gm under the recipe config gives it; recipe="auto" layers get their cheapest `usable`
+    recipe that meets config.min_sqnr_db (or none, with the best recipe's numbers in the reason)."""
+    ladder = [recipe for recipe in AUTO_LADDER if recipe in usable]
     found: list[LayerError] = []
 
     def visit(node, x, w, bias):
         fqn, shape, out_dtype = linear_fqn(node), tuple(w.shape), node_dtype(node) or x.dtype
         unpinned = config.recipe == AUTO and config.layer_recipe(fqn) is None
         if unpinned and not (weight_skip_reason(w) or config.skip_reason(fqn)):
-            found.append(_choose(fqn, x, w, bias, config.min_sqnr_db, out_dtype))
+            found.append(_choose(fqn, x, w, bias, config.min_sqnr_db, out_dtype, ladder))
             return
         reason = skip_reason(w, fqn, config)
         found.append(LayerError(fqn, shape, None, reason) if reason else
@@ -126,9 +128,9 @@ def measure_graph(gm: torch.fx.GraphModule, example_inputs, config: QuantConfig)
     return found
 
 
-def _choose(fqn, x, w, bias, floor_db: float, out_dtype) -> LayerError:
+def _choose(fqn, x, w, bias, floor_db: float, out_dtype, ladder) -> LayerError:
     best = None
-    for recipe in AUTO_LADDER:
+    for recipe in ladder:
         if alignment_reason(w.shape, RECIPES[recipe]):
             continue
         result = measure(fqn, x, w, bias, recipe, out_dtype)

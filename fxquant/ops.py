@@ -6,6 +6,8 @@ CUDA tensors run the Triton kernels where one serves the case, else the same ref
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
@@ -15,6 +17,44 @@ from fxquant.granularity import Granularity
 from fxquant.quantized import Quantized
 
 E4M3 = torch.float8_e4m3fn
+# Rows of x, and of a weight, taken to fp32 at a time by the reference GEMMs: temporaries stay bounded at any M
+# and no fp32 copy of a whole weight is ever made. A multiple of every scale block (16, 32, 128).
+CHUNK_ROWS = 2048
+
+
+def _rows(q: Quantized, start: int, stop: int) -> Quantized:
+    """Rows [start, stop) of a 2-D Quantized; start and stop are multiples of its block rows."""
+    def cut(t):
+        if t is None or t.numel() == 1:
+            return t
+        block_rows = q.granularity.sizes[0] if q.granularity.kind == "block" else 1
+        return t[start // block_rows: -(-stop // block_rows)]
+
+    shape = torch.Size((stop - start, *q.shape[1:]))
+    return replace(q, data=q.data[start:stop], scale=cut(q.scale), zero_point=cut(q.zero_point), shape=shape)
+
+
+def _chunked_linear(x: Quantized | Tensor, qw: Quantized, bias: Tensor | None, out_dtype: torch.dtype,
+                    x_fp32=None) -> Tensor:
+    """x [M, K] @ dequantize(qw).T + bias with fp32 operands and accumulation and one cast to out_dtype, in
+    CHUNK_ROWS x CHUNK_ROWS output tiles. x is a Quantized (dequantized per tile) or a tensor, which x_fp32
+    (rows -> fp32 rows) may requantize first."""
+    m, n = x.shape[0], qw.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=qw.data.device)
+    for n0 in range(0, n, CHUNK_ROWS):
+        n1 = min(n, n0 + CHUNK_ROWS)
+        w = R.dequantize(_rows(qw, n0, n1), torch.float32)  # [n1 - n0, K]
+        for m0 in range(0, m, CHUNK_ROWS):
+            m1 = min(m, m0 + CHUNK_ROWS)
+            if isinstance(x, Quantized):
+                rows = R.dequantize(_rows(x, m0, m1), torch.float32)
+            else:
+                rows = x_fp32(x[m0:m1]) if x_fp32 else x[m0:m1].float()
+            acc = rows @ w.T
+            if bias is not None:
+                acc += bias[n0:n1].float()
+            out[m0:m1, n0:n1] = acc  # the one narrowing cast
+    return out
 
 
 def _act_granularity(group_size: int) -> Granularity:
@@ -75,7 +115,7 @@ def scaled_mm_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, bias: 
         qa = Quantized(a2, s2.reshape(()) if group < 0 else s2, "fp8_e4m3", _act_granularity(group), a2.shape,
                        out_dtype)
         qw = Quantized(w, w_scale, "fp8_e4m3", _weight_granularity(w, w_scale), w.shape, out_dtype)
-        out = R.scaled_mm(qa, qw, bias=bias, out_dtype=out_dtype)
+        out = _chunked_linear(qa, qw, bias, out_dtype)
     return out.reshape(*lead, w.shape[0])
 
 
@@ -105,11 +145,8 @@ def linear_weight_only(x: Tensor, w: Tensor, w_scale: Tensor, w_global_scale: Te
     gran = Granularity("channel") if group_size == 0 else Granularity("group", (group_size,))
     qw = Quantized(w, w_scale, fmt, gran, torch.Size((out_features, in_features)), x.dtype,
                    global_scale=w_global_scale, zero_point=w_zero_point)
-    # fp32 dequantization and accumulation, one cast at the end, as in every fxquant GEMM.
-    out = x.float() @ R.dequantize(qw, torch.float32).T
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)
+    out = _chunked_linear(x.reshape(-1, in_features), qw, bias, x.dtype)
+    return out.reshape(*x.shape[:-1], out_features)
 
 
 @linear_weight_only.register_fake
@@ -121,12 +158,10 @@ def _(x, w, w_scale, w_global_scale, w_zero_point, bias, fmt, group_size, out_fe
 def linear_mxfp8(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
     """MXFP8 activations (dynamic, blocks of 32) and weight. Hopper has no MX tensor cores, so this runs
     the reference GEMM (fp32 dequantize and matmul) on every device."""
-    qx = R.quantize(x, "mxfp8")
     qw = Quantized(w, w_scale, "mxfp8", Granularity("group", (R.MX_BLOCK,)), w.shape, x.dtype)
-    out = R.dequantize(qx, torch.float32) @ R.dequantize(qw, torch.float32).T
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)
+    out = _chunked_linear(x.reshape(-1, x.shape[-1]), qw, bias, x.dtype,
+                          lambda rows: R.dequantize(R.quantize(rows, "mxfp8"), torch.float32))
+    return out.reshape(*x.shape[:-1], w.shape[0])
 
 
 @linear_mxfp8.register_fake

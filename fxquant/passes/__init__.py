@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx.passes.infra.pass_manager import PassManager
 
+from fxquant.capability import check_config, graph_device, usable_recipes
 from fxquant.config import AUTO, QuantConfig
 from fxquant.lint import Finding, NumericsError, lint_graph, lint_layers
 from fxquant.passes.cleanup import Cleanup
@@ -43,6 +44,8 @@ def prepare(gm: torch.fx.GraphModule, example_inputs=None) -> tuple[torch.fx.Gra
 
 def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=None) -> PipelineResult:
     """The whole pipeline; recipe="auto" measures each unpinned layer on example_inputs (real tensors) first."""
+    device = graph_device(gm, example_inputs)
+    check_config(config, device)
     gm, upcast = prepare(gm, example_inputs)
     findings = lint_graph(gm, example_inputs)
     if config.recipe == AUTO:
@@ -50,7 +53,7 @@ def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=N
 
         if example_inputs is None:
             raise ValueError("fxquant: recipe='auto' needs sample inputs to measure each layer on")
-        config = resolve_auto(config, measure_graph(gm, example_inputs, config))
+        config = resolve_auto(config, measure_graph(gm, example_inputs, config, usable_recipes(device)))
     quantize = QuantizeLinear(config)
     result = PassManager(passes=[quantize, FuseLinear(), Cleanup()], steps=1)(gm)
     findings += lint_layers(quantize.layers, upcast.upcast_nodes)

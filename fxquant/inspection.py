@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fxquant.capability import check_config, graph_device, usable_recipes
 from fxquant.config import QuantConfig, from_options
 from fxquant.measure import LayerError, measure_graph, resolve_auto
 from fxquant.passes import prepare
@@ -51,8 +52,10 @@ def inspect(model: torch.nn.Module, example_inputs, config: QuantConfig | dict |
     layers: list[LayerError] = []
 
     def capture(gm, inputs):
+        device = graph_device(gm, inputs)
+        check_config(config, device)
         gm, _ = prepare(gm, inputs)
-        layers.extend(measure_graph(gm, inputs, config))
+        layers.extend(measure_graph(gm, inputs, config, usable_recipes(device)))
         return gm.forward
 
     args = example_inputs if isinstance(example_inputs, tuple | list) else (example_inputs,)
