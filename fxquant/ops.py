@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from fxquant import reference as R
+from fxquant import reference_norm as RN
 from fxquant.api import quantize
 from fxquant.granularity import Granularity
 from fxquant.quantized import Quantized
@@ -167,3 +168,44 @@ def linear_mxfp8(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None) -> 
 @linear_mxfp8.register_fake
 def _(x, w, w_scale, bias):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def _norm_quant(x, residual, weight, bias, eps, group_size, rms):
+    if x.is_cuda:
+        from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8 as kernel
+        from fxquant.kernels.norm_quant_fp8 import serves
+
+        if serves(x.shape[-1], group_size):
+            codes, scales, h, _ = kernel(x, weight, bias, eps, group_size, rms=rms, residual=residual)
+            return codes, scales, h
+    codes, scales, h, _ = RN.norm_quant_fp8(x, weight, bias, eps, group_size, rms=rms, residual=residual)
+    return codes, scales, h
+
+
+@torch.library.custom_op("fxquant::norm_quant_fp8", mutates_args=())
+def norm_quant_fp8(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, group_size: int,
+                   rms: bool) -> tuple[Tensor, Tensor]:
+    """RMSNorm (rms) or LayerNorm of x [..., D], rounded to x's dtype, then dynamic e4m3 per token
+    (group_size 0) or 1 x group_size: (codes, fp32 scales), as quantize_fp8(norm(x)) gives them."""
+    codes, scales, _ = _norm_quant(x, None, weight, bias, eps, group_size, rms)
+    return codes, scales
+
+
+@norm_quant_fp8.register_fake
+def _(x, weight, bias, eps, group_size, rms):
+    groups = x.shape[-1] // group_size if group_size else 1
+    return torch.empty_like(x, dtype=E4M3), x.new_empty((*x.shape[:-1], groups), dtype=torch.float32)
+
+
+@torch.library.custom_op("fxquant::add_norm_quant_fp8", mutates_args=())
+def add_norm_quant_fp8(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+                       group_size: int, rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """h = x + residual (in x's dtype), then norm_quant_fp8(h): (codes, scales, h)."""
+    return _norm_quant(x, residual, weight, bias, eps, group_size, rms)
+
+
+@add_norm_quant_fp8.register_fake
+def _(x, residual, weight, bias, eps, group_size, rms):
+    groups = x.shape[-1] // group_size if group_size else 1
+    return (torch.empty_like(x, dtype=E4M3), x.new_empty((*x.shape[:-1], groups), dtype=torch.float32),
+            torch.empty_like(x))

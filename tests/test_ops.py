@@ -58,3 +58,21 @@ def test_linear_weight_only_op(fmt, group):
     out = torch.ops.fxquant.linear_weight_only(*args)
     expect = (x.float() @ R.dequantize(q, torch.float32).T).to(torch.bfloat16)
     assert torch.equal(out, expect)
+
+
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "layer"])
+@pytest.mark.parametrize("group", [0, 128])
+def test_norm_quant_fp8_ops(rms, group):
+    torch.manual_seed(0)
+    x, r, w = randn(2, 3, 256, dtype=torch.bfloat16), randn(2, 3, 256, dtype=torch.bfloat16), randn(256)
+    b = None if rms else randn(256)
+    opcheck(torch.ops.fxquant.norm_quant_fp8, (x, w, b, 1e-6, group, rms))
+    opcheck(torch.ops.fxquant.add_norm_quant_fp8, (x, r, w, b, 1e-6, group, rms))
+    codes, scales, h = torch.ops.fxquant.add_norm_quant_fp8(x, r, w, b, 1e-6, group, rms)
+    assert torch.equal(h, x + r)  # a bf16 add, rounded once
+    # The op's numbers against quantize_fp8 of the library norm: statistics may differ by an ulp.
+    ref_norm = (torch.nn.functional.rms_norm(h.float(), (256,), w, 1e-6) if rms else
+                torch.nn.functional.layer_norm(h.float(), (256,), w, b, 1e-6)).to(torch.bfloat16)
+    ref_codes, ref_scales = torch.ops.fxquant.quantize_fp8(ref_norm, group)
+    assert float((scales / ref_scales - 1).abs().max()) <= 2**-8  # at most one bf16 ulp of a group's amax
+    assert (codes.float() != ref_codes.float()).float().mean() < 0.01

@@ -1,4 +1,4 @@
-"""The one fp32 -> fp8 cast every kernel uses: round-to-nearest-even, bit-exact with torch's cast.
+"""The casts every kernel uses: fp32 -> fp8 and fp32 -> bf16/fp16, round-to-nearest-even, bit-exact with torch.
 
 Three implementations, picked by the launcher through the CAST constexpr:
 - CAST_NATIVE (sm_90+): `x.to(fp8)` lowers to cvt.rn.satfinite, which is correct there;
@@ -55,6 +55,18 @@ def cast_fp8(x, FP8: tl.constexpr, CAST: tl.constexpr):
         else:
             bits = _e5m2_bits(x)
         return bits.to(FP8, bitcast=True)
+
+
+@triton.jit
+def cast_float(x, DTYPE: tl.constexpr, CAST: tl.constexpr):
+    """fp32 x -> DTYPE (bf16, fp16 or fp32), round-to-nearest-even. The interpreter truncates to bf16 (about
+    half of all values come out 1 ulp low), so there the rounding is done on the bits first."""
+    if CAST == 2 and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        # Add half an ulp of bf16, plus one where the kept lsb is odd (ties to even); keep NaN as NaN.
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x == x, rounded.to(tl.float32, bitcast=True), x).to(DTYPE)
+    return x.to(DTYPE)
 
 
 @triton.jit

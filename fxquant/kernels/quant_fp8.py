@@ -44,13 +44,20 @@ def _quant_fp8_rows_kernel(
     mask = (rows[:, None] < n_rows) & (cols[None, :] < row_len)
     offs = rows[:, None].to(tl.int64) * row_len + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # x: [BLOCK_ROWS, BLOCK_COLS]
+    codes, scale = quant_rows(x, FMAX, FP8, CAST, AMAX_FLOOR)
+    tl.store(y_ptr + offs, codes, mask=mask)
+    tl.store(scale_ptr + rows, scale, mask=rows < n_rows)
+
+
+@triton.jit
+def quant_rows(x, FMAX: tl.constexpr, FP8: tl.constexpr, CAST: tl.constexpr, AMAX_FLOOR: tl.constexpr):
+    """fp32 x [R, C] -> (fp8 codes [R, C], fp32 scales [R]): one dynamic scale per row, as the reference makes it."""
     amax = tl.reduce(tl.abs(x), 1, _max_keep_nan)  # NaN or inf anywhere in a row surfaces here
     # Same fp32 ops as the reference: max(amax, floor) / FMAX (IEEE division); a poisoned row gets a NaN
     # scale, so every code in it is NaN.
     scale = tl.where(amax < float("inf"), tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FMAX), float("nan"))
     q = _saturate(x * tl.math.div_rn(1.0, scale)[:, None], FMAX)
-    tl.store(y_ptr + offs, cast_fp8(q, FP8, CAST), mask=mask)
-    tl.store(scale_ptr + rows, scale, mask=rows < n_rows)
+    return cast_fp8(q, FP8, CAST), scale
 
 
 @triton.jit

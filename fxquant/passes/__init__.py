@@ -1,4 +1,5 @@
-"""The fxquant pass pipeline: freeze_params -> detect -> upcast -> quantize_linear -> fuse_linear -> cleanup."""
+"""The fxquant pass pipeline: freeze_params -> detect -> upcast -> quantize_linear -> fuse_norm -> fuse_linear ->
+cleanup."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from fxquant.passes.cleanup import Cleanup
 from fxquant.passes.detect import Detect
 from fxquant.passes.freeze_params import FreezeParams
 from fxquant.passes.fuse_linear import FuseLinear
+from fxquant.passes.fuse_norm import FuseNorm
 from fxquant.passes.quantize_linear import LayerRecord, QuantizeLinear
 from fxquant.passes.upcast import Upcast
 
@@ -55,7 +57,7 @@ def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=N
             raise ValueError("fxquant: recipe='auto' needs sample inputs to measure each layer on")
         config = resolve_auto(config, measure_graph(gm, example_inputs, config, usable_recipes(device)))
     quantize = QuantizeLinear(config)
-    result = PassManager(passes=[quantize, FuseLinear(), Cleanup()], steps=1)(gm)
+    result = PassManager(passes=[quantize, FuseNorm(), FuseLinear(), Cleanup()], steps=1)(gm)
     findings += lint_layers(quantize.layers, upcast.upcast_nodes)
     errors = [f for f in findings if f.severity == "error"]
     if errors:
