@@ -144,6 +144,12 @@ def linear_weight_only(x: Tensor, w: Tensor, w_scale: Tensor, w_global_scale: Te
     """F.linear with a weight-only quantized weight (int8, int4, mxfp4, nvfp4), activations untouched."""
     in_features = x.shape[-1]
     gran = Granularity("channel") if group_size == 0 else Granularity("group", (group_size,))
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        from fxquant.kernels.gemm_weight_only import weight_only_mm
+
+        out = weight_only_mm(x.reshape(-1, in_features), w, w_scale, fmt, group_size, out_features,
+                             zero_point=w_zero_point, global_scale=w_global_scale, bias=bias)
+        return out.reshape(*x.shape[:-1], out_features)
     qw = Quantized(w, w_scale, fmt, gran, torch.Size((out_features, in_features)), x.dtype,
                    global_scale=w_global_scale, zero_point=w_zero_point)
     out = _chunked_linear(x.reshape(-1, in_features), qw, bias, x.dtype)

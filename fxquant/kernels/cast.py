@@ -42,6 +42,11 @@ def cast_mode(kernel, device: torch.device) -> int:
     )
 
 
+def float_cast_mode(kernel) -> int:
+    """The CAST constexpr for a kernel whose only narrowing casts are cast_float's (any GPU)."""
+    return CAST_EMULATED if interpreting(kernel) else CAST_NATIVE
+
+
 @triton.jit
 def cast_fp8(x, FP8: tl.constexpr, CAST: tl.constexpr):
     """fp32 x (saturated; NaN allowed) -> FP8 (tl.float8e4nv or tl.float8e5), round-to-nearest-even."""

@@ -1,0 +1,185 @@
+"""Weight-only GEMMs: out[M, N] = A[M, K] (bf16/fp16) @ dequantize(W)[N, K].T (+ bias), fp32 accumulation.
+
+The weight is dequantized in registers, tile by tile; no full-precision copy of it ever exists. Each code is
+turned into a value the activation dtype holds exactly, so the tensor cores multiply exact operands:
+- int8 per channel: the integer code; the channel scale is applied once in the epilogue;
+- int4, groups of 128 along K, with zero point: the integer (q - z); its group's scale is applied to the fp32
+  partial of each K step (BLOCK_K divides the group);
+- MXFP4: the e2m1 value times its block's power-of-two E8M0 scale (exact: 2 significant bits);
+- NVFP4: the e2m1 value times its block's e4m3 scale (exact: at most 6 significant bits); the fp32 global
+  scale is applied in the epilogue.
+Packed 4-bit weights hold K-pairs per byte (low nibble first): the kernel multiplies even-K and odd-K halves of
+A with the low and high nibbles, so codes are never interleaved in registers.
+Small M splits K across programs (`splitk.py`). K and N tails are masked. Under Triton's interpreter, whose
+bf16 dot is wrong, the dot runs in fp32 on the same exact operands.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fxquant.kernels.cast import cast_float, float_cast_mode, interpreting
+from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
+from fxquant.kernels.splitk import reduce_partials, split_k
+
+FORMATS = {"int8": 0, "int4": 1, "mxfp4": 2, "nvfp4": 3}
+E8M0_MIN = 2.0**-127  # E8M0 code 0: the one scale whose fp32 value is subnormal
+
+
+@triton.jit
+def _exact(values, DOT: tl.constexpr):
+    """Small integers (or values with few significant bits) in the dot's dtype, exactly. Through fp32:
+    Triton's interpreter mangles integer -> bf16 casts, and fp32 -> bf16 of an exact value cannot round."""
+    return values.to(tl.float32).to(DOT)
+
+
+@triton.jit
+def _e2m1_value(code):
+    """A 4-bit e2m1 code (sign in bit 3) as fp32: 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+    n = (code & 7).to(tl.float32)
+    mag = tl.where(n < 4, n * 0.5, tl.where(n == 7, 6.0, n - 2.0))
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _block_scale(s_ptr, offs_n, k_index, stride_sn, stride_sk, mask, FMT: tl.constexpr):
+    """The per-(n, k-block) scale as fp32: E8M0 (MXFP4) or e4m3 (NVFP4) codes."""
+    raw = tl.load(s_ptr + offs_n * stride_sn + k_index * stride_sk, mask=mask, other=0)
+    if FMT == 2:
+        e = raw.to(tl.int32)
+        value = (e << 23).to(tl.float32, bitcast=True)
+        return tl.where(e == 0, E8M0_MIN, tl.where(e == 255, float("nan"), value))
+    return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _wo_gemm_kernel(
+    # pointers
+    a_ptr, w_ptr, s_ptr, z_ptr, gs_ptr, c_ptr, ws_ptr, bias_ptr,
+    # sizes
+    M, N, K,
+    # strides (the weight's in bytes of its packed rows)
+    stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk, stride_cm, stride_cn,
+    # meta-parameters
+    FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    DOT: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    k_steps = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_steps, SPLIT_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FMT == 0:
+        offs_k = tl.arange(0, BLOCK_K)
+        for step in range(pid_k * per_split, min(k_steps, (pid_k + 1) * per_split)):
+            k = step * BLOCK_K + offs_k
+            a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * stride_am + k[None, :] * stride_ak,
+                        mask=mask_m[:, None] & (k[None, :] < K), other=0.0).to(DOT)
+            w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + k[:, None] * stride_wk,
+                        mask=mask_n[None, :] & (k[:, None] < K), other=0)
+            acc = tl.dot(a, _exact(w, DOT), acc)
+    else:
+        HALF: tl.constexpr = BLOCK_K // 2
+        offs_p = tl.arange(0, HALF)  # byte index within the K step: K-pair p holds k = 2p (low) and 2p + 1 (high)
+        for step in range(pid_k * per_split, min(k_steps, (pid_k + 1) * per_split)):
+            pair = step * HALF + offs_p
+            k_even = 2 * pair
+            a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
+            a_mask = mask_m[:, None] & (k_even[None, :] < K)
+            a_even = tl.load(a_rows + k_even[None, :] * stride_ak, mask=a_mask, other=0.0).to(DOT)
+            a_odd = tl.load(a_rows + (k_even[None, :] + 1) * stride_ak, mask=a_mask, other=0.0).to(DOT)
+            w_mask = mask_n[None, :] & (k_even[:, None] < K)
+            packed = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + pair[:, None] * stride_wk,
+                             mask=w_mask, other=0).to(tl.int32)  # [HALF, BLOCK_N]
+            lo, hi = packed & 15, packed >> 4
+            if FMT == 1:
+                s_index = step * BLOCK_K // GROUP  # BLOCK_K divides GROUP: one group per K step
+                if HAS_ZP:
+                    z = tl.load(z_ptr + offs_n * stride_sn + s_index * stride_sk, mask=mask_n, other=0)
+                    lo, hi = lo - z.to(tl.int32)[None, :], hi - z.to(tl.int32)[None, :]
+                else:  # symmetric: sign-extend the two's-complement nibble
+                    lo, hi = (lo ^ 8) - 8, (hi ^ 8) - 8
+                part = tl.dot(a_even, _exact(lo, DOT)) + tl.dot(a_odd, _exact(hi, DOT))
+                scale = tl.load(s_ptr + offs_n * stride_sn + s_index * stride_sk, mask=mask_n, other=0.0)
+                acc += part * scale[None, :]
+            else:
+                # Every K-pair lies in one scale block (blocks of 16 or 32 are even): one scale per pair row.
+                scale = _block_scale(s_ptr, offs_n[None, :], (2 * pair[:, None]) // GROUP, stride_sn, stride_sk,
+                                     w_mask, FMT)
+                w_lo = _exact(_e2m1_value(lo) * scale, DOT)
+                w_hi = _exact(_e2m1_value(hi) * scale, DOT)
+                acc = tl.dot(a_even, w_lo, acc)
+                acc = tl.dot(a_odd, w_hi, acc)
+    if FMT == 0:
+        acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0)[None, :]
+    if FMT == 3:
+        acc = acc * tl.load(gs_ptr)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, cast_float(acc, OUT, CAST), mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        ws_ptrs = ws_ptr + pid_k * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(ws_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+def wo_gemm_config(M: int, fmt: str) -> dict:
+    """Tiles by M bucket. Decode streams the weight with narrow N tiles (and split-K); larger M reuses tiles.
+    BLOCK_K divides int4's group of 128 and is a multiple of every 4-bit block (16, 32)."""
+    if M <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    if M <= 128:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=None, global_scale=None,
+                   bias=None, config=None):
+    """a: [M, K] bf16/fp16; w: the codes as `fxquant.quantize` packs them ([N, K] int8, or [N, K/2] uint8);
+    w_scale: [N, 1] (int8), [N, K/group] fp32 (int4), E8M0 (mxfp4) or e4m3 (nvfp4). Returns [M, N] in a's dtype."""
+    M, K = a.shape
+    if fmt not in FORMATS or a.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"fxquant: weight-only GEMM takes bf16/fp16 activations and one of {list(FORMATS)}; got "
+                         f"{a.dtype} and {fmt!r}")
+    packed = fmt != "int8"
+    if w.shape != (N, K // 2 if packed else K) or (packed and K % 2):
+        raise ValueError(f"fxquant: {fmt} weight codes must be [N={N}, K{'/2' if packed else ''}] for a [M, K={K}], "
+                         f"got {tuple(w.shape)}")
+    cfg = config or wo_gemm_config(M, fmt)
+    if fmt == "int4" and group % cfg["BLOCK_K"]:
+        raise ValueError(f"fxquant: int4 groups of {group} need BLOCK_K dividing them, got {cfg['BLOCK_K']}")
+    scale = w_scale.view(torch.uint8) if fmt in ("mxfp4", "nvfp4") else w_scale
+    scale = scale.reshape(N, -1)
+    out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    split = split_k(tiles, triton.cdiv(K, cfg["BLOCK_K"]), M)
+    ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
+    _wo_gemm_kernel[(tiles, split)](
+        a, w, scale, zero_point if zero_point is not None else scale,
+        global_scale if global_scale is not None else scale, out, ws, bias if bias is not None else out,
+        M, N, K,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
+        out.stride(0), out.stride(1),
+        FMT=FORMATS[fmt], GROUP=group or 1, HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None,
+        SPLIT_K=split, DOT=tl.float32 if interpreting(_wo_gemm_kernel) else TORCH_TO_TL[a.dtype],
+        OUT=TORCH_TO_TL[a.dtype], CAST=float_cast_mode(_wo_gemm_kernel),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if split > 1:
+        reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])
+    return out

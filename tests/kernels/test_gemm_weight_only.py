@@ -1,0 +1,55 @@
+"""Weight-only GEMMs (Triton) against the fp64 product of the dequantized weight: the operands are exact, so each
+output is off by at most one ulp of its dtype (one rounding at the store) plus the fp32 accumulation's error,
+bounded by (steps + log2(BLOCK_K)) * 2^-24 * sum |x w| < 2^-20 * sum |x w| at these K."""
+
+import pytest
+import torch
+
+from fxquant import reference as R
+from fxquant.kernels.gemm_weight_only import weight_only_mm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GRANULARITY = {"int8": "channel", "int4": ("group", 128), "mxfp4": None, "nvfp4": None}
+GROUP = {"int8": 0, "int4": 128, "mxfp4": 32, "nvfp4": 16}
+# (M, N, K): decode with split-K (K >= 1024), N and M tails, a medium and a large M bucket.
+SHAPES = [(1, 128, 1024), (16, 96, 1024), (5, 80, 384), (37, 128, 256), (200, 64, 256)]
+
+
+def within_bound(out, x, w_hp, bias=None):
+    exact = x.double() @ w_hp.T + (0 if bias is None else bias.double())
+    mant = torch.finfo(out.dtype).eps  # 2^-7 (bf16) or 2^-10 (fp16) at 1.0
+    ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30)))) * mant
+    accumulation = 2**-20 * (x.double().abs() @ w_hp.abs().T)
+    return bool(((out.double() - exact).abs() <= ulp + accumulation).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("fmt", list(GRANULARITY))
+def test_kernel_is_the_exact_product_rounded_once(fmt, shape, dtype):
+    M, N, K = shape
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(M, K, generator=gen).to(dtype).to(DEVICE)
+    w = (torch.randn(N, K, generator=gen) * 0.05).to(DEVICE)
+    bias = torch.randn(N, generator=gen).to(dtype).to(DEVICE)
+    q = R.quantize(w, fmt, GRANULARITY[fmt]) if GRANULARITY[fmt] else R.quantize(w, fmt)
+    out = weight_only_mm(x, q.data, q.scale, fmt, GROUP[fmt], N, zero_point=q.zero_point,
+                         global_scale=q.global_scale, bias=bias)
+    assert out.shape == (M, N) and out.dtype == dtype
+    assert within_bound(out, x, R.dequantize(q, torch.float64), bias)
+
+
+def test_symmetric_int4_and_no_bias():
+    x = torch.randn(3, 256).to(torch.bfloat16).to(DEVICE)
+    q = R.quantize(torch.randn(64, 256).to(DEVICE), "int4", ("group", 128), symmetric=True)
+    out = weight_only_mm(x, q.data, q.scale, "int4", 128, 64)
+    assert within_bound(out, x, R.dequantize(q, torch.float64))
+
+
+def test_bad_arguments_are_clear_errors():
+    x = torch.randn(2, 256, dtype=torch.float32, device=DEVICE)
+    q = R.quantize(torch.randn(64, 256, device=DEVICE), "int8", "channel")
+    with pytest.raises(ValueError, match="bf16/fp16 activations"):
+        weight_only_mm(x, q.data, q.scale, "int8", 0, 64)
+    with pytest.raises(ValueError, match="weight codes must be"):
+        weight_only_mm(x.bfloat16(), q.data[:, :128], q.scale, "int8", 0, 64)
