@@ -1,11 +1,13 @@
 """End to end on the GPU: a 4-layer Llama (hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 32000)
-from config, bf16, random weights. Eager, Inductor bf16 and fxquant recipes; first-compile time and latency.
+from config, bf16, random weights. Eager, Inductor bf16, torchao fp8 per-row (when torchao imports) and
+fxquant recipes; first-compile time and latency.
 
 Run: PYTHONPATH=. python bench/e2e.py [--reduce-overhead] [recipe ...]
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 
@@ -27,13 +29,26 @@ def build():
         return LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
 
+def torchao_fp8_row(model):
+    """torchao's Float8DynamicActivationFloat8WeightConfig(PerRow()) on a copy of the model, or None."""
+    try:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+    except Exception as exc:  # torchao is optional: carried to the device as a wheel
+        print("torchao unavailable:", type(exc).__name__, str(exc)[:200])
+        return None
+    quantized = copy.deepcopy(model)
+    quantize_(quantized, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    return quantized
+
+
 def main():
     print(header())
     model = build()
     mode = "reduce-overhead" if "--reduce-overhead" in sys.argv else None
     recipes = [a for a in sys.argv[1:] if not a.startswith("--")] or ["fp8_block", "fp8_row", "int4_wo"]
     print("mode:", mode or "default")
-    paths = {"eager": model, "inductor bf16": None, **{f"fxquant {r}": r for r in recipes}}
+    paths = {"eager": model, "inductor bf16": None, "torchao fp8 row": "torchao",
+             **{f"fxquant {r}": r for r in recipes}}
     inputs = {name: torch.randint(0, 32000, shape, device="cuda") for name, shape in SHAPES.items()}
     rows = []
     with torch.no_grad():
@@ -44,6 +59,11 @@ def main():
                 fn = model
             elif recipe is None:
                 fn = torch.compile(model, mode=mode)
+            elif recipe == "torchao":
+                quantized = torchao_fp8_row(model)
+                if quantized is None:
+                    continue
+                fn = torch.compile(quantized, mode=mode)
             else:
                 fn = torch.compile(model, backend="fxquant", options={"recipe": recipe, "mode": mode})
             for name, ids in inputs.items():

@@ -9,7 +9,8 @@ Two scale layouts:
   (stride 0 for per tensor), applied once in the epilogue, since they are constant along K;
 - block scales (1x128 activations, 128x128 weights): a_scale [M, K/128], b_scale [N/128, K/128], folded into
   the fp32 accumulator at every 128-wide K step, since they change along K.
-M/N/K tails are masked. Tile shapes come from `gemm_configs.py`, tuned per M bucket on the H200.
+M/N/K tails are masked. Tile shapes come from `gemm_configs.py`, tuned per M bucket on the H200. Small M
+splits K across programs (`splitk.py`); the row scales are linear, so each K slice applies them to its partial.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from fxquant.kernels.cast import cast_float, float_cast_mode
 from fxquant.kernels.gemm_configs import fp8_gemm_config
+from fxquant.kernels.splitk import reduce_partials, split_k
 
 SCALE_BLOCK = 128  # the 1x128 / 128x128 scale block
 TORCH_TO_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -27,7 +30,7 @@ TORCH_TO_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.flo
 @triton.jit
 def _fp8_gemm_kernel(
     # pointers
-    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    a_ptr, b_ptr, c_ptr, ws_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
     # sizes
     M, N, K,
     # strides
@@ -35,10 +38,11 @@ def _fp8_gemm_kernel(
     stride_asm, stride_ask, stride_bsn, stride_bsk,
     # meta-parameters
     BLOCK_SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
+    CAST: tl.constexpr, SPLIT_K: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Grouped ordering: GROUP_M row-tiles share each B column-tile while it is hot in L2.
-    pid = tl.program_id(0)
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * num_n)
     first_m = group * GROUP_M
@@ -54,7 +58,12 @@ def _fp8_gemm_kernel(
     mask_m, mask_n = offs_m < M, offs_n < N
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    k_steps = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_steps, SPLIT_K)
+    first_k = pid_k * per_split
+    a_ptrs += first_k * BLOCK_K * stride_ak
+    b_ptrs += first_k * BLOCK_K * stride_bk
+    for k in range(first_k, min(k_steps, first_k + per_split)):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)  # [BM, BK]
         b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < k_left), other=0.0)  # [BK, BN]
@@ -63,6 +72,9 @@ def _fp8_gemm_kernel(
             a_s = tl.load(a_scale_ptr + offs_m * stride_asm + k * stride_ask, mask=mask_m, other=0.0)
             b_s = tl.load(b_scale_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn + k * stride_bsk)
             acc += tl.dot(a, b) * (a_s[:, None] * b_s)
+        elif COMPILER_PROMOTES:
+            # The compiler adds the MMA's partial into an fp32 accumulator every BLOCK_K, keeping wgmma async.
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         else:
             # A fresh dot per K step, added in fp32: Hopper's fp8 MMA accumulates with a short mantissa,
             # so promoting every 128 K keeps the error near fp32's (1e-3 -> 1e-4 relative at K = 4096).
@@ -74,10 +86,14 @@ def _fp8_gemm_kernel(
         a_s = tl.load(a_scale_ptr + offs_m * stride_asm, mask=mask_m, other=0.0)
         b_s = tl.load(b_scale_ptr + offs_n * stride_bsn, mask=mask_n, other=0.0)
         acc = acc * a_s[:, None] * b_s[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(OUT), mask=mask_m[:, None] & mask_n[None, :])
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, cast_float(acc, OUT, CAST), mask=mask_m[:, None] & mask_n[None, :])
+    else:  # an fp32 partial of this K slice; splitk's reduce adds the slices and the bias, and casts
+        ws_ptrs = ws_ptr + pid_k * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(ws_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
 def is_block_scaled(a_scale: torch.Tensor, b_scale: torch.Tensor, N: int) -> bool:
@@ -112,19 +128,24 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
-    cfg = config or fp8_gemm_config(M, N, K, block_scales)
+    cfg = {**fp8_gemm_config(M, N, K, block_scales), **(config or {})}  # config: overrides, e.g. from a sweep
     if block_scales and (cfg["BLOCK_K"] != SCALE_BLOCK or SCALE_BLOCK % cfg["BLOCK_N"]):
         # One activation scale per K step and one weight scale per tile: any other tiling reads wrong scales.
         raise ValueError(f"fxquant: block-scaled fp8 GEMM needs BLOCK_K == {SCALE_BLOCK} and BLOCK_N dividing "
                          f"{SCALE_BLOCK}, got BLOCK_K={cfg['BLOCK_K']} BLOCK_N={cfg['BLOCK_N']}")
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-    _fp8_gemm_kernel[grid](
-        a, b, out, a_scale, b_scale, bias if bias is not None else out,
+    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    split = cfg.get("SPLIT_K") or split_k(tiles, triton.cdiv(K, cfg["BLOCK_K"]), M)
+    ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
+    _fp8_gemm_kernel[(tiles, split)](
+        a, b, out, ws, a_scale, b_scale, bias if bias is not None else out,
         M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         asm, ask, bsn, bsk,
         BLOCK_SCALES=block_scales, SCALE_BLOCK=SCALE_BLOCK, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
+        CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split, COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", False),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if split > 1:
+        reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])
     return out

@@ -2,10 +2,12 @@
 
 import pytest
 import torch
+import triton
 
 from fxquant import reference as R
 from fxquant.kernels.gemm_configs import BUCKET_PROBES
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
+from fxquant.kernels.splitk import split_k
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Relative error against fp64 for fp32 output: the interpreter accumulates in fp32; sm_90's fp8 MMA
@@ -61,3 +63,17 @@ def test_empty_m_and_bad_shapes():
     wide = dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2)
     with pytest.raises(ValueError, match="BLOCK_N dividing 128"):
         fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, None, torch.bfloat16, wide)
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("config", [{}, {"COMPILER_PROMOTES": True}], ids=["split-k", "split-k-compiler-promotes"])
+def test_decode_splits_k_and_stays_exact(scheme, config):
+    M, N, K = 4, 256, 2048  # 8 output tiles of 16 x 32 over 16 K steps: split into 4 slices
+    tiles, steps = triton.cdiv(M, 16) * triton.cdiv(N, 32), K // 128
+    assert split_k(tiles, steps, M) == 4
+    qa, qw = operands(M, N, K, scheme)
+    bias = torch.randn(N, device=DEVICE)
+    out = fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, bias, torch.float32, config=config)
+    assert rel_err(out, qa, qw, bias) < FP32_BOUND
+    again = fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, bias, torch.float32, config=config)
+    assert torch.equal(out, again)  # slices add in a fixed order: the same bits every run
