@@ -3,13 +3,13 @@
 The weight is dequantized in registers, tile by tile; no full-precision copy of it ever exists. Each code is
 turned into a value the activation dtype holds exactly, so the tensor cores multiply exact operands:
 - int8 per channel: the integer code; the channel scale is applied once in the epilogue;
-- int4, groups of 128 along K, with zero point: the integer (q - z); its group's scale is applied to the fp32
-  partial of each K step (BLOCK_K divides the group);
+- int4, groups of 128 along K, with zero point: (q - z) times its group's fp32 scale, rounded once to the
+  activation dtype (the one inexact operand: 2^-9 relative in bf16, far below int4's own step);
 - MXFP4: the e2m1 value times its block's power-of-two E8M0 scale (exact: 2 significant bits);
 - NVFP4: the e2m1 value times its block's e4m3 scale (exact: at most 6 significant bits); the fp32 global
   scale is applied in the epilogue.
-Packed 4-bit weights hold K-pairs per byte (low nibble first): the kernel multiplies even-K and odd-K halves of
-A with the low and high nibbles, so codes are never interleaved in registers.
+Packed 4-bit weights hold K-pairs per byte (low nibble first); the kernel loads them [N, K/2] and interleaves
+the nibbles back into K order in registers.
 Small M splits K across programs (`splitk.py`). K and N tails are masked. Under Triton's interpreter, whose
 bf16 dot is wrong, the dot runs in fp32 on the same exact operands.
 """
@@ -25,7 +25,7 @@ from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.splitk import reduce_partials, split_k
 
 FORMATS = {"int8": 0, "int4": 1, "mxfp4": 2, "nvfp4": 3}
-E8M0_MIN = 2.0**-127  # E8M0 code 0: the one scale whose fp32 value is subnormal
+E8M0_MIN = tl.constexpr(2.0**-127)  # E8M0 code 0: the one scale whose fp32 value is subnormal
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def _e2m1_value(code):
 
 @triton.jit
 def _block_scale(s_ptr, offs_n, k_index, stride_sn, stride_sk, mask, FMT: tl.constexpr):
-    """The per-(n, k-block) scale as fp32: E8M0 (MXFP4) or e4m3 (NVFP4) codes."""
+    """The per-(n, k-block) scales as fp32, from E8M0 (MXFP4) or e4m3 (NVFP4) codes."""
     raw = tl.load(s_ptr + offs_n * stride_sn + k_index * stride_sk, mask=mask, other=0)
     if FMT == 2:
         e = raw.to(tl.int32)
@@ -91,36 +91,35 @@ def _wo_gemm_kernel(
             acc = tl.dot(a, _exact(w, DOT), acc)
     else:
         HALF: tl.constexpr = BLOCK_K // 2
-        offs_p = tl.arange(0, HALF)  # byte index within the K step: K-pair p holds k = 2p (low) and 2p + 1 (high)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_p = tl.arange(0, HALF)  # byte p of a K step holds k = 2p (low nibble) and 2p + 1 (high nibble)
         for step in range(pid_k * per_split, min(k_steps, (pid_k + 1) * per_split)):
+            k = step * BLOCK_K + offs_k
+            a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * stride_am + k[None, :] * stride_ak,
+                        mask=mask_m[:, None] & (k[None, :] < K), other=0.0).to(DOT)  # [BM, BK]
             pair = step * HALF + offs_p
-            k_even = 2 * pair
-            a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
-            a_mask = mask_m[:, None] & (k_even[None, :] < K)
-            a_even = tl.load(a_rows + k_even[None, :] * stride_ak, mask=a_mask, other=0.0).to(DOT)
-            a_odd = tl.load(a_rows + (k_even[None, :] + 1) * stride_ak, mask=a_mask, other=0.0).to(DOT)
-            w_mask = mask_n[None, :] & (k_even[:, None] < K)
-            packed = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + pair[:, None] * stride_wk,
-                             mask=w_mask, other=0).to(tl.int32)  # [HALF, BLOCK_N]
-            lo, hi = packed & 15, packed >> 4
+            packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + pair[None, :] * stride_wk,
+                             mask=mask_n[:, None] & (2 * pair[None, :] < K), other=0).to(tl.int32)  # [BN, HALF]
+            codes = tl.interleave(packed & 15, packed >> 4)  # [BN, BK], in K order
             if FMT == 1:
                 s_index = step * BLOCK_K // GROUP  # BLOCK_K divides GROUP: one group per K step
                 if HAS_ZP:
                     z = tl.load(z_ptr + offs_n * stride_sn + s_index * stride_sk, mask=mask_n, other=0)
-                    lo, hi = lo - z.to(tl.int32)[None, :], hi - z.to(tl.int32)[None, :]
+                    ints = codes - z.to(tl.int32)[:, None]
                 else:  # symmetric: sign-extend the two's-complement nibble
-                    lo, hi = (lo ^ 8) - 8, (hi ^ 8) - 8
-                part = tl.dot(a_even, _exact(lo, DOT)) + tl.dot(a_odd, _exact(hi, DOT))
+                    ints = (codes ^ 8) - 8
                 scale = tl.load(s_ptr + offs_n * stride_sn + s_index * stride_sk, mask=mask_n, other=0.0)
-                acc += part * scale[None, :]
+                # (q - z) * s rounded once to the activation dtype (2^-9 relative in bf16, ~60x finer than the
+                # int4 step), so every K step chains into one MMA accumulator.
+                w = (ints.to(tl.float32) * scale[:, None]).to(DOT)
             else:
-                # Every K-pair lies in one scale block (blocks of 16 or 32 are even): one scale per pair row.
-                scale = _block_scale(s_ptr, offs_n[None, :], (2 * pair[:, None]) // GROUP, stride_sn, stride_sk,
-                                     w_mask, FMT)
-                w_lo = _exact(_e2m1_value(lo) * scale, DOT)
-                w_hi = _exact(_e2m1_value(hi) * scale, DOT)
-                acc = tl.dot(a_even, w_lo, acc)
-                acc = tl.dot(a_odd, w_hi, acc)
+                BLOCKS: tl.constexpr = BLOCK_K // GROUP  # scale blocks per K step (BLOCK_K is a multiple of 16, 32)
+                offs_b = step * BLOCKS + tl.arange(0, BLOCKS)
+                scale = _block_scale(s_ptr, offs_n[:, None], offs_b[None, :], stride_sn, stride_sk,
+                                     mask_n[:, None] & (offs_b[None, :] * GROUP < K), FMT)  # [BN, BLOCKS]
+                values = tl.reshape(_e2m1_value(codes), (BLOCK_N, BLOCKS, GROUP)) * scale[:, :, None]
+                w = _exact(tl.reshape(values, (BLOCK_N, BLOCK_K)), DOT)
+            acc = tl.dot(a, tl.trans(w), acc)
     if FMT == 0:
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0)[None, :]
     if FMT == 3:

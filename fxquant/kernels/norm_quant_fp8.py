@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from fxquant.formats import AMAX_FLOOR, E4M3
 from fxquant.kernels.cast import cast_float, cast_mode
@@ -17,6 +18,15 @@ from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.quant_fp8 import quant_rows
 
 MAX_NORM_DIM = 16384  # one row lives in registers; longer rows run the reference
+
+
+@triton.jit
+def _add_unfused(a, b, CAST: tl.constexpr):
+    """a + b, never contracted with the multiply that made `a` into one FMA: the GPU compiler would round once
+    where torch's separate multiply and add round twice. The interpreter never contracts."""
+    if CAST == 2:
+        return a + b
+    return libdevice.add_rn(a, b)
 
 
 @triton.jit
@@ -52,7 +62,7 @@ def _norm_quant_fp8_kernel(
     if HAS_W:
         n = n * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_B:
-        n = n + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        n = _add_unfused(n, tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32), CAST)
     y = cast_float(n, LP, CAST).to(tl.float32)  # the norm's output in the model's dtype, as quantize sees it
     codes, scale = quant_rows(tl.reshape(y, (BLOCK_D // GROUP, GROUP)), FMAX, FP8, CAST, AMAX_FLOOR)
     tl.store(y_ptr + row * D + cols, tl.reshape(codes, (BLOCK_D,)), mask=mask)
