@@ -19,8 +19,8 @@ from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
 MS = [1, 16, 128, 1024, 4096]
 NKS = [(4096, 4096), (14336, 4096), (4096, 14336)]
 SCHEMES = {"tensor": ("tensor", "tensor"), "row": ("token", "channel"), "block": (("group", 128), ("block", 128, 128))}
-# Row-scaled accumulation variants: promote by hand every K step (default) or let the compiler do it.
-VARIANTS = {"": None, " (compiler promotes)": {"COMPILER_PROMOTES": True}}
+# Row-scaled accumulation variants: the compiler promotes every K step (default) or the kernel does it by hand.
+VARIANTS = {"": None, " (promote by hand)": {"COMPILER_PROMOTES": False}}
 
 
 def operands(m, n, k, scheme):

@@ -2,7 +2,10 @@
 
 Accumulation precision: on sm_90 an fp8 `tl.dot` accumulates in the tensor cores' reduced-precision
 accumulator; every BLOCK_K (128) step is added into the fp32 accumulator, so the imprecise span is 128.
-Measured on an H200: 1.3e-4 relative error against the fp64 product at K = 4096 and 14336.
+Row scales let the compiler do that promotion (`max_num_imprecise_acc`), which keeps the wgmma pipeline
+running; block scales promote by hand, since each K step's partial is scaled anyway. Measured on an H200:
+1.28e-4 relative error against the fp64 product at K = 4096 and 14336 either way, and 780-830 TF/s for the
+compiler's promotion against 410-430 by hand at M >= 1024 (BENCHMARKS.md).
 
 Two scale layouts:
 - row scales (per tensor, per token, per channel): a_scale [M] (stride 0 for per tensor), b_scale [N]
@@ -78,6 +81,7 @@ def _fp8_gemm_kernel(
         else:
             # A fresh dot per K step, added in fp32: Hopper's fp8 MMA accumulates with a short mantissa,
             # so promoting every 128 K keeps the error near fp32's (1e-3 -> 1e-4 relative at K = 4096).
+            # Kept to compare with the compiler's promotion (bench/kernels.py).
             acc += tl.dot(a, b)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -142,7 +146,8 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         asm, ask, bsn, bsk,
         BLOCK_SCALES=block_scales, SCALE_BLOCK=SCALE_BLOCK, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
-        CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split, COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", False),
+        CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split,
+        COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", not block_scales),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
