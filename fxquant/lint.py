@@ -25,7 +25,7 @@ GEMM_TILE = 128  # the fp8 GEMM's K and N tile: a remainder runs masked tail til
 @dataclass(frozen=True)
 class Finding:
     severity: str  # "error", "warning" or "info"
-    kind: str  # "nonfinite_weight", "fp16_weight", "fp8_cast", "fp16_overflow", "skipped", "tail", "upcast"
+    kind: str  # nonfinite_weight, fp16_weight, fp8_cast, fp16_overflow, skipped, tail, upcast, fused_norm
     where: str  # layer or node name
     message: str  # what is wrong and the fix
 
@@ -52,8 +52,9 @@ def lint_graph(gm: torch.fx.GraphModule, example_inputs=None) -> list[Finding]:
     return findings
 
 
-def lint_layers(layers, upcast_nodes) -> list[Finding]:
-    """Findings from what the pipeline did: skipped layers and why, masked tails, reductions moved to fp32."""
+def lint_layers(layers, upcast_nodes, fused_norms=()) -> list[Finding]:
+    """Findings from what the pipeline did: skipped layers and why, masked tails, reductions moved to fp32,
+    norms fused with their fp8 quantizers."""
     findings = []
     for layer in layers:
         if layer.recipe is None:
@@ -64,6 +65,8 @@ def lint_layers(layers, upcast_nodes) -> list[Finding]:
                                     f"of {GEMM_TILE}: its GEMM runs masked tail tiles, a little slower"))
     for name in upcast_nodes:
         findings.append(Finding("info", "upcast", name, "reduction was in bf16/fp16; now in fp32, cast back"))
+    for name in fused_norms:
+        findings.append(Finding("info", "fused_norm", name, "norm and its fp8 quantizers run as one kernel"))
     return findings
 
 

@@ -20,7 +20,10 @@ def format_report(layers, findings=()) -> str:
     upcast = [f.where for f in findings if f.kind == "upcast"]
     if upcast:
         lines.append(f"reductions moved to fp32: {', '.join(upcast)}")
+    fused = [f.where for f in findings if f.kind == "fused_norm"]
+    if fused:
+        lines.append(f"norms fused with their fp8 quantizers: {', '.join(fused)}")
     for finding in findings:
-        if finding.kind not in ("upcast", "skipped"):  # both already shown above
+        if finding.kind not in ("upcast", "skipped", "fused_norm"):  # already shown above
             lines.append(f"{finding.severity}: {finding.where}: {finding.message}")
     return "fxquant report\n" + "\n".join(lines)

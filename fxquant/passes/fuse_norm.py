@@ -104,6 +104,10 @@ def _residual_add(x, norm_out, order):
 
 
 class FuseNorm(PassBase):
+    def __init__(self):
+        super().__init__()
+        self.fused: list[str] = []  # the norm output nodes now computed by a fused op, for the report
+
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         graph, modified = gm.graph, False
         for out in list(graph.nodes):
@@ -137,6 +141,7 @@ class FuseNorm(PassBase):
             for quantizer in quantizers:
                 quantizer.replace_all_uses_with(fused)
                 graph.erase_node(quantizer)
+            self.fused.append(out.name)
             modified = True
         if modified:  # the norm's own nodes are dead now; cleanup drops them
             graph.lint()
