@@ -2,7 +2,7 @@
 from config, bf16, random weights. Eager, Inductor bf16, torchao fp8 per-row (when torchao imports) and
 fxquant recipes; first-compile time and latency.
 
-Run: PYTHONPATH=. python bench/e2e.py [--reduce-overhead] [recipe ...]
+Run: PYTHONPATH=. python bench/e2e.py [--reduce-overhead] [--no-torchao] [recipe ...]
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ def main():
     print("mode:", mode or "default")
     paths = {"eager": model, "inductor bf16": None, "torchao fp8 row": "torchao",
              **{f"fxquant {r}": r for r in recipes}}
+    if "--no-torchao" in sys.argv:  # its first compile takes minutes
+        del paths["torchao fp8 row"]
     inputs = {name: torch.randint(0, 32000, shape, device="cuda") for name, shape in SHAPES.items()}
     rows = []
     with torch.no_grad():
