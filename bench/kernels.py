@@ -117,14 +117,8 @@ def bench() -> list[dict]:
                     results[f"cublas {scheme}"] = (None, f"{type(exc).__name__}: {str(exc)[:40]}")
             lin_sets = rotating(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
                                          operands(1, n, k, "block")[1]), (m * 2 + n) * k)
-            results["fxq linear_fp8 block (quant fused in gemm)"] = (graph_time_ms(
+            results["fxq linear_fp8 block (quant+gemm)"] = (graph_time_ms(
                 lambda x, qw: torch.ops.fxquant.linear_fp8(x, qw.data, qw.scale, None, 128), lin_sets), n * k)
-
-            def unfused(x, qw):
-                a, a_scale = torch.ops.fxquant.quantize_fp8(x, 128)
-                return fp8_scaled_mm(a, a_scale, qw.data, qw.scale, None, torch.bfloat16)
-
-            results["fxq quantize_fp8 then gemm (unfused)"] = (graph_time_ms(unfused, lin_sets), n * k)
             for name, (ms, wbytes) in results.items():
                 if ms is None:
                     rows.append({"M": m, "N": n, "K": k, "impl": name, "us": "-", "TFLOP/s": wbytes,

@@ -127,13 +127,7 @@ def _(a, a_scale, w, w_scale, bias, out_dtype):
 
 @torch.library.custom_op("fxquant::linear_fp8", mutates_args=())
 def linear_fp8(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None, group_size: int) -> Tensor:
-    """F.linear with dynamic e4m3 activations (per token, or 1 x group_size) and a pre-quantized e4m3 weight.
-    On CUDA, 1x128 activations with 128x128 weight blocks are quantized inside the GEMM: one launch, same bits."""
-    if x.is_cuda and group_size == 128 and w_scale.dim() == 2 and 1 < w_scale.shape[0] < w.shape[0]:
-        from fxquant.kernels.gemm_fp8 import fp8_linear_block
-
-        out = fp8_linear_block(x.reshape(-1, x.shape[-1]), w, w_scale, bias, x.dtype)
-        return out.reshape(*x.shape[:-1], w.shape[0])
+    """F.linear with dynamic e4m3 activations (per token, or 1 x group_size) and a pre-quantized e4m3 weight."""
     a, a_scale = quantize_fp8(x, group_size)
     return scaled_mm_fp8(a, a_scale, w, w_scale, bias, x.dtype)
 

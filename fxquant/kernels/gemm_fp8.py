@@ -12,10 +12,8 @@ Two scale layouts:
   (stride 0 for per tensor), applied once in the epilogue, since they are constant along K;
 - block scales (1x128 activations, 128x128 weights): a_scale [M, K/128], b_scale [N/128, K/128], folded into
   the fp32 accumulator at every 128-wide K step, since they change along K.
-`fp8_linear_block` takes bf16/fp16 activations instead and quantizes each 1x128 group in registers at its K
-step (the same ops as `quantize_fp8`): one launch, and the fp8 activations never touch HBM.
-M/N/K tails are masked. Tile shapes come from `gemm_configs.py`, tuned per M bucket on the H200. Small M splits K
-across programs (`splitk.py`); the row scales are linear, so each K slice applies them to its partial.
+M/N/K tails are masked. Tile shapes come from `gemm_configs.py`, tuned per M bucket on the H200. Small M
+splits K across programs (`splitk.py`); the row scales are linear, so each K slice applies them to its partial.
 """
 
 from __future__ import annotations
@@ -24,10 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fxquant.formats import AMAX_FLOOR, E4M3
-from fxquant.kernels.cast import cast_float, cast_mode
+from fxquant.kernels.cast import cast_float, float_cast_mode
 from fxquant.kernels.gemm_configs import fp8_gemm_config
-from fxquant.kernels.quant_fp8 import quant_rows
 from fxquant.kernels.splitk import reduce_partials, split_k
 
 SCALE_BLOCK = 128  # the 1x128 / 128x128 scale block
@@ -45,8 +41,7 @@ def _fp8_gemm_kernel(
     stride_asm, stride_ask, stride_bsn, stride_bsk,
     # meta-parameters
     BLOCK_SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
-    CAST: tl.constexpr, SPLIT_K: tl.constexpr, COMPILER_PROMOTES: tl.constexpr, QUANT_A: tl.constexpr,
-    FMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+    CAST: tl.constexpr, SPLIT_K: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Grouped ordering: GROUP_M row-tiles share each B column-tile while it is hot in L2.
@@ -77,12 +72,7 @@ def _fp8_gemm_kernel(
         b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < k_left), other=0.0)  # [BK, BN]
         if BLOCK_SCALES:
             # BLOCK_K == SCALE_BLOCK: one activation scale per row and one weight scale per tile at this K step.
-            if QUANT_A:
-                # a holds bf16/fp16 activations: each row of this K step is one 1x128 group, quantized here by
-                # the same ops as quantize_fp8, so the fused GEMM computes the unfused one's bits.
-                a, a_s = quant_rows(a.to(tl.float32), FMAX, tl.float8e4nv, CAST, AMAX_FLOOR)
-            else:
-                a_s = tl.load(a_scale_ptr + offs_m * stride_asm + k * stride_ask, mask=mask_m, other=0.0)
+            a_s = tl.load(a_scale_ptr + offs_m * stride_asm + k * stride_ask, mask=mask_m, other=0.0)
             b_s = tl.load(b_scale_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn + k * stride_bsk)
             acc += tl.dot(a, b) * (a_s[:, None] * b_s)
         elif COMPILER_PROMOTES:
@@ -128,40 +118,17 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
                          f"got {tuple(a.shape)} {a.dtype} and {tuple(b.shape)} {b.dtype}")
     block_scales = is_block_scaled(a_scale, b_scale, N)
     if block_scales:
-        _check_block_scales(b_scale, N, K, a_scale, M)
+        kb = triton.cdiv(K, SCALE_BLOCK)
+        want_a, want_b = (M, kb), (triton.cdiv(N, SCALE_BLOCK), kb)
+        if tuple(a_scale.shape) != want_a or tuple(b_scale.shape) != want_b:
+            raise ValueError(f"fxquant: block-scaled fp8 GEMM needs a_scale {want_a} and b_scale {want_b}, got "
+                             f"{tuple(a_scale.shape)} and {tuple(b_scale.shape)}")
         asm, ask = a_scale.stride()
+        bsn, bsk = b_scale.stride()
     else:
         asm = 0 if a_scale.numel() == 1 else a_scale.reshape(-1).stride(0)
-        ask = 0
-    return _launch(a, (asm, ask), a_scale, b, b_scale, bias, out_dtype, config, block_scales, quant_a=False)
-
-
-def fp8_linear_block(x, b, b_scale, bias=None, out_dtype=torch.bfloat16, config=None):
-    """x: [M, K] bf16/fp16 activations, quantized to e4m3 per 1x128 group inside the GEMM; b: [N, K] e4m3 with
-    128x128 block scales b_scale [N/128, K/128]. Returns [M, N] in out_dtype: the same bits as quantize_fp8
-    followed by fp8_scaled_mm, in one launch and without writing the fp8 activations."""
-    M, K = x.shape
-    N = b.shape[0]
-    if b.shape[1] != K or x.dtype not in (torch.bfloat16, torch.float16) or b.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fxquant: fp8_linear_block needs x [M, K] bf16/fp16 and b [N, K] e4m3; got "
-                         f"{tuple(x.shape)} {x.dtype} and {tuple(b.shape)} {b.dtype}")
-    _check_block_scales(b_scale, N, K)
-    return _launch(x, (0, 0), b_scale, b, b_scale, bias, out_dtype, config, block_scales=True, quant_a=True)
-
-
-def _check_block_scales(b_scale, N, K, a_scale=None, M=None):
-    kb = triton.cdiv(K, SCALE_BLOCK)
-    want_b = (triton.cdiv(N, SCALE_BLOCK), kb)
-    if tuple(b_scale.shape) != want_b or (a_scale is not None and tuple(a_scale.shape) != (M, kb)):
-        got = f"{tuple(a_scale.shape)} and " if a_scale is not None else ""
-        raise ValueError(f"fxquant: block-scaled fp8 GEMM needs a_scale {(M, kb)} and b_scale {want_b}, got "
-                         f"{got}{tuple(b_scale.shape)}")
-
-
-def _launch(a, a_scale_strides, a_scale, b, b_scale, bias, out_dtype, config, block_scales, quant_a):
-    M, K = a.shape
-    N = b.shape[0]
-    bsn, bsk = b_scale.stride() if block_scales else (0 if b_scale.numel() == 1 else b_scale.reshape(-1).stride(0), 0)
+        bsn = 0 if b_scale.numel() == 1 else b_scale.reshape(-1).stride(0)
+        ask = bsk = 0
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
@@ -177,11 +144,10 @@ def _launch(a, a_scale_strides, a_scale, b, b_scale, bias, out_dtype, config, bl
         a, b, out, ws, a_scale, b_scale, bias if bias is not None else out,
         M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        *a_scale_strides, bsn, bsk,
+        asm, ask, bsn, bsk,
         BLOCK_SCALES=block_scales, SCALE_BLOCK=SCALE_BLOCK, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
-        CAST=cast_mode(_fp8_gemm_kernel, a.device), SPLIT_K=split,
-        COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", not block_scales), QUANT_A=quant_a,
-        FMAX=E4M3.max, AMAX_FLOOR=AMAX_FLOOR,
+        CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split,
+        COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", not block_scales),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

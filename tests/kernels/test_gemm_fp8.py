@@ -6,8 +6,7 @@ import triton
 
 from fxquant import reference as R
 from fxquant.kernels.gemm_configs import BUCKET_PROBES
-from fxquant.kernels.gemm_fp8 import fp8_linear_block, fp8_scaled_mm
-from fxquant.kernels.quant_fp8 import quantize_fp8_rows
+from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
 from fxquant.kernels.splitk import split_k
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,29 +77,3 @@ def test_decode_splits_k_and_stays_exact(scheme, config):
     assert rel_err(out, qa, qw, bias) < FP32_BOUND
     again = fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, bias, torch.float32, config=config)
     assert torch.equal(out, again)  # slices add in a fixed order: the same bits every run
-
-
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M, N, K", [(1, 256, 2048), (37, 384, 256), (200, 128, 512)], ids=str)
-def test_fused_activation_quant_is_the_unfused_pair_bit_for_bit(M, N, K, out_dtype):
-    """Decode (split-K), medium and large buckets; a NaN row and a zero row ride along."""
-    gen = torch.Generator().manual_seed(M)
-    x = (torch.randn(M, K, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
-    x[M // 2, 5] = float("nan")
-    if M > 2:
-        x[0] = 0
-    qw = R.quantize((torch.randn(N, K, generator=gen) * 0.05).to(DEVICE), "fp8_e4m3", ("block", 128, 128))
-    bias = torch.randn(N, device=DEVICE)
-    fused = fp8_linear_block(x, qw.data, qw.scale, bias, out_dtype)
-    a, a_scale = quantize_fp8_rows(x, 128)
-    unfused = fp8_scaled_mm(a, a_scale, qw.data, qw.scale, bias, out_dtype)
-    assert torch.equal(fused.nan_to_num(123.0), unfused.nan_to_num(123.0))
-    assert torch.isnan(fused[M // 2]).all() and torch.isfinite(fused[[i for i in range(M) if i != M // 2]]).all()
-
-
-def test_fused_activation_quant_refuses_bad_inputs():
-    qw = R.quantize(torch.randn(256, 256, device=DEVICE), "fp8_e4m3", ("block", 128, 128))
-    with pytest.raises(ValueError, match="bf16/fp16"):
-        fp8_linear_block(torch.randn(4, 256, device=DEVICE), qw.data, qw.scale)
-    with pytest.raises(ValueError, match="block-scaled fp8 GEMM needs"):
-        fp8_linear_block(torch.randn(4, 256, device=DEVICE, dtype=torch.bfloat16), qw.data, qw.scale[:1])
