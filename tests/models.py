@@ -46,3 +46,24 @@ def tiny_block(dtype=torch.bfloat16, seed=0):
 
 def rel_err(out, ref):
     return float((out.detach().float() - ref.detach().float()).norm() / ref.detach().float().norm())
+
+
+class ResidualNormMlp(nn.Module):
+    """A Llama MLP sub-block: residual add, RMSNorm, gate/up/down; fuse_norm makes add + norm + quantize one op."""
+
+    def __init__(self, d=256, hidden=512):
+        super().__init__()
+        self.norm = nn.RMSNorm(d, eps=1e-6)
+        self.gate = nn.Linear(d, hidden, bias=False)
+        self.up = nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x, residual):  # x, residual: [B, S, D]
+        h = x + residual
+        n = self.norm(h)
+        return h + self.down(F.silu(self.gate(n)) * self.up(n))
+
+
+def residual_norm_mlp(dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    return ResidualNormMlp().to(dtype).eval()
