@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fxquant.config import RECIPES
 from fxquant.formats import FORMATS
 from fxquant.passes.annotations import annotation, aten, node_dtype, target_of
 from fxquant.passes.quantize_linear import fetch_attr, linear_fqn
@@ -20,12 +21,17 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, tor
 SCALE_OPS = {operator.truediv, operator.mul, torch.div, torch.mul, torch.Tensor.div, torch.Tensor.mul,
              torch.Tensor.__truediv__, torch.Tensor.__mul__, aten.div.Tensor, aten.mul.Tensor}
 GEMM_TILE = 128  # the fp8 GEMM's K and N tile: a remainder runs masked tail tiles
+# Worst-channel weight SQNR below which outliers have made a layer's scales coarse: well under what well-scaled
+# weights get in their worst channel (fp8 ~31 dB, MXFP8's power-of-two scales 24-30, int8 per channel ~40, 4-bit
+# formats ~17-20; all-MiniLM-L6-v2 and random nn.Linear inits), so only a real outlier problem crosses it.
+WEIGHT_SQNR_FLOOR_DB = {"fp8_e4m3": 20.0, "mxfp8": 20.0, "int8": 20.0, "int4": 10.0, "mxfp4": 10.0, "nvfp4": 10.0}
 
 
 @dataclass(frozen=True)
 class Finding:
     severity: str  # "error", "warning" or "info"
-    kind: str  # nonfinite_weight, fp16_weight, fp8_cast, fp16_overflow, skipped, tail, upcast, fused_norm
+    kind: str  # nonfinite_weight, fp16_weight, fp8_cast, fp16_overflow, weight_sqnr, skipped, tail, upcast,
+    # fused_norm
     where: str  # layer or node name
     message: str  # what is wrong and the fix
 
@@ -60,7 +66,16 @@ def lint_layers(layers, upcast_nodes, fused_norms=()) -> list[Finding]:
         if layer.recipe is None:
             severity = "warning" if layer.reason.startswith("alignment") else "info"
             findings.append(Finding(severity, "skipped", layer.fqn, f"stays in high precision: {layer.reason}"))
-        elif len(layer.shape) == 2 and (layer.shape[0] % GEMM_TILE or layer.shape[1] % GEMM_TILE):
+            continue
+        fmt = RECIPES[layer.recipe].weight_fmt
+        worst = layer.worst_row_sqnr
+        if worst is not None and worst < WEIGHT_SQNR_FLOOR_DB[fmt]:
+            findings.append(Finding("warning", "weight_sqnr", layer.fqn, f"an output channel's weight SQNR is "
+                                    f"{worst:.1f} dB under {layer.recipe}, far below what {fmt} keeps for a "
+                                    f"well-scaled weight (floor {WEIGHT_SQNR_FLOOR_DB[fmt]:g} dB): outliers make its "
+                                    "scales coarse (or, with power-of-two MX scales, clip it). Fix: fp8_row or "
+                                    "fp8_block, or skip this layer"))
+        if len(layer.shape) == 2 and (layer.shape[0] % GEMM_TILE or layer.shape[1] % GEMM_TILE):
             findings.append(Finding("info", "tail", layer.fqn, f"[N, K] = {list(layer.shape)} is not a multiple "
                                     f"of {GEMM_TILE}: its GEMM runs masked tail tiles, a little slower"))
     for name in upcast_nodes:

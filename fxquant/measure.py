@@ -6,7 +6,6 @@ quantize pass inserts (through `emit_linear`), so what is measured is what runs.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 
 from fxquant import reference as R
 from fxquant.config import AUTO, AUTO_LADDER, KEEP, RECIPES, QuantConfig
+from fxquant.metrics import sqnr_db
 from fxquant.passes.annotations import annotation, node_dtype
 from fxquant.passes.quantize_linear import (
     alignment_reason,
@@ -40,16 +40,6 @@ class LayerError:
     act_sqnr: float | None = None
     out_sqnr: float | None = None
     chosen_by_auto: bool = False  # recipe="auto" picked this recipe (or, with recipe None, found none)
-
-
-def sqnr_db(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    """10 log10(|exact|^2 / |approx - exact|^2), in fp64; NaN when either side is not finite."""
-    exact, approx = exact.detach().double(), approx.detach().double()
-    noise = (approx - exact).pow(2).sum()
-    signal = exact.pow(2).sum()
-    if not (torch.isfinite(noise) and torch.isfinite(signal)):
-        return math.nan
-    return math.inf if noise == 0 else float(10 * torch.log10(signal / noise))
 
 
 def for_each_linear(gm: torch.fx.GraphModule, example_inputs, fn: Callable) -> None:

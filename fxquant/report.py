@@ -1,4 +1,5 @@
-"""The per-layer report: name, shape, scheme or why skipped, bytes before and after, and the lint's findings."""
+"""The per-layer report: name, shape, scheme or why skipped, bytes before and after, weight SQNR, and the lint's
+findings."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ from fxquant.config import RECIPES
 
 
 def format_report(layers, findings=()) -> str:
-    rows = [("layer", "shape [N, K]", "scheme", "bytes before", "bytes after")]
+    rows = [("layer", "shape [N, K]", "scheme", "bytes before", "bytes after", "weight SQNR dB (worst channel)")]
     for layer in layers:
         scheme = f"{layer.recipe} ({RECIPES[layer.recipe]})" if layer.recipe else f"skipped: {layer.reason}"
+        sqnr = "-" if layer.weight_sqnr is None else f"{layer.weight_sqnr:.1f} ({layer.worst_row_sqnr:.1f})"
         rows.append((layer.fqn, "x".join(map(str, layer.shape)), scheme, f"{layer.bytes_before:,}",
-                     f"{layer.bytes_after:,}"))
+                     f"{layer.bytes_after:,}", sqnr))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     before = sum(layer.bytes_before for layer in layers)

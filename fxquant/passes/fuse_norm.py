@@ -18,6 +18,7 @@ an ulp of the model's dtype in a few elements.
 from __future__ import annotations
 
 import operator
+import re
 
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
@@ -103,10 +104,19 @@ def _residual_add(x, norm_out, order):
     return a, b
 
 
+def _module_name(node) -> str:
+    """The norm module's name (L['self'].layers[0].norm or L['args'][0].layers[0].norm -> layers.0.norm)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return node.name
+    path = re.sub(r"\[(\d+)\]", r".\1", list(stack.values())[-1][0])
+    return re.sub(r"^L\['\w+'\](\.\d+)?\.?", "", path) or node.name  # drop the local holding the model
+
+
 class FuseNorm(PassBase):
     def __init__(self):
         super().__init__()
-        self.fused: list[str] = []  # the norm output nodes now computed by a fused op, for the report
+        self.fused: list[str] = []  # the norms now computed by a fused op (module names), for the report
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         graph, modified = gm.graph, False
@@ -141,7 +151,7 @@ class FuseNorm(PassBase):
             for quantizer in quantizers:
                 quantizer.replace_all_uses_with(fused)
                 graph.erase_node(quantizer)
-            self.fused.append(out.name)
+            self.fused.append(_module_name(norm_node if target_of(norm_node) in RMS_NORM | LAYER_NORM else out))
             modified = True
         if modified:  # the norm's own nodes are dead now; cleanup drops them
             graph.lint()

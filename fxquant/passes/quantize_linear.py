@@ -21,6 +21,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant import reference as R
 from fxquant.config import KEEP, RECIPES, LinearScheme, QuantConfig
+from fxquant.metrics import sqnr_db, worst_row_sqnr_db
 from fxquant.passes.annotations import annotation, node_dtype
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -37,6 +38,8 @@ class LayerRecord:
     reason: str  # why skipped, or ""
     bytes_before: int
     bytes_after: int
+    weight_sqnr: float | None = None  # dB, the quantized weight against the original
+    worst_row_sqnr: float | None = None  # dB, its lowest output channel
     source: torch.Tensor | None = None
     version: int = 0
     buffers: tuple[str, ...] = ()
@@ -110,7 +113,9 @@ class QuantizeLinear(PassBase):
             out.meta.update(node.meta)
             node.replace_all_uses_with(out)
             gm.graph.erase_node(node)
-            self.layers.append(LayerRecord(fqn, shape, recipe, "", before, q.nbytes, w, w._version, tuple(names)))
+            w_hat = R.dequantize(q, torch.float32)
+            self.layers.append(LayerRecord(fqn, shape, recipe, "", before, q.nbytes, sqnr_db(w_hat, w),
+                                           worst_row_sqnr_db(w_hat, w), w, w._version, tuple(names)))
             modified = True
         if modified:
             gm.graph.lint()
