@@ -1,12 +1,16 @@
 """An HF LlamaForCausalLM from a config (random weights, nothing downloaded) through backend="fxquant" on the CPU:
 every recipe with fullgraph=True, the hand-written RMSNorms fused with their quantizers, one compile for every shape."""
 
+from collections import Counter
+
 import pytest
 import torch
 from models import rel_err
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fxquant.config import RECIPES
+import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
+from fxquant.config import RECIPES, QuantConfig
+from fxquant.passes import run_pipeline
 
 LAYERS = 2
 # Logits error against eager bf16. A random-weight Llama amplifies quantization noise through its layers (torchao's
@@ -62,3 +66,20 @@ def test_inductor_lowers_the_fused_graph(llama):
     with torch.no_grad():
         logits = torch.compile(model, backend="fxquant", options={"recipe": "fp8_block"})(ids, use_cache=False).logits
         assert rel_err(logits, model(ids, use_cache=False).logits) < 0.15
+
+
+def test_every_residual_add_joins_the_norm_after_it(llama):
+    """Layer 0's first norm reads the embeddings; every later norm reads a residual add, which joins it."""
+    model, ids = llama
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(run_pipeline(gm, QuantConfig(recipe="fp8_block"), inputs).gm)
+        return graphs[-1].forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend, fullgraph=True)(ids, use_cache=False)
+    targets = Counter(node.target for node in graphs[0].graph.nodes)
+    assert targets[torch.ops.fxquant.add_norm_quant_fp8.default] == 2 * LAYERS - 1
+    assert targets[torch.ops.fxquant.norm_quant_fp8.default] == 1

@@ -30,6 +30,7 @@ from fxquant.passes.detect import ADD, MEAN, RSQRT
 QUANTIZE = torch.ops.fxquant.quantize_fp8.default
 CASTS = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.type, aten._to_copy.default}
 MUL = {torch.mul, torch.Tensor.mul, aten.mul.Tensor, operator.mul}
+VALUE_META = ("val", "example_value", "tensor_meta")
 FP32_EPS = torch.finfo(torch.float32).eps  # eps=None: torch's norms then use the fp32 compute dtype's eps
 
 
@@ -141,6 +142,9 @@ class FuseNorm(PassBase):
                     fused = graph.call_function(torch.ops.fxquant.add_norm_quant_fp8.default,
                                                 (*residual, weight, bias, float(eps), group, rms))
                     summed = graph.call_function(operator.getitem, (fused, 2))
+                    # The sum is x itself, recomputed: its shape and dtype records carry over (a later fusion
+                    # of the next norm reads them).
+                    summed.meta.update({k: v for k, v in x.meta.items() if k in VALUE_META})
                     # Users after the norm read the fused sum; the norm's own nodes go dead with it.
                     after = order[out]
                     x.replace_all_uses_with(summed, delete_user_cb=lambda user, after=after, order=order:
