@@ -195,3 +195,29 @@ def test_large_m_never_dequantizes_a_whole_weight_or_activation(monkeypatch):
     monkeypatch.setattr(R, "dequantize", dequantize)
     exact = x.double() @ R.dequantize(qw, torch.float64).T
     assert rel_err(out, exact) < 1e-2 and fp8_out.shape == (m, chunk)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8_block", "int4_wo"])
+def test_large_m_on_the_gpu_allocates_only_codes_and_outputs(recipe):
+    """At M = 16384 the extra device memory is the fp8 codes and scales (fp8 recipes) and the output: no fp32
+    copy of the activation or of the weight."""
+    m, k, n = 16384, 4096, 4096
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda") * 0.02
+    if recipe == "fp8_block":
+        q = fxquant.quantize(w, "fp8_e4m3", ("block", 128, 128))
+        call = lambda: fxquant.ops.linear_fp8(x, q.data, q.scale, None, 128)
+        expected = m * k + m * (k // 128) * 4 + m * n * 2  # codes, scales, bf16 output
+    else:
+        q = fxquant.quantize(w, "int4", ("group", 128))
+        call = lambda: fxquant.ops.linear_weight_only(x, q.data, q.scale, None, q.zero_point, None, "int4", 128, n)
+        expected = m * n * 2
+    call()  # compile and warm up outside the measurement
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = call()
+    torch.cuda.synchronize()
+    assert out.shape == (m, n)
+    assert torch.cuda.max_memory_allocated() - base <= expected + 2**20  # 1 MiB for split-K partials and the like
