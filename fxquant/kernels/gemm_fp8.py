@@ -22,9 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fxquant.kernels.cast import cast_float, float_cast_mode
+from fxquant.kernels.cast import float_cast_mode
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.splitk import reduce_partials, split_k
+from fxquant.kernels.tiles import grouped_tile, k_steps_of, store_tile
 
 SCALE_BLOCK = 128  # the 1x128 / 128x128 scale block
 TORCH_TO_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -44,14 +45,8 @@ def _fp8_gemm_kernel(
     CAST: tl.constexpr, SPLIT_K: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Grouped ordering: GROUP_M row-tiles share each B column-tile while it is hot in L2.
-    pid, pid_k = tl.program_id(0), tl.program_id(1)
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    pid_k = tl.program_id(1)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -61,12 +56,10 @@ def _fp8_gemm_kernel(
     mask_m, mask_n = offs_m < M, offs_n < N
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_steps = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_steps, SPLIT_K)
-    first_k = pid_k * per_split
+    first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
     a_ptrs += first_k * BLOCK_K * stride_ak
     b_ptrs += first_k * BLOCK_K * stride_bk
-    for k in range(first_k, min(k_steps, first_k + per_split)):
+    for k in range(first_k, last_k):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)  # [BM, BK]
         b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < k_left), other=0.0)  # [BK, BN]
@@ -90,14 +83,8 @@ def _fp8_gemm_kernel(
         a_s = tl.load(a_scale_ptr + offs_m * stride_asm, mask=mask_m, other=0.0)
         b_s = tl.load(b_scale_ptr + offs_n * stride_bsn, mask=mask_n, other=0.0)
         acc = acc * a_s[:, None] * b_s[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(c_ptrs, cast_float(acc, OUT, CAST), mask=mask_m[:, None] & mask_n[None, :])
-    else:  # an fp32 partial of this K slice; splitk's reduce adds the slices and the bias, and casts
-        ws_ptrs = ws_ptr + pid_k * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(ws_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+    store_tile(acc, c_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, pid_k,
+               HAS_BIAS, SPLIT_K, OUT, CAST)
 
 
 def is_block_scaled(a_scale: torch.Tensor, b_scale: torch.Tensor, N: int) -> bool:

@@ -20,9 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fxquant.kernels.cast import cast_float, float_cast_mode, interpreting
+from fxquant.kernels.cast import float_cast_mode, interpreting
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.splitk import reduce_partials, split_k
+from fxquant.kernels.tiles import grouped_tile, k_steps_of, store_tile
 
 FORMATS = {"int8": 0, "int4": 1, "mxfp4": 2, "nvfp4": 3}
 E8M0_MIN = tl.constexpr(2.0**-127)  # E8M0 code 0: the one scale whose fp32 value is subnormal
@@ -67,22 +68,16 @@ def _wo_gemm_kernel(
     DOT: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid, pid_k = tl.program_id(0), tl.program_id(1)
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    pid_k = tl.program_id(1)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m, mask_n = offs_m < M, offs_n < N
-    k_steps = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_steps, SPLIT_K)
+    first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if FMT == 0:
         offs_k = tl.arange(0, BLOCK_K)
-        for step in range(pid_k * per_split, min(k_steps, (pid_k + 1) * per_split)):
+        for step in range(first_k, last_k):
             k = step * BLOCK_K + offs_k
             a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * stride_am + k[None, :] * stride_ak,
                         mask=mask_m[:, None] & (k[None, :] < K), other=0.0).to(DOT)
@@ -93,7 +88,7 @@ def _wo_gemm_kernel(
         HALF: tl.constexpr = BLOCK_K // 2
         offs_k = tl.arange(0, BLOCK_K)
         offs_p = tl.arange(0, HALF)  # byte p of a K step holds k = 2p (low nibble) and 2p + 1 (high nibble)
-        for step in range(pid_k * per_split, min(k_steps, (pid_k + 1) * per_split)):
+        for step in range(first_k, last_k):
             k = step * BLOCK_K + offs_k
             a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * stride_am + k[None, :] * stride_ak,
                         mask=mask_m[:, None] & (k[None, :] < K), other=0.0).to(DOT)  # [BM, BK]
@@ -124,19 +119,14 @@ def _wo_gemm_kernel(
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0)[None, :]
     if FMT == 3:
         acc = acc * tl.load(gs_ptr)
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(c_ptrs, cast_float(acc, OUT, CAST), mask=mask_m[:, None] & mask_n[None, :])
-    else:
-        ws_ptrs = ws_ptr + pid_k * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(ws_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+    store_tile(acc, c_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, pid_k,
+               HAS_BIAS, SPLIT_K, OUT, CAST)
 
 
-def wo_gemm_config(M: int, fmt: str) -> dict:
-    """Tiles by M bucket. Decode streams the weight with narrow N tiles (and split-K); larger M reuses tiles.
-    BLOCK_K divides int4's group of 128 and is a multiple of every 4-bit block (16, 32)."""
+def wo_gemm_config(M: int) -> dict:
+    """Tiles by M bucket, chosen by reasoning, not yet swept on the H200: decode streams the weight with narrow N
+    tiles (and split-K); larger M reuses tiles. BLOCK_K divides int4's group of 128 and is a multiple of every
+    4-bit block (16, 32)."""
     if M <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
     if M <= 128:
@@ -156,7 +146,7 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
     if w.shape != (N, K // 2 if packed else K) or (packed and K % 2):
         raise ValueError(f"fxquant: {fmt} weight codes must be [N={N}, K{'/2' if packed else ''}] for a [M, K={K}], "
                          f"got {tuple(w.shape)}")
-    cfg = config or wo_gemm_config(M, fmt)
+    cfg = config or wo_gemm_config(M)
     if fmt == "int4" and group % cfg["BLOCK_K"]:
         raise ValueError(f"fxquant: int4 groups of {group} need BLOCK_K dividing them, got {cfg['BLOCK_K']}")
     scale = w_scale.view(torch.uint8) if fmt in ("mxfp4", "nvfp4") else w_scale
