@@ -20,8 +20,8 @@ class QuantizedCallable:
     buffers, with one warning per compile; stale quantized weights are never used silently.
     """
 
-    def __init__(self, compiled, result: PipelineResult, config):
-        self.compiled, self.result, self.config = compiled, result, config
+    def __init__(self, compiled, result: PipelineResult):
+        self.compiled, self.result = compiled, result
         self.tracked = [layer for layer in result.layers if layer.source is not None]
         self.warned = False
 
@@ -68,7 +68,7 @@ def fxquant(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None
         if mode in ("max-autotune", "max-autotune-no-cudagraphs"):
             patches.update({"max_autotune": True})
         compiled = compile_fx(result.gm, example_inputs, config_patches=patches)
-    return QuantizedCallable(compiled, result, config)
+    return QuantizedCallable(compiled, result)
 
 
 # Installed packages name the backend through the `torch_dynamo_backends` entry point, which dynamo loads

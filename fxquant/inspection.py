@@ -11,6 +11,7 @@ from fxquant.capability import check_config, graph_device, usable_recipes
 from fxquant.config import QuantConfig, from_options
 from fxquant.measure import LayerError, measure_graph, resolve_auto
 from fxquant.passes import prepare
+from fxquant.report import format_rows
 
 
 @dataclass
@@ -25,9 +26,7 @@ class InspectReport:
         for m in self.layers:
             rows.append((m.fqn, "x".join(map(str, m.shape)), m.recipe or f"skipped: {m.reason}",
                          _db(m.weight_sqnr), _db(m.act_sqnr), _db(m.out_sqnr)))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
-        return "fxquant inspect (SQNR in dB against an fp32 shadow of each layer)\n" + "\n".join(lines)
+        return "fxquant inspect (SQNR in dB against an fp32 shadow of each layer)\n" + "\n".join(format_rows(rows))
 
     def __str__(self) -> str:
         return self.table()

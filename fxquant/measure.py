@@ -60,18 +60,18 @@ def for_each_linear(gm: torch.fx.GraphModule, example_inputs, fn: Callable) -> N
         Recorder(gm).run(*example_inputs)
 
 
-def quantized_linear(w: torch.Tensor, bias: torch.Tensor | None, recipe: str, out_dtype) -> torch.fx.GraphModule:
-    """linear(x, w, bias) under `recipe`, as the quantize pass would emit it, in a one-layer graph module."""
+def quantized_linear(q, bias: torch.Tensor | None, recipe: str, out_dtype) -> torch.fx.GraphModule:
+    """linear(x, w, bias) under `recipe`, with q = quantize_weight(w, recipe), as the quantize pass would emit it,
+    in a one-layer graph module."""
     root, graph = torch.nn.Module(), torch.fx.Graph()
     x = graph.placeholder("x")
-    q = quantize_weight(w, recipe)
     consts = []
     for name, tensor in (("data", q.data), ("scale", q.scale), ("global_scale", q.global_scale),
                          ("zero_point", q.zero_point), ("bias", bias)):
         if tensor is not None:
             root.register_buffer(name, tensor)
         consts.append(graph.get_attr(name) if tensor is not None else None)
-    out = emit_linear(graph, RECIPES[recipe], x, consts[:4], consts[4], tuple(w.shape), out_dtype)
+    out = emit_linear(graph, RECIPES[recipe], x, consts[:4], consts[4], tuple(q.shape), out_dtype)
     graph.output(out)
     return torch.fx.GraphModule(root, graph)
 
@@ -93,7 +93,7 @@ def measure(fqn: str, x: torch.Tensor, w: torch.Tensor, bias, recipe: str, out_d
     w_sqnr = sqnr_db(R.dequantize(q, torch.float32), w)
     # The shadow: the same layer in fp32 on the same input, so only this layer's quantization is measured.
     shadow = F.linear(x.float(), w.float(), None if bias is None else bias.float())
-    out = quantized_linear(w, bias, recipe, out_dtype)(x)
+    out = quantized_linear(q, bias, recipe, out_dtype)(x)
     return LayerError(fqn, tuple(w.shape), recipe, "", w_sqnr, _act_sqnr(x, recipe), sqnr_db(out, shadow))
 
 

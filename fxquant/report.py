@@ -6,6 +6,12 @@ from __future__ import annotations
 from fxquant.config import RECIPES
 
 
+def format_rows(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows of strings as left-aligned columns."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+
+
 def format_report(layers, findings=()) -> str:
     rows = [("layer", "shape [N, K]", "scheme", "bytes before", "bytes after", "weight SQNR dB (worst channel)")]
     for layer in layers:
@@ -13,8 +19,7 @@ def format_report(layers, findings=()) -> str:
         sqnr = "-" if layer.weight_sqnr is None else f"{layer.weight_sqnr:.1f} ({layer.worst_row_sqnr:.1f})"
         rows.append((layer.fqn, "x".join(map(str, layer.shape)), scheme, f"{layer.bytes_before:,}",
                      f"{layer.bytes_after:,}", sqnr))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    lines = format_rows(rows)
     before = sum(layer.bytes_before for layer in layers)
     after = sum(layer.bytes_after for layer in layers)
     lines.append(f"linear weights: {before:,} -> {after:,} bytes"
