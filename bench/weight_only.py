@@ -1,10 +1,13 @@
 """Weight-only GEMMs and the fused norm -> fp8 on the GPU: correctness first, then time against bf16 torch.mm
 (cuBLAS) and the unfused norm + quantize, measured in the same process.
 
-Run: PYTHONPATH=. python bench/weight_only.py
+Run: PYTHONPATH=. python bench/weight_only.py [--sweep]
 """
 
 from __future__ import annotations
+
+import itertools
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +29,9 @@ def quantized_weight(n, k, fmt):
     return R.quantize(w, fmt, gran) if gran else R.quantize(w, fmt)
 
 
-def run(x, q, fmt):
+def run(x, q, fmt, config=None):
     return weight_only_mm(x, q.data, q.scale, fmt, FORMATS[fmt][1], q.shape[0], zero_point=q.zero_point,
-                          global_scale=q.global_scale)
+                          global_scale=q.global_scale, config=config)
 
 
 def check() -> list[dict]:
@@ -57,6 +60,47 @@ def bench_gemms(ceiling) -> list[dict]:
                                               _copy(q)), q.nbytes + m * k * 2)
                 ms = graph_time_ms(lambda x, q, f=fmt: run(x, q, f), wsets)
                 rows.append(_row(m, n, k, f"fxq {fmt}", ms, bf16, q.nbytes, ceiling))
+    return rows
+
+
+def sweep_candidates(m):
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB", "UNPACK", "programs")
+    if m <= 16:
+        grid = itertools.product([16], [32, 64, 128], [128], [1], [4], [4], [False, True], [0, 1], [264, 1056])
+    else:
+        grid = [(bm, bn, bk, 8, w, 3, False, u, 264) for bm, bn, w in [(128, 128, 8), (128, 128, 4), (64, 128, 4),
+                                                                       (128, 256, 8)]
+                for bk in (64, 128) for u in (0, 1)]
+    return [dict(zip(keys, values, strict=True)) for values in grid]
+
+
+def timed(m, n, k, fmt, cfg):
+    q = quantized_weight(n, k, fmt)
+    sets = rotating(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16), _copy(q)), q.nbytes + m * k * 2)
+    return graph_time_ms(lambda x, q: run(x, q, fmt, cfg), sets), q.nbytes
+
+
+def sweep(ceiling) -> list[dict]:
+    """Every candidate on the widest shape, then the five best of each on the other shapes and M."""
+    rows = []
+    for fmt, m_probe in itertools.product(("int4", "mxfp4", "int8"), (16, 1024)):
+        ranked = []
+        for cfg in sweep_candidates(m_probe):
+            if fmt == "int8" and cfg["UNPACK"]:  # int8 codes are not packed
+                continue
+            try:
+                ranked.append((timed(m_probe, 14336, 4096, fmt, cfg)[0], cfg))
+            except Exception as exc:  # a config the compiler rejects (shared memory, registers) is skipped
+                print("  skip", fmt, cfg, type(exc).__name__, flush=True)
+        ranked.sort(key=lambda r: r[0])
+        for ms, cfg in ranked[:8]:
+            print(f"  {fmt} M={m_probe} 14336x4096 {ms * 1e3:.1f} us {cfg}", flush=True)
+        for (n, k), m in itertools.product(NKS, (1, 16) if m_probe == 16 else (1024, 4096)):
+            best = min((timed(m, n, k, fmt, cfg) + (cfg,) for _, cfg in ranked[:5]), key=lambda r: r[0])
+            rows.append({"format": fmt, "M": m, "N": n, "K": k, "us": f"{best[0] * 1e3:.1f}",
+                         "% copy": f"{100 * best[1] / best[0] / 1e6 / ceiling:.0f}",
+                         "best": " ".join(f"{key}={v}" for key, v in best[2].items())})
+            print(rows[-1], flush=True)
     return rows
 
 
@@ -99,6 +143,9 @@ def main():
     print(table(check()))
     ceiling = copy_bandwidth_gbs()
     print(f"copy ceiling (read+write): {ceiling:.0f} GB/s")
+    if "--sweep" in sys.argv:
+        print(table(sweep(ceiling)))
+        return
     print(table(bench_norm(ceiling)))
     print(table(bench_gemms(ceiling)))
 

@@ -16,12 +16,13 @@ from fxquant.kernels.cast import cast_float, float_cast_mode
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs) keep loads in flight while one waits
 
 
-def split_k(tiles: int, k_steps: int, M: int) -> int:
-    """Slices of K for a grid of `tiles` output tiles and `k_steps` BLOCK_K steps: 1 above decode sizes."""
-    if M > 16 or tiles >= TARGET_PROGRAMS:
+def split_k(tiles: int, k_steps: int, M: int, programs: int = TARGET_PROGRAMS) -> int:
+    """Slices of K for a grid of `tiles` output tiles and `k_steps` BLOCK_K steps, aiming at `programs` programs:
+    1 above decode sizes."""
+    if M > 16 or tiles >= programs:
         return 1
     split = 1
-    while tiles * split * 2 <= TARGET_PROGRAMS and k_steps // (split * 2) >= 4:  # keep >= 4 K steps per slice
+    while tiles * split * 2 <= programs and k_steps // (split * 2) >= 4:  # keep >= 4 K steps per slice
         split *= 2
     return split
 
