@@ -64,13 +64,12 @@ def bench_gemms(ceiling) -> list[dict]:
 
 
 def sweep_candidates(m):
-    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB", "UNPACK", "programs")
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB", "programs")
     if m <= 16:
-        grid = itertools.product([16], [32, 64, 128], [128], [1], [4], [4], [False, True], [0, 1], [264, 1056])
+        grid = itertools.product([16], [32, 64, 128], [128], [1], [4], [3, 5], [False, True], [264, 1056])
     else:
-        grid = [(bm, bn, bk, 8, w, 3, False, u, 264) for bm, bn, w in [(128, 128, 8), (128, 128, 4), (64, 128, 4),
-                                                                       (128, 256, 8)]
-                for bk in (64, 128) for u in (0, 1)]
+        grid = [(bm, bn, 128, 8, w, s, False, 264) for bm, bn, w in [(128, 128, 8), (128, 128, 4), (64, 128, 4),
+                                                                     (128, 256, 8)] for s in (3, 4)]
     return [dict(zip(keys, values, strict=True)) for values in grid]
 
 
@@ -86,8 +85,6 @@ def sweep(ceiling) -> list[dict]:
     for fmt, m_probe in itertools.product(("int4", "mxfp4", "int8"), (16, 1024)):
         ranked = []
         for cfg in sweep_candidates(m_probe):
-            if fmt == "int8" and cfg["UNPACK"]:  # int8 codes are not packed
-                continue
             try:
                 ranked.append((timed(m_probe, 14336, 4096, fmt, cfg)[0], cfg))
             except Exception as exc:  # a config the compiler rejects (shared memory, registers) is skipped

@@ -3,15 +3,16 @@
 The weight is dequantized in registers, tile by tile; no full-precision copy of it ever exists. Each code is
 turned into a value the activation dtype holds exactly, so the tensor cores multiply exact operands:
 - int8 per channel: the integer code; the channel scale is applied once in the epilogue;
-- int4, groups of 128 along K, with zero point: (q - z) times its group's fp32 scale, rounded once to the
-  activation dtype (the one inexact operand: 2^-9 relative in bf16, far below int4's own step);
+- int4, groups of 128 along K, with zero point: the integer q - z, built from bits (no int -> float
+  conversions); the group's fp32 scale multiplies the step's fp32 partial sum;
 - MXFP4: the e2m1 value times its block's power-of-two E8M0 scale (exact: 2 significant bits);
 - NVFP4: the e2m1 value times its block's e4m3 scale (exact: at most 6 significant bits); the fp32 global
   scale is applied in the epilogue.
-Packed 4-bit weights hold K-pairs per byte (low nibble first); the kernel loads them [N, K/2] and interleaves
-the nibbles back into K order in registers.
-Small M splits K across programs (`splitk.py`). K and N tails are masked. Under Triton's interpreter, whose
-bf16 dot is wrong, the dot runs in fp32 on the same exact operands.
+Packed 4-bit weights hold K-pairs per byte (low nibble first); the kernel reads them as int32 words of 8 codes
+(4-bit K must be a multiple of 8) and splits each word in the thread that loaded it.
+Small M splits K across programs (`splitk.py`) and may swap the operands (N on the MMA's M side). K and N
+tails are masked. Under Triton's interpreter, whose bf16 dot is wrong, the dot runs in fp32 on the same exact
+operands.
 """
 
 from __future__ import annotations
@@ -58,21 +59,51 @@ def _block_scale(s_ptr, offs_n, k_index, stride_sn, stride_sk, mask, FMT: tl.con
 
 
 @triton.jit
-def _nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, stride_wk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             UNPACK: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] 4-bit codes of one K step, in K order, as int32 (byte p holds k = 2p in its low
-    nibble and 2p + 1 in its high one)."""
-    if UNPACK == 0:  # load each byte once, interleave its nibbles in registers
-        HALF: tl.constexpr = BLOCK_K // 2
-        pair = step * HALF + tl.arange(0, HALF)
-        packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + pair[None, :] * stride_wk,
-                         mask=mask_n[:, None] & (2 * pair[None, :] < K), other=0).to(tl.int32)
-        return tl.interleave(packed & 15, packed >> 4)
-    else:  # load each byte for both of its k, shift by the k's parity
-        k = step * BLOCK_K + tl.arange(0, BLOCK_K)
-        packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k // 2)[None, :] * stride_wk,
-                         mask=mask_n[:, None] & (k[None, :] < K), other=0).to(tl.int32)
-        return (packed >> ((k & 1) * 4)[None, :]) & 15
+def _nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] 4-bit codes of one K step, in K order, as int32. Packed rows are read as int32 words
+    (nibble j of a little-endian word is code j of its 8), then split with joins, which keep each word's 8 codes
+    in one thread: k = 4 * b2 + 2 * b1 + b0, and each join adds the next lower bit as the fastest dimension."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    word = step * WORDS + tl.arange(0, WORDS)
+    mask = mask_n[:, None] if EVEN_K else mask_n[:, None] & (word[None, :] * 8 < K)
+    packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + word[None, :], mask=mask, other=0)
+    even = tl.join(tl.join(packed & 15, (packed >> 16) & 15), tl.join((packed >> 8) & 15, (packed >> 24) & 15))
+    odd = tl.join(tl.join((packed >> 4) & 15, (packed >> 20) & 15), tl.join((packed >> 12) & 15, (packed >> 28) & 15))
+    return tl.reshape(tl.join(even, odd), (offs_n.shape[0], BLOCK_K))
+
+
+@triton.jit
+def _offset_int(n, DOT: tl.constexpr):
+    """OFFSET + n exactly in DOT for 0 <= n < 16, with no int -> float conversion: n ORed into the mantissa of a
+    power of two whose ulp is 1 (OFFSET = 2^7 in bf16, 2^10 in fp16, 2^23 in fp32). A difference of two such
+    values is the exact difference of the integers."""
+    if DOT == tl.bfloat16:
+        value = (n | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    elif DOT == tl.float16:
+        value = (n | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        value = _biased(n)
+    return value
+
+
+@triton.jit
+def _zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """A zero fp32 accumulator, [BLOCK_N, BLOCK_M] when swapped."""
+    if SWAP_AB:
+        zeros = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return zeros
+
+
+@triton.jit
+def _mma(a, w, acc, SWAP_AB: tl.constexpr):
+    """acc + a @ w.T, or its transpose with N on the MMA's M side (for M too small to fill it)."""
+    if SWAP_AB:
+        acc = tl.dot(w, tl.trans(a), acc)
+    else:
+        acc = tl.dot(a, tl.trans(w), acc)
+    return acc
 
 
 @triton.jit
@@ -81,11 +112,11 @@ def _wo_gemm_kernel(
     a_ptr, w_ptr, s_ptr, z_ptr, gs_ptr, c_ptr, ws_ptr, bias_ptr,
     # sizes
     M, N, K,
-    # strides (the weight's in bytes of its packed rows)
+    # strides (the weight's in its own elements: bytes for int8, int32 words of packed codes for 4-bit)
     stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk, stride_cm, stride_cn,
     # meta-parameters
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, SWAP_AB: tl.constexpr, UNPACK: tl.constexpr,
+    DOT: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_k = tl.program_id(1)
@@ -95,43 +126,38 @@ def _wo_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m, mask_n = offs_m < M, offs_n < N
     first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
-    if SWAP_AB:  # out.T = W @ A.T: N fills the MMA's M side and the dequantized W can feed it from registers
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     for step in range(first_k, last_k):
         k = step * BLOCK_K + offs_k
         a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * stride_am + k[None, :] * stride_ak,
                     mask=mask_m[:, None] & (k[None, :] < K), other=0.0).to(DOT)  # [BM, BK]
-        if FMT == 0:  # uint8 view of the int8 codes: c + 128 = u ^ 0x80, biased then unbiased exactly
-            u = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :] * stride_wk,
-                        mask=mask_n[:, None] & (k[None, :] < K), other=128).to(tl.int32)
-            w = (_biased(u ^ 0x80) - (TWO_POW_23 + 128.0)).to(DOT)
+        if FMT == 0:
+            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :] * stride_wk,
+                        mask=mask_n[:, None] & (k[None, :] < K), other=0)
+            # through fp32: the interpreter mangles int8 -> bf16, and fp32 -> bf16 of a small integer is exact
+            acc = _mma(a, w.to(tl.float32).to(DOT), acc, SWAP_AB)
+        elif FMT == 1:
+            codes = _nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
+            s_index = step * BLOCK_K // GROUP  # BLOCK_K divides GROUP: one group per K step
+            scale = tl.load(s_ptr + offs_n * stride_sn + s_index * stride_sk, mask=mask_n, other=0.0)
+            # The MMA multiplies exact small integers, q - z, and the group's fp32 scale multiplies the fp32
+            # partial sum: more exact than a dequantized weight rounded to bf16, and no int -> float conversions.
+            if HAS_ZP:
+                z = tl.load(z_ptr + offs_n * stride_sn + s_index * stride_sk, mask=mask_n, other=0).to(tl.int32)
+                ints = _offset_int(codes, DOT) - _offset_int(z, DOT)[:, None]
+            else:  # a symmetric code c is (c ^ 8) - 8
+                ints = _offset_int(codes ^ 8, DOT) - _offset_int(tl.full((BLOCK_N, 1), 8, tl.int32), DOT)
+            partial = _mma(a, ints, _zeros(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB)
+            acc += partial * (scale[:, None] if SWAP_AB else scale[None, :])
         else:
-            codes = _nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, stride_wk, BLOCK_N, BLOCK_K, UNPACK)
-            if FMT == 1:
-                s_index = step * BLOCK_K // GROUP  # BLOCK_K divides GROUP: one group per K step
-                scale = tl.load(s_ptr + offs_n * stride_sn + s_index * stride_sk, mask=mask_n, other=0.0)
-                if HAS_ZP:
-                    z = tl.load(z_ptr + offs_n * stride_sn + s_index * stride_sk, mask=mask_n, other=0)
-                    ints = _biased(codes) - (z.to(tl.float32) + TWO_POW_23)[:, None]  # q - z, exact
-                else:  # symmetric two's-complement nibble: (c ^ 8) - 8
-                    ints = _biased(codes ^ 8) - (TWO_POW_23 + 8.0)
-                # (q - z) * s rounded once to the activation dtype (2^-9 relative in bf16, ~60x finer than the
-                # int4 step), so every K step chains into one MMA accumulator.
-                w = (ints * scale[:, None]).to(DOT)
-            else:
-                BLOCKS: tl.constexpr = BLOCK_K // GROUP  # scale blocks per K step (BLOCK_K is a multiple of 16, 32)
-                offs_b = step * BLOCKS + tl.arange(0, BLOCKS)
-                scale = _block_scale(s_ptr, offs_n[:, None], offs_b[None, :], stride_sn, stride_sk,
-                                     mask_n[:, None] & (offs_b[None, :] * GROUP < K), FMT)  # [BN, BLOCKS]
-                # twice the e2m1 value times half the scale: both exact (a power-of-two shift)
-                values = tl.reshape(_e2m1_twice(codes), (BLOCK_N, BLOCKS, GROUP)) * (scale * 0.5)[:, :, None]
-                w = tl.reshape(values, (BLOCK_N, BLOCK_K)).to(DOT)
-        if SWAP_AB:
-            acc = tl.dot(w, tl.trans(a), acc)
-        else:
-            acc = tl.dot(a, tl.trans(w), acc)
+            codes = _nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
+            BLOCKS: tl.constexpr = BLOCK_K // GROUP  # scale blocks per K step (BLOCK_K is a multiple of 16, 32)
+            offs_b = step * BLOCKS + tl.arange(0, BLOCKS)
+            scale = _block_scale(s_ptr, offs_n[:, None], offs_b[None, :], stride_sn, stride_sk,
+                                 mask_n[:, None] & (offs_b[None, :] * GROUP < K), FMT)  # [BN, BLOCKS]
+            # twice the e2m1 value times half the scale: both exact (a power-of-two shift)
+            values = tl.reshape(_e2m1_twice(codes), (BLOCK_N, BLOCKS, GROUP)) * (scale * 0.5)[:, :, None]
+            acc = _mma(a, tl.reshape(values, (BLOCK_N, BLOCK_K)).to(DOT), acc, SWAP_AB)
     if SWAP_AB:
         acc = tl.trans(acc)
     if FMT == 0:
@@ -148,12 +174,12 @@ def wo_gemm_config(M: int) -> dict:
     4-bit block (16, 32)."""
     if M <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SWAP_AB=False,
-                    UNPACK=0, programs=TARGET_PROGRAMS)
+                    programs=TARGET_PROGRAMS)
     if M <= 128:
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, SWAP_AB=False,
-                    UNPACK=0, programs=TARGET_PROGRAMS)
+                    programs=TARGET_PROGRAMS)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, SWAP_AB=False,
-                UNPACK=0, programs=TARGET_PROGRAMS)
+                programs=TARGET_PROGRAMS)
 
 
 def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=None, global_scale=None,
@@ -165,9 +191,9 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
         raise ValueError(f"fxquant: weight-only GEMM takes bf16/fp16 activations and one of {list(FORMATS)}; got "
                          f"{a.dtype} and {fmt!r}")
     packed = fmt != "int8"
-    if w.shape != (N, K // 2 if packed else K) or (packed and K % 2):
-        raise ValueError(f"fxquant: {fmt} weight codes must be [N={N}, K{'/2' if packed else ''}] for a [M, K={K}], "
-                         f"got {tuple(w.shape)}")
+    if w.shape != (N, K // 2 if packed else K) or (packed and K % 8):
+        raise ValueError(f"fxquant: {fmt} weight codes must be [N={N}, K{'/2' if packed else ''}] for a [M, K={K}]"
+                         f"{' with K a multiple of 8' if packed else ''}, got {tuple(w.shape)}")
     cfg = config or wo_gemm_config(M)
     if fmt == "int4" and group % cfg["BLOCK_K"]:
         raise ValueError(f"fxquant: int4 groups of {group} need BLOCK_K dividing them, got {cfg['BLOCK_K']}")
@@ -179,17 +205,17 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     split = split_k(tiles, triton.cdiv(K, cfg["BLOCK_K"]), M, cfg["programs"])
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
-    codes = w.view(torch.uint8) if fmt == "int8" else w  # int8 codes are read as bytes and unbiased exactly
+    codes = w if fmt == "int8" else w.contiguous().view(torch.int32)  # packed 4-bit rows as words of 8 codes
     _wo_gemm_kernel[(tiles, split)](
         a, codes, scale, zero_point if zero_point is not None else scale,
         global_scale if global_scale is not None else scale, out, ws, bias if bias is not None else out,
         M, N, K,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
+        a.stride(0), a.stride(1), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
         out.stride(0), out.stride(1),
         FMT=FORMATS[fmt], GROUP=group or 1, HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None,
         SPLIT_K=split, DOT=tl.float32 if interpreting(_wo_gemm_kernel) else TORCH_TO_TL[a.dtype],
         OUT=TORCH_TO_TL[a.dtype], CAST=float_cast_mode(_wo_gemm_kernel), SWAP_AB=cfg["SWAP_AB"],
-        UNPACK=cfg["UNPACK"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
