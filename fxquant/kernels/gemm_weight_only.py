@@ -168,18 +168,20 @@ def _wo_gemm_kernel(
                HAS_BIAS, SPLIT_K, OUT, CAST)
 
 
-def wo_gemm_config(M: int) -> dict:
-    """Tiles by M bucket, chosen by reasoning, not yet swept on the H200: decode streams the weight with narrow N
-    tiles (and split-K); larger M reuses tiles. BLOCK_K divides int4's group of 128 and is a multiple of every
-    4-bit block (16, 32)."""
+def wo_gemm_config(M: int, fmt: str) -> dict:
+    """Tiles by M bucket and format: the winners of `bench/weight_only.py --sweep` on an H200 (BENCHMARKS.md) for
+    the Llama shapes at M = 16 and 1024. Decode streams the weight with narrow N tiles and split-K, aiming at
+    1056 programs (8 per SM) for 4-bit formats, whose unpacking needs more warps in flight to hide load latency.
+    BLOCK_K divides int4's group of 128 and is a multiple of every 4-bit block (16, 32)."""
+    packed = fmt != "int8"
     if M <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SWAP_AB=False,
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3 if packed else 5,
+                    SWAP_AB=False, programs=1056 if packed else TARGET_PROGRAMS)
+    if fmt == "int4":
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, SWAP_AB=False,
                     programs=TARGET_PROGRAMS)
-    if M <= 128:
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, SWAP_AB=False,
-                    programs=TARGET_PROGRAMS)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, SWAP_AB=False,
-                programs=TARGET_PROGRAMS)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128 if packed else 64, GROUP_M=8, num_warps=8, num_stages=3,
+                SWAP_AB=False, programs=TARGET_PROGRAMS)
 
 
 def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=None, global_scale=None,
@@ -194,7 +196,7 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
     if w.shape != (N, K // 2 if packed else K) or (packed and K % 8):
         raise ValueError(f"fxquant: {fmt} weight codes must be [N={N}, K{'/2' if packed else ''}] for a [M, K={K}]"
                          f"{' with K a multiple of 8' if packed else ''}, got {tuple(w.shape)}")
-    cfg = config or wo_gemm_config(M)
+    cfg = config or wo_gemm_config(M, fmt)
     if fmt == "int4" and group % cfg["BLOCK_K"]:
         raise ValueError(f"fxquant: int4 groups of {group} need BLOCK_K dividing them, got {cfg['BLOCK_K']}")
     scale = w_scale.view(torch.uint8) if fmt in ("mxfp4", "nvfp4") else w_scale
