@@ -132,10 +132,10 @@ def _wo_gemm_kernel(
         a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * stride_am + k[None, :] * stride_ak,
                     mask=mask_m[:, None] & (k[None, :] < K), other=0.0).to(DOT)  # [BM, BK]
         if FMT == 0:
-            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :] * stride_wk,
-                        mask=mask_n[:, None] & (k[None, :] < K), other=0)
+            w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + k[:, None] * stride_wk,
+                        mask=mask_n[None, :] & (k[:, None] < K), other=0)  # [BK, BN]: the MMA's B operand as loaded
             # through fp32: the interpreter mangles int8 -> bf16, and fp32 -> bf16 of a small integer is exact
-            acc = _mma(a, w.to(tl.float32).to(DOT), acc, SWAP_AB)
+            acc = _mma(a, tl.trans(w.to(tl.float32).to(DOT)), acc, SWAP_AB)
         elif FMT == 1:
             codes = _nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
             s_index = step * BLOCK_K // GROUP  # BLOCK_K divides GROUP: one group per K step
@@ -179,6 +179,9 @@ def wo_gemm_config(M: int, fmt: str) -> dict:
                     SWAP_AB=False, programs=1056 if packed else TARGET_PROGRAMS)
     if fmt == "int4":
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, SWAP_AB=False,
+                    programs=TARGET_PROGRAMS)
+    if M <= 128 and not packed:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, SWAP_AB=False,
                     programs=TARGET_PROGRAMS)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128 if packed else 64, GROUP_M=8, num_warps=8, num_stages=3,
                 SWAP_AB=False, programs=TARGET_PROGRAMS)
