@@ -18,72 +18,16 @@ operands.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import float_cast_mode, interpreting
+from fxquant.kernels.codes import FORMATS, block_scale, e2m1_twice, nibbles, offset_int
+from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
 from fxquant.kernels.tiles import grouped_tile, k_steps_of, store_tile
-
-FORMATS = {"int8": 0, "int4": 1, "mxfp4": 2, "nvfp4": 3}
-E8M0_MIN = tl.constexpr(2.0**-127)  # E8M0 code 0: the one scale whose fp32 value is subnormal
-TWO_POW_23 = tl.constexpr(8388608.0)  # fp32 2^23 has an ulp of 1: its low mantissa bits hold small integers
-E2M1_TWICE = tl.constexpr(-932957680)  # 0xC8643210: nibble n is 2|e2m1(n)| for n = 0..7 (0, 1, 2, 3, 4, 6, 8, 12)
-
-
-@triton.jit
-def _biased(n):
-    """2^23 + n as fp32, exactly, for 0 <= n < 2^23: n ORed into 2^23's mantissa. Subtracting a biased integer
-    gives an exact difference without an int -> float conversion, which issues at a quarter of the FMA rate."""
-    return (n | 0x4B000000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e2m1_twice(code):
-    """A 4-bit e2m1 code (sign in bit 3) as fp32 twice its value: a table lookup in one int32 constant."""
-    twice = (E2M1_TWICE >> ((code & 7) * 4)) & 15
-    magnitude = (_biased(twice) - TWO_POW_23).to(tl.int32, bitcast=True)
-    return (magnitude | ((code & 8) << 28)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _block_scale(s_ptr, offs_n, k_index, stride_sn, stride_sk, mask, FMT: tl.constexpr):
-    """The per-(n, k-block) scales as fp32, from E8M0 (MXFP4) or e4m3 (NVFP4) codes."""
-    raw = tl.load(s_ptr + offs_n * stride_sn + k_index * stride_sk, mask=mask, other=0)
-    if FMT == 2:
-        e = raw.to(tl.int32)
-        value = (e << 23).to(tl.float32, bitcast=True)
-        return tl.where(e == 0, E8M0_MIN, tl.where(e == 255, float("nan"), value))
-    return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] 4-bit codes of one K step, in K order, as int32. Packed rows are read as int32 words
-    (nibble j of a little-endian word is code j of its 8), then split with joins, which keep each word's 8 codes
-    in one thread: k = 4 * b2 + 2 * b1 + b0, and each join adds the next lower bit as the fastest dimension."""
-    WORDS: tl.constexpr = BLOCK_K // 8
-    word = step * WORDS + tl.arange(0, WORDS)
-    mask = mask_n[:, None] if EVEN_K else mask_n[:, None] & (word[None, :] * 8 < K)
-    packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + word[None, :], mask=mask, other=0)
-    even = tl.join(tl.join(packed & 15, (packed >> 16) & 15), tl.join((packed >> 8) & 15, (packed >> 24) & 15))
-    odd = tl.join(tl.join((packed >> 4) & 15, (packed >> 20) & 15), tl.join((packed >> 12) & 15, (packed >> 28) & 15))
-    return tl.reshape(tl.join(even, odd), (offs_n.shape[0], BLOCK_K))
-
-
-@triton.jit
-def _offset_int(n, DOT: tl.constexpr):
-    """OFFSET + n exactly in DOT for 0 <= n < 16, with no int -> float conversion: n ORed into the mantissa of a
-    power of two whose ulp is 1 (OFFSET = 2^7 in bf16, 2^10 in fp16, 2^23 in fp32). A difference of two such
-    values is the exact difference of the integers."""
-    if DOT == tl.bfloat16:
-        value = (n | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    elif DOT == tl.float16:
-        value = (n | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-    else:
-        value = _biased(n)
-    return value
 
 
 @triton.jit
@@ -129,34 +73,35 @@ def _wo_gemm_kernel(
     acc = _zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     for step in range(first_k, last_k):
         k = step * BLOCK_K + offs_k
-        a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * stride_am + k[None, :] * stride_ak,
-                    mask=mask_m[:, None] & (k[None, :] < K), other=0.0).to(DOT)  # [BM, BK]
+        a_mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & (k[None, :] < K)  # row masks keep vector loads
+        a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * stride_am + k[None, :] * stride_ak, mask=a_mask,
+                    other=0.0).to(DOT)  # [BM, BK]
         if FMT == 0:
             w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + k[:, None] * stride_wk,
                         mask=mask_n[None, :] & (k[:, None] < K), other=0)  # [BK, BN]: the MMA's B operand as loaded
             # through fp32: the interpreter mangles int8 -> bf16, and fp32 -> bf16 of a small integer is exact
             acc = _mma(a, tl.trans(w.to(tl.float32).to(DOT)), acc, SWAP_AB)
         elif FMT == 1:
-            codes = _nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
+            codes = nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
             s_index = step * BLOCK_K // GROUP  # BLOCK_K divides GROUP: one group per K step
             scale = tl.load(s_ptr + offs_n * stride_sn + s_index * stride_sk, mask=mask_n, other=0.0)
             # The MMA multiplies exact small integers, q - z, and the group's fp32 scale multiplies the fp32
             # partial sum: more exact than a dequantized weight rounded to bf16, and no int -> float conversions.
             if HAS_ZP:
                 z = tl.load(z_ptr + offs_n * stride_sn + s_index * stride_sk, mask=mask_n, other=0).to(tl.int32)
-                ints = _offset_int(codes, DOT) - _offset_int(z, DOT)[:, None]
+                ints = offset_int(codes, DOT) - offset_int(z, DOT)[:, None]
             else:  # a symmetric code c is (c ^ 8) - 8
-                ints = _offset_int(codes ^ 8, DOT) - _offset_int(tl.full((BLOCK_N, 1), 8, tl.int32), DOT)
+                ints = offset_int(codes ^ 8, DOT) - offset_int(tl.full((BLOCK_N, 1), 8, tl.int32), DOT)
             partial = _mma(a, ints, _zeros(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB)
             acc += partial * (scale[:, None] if SWAP_AB else scale[None, :])
         else:
-            codes = _nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
+            codes = nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
             BLOCKS: tl.constexpr = BLOCK_K // GROUP  # scale blocks per K step (BLOCK_K is a multiple of 16, 32)
             offs_b = step * BLOCKS + tl.arange(0, BLOCKS)
-            scale = _block_scale(s_ptr, offs_n[:, None], offs_b[None, :], stride_sn, stride_sk,
+            scale = block_scale(s_ptr, offs_n[:, None], offs_b[None, :], stride_sn, stride_sk,
                                  mask_n[:, None] & (offs_b[None, :] * GROUP < K), FMT)  # [BN, BLOCKS]
             # twice the e2m1 value times half the scale: both exact (a power-of-two shift)
-            values = tl.reshape(_e2m1_twice(codes), (BLOCK_N, BLOCKS, GROUP)) * (scale * 0.5)[:, :, None]
+            values = tl.reshape(e2m1_twice(codes), (BLOCK_N, BLOCKS, GROUP)) * (scale * 0.5)[:, :, None]
             acc = _mma(a, tl.reshape(values, (BLOCK_N, BLOCK_K)).to(DOT), acc, SWAP_AB)
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -169,10 +114,11 @@ def _wo_gemm_kernel(
 
 
 def wo_gemm_config(M: int, fmt: str) -> dict:
-    """Tiles by M bucket and format: the winners of `bench/weight_only.py --sweep` on an H200 (BENCHMARKS.md) for
-    the Llama shapes at M = 16 and 1024. Decode streams the weight with narrow N tiles and split-K, aiming at
-    1056 programs (8 per SM) for 4-bit formats, whose unpacking needs more warps in flight to hide load latency.
-    BLOCK_K divides int4's group of 128 and is a multiple of every 4-bit block (16, 32)."""
+    """Tiles for the in-register path (M <= DEQUANTIZE_ABOVE_M) by M bucket and format: the winners of
+    `bench/weight_only.py --sweep` on an H200 (BENCHMARKS.md) for the Llama shapes. Decode streams the weight with
+    narrow N tiles and split-K, aiming at 1056 programs (8 per SM) for 4-bit formats, whose unpacking needs more
+    warps in flight to hide load latency. BLOCK_K divides int4's group of 128 and is a multiple of every 4-bit
+    block (16, 32)."""
     packed = fmt != "int8"
     if M <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3 if packed else 5,
@@ -180,17 +126,25 @@ def wo_gemm_config(M: int, fmt: str) -> dict:
     if fmt == "int4":
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, SWAP_AB=False,
                     programs=TARGET_PROGRAMS)
-    if M <= 128 and not packed:
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, SWAP_AB=False,
+    if packed:
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, SWAP_AB=False,
                     programs=TARGET_PROGRAMS)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128 if packed else 64, GROUP_M=8, num_warps=8, num_stages=3,
-                SWAP_AB=False, programs=TARGET_PROGRAMS)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, SWAP_AB=False,
+                programs=TARGET_PROGRAMS)
+
+
+# Above this M, dequantizing the weight once per call and running cuBLAS beats dequantizing in registers for
+# every row tile (H200: int4 at M = 1024 took 465 us in registers; BENCHMARKS.md has the comparison).
+DEQUANTIZE_ABOVE_M = 128
+CHUNK_ELEMENTS = 2**26  # the dequantized weight exists at most this many elements at a time (128 MiB in bf16)
 
 
 def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=None, global_scale=None,
                    bias=None, config=None):
     """a: [M, K] bf16/fp16; w: the codes as `fxquant.quantize` packs them ([N, K] int8, or [N, K/2] uint8);
-    w_scale: [N, 1] (int8), [N, K/group] fp32 (int4), E8M0 (mxfp4) or e4m3 (nvfp4). Returns [M, N] in a's dtype."""
+    w_scale: [N, 1] (int8), [N, K/group] fp32 (int4), E8M0 (mxfp4) or e4m3 (nvfp4). Returns [M, N] in a's dtype.
+    Up to DEQUANTIZE_ABOVE_M rows (or with an explicit tile `config`) the weight is dequantized in registers;
+    above it, into the activation dtype in chunks of at most CHUNK_ELEMENTS, each multiplied by cuBLAS."""
     M, K = a.shape
     if fmt not in FORMATS or a.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"fxquant: weight-only GEMM takes bf16/fp16 activations and one of {list(FORMATS)}; got "
@@ -199,18 +153,20 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
     if w.shape != (N, K // 2 if packed else K) or (packed and K % 8):
         raise ValueError(f"fxquant: {fmt} weight codes must be [N={N}, K{'/2' if packed else ''}] for a [M, K={K}]"
                          f"{' with K a multiple of 8' if packed else ''}, got {tuple(w.shape)}")
+    scale = w_scale.view(torch.uint8) if fmt in ("mxfp4", "nvfp4") else w_scale
+    scale = scale.reshape(N, -1)
+    codes = w if fmt == "int8" else w.contiguous().view(torch.int32)  # packed 4-bit rows as words of 8 codes
+    if M == 0 or N == 0:
+        return torch.empty((M, N), dtype=a.dtype, device=a.device)
+    if config is None and M > DEQUANTIZE_ABOVE_M:
+        return _dequantized_mm(a, codes, scale, fmt, group, zero_point, global_scale, bias)
     cfg = config or wo_gemm_config(M, fmt)
     if fmt == "int4" and group % cfg["BLOCK_K"]:
         raise ValueError(f"fxquant: int4 groups of {group} need BLOCK_K dividing them, got {cfg['BLOCK_K']}")
-    scale = w_scale.view(torch.uint8) if fmt in ("mxfp4", "nvfp4") else w_scale
-    scale = scale.reshape(N, -1)
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    if M == 0 or N == 0:
-        return out
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     split = split_k(tiles, triton.cdiv(K, cfg["BLOCK_K"]), M, cfg["programs"])
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
-    codes = w if fmt == "int8" else w.contiguous().view(torch.int32)  # packed 4-bit rows as words of 8 codes
     _wo_gemm_kernel[(tiles, split)](
         a, codes, scale, zero_point if zero_point is not None else scale,
         global_scale if global_scale is not None else scale, out, ws, bias if bias is not None else out,
@@ -226,4 +182,20 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
     )
     if split > 1:
         reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])
+    return out
+
+
+def _dequantized_mm(a, codes, scale, fmt, group, zero_point, global_scale, bias):
+    """a @ W.T (+ bias) with W dequantized to a's dtype by row chunks, each chunk's product run by cuBLAS."""
+    N, K = codes.shape[0], a.shape[1]
+    rows = max(1, CHUNK_ELEMENTS // K)
+    chunk = lambda t, n0, n1: None if t is None else t[n0:n1]
+    weight = lambda n0, n1: dequantize_weight(codes[n0:n1], scale[n0:n1], fmt, group, K, a.dtype,
+                                              zero_point=chunk(zero_point, n0, n1), global_scale=global_scale)
+    if rows >= N:
+        return F.linear(a, weight(0, N), bias)
+    out = torch.empty((a.shape[0], N), dtype=a.dtype, device=a.device)
+    for n0 in range(0, N, rows):
+        n1 = min(N, n0 + rows)
+        out[:, n0:n1] = F.linear(a, weight(n0, n1), chunk(bias, n0, n1))
     return out

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from fxquant import reference as R
-from fxquant.kernels.gemm_weight_only import weight_only_mm
+from fxquant.kernels import gemm_weight_only
+from fxquant.kernels.dequantize_weight import dequantize_weight
+from fxquant.kernels.gemm_weight_only import DEQUANTIZE_ABOVE_M, weight_only_mm, wo_gemm_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GRANULARITY = {"int8": "channel", "int4": ("group", 128), "mxfp4": None, "nvfp4": None}
@@ -17,12 +19,12 @@ GROUP = {"int8": 0, "int4": 128, "mxfp4": 32, "nvfp4": 16}
 SHAPES = [(1, 128, 1024), (16, 96, 1024), (5, 80, 384), (37, 128, 256), (200, 64, 256)]
 
 
-def within_bound(out, x, w_hp, bias=None):
+def within_bound(out, x, w_hp, bias=None, rounded_weight=False):
     exact = x.double() @ w_hp.T + (0 if bias is None else bias.double())
     mant = torch.finfo(out.dtype).eps  # 2^-7 (bf16) or 2^-10 (fp16) at 1.0
     ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30)))) * mant
     sum_abs = x.double().abs() @ w_hp.abs().T
-    tolerance = ulp + 2**-20 * sum_abs
+    tolerance = ulp + (2**-20 + (mant / 2 if rounded_weight else 0)) * sum_abs
     return bool(((out.double() - exact).abs() <= tolerance).all())
 
 
@@ -30,6 +32,7 @@ def within_bound(out, x, w_hp, bias=None):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("fmt", list(GRANULARITY))
 def test_kernel_is_the_exact_product_rounded_once(fmt, shape, dtype):
+    """The in-register path, also past DEQUANTIZE_ABOVE_M when given its tiles."""
     M, N, K = shape
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(M, K, generator=gen).to(dtype).to(DEVICE)
@@ -37,9 +40,46 @@ def test_kernel_is_the_exact_product_rounded_once(fmt, shape, dtype):
     bias = torch.randn(N, generator=gen).to(dtype).to(DEVICE)
     q = R.quantize(w, fmt, GRANULARITY[fmt]) if GRANULARITY[fmt] else R.quantize(w, fmt)
     out = weight_only_mm(x, q.data, q.scale, fmt, GROUP[fmt], N, zero_point=q.zero_point,
-                         global_scale=q.global_scale, bias=bias)
+                         global_scale=q.global_scale, bias=bias, config=wo_gemm_config(min(M, 128), fmt))
     assert out.shape == (M, N) and out.dtype == dtype
     assert within_bound(out, x, R.dequantize(q, torch.float64), bias)
+
+
+def quantized(fmt, N, K, gen, symmetric=False):
+    w = torch.randn(N, K, generator=gen) * 0.05
+    if fmt == "int4":
+        return R.quantize(w.to(DEVICE), fmt, GRANULARITY[fmt], symmetric=symmetric)
+    return R.quantize(w.to(DEVICE), fmt, GRANULARITY[fmt]) if GRANULARITY[fmt] else R.quantize(w.to(DEVICE), fmt)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("fmt,K,symmetric", [("int8", 200, False), ("int4", 384, False), ("int4", 256, True),
+                                             ("mxfp4", 160, False), ("nvfp4", 400, False)])
+def test_dequantize_weight_is_the_reference_bit_for_bit(fmt, K, symmetric, dtype):
+    """K tails (160, 200, 400 are not multiples of the 128-wide tile) and a row tail (N = 40)."""
+    q = quantized(fmt, 40, K, torch.Generator().manual_seed(1), symmetric)
+    scale = q.scale.view(torch.uint8) if fmt in ("mxfp4", "nvfp4") else q.scale
+    codes = q.data if fmt == "int8" else q.data.view(torch.int32)
+    out = dequantize_weight(codes, scale.reshape(40, -1), fmt, GROUP[fmt], K, dtype, zero_point=q.zero_point,
+                            global_scale=q.global_scale)
+    assert torch.equal(out, R.dequantize(q, dtype))
+
+
+@pytest.mark.parametrize("chunk_elements", [2**26, 4 * 256], ids=["one chunk", "rows of 4"])
+@pytest.mark.parametrize("fmt", list(GRANULARITY))
+def test_large_m_multiplies_the_dequantized_weight(fmt, chunk_elements, monkeypatch):
+    """Past DEQUANTIZE_ABOVE_M the weight is rounded once to bf16 (half an ulp) and multiplied by torch's GEMM,
+    in chunks of rows when it is large (here forced to 4 rows)."""
+    monkeypatch.setattr(gemm_weight_only, "CHUNK_ELEMENTS", chunk_elements)
+    gen = torch.Generator().manual_seed(2)
+    M, N, K = DEQUANTIZE_ABOVE_M + 72, 24, 256
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16).to(DEVICE)
+    bias = torch.randn(N, generator=gen).to(torch.bfloat16).to(DEVICE)
+    q = quantized(fmt, N, K, gen)
+    out = weight_only_mm(x, q.data, q.scale, fmt, GROUP[fmt], N, zero_point=q.zero_point,
+                         global_scale=q.global_scale, bias=bias)
+    assert out.shape == (M, N)
+    assert within_bound(out, x, R.dequantize(q, torch.float64), bias, rounded_weight=True)
 
 
 def test_symmetric_int4_and_no_bias():

@@ -1,0 +1,81 @@
+"""Weight-only codes to a bf16/fp16 weight on the GPU, bit-exact with `reference.dequantize(q, dtype)`.
+
+The weight-only GEMM uses it above decode and medium M, where dequantizing the weight once per call and running
+cuBLAS costs one pass over the codes plus a bf16 write, while dequantizing in registers repeats the work for every
+row tile and holds the tensor cores back. The values are computed in fp32 in the reference's order and rounded
+once to the output dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fxquant.kernels.cast import cast_float, float_cast_mode
+from fxquant.kernels.codes import FORMATS, TWO_POW_23, biased, block_scale, e2m1_twice, nibbles
+from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
+
+
+@triton.jit
+def _dequantize_kernel(
+    # pointers
+    w_ptr, s_ptr, z_ptr, gs_ptr, out_ptr,
+    # sizes and strides (the codes' in their own elements: bytes for int8, int32 words for 4-bit)
+    N, K, stride_wn, stride_wk, stride_sn, stride_sk, stride_on,
+    # meta-parameters
+    FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_k = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    if FMT == 0:  # code times its channel's scale
+        codes = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :] * stride_wk,
+                        mask=mask_n[:, None] & (k[None, :] < K), other=0)
+        values = codes.to(tl.float32) * tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0)[:, None]
+    else:
+        codes = nibbles(w_ptr, offs_n, mask_n, pid_k, K, stride_wn, BLOCK_K, EVEN_K)
+        BLOCKS: tl.constexpr = BLOCK_K // GROUP  # scale blocks per tile (BLOCK_K is a multiple of every group)
+        offs_b = pid_k * BLOCKS + tl.arange(0, BLOCKS)
+        mask_b = mask_n[:, None] & (offs_b[None, :] * GROUP < K)
+        if FMT == 1:  # (q - z) * s: the difference of two biased integers is exact
+            scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_b[None, :] * stride_sk, mask=mask_b, other=0.0)
+            if HAS_ZP:
+                z = tl.load(z_ptr + offs_n[:, None] * stride_sn + offs_b[None, :] * stride_sk, mask=mask_b, other=0)
+                zero = biased(z.to(tl.int32))
+            else:  # a symmetric code c is (c ^ 8) - 8
+                zero = tl.full((BLOCK_N, BLOCKS), TWO_POW_23 + 8.0, tl.float32)
+                codes = codes ^ 8
+            ints = tl.reshape(biased(codes), (BLOCK_N, BLOCKS, GROUP)) - zero[:, :, None]
+            values = ints * scale[:, :, None]
+        else:  # the e2m1 value (exact: half of its doubled table entry) times the block scale (NVFP4: times global)
+            scale = block_scale(s_ptr, offs_n[:, None], offs_b[None, :], stride_sn, stride_sk, mask_b, FMT)
+            if FMT == 3:
+                scale = scale * tl.load(gs_ptr)
+            values = tl.reshape(e2m1_twice(codes) * 0.5, (BLOCK_N, BLOCKS, GROUP)) * scale[:, :, None]
+        values = tl.reshape(values, (BLOCK_N, BLOCK_K))
+    out_mask = mask_n[:, None] & (k[None, :] < K)
+    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + k[None, :], cast_float(values, OUT, CAST),
+             mask=out_mask)
+
+
+def dequantize_weight(codes, scale, fmt: str, group: int, K: int, dtype: torch.dtype, *, zero_point=None,
+                      global_scale=None) -> torch.Tensor:
+    """codes: [N, K] int8, or [N, K/8] int32 words of packed 4-bit codes; scale: [N, K/group] (E8M0/e4m3 as
+    uint8), [N, 1] for int8. Returns the [N, K] weight in `dtype`, rounded once."""
+    N = codes.shape[0]
+    out = torch.empty((N, K), dtype=dtype, device=codes.device)
+    if N == 0 or K == 0:
+        return out
+    block_n, block_k = 32, max(128, group)  # a multiple of every group (power-of-two groups)
+    _dequantize_kernel[(triton.cdiv(N, block_n), triton.cdiv(K, block_k))](
+        codes, scale, zero_point if zero_point is not None else scale,
+        global_scale if global_scale is not None else scale, out,
+        N, K, codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1), out.stride(0),
+        FMT=FORMATS[fmt], GROUP=group or 1, HAS_ZP=zero_point is not None, OUT=TORCH_TO_TL[dtype],
+        CAST=float_cast_mode(_dequantize_kernel), EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=4,
+    )
+    return out
