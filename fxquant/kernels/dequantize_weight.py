@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import cast_float, float_cast_mode
-from fxquant.kernels.codes import FORMATS, TWO_POW_23, biased, block_scale, e2m1_twice, nibbles
+from fxquant.kernels.codes import FORMATS, TWO_POW_23, biased, block_scale, e2m1_value, nibbles
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 
 
@@ -50,11 +50,11 @@ def _dequantize_kernel(
                 codes = codes ^ 8
             ints = tl.reshape(biased(codes), (BLOCK_N, BLOCKS, GROUP)) - zero[:, :, None]
             values = ints * scale[:, :, None]
-        else:  # the e2m1 value (exact: half of its doubled table entry) times the block scale (NVFP4: times global)
+        else:  # the e2m1 value times the block scale (NVFP4: the block scale times the global one, as the reference)
             scale = block_scale(s_ptr, offs_n[:, None], offs_b[None, :], stride_sn, stride_sk, mask_b, FMT)
             if FMT == 3:
                 scale = scale * tl.load(gs_ptr)
-            values = tl.reshape(e2m1_twice(codes) * 0.5, (BLOCK_N, BLOCKS, GROUP)) * scale[:, :, None]
+            values = tl.reshape(e2m1_value(codes), (BLOCK_N, BLOCKS, GROUP)) * scale[:, :, None]
         values = tl.reshape(values, (BLOCK_N, BLOCK_K))
     out_mask = mask_n[:, None] & (k[None, :] < K)
     tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + k[None, :], cast_float(values, OUT, CAST),

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import float_cast_mode, interpreting
-from fxquant.kernels.codes import FORMATS, block_scale, e2m1_twice, nibbles, offset_int
+from fxquant.kernels.codes import FORMATS, block_scale, e2m1_value, nibbles, offset_int
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
@@ -100,8 +100,7 @@ def _wo_gemm_kernel(
             offs_b = step * BLOCKS + tl.arange(0, BLOCKS)
             scale = block_scale(s_ptr, offs_n[:, None], offs_b[None, :], stride_sn, stride_sk,
                                  mask_n[:, None] & (offs_b[None, :] * GROUP < K), FMT)  # [BN, BLOCKS]
-            # twice the e2m1 value times half the scale: both exact (a power-of-two shift)
-            values = tl.reshape(e2m1_twice(codes), (BLOCK_N, BLOCKS, GROUP)) * (scale * 0.5)[:, :, None]
+            values = tl.reshape(e2m1_value(codes), (BLOCK_N, BLOCKS, GROUP)) * scale[:, :, None]
             acc = _mma(a, tl.reshape(values, (BLOCK_N, BLOCK_K)).to(DOT), acc, SWAP_AB)
     if SWAP_AB:
         acc = tl.trans(acc)
