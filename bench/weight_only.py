@@ -1,7 +1,7 @@
 """Weight-only GEMMs and the fused norm -> fp8 on the GPU: correctness first, then time against bf16 torch.mm
 (cuBLAS) and the unfused norm + quantize, measured in the same process.
 
-Run: PYTHONPATH=. python bench/weight_only.py [--sweep]
+Run: PYTHONPATH=. python bench/weight_only.py [--sweep | --crossover]
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch.nn.functional as F
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from bench.common import copy_bandwidth_gbs, graph_time_ms, header, rotating, table
 from fxquant import reference as R
-from fxquant.kernels.gemm_weight_only import weight_only_mm
+from fxquant.kernels import gemm_weight_only
+from fxquant.kernels.gemm_weight_only import weight_only_mm, wo_gemm_config
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8
 
 MS = [1, 16, 128, 1024, 4096]
@@ -101,6 +102,23 @@ def sweep(ceiling) -> list[dict]:
     return rows
 
 
+def crossover(ceiling) -> list[dict]:
+    """Both large-M paths around DEQUANTIZE_ABOVE_M: in registers (its tile table) and dequantize + cuBLAS."""
+    rows = []
+    for (n, k), m, fmt in itertools.product(NKS[1:], (32, 64, 128, 256), ("int4", "mxfp4", "int8")):
+        sets = rotating(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+                                 torch.randn(n, k, device="cuda", dtype=torch.bfloat16)), (m + n) * k * 2)
+        bf16 = graph_time_ms(lambda x, w: x @ w.T, sets)
+        registers, _ = timed(m, n, k, fmt, wo_gemm_config(min(m, 128), fmt))
+        threshold, gemm_weight_only.DEQUANTIZE_ABOVE_M = gemm_weight_only.DEQUANTIZE_ABOVE_M, 0  # every M dequantizes
+        dequantized, _ = timed(m, n, k, fmt, None)
+        gemm_weight_only.DEQUANTIZE_ABOVE_M = threshold
+        rows.append({"M": m, "N": n, "K": k, "format": fmt, "bf16 us": f"{bf16 * 1e3:.1f}",
+                     "in registers us": f"{registers * 1e3:.1f}", "dequantize + cuBLAS us": f"{dequantized * 1e3:.1f}"})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def _copy(q):
     clone = lambda t: None if t is None else t.clone()
     return type(q)(q.data.clone(), q.scale.clone(), q.fmt, q.granularity, q.shape, q.dtype,
@@ -142,6 +160,9 @@ def main():
     print(f"copy ceiling (read+write): {ceiling:.0f} GB/s")
     if "--sweep" in sys.argv:
         print(table(sweep(ceiling)))
+        return
+    if "--crossover" in sys.argv:
+        print(table(crossover(ceiling)))
         return
     print(table(bench_norm(ceiling)))
     print(table(bench_gemms(ceiling)))
