@@ -17,6 +17,8 @@ operands.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -132,18 +134,37 @@ def wo_gemm_config(M: int, fmt: str) -> dict:
                 programs=TARGET_PROGRAMS)
 
 
-# Above this M, dequantizing the weight once per call and running cuBLAS beats dequantizing in registers for
-# every row tile (H200, int4 at M = 1024 on 14336x4096: 219 us against 465 us; BENCHMARKS.md, fourth round).
+# Past decode, dequantizing the weight once per call and running cuBLAS beats dequantizing in registers above this M
+# for every shape, and below it whenever the in-register grid would leave a quarter of the SMs idle (split-K serves
+# decode only). Fitted on the H200 crossover in BENCHMARKS.md (fourth round): e.g. int4 at M = 64 takes 47 us in
+# registers against 81 us on 14336x4096 (112 tiles), and 199 us against 83 us on 4096x14336 (32 tiles).
 DEQUANTIZE_ABOVE_M = 128
 CHUNK_ELEMENTS = 2**26  # the dequantized weight exists at most this many elements at a time (128 MiB in bf16)
+FITTED_SMS = 132  # the H200's SM count, used where there is no GPU to ask (the interpreter), so CPU runs dispatch alike
+
+
+def dequantizes(M: int, N: int, fmt: str, sms: int) -> bool:
+    """Whether `weight_only_mm` takes the dequantize + cuBLAS path for an [M, K] x [N, K] product on `sms` SMs."""
+    if M <= 16:
+        return False
+    if M > DEQUANTIZE_ABOVE_M:
+        return True
+    cfg = wo_gemm_config(M, fmt)
+    return 4 * triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]) < 3 * sms
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else FITTED_SMS
 
 
 def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=None, global_scale=None,
                    bias=None, config=None):
     """a: [M, K] bf16/fp16; w: the codes as `fxquant.quantize` packs them ([N, K] int8, or [N, K/2] uint8);
     w_scale: [N, 1] (int8), [N, K/group] fp32 (int4), E8M0 (mxfp4) or e4m3 (nvfp4). Returns [M, N] in a's dtype.
-    Up to DEQUANTIZE_ABOVE_M rows (or with an explicit tile `config`) the weight is dequantized in registers;
-    above it, into the activation dtype in chunks of at most CHUNK_ELEMENTS, each multiplied by cuBLAS."""
+    Decode and well-filled medium M (see `dequantizes`), or any M given an explicit tile `config`, dequantize in
+    registers; otherwise the weight is dequantized to the activation dtype in chunks of at most CHUNK_ELEMENTS,
+    each multiplied by cuBLAS."""
     M, K = a.shape
     if fmt not in FORMATS or a.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"fxquant: weight-only GEMM takes bf16/fp16 activations and one of {list(FORMATS)}; got "
@@ -157,7 +178,7 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
     codes = w if fmt == "int8" else w.contiguous().view(torch.int32)  # packed 4-bit rows as words of 8 codes
     if M == 0 or N == 0:
         return torch.empty((M, N), dtype=a.dtype, device=a.device)
-    if config is None and M > DEQUANTIZE_ABOVE_M:
+    if config is None and dequantizes(M, N, fmt, _sm_count(a.device)):
         return _dequantized_mm(a, codes, scale, fmt, group, zero_point, global_scale, bias)
     cfg = config or wo_gemm_config(M, fmt)
     if fmt == "int4" and group % cfg["BLOCK_K"]:

@@ -10,7 +10,7 @@ import torch
 from fxquant import reference as R
 from fxquant.kernels import gemm_weight_only
 from fxquant.kernels.dequantize_weight import dequantize_weight
-from fxquant.kernels.gemm_weight_only import DEQUANTIZE_ABOVE_M, weight_only_mm, wo_gemm_config
+from fxquant.kernels.gemm_weight_only import DEQUANTIZE_ABOVE_M, dequantizes, weight_only_mm, wo_gemm_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GRANULARITY = {"int8": "channel", "int4": ("group", 128), "mxfp4": None, "nvfp4": None}
@@ -65,14 +65,17 @@ def test_dequantize_weight_is_the_reference_bit_for_bit(fmt, K, symmetric, dtype
     assert torch.equal(out, R.dequantize(q, dtype))
 
 
+@pytest.mark.parametrize("M", [40, DEQUANTIZE_ABOVE_M + 72])
 @pytest.mark.parametrize("chunk_elements", [2**26, 4 * 256], ids=["one chunk", "rows of 4"])
 @pytest.mark.parametrize("fmt", list(GRANULARITY))
-def test_large_m_multiplies_the_dequantized_weight(fmt, chunk_elements, monkeypatch):
-    """Past DEQUANTIZE_ABOVE_M the weight is rounded once to bf16 (half an ulp) and multiplied by torch's GEMM,
-    in chunks of rows when it is large (here forced to 4 rows)."""
+def test_dequantize_path_multiplies_the_rounded_weight(fmt, chunk_elements, M, monkeypatch):
+    """Past DEQUANTIZE_ABOVE_M, or at medium M with a grid too small for the GPU (here one tile), the weight is
+    rounded once to bf16 (half an ulp) and multiplied by torch's GEMM, in chunks of rows when it is large (here
+    forced to 4 rows)."""
     monkeypatch.setattr(gemm_weight_only, "CHUNK_ELEMENTS", chunk_elements)
     gen = torch.Generator().manual_seed(2)
-    M, N, K = DEQUANTIZE_ABOVE_M + 72, 24, 256
+    N, K = 24, 256
+    assert dequantizes(M, N, fmt, 132)
     x = torch.randn(M, K, generator=gen).to(torch.bfloat16).to(DEVICE)
     bias = torch.randn(N, generator=gen).to(torch.bfloat16).to(DEVICE)
     q = quantized(fmt, N, K, gen)
@@ -80,6 +83,18 @@ def test_large_m_multiplies_the_dequantized_weight(fmt, chunk_elements, monkeypa
                          global_scale=q.global_scale, bias=bias)
     assert out.shape == (M, N)
     assert within_bound(out, x, R.dequantize(q, torch.float64), bias, rounded_weight=True)
+
+
+@pytest.mark.parametrize("M,N,fmt,expected", [
+    (16, 4096, "int4", False),  # decode: in registers with split-K, always
+    (64, 14336, "int4", False),  # 112 tiles: 47 us in registers, 81 us dequantized (H200)
+    (128, 14336, "mxfp4", False),  # 112 tiles: 70 us against 83 us
+    (64, 4096, "int4", True),  # 32 tiles: 199 us against 83 us
+    (128, 4096, "int8", True),  # 64 tiles: 126 us against 90 us
+    (256, 14336, "int4", True),  # above DEQUANTIZE_ABOVE_M: 138 us against 93 us
+])
+def test_path_choice_follows_the_measured_crossover(M, N, fmt, expected):
+    assert dequantizes(M, N, fmt, sms=132) is expected
 
 
 def test_symmetric_int4_and_no_bias():
