@@ -1,7 +1,11 @@
 """Weight-only GEMMs: out[M, N] = A[M, K] (bf16/fp16) @ dequantize(W)[N, K].T (+ bias), fp32 accumulation.
 
-The weight is dequantized in registers, tile by tile; no full-precision copy of it ever exists. Each code is
-turned into a value the activation dtype holds exactly, so the tensor cores multiply exact operands:
+Two paths, chosen by `dequantizes` from a measured crossover. Decode and well-filled medium M dequantize the
+weight in registers, tile by tile, with no full-precision copy of it. Otherwise the weight is dequantized to the
+activation dtype (`dequantize_weight.py`, at most CHUNK_ELEMENTS at a time) and cuBLAS multiplies it.
+
+In registers, each code is turned into a value the activation dtype holds exactly, so the tensor cores multiply
+exact operands:
 - int8 per channel: the integer code; the channel scale is applied once in the epilogue;
 - int4, groups of 128 along K, with zero point: the integer q - z, built from bits (no int -> float
   conversions); the group's fp32 scale multiplies the step's fp32 partial sum;
@@ -10,9 +14,8 @@ turned into a value the activation dtype holds exactly, so the tensor cores mult
   scale is applied in the epilogue.
 Packed 4-bit weights hold K-pairs per byte (low nibble first); the kernel reads them as int32 words of 8 codes
 (4-bit K must be a multiple of 8) and splits each word in the thread that loaded it.
-Small M splits K across programs (`splitk.py`) and may swap the operands (N on the MMA's M side). K and N
-tails are masked. Under Triton's interpreter, whose bf16 dot is wrong, the dot runs in fp32 on the same exact
-operands.
+Decode splits K across programs (`splitk.py`). K and N tails are masked. Under Triton's interpreter, whose bf16
+dot is wrong, the dot runs in fp32 on the same exact operands.
 """
 
 from __future__ import annotations
@@ -33,26 +36,6 @@ from fxquant.kernels.tiles import grouped_tile, k_steps_of, store_tile
 
 
 @triton.jit
-def _zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
-    """A zero fp32 accumulator, [BLOCK_N, BLOCK_M] when swapped."""
-    if SWAP_AB:
-        zeros = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    return zeros
-
-
-@triton.jit
-def _mma(a, w, acc, SWAP_AB: tl.constexpr):
-    """acc + a @ w.T, or its transpose with N on the MMA's M side (for M too small to fill it)."""
-    if SWAP_AB:
-        acc = tl.dot(w, tl.trans(a), acc)
-    else:
-        acc = tl.dot(a, tl.trans(w), acc)
-    return acc
-
-
-@triton.jit
 def _wo_gemm_kernel(
     # pointers
     a_ptr, w_ptr, s_ptr, z_ptr, gs_ptr, c_ptr, ws_ptr, bias_ptr,
@@ -62,7 +45,7 @@ def _wo_gemm_kernel(
     stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk, stride_cm, stride_cn,
     # meta-parameters
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_k = tl.program_id(1)
@@ -72,7 +55,7 @@ def _wo_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m, mask_n = offs_m < M, offs_n < N
     first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
-    acc = _zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(first_k, last_k):
         k = step * BLOCK_K + offs_k
         a_mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & (k[None, :] < K)  # row masks keep vector loads
@@ -82,7 +65,7 @@ def _wo_gemm_kernel(
             w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + k[:, None] * stride_wk,
                         mask=mask_n[None, :] & (k[:, None] < K), other=0)  # [BK, BN]: the MMA's B operand as loaded
             # through fp32: the interpreter mangles int8 -> bf16, and fp32 -> bf16 of a small integer is exact
-            acc = _mma(a, tl.trans(w.to(tl.float32).to(DOT)), acc, SWAP_AB)
+            acc = tl.dot(a, w.to(tl.float32).to(DOT), acc)
         elif FMT == 1:
             codes = nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
             s_index = step * BLOCK_K // GROUP  # BLOCK_K divides GROUP: one group per K step
@@ -94,8 +77,7 @@ def _wo_gemm_kernel(
                 ints = offset_int(codes, DOT) - offset_int(z, DOT)[:, None]
             else:  # a symmetric code c is (c ^ 8) - 8
                 ints = offset_int(codes ^ 8, DOT) - offset_int(tl.full((BLOCK_N, 1), 8, tl.int32), DOT)
-            partial = _mma(a, ints, _zeros(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB)
-            acc += partial * (scale[:, None] if SWAP_AB else scale[None, :])
+            acc += tl.dot(a, tl.trans(ints)) * scale[None, :]
         else:
             codes = nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
             BLOCKS: tl.constexpr = BLOCK_K // GROUP  # scale blocks per K step (BLOCK_K is a multiple of 16, 32)
@@ -103,9 +85,7 @@ def _wo_gemm_kernel(
             scale = block_scale(s_ptr, offs_n[:, None], offs_b[None, :], stride_sn, stride_sk,
                                  mask_n[:, None] & (offs_b[None, :] * GROUP < K), FMT)  # [BN, BLOCKS]
             values = tl.reshape(e2m1_value(codes), (BLOCK_N, BLOCKS, GROUP)) * scale[:, :, None]
-            acc = _mma(a, tl.reshape(values, (BLOCK_N, BLOCK_K)).to(DOT), acc, SWAP_AB)
-    if SWAP_AB:
-        acc = tl.trans(acc)
+            acc = tl.dot(a, tl.trans(tl.reshape(values, (BLOCK_N, BLOCK_K)).to(DOT)), acc)
     if FMT == 0:
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0)[None, :]
     if FMT == 3:
@@ -123,14 +103,14 @@ def wo_gemm_config(M: int, fmt: str) -> dict:
     packed = fmt != "int8"
     if M <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3 if packed else 5,
-                    SWAP_AB=False, programs=1056 if packed else TARGET_PROGRAMS)
+                    programs=1056 if packed else TARGET_PROGRAMS)
     if fmt == "int4":
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, SWAP_AB=False,
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3,
                     programs=TARGET_PROGRAMS)
     if packed:
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, SWAP_AB=False,
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3,
                     programs=TARGET_PROGRAMS)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, SWAP_AB=False,
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4,
                 programs=TARGET_PROGRAMS)
 
 
@@ -195,7 +175,7 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
         out.stride(0), out.stride(1),
         FMT=FORMATS[fmt], GROUP=group or 1, HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None,
         SPLIT_K=split, DOT=tl.float32 if interpreting(_wo_gemm_kernel) else TORCH_TO_TL[a.dtype],
-        OUT=TORCH_TO_TL[a.dtype], CAST=float_cast_mode(_wo_gemm_kernel), SWAP_AB=cfg["SWAP_AB"],
+        OUT=TORCH_TO_TL[a.dtype], CAST=float_cast_mode(_wo_gemm_kernel),
         EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
