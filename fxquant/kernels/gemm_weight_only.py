@@ -143,8 +143,8 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
     """a: [M, K] bf16/fp16; w: the codes as `fxquant.quantize` packs them ([N, K] int8, or [N, K/2] uint8);
     w_scale: [N, 1] (int8), [N, K/group] fp32 (int4), E8M0 (mxfp4) or e4m3 (nvfp4). Returns [M, N] in a's dtype.
     Decode and well-filled medium M (see `dequantizes`), or any M given an explicit tile `config`, dequantize in
-    registers; otherwise the weight is dequantized to the activation dtype in chunks of at most CHUNK_ELEMENTS,
-    each multiplied by cuBLAS."""
+    registers; otherwise, and for int4 groups narrower than a K step, the weight is dequantized to the activation
+    dtype in chunks of at most CHUNK_ELEMENTS, each multiplied by cuBLAS."""
     M, K = a.shape
     if fmt not in FORMATS or a.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"fxquant: weight-only GEMM takes bf16/fp16 activations and one of {list(FORMATS)}; got "
@@ -158,10 +158,13 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
     codes = w if fmt == "int8" else w.contiguous().view(torch.int32)  # packed 4-bit rows as words of 8 codes
     if M == 0 or N == 0:
         return torch.empty((M, N), dtype=a.dtype, device=a.device)
-    if config is None and dequantizes(M, N, fmt, _sm_count(a.device)):
-        return _dequantized_mm(a, codes, scale, fmt, group, zero_point, global_scale, bias)
+    if group and group & (group - 1):
+        raise ValueError(f"fxquant: weight-only groups must be powers of two, got {group}")
     cfg = config or wo_gemm_config(M, fmt)
-    if fmt == "int4" and group % cfg["BLOCK_K"]:
+    in_registers = not (fmt == "int4" and group % cfg["BLOCK_K"])  # one int4 group per K step, at least
+    if config is None and (not in_registers or dequantizes(M, N, fmt, _sm_count(a.device))):
+        return _dequantized_mm(a, codes, scale, fmt, group, zero_point, global_scale, bias)
+    if not in_registers:
         raise ValueError(f"fxquant: int4 groups of {group} need BLOCK_K dividing them, got {cfg['BLOCK_K']}")
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])

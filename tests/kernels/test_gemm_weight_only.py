@@ -113,6 +113,16 @@ def test_k_tail_of_packed_codes(fmt):
     assert within_bound(out, x, R.dequantize(q, torch.float64))
 
 
+@pytest.mark.parametrize("M", [1, 40])
+def test_int4_groups_narrower_than_a_k_step_take_the_dequantize_path(M):
+    """Groups of 64 under 128-wide K steps: dequantized once (any power-of-two group), within the rounded bound."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(M, 256, generator=gen).to(torch.bfloat16).to(DEVICE)
+    q = R.quantize((torch.randn(48, 256, generator=gen) * 0.05).to(DEVICE), "int4", ("group", 64))
+    out = weight_only_mm(x, q.data, q.scale, "int4", 64, 48, zero_point=q.zero_point)
+    assert within_bound(out, x, R.dequantize(q, torch.float64), rounded_weight=True)
+
+
 def test_bad_arguments_are_clear_errors():
     x = torch.randn(2, 256, dtype=torch.float32, device=DEVICE)
     q = R.quantize(torch.randn(64, 256, device=DEVICE), "int8", "channel")
@@ -120,6 +130,10 @@ def test_bad_arguments_are_clear_errors():
         weight_only_mm(x, q.data, q.scale, "int8", 0, 64)
     with pytest.raises(ValueError, match="weight codes must be"):
         weight_only_mm(x.bfloat16(), q.data[:, :128], q.scale, "int8", 0, 64)
+    q6 = R.quantize(torch.randn(64, 192, device=DEVICE), "int4", ("group", 96))
+    with pytest.raises(ValueError, match="powers of two, got 96"):
+        weight_only_mm(torch.randn(2, 192, device=DEVICE, dtype=torch.bfloat16), q6.data, q6.scale, "int4", 96, 64,
+                       zero_point=q6.zero_point)
     q4 = R.quantize(torch.randn(64, 16, device=DEVICE), "nvfp4")
     with pytest.raises(ValueError, match="K a multiple of 8"):
         weight_only_mm(torch.randn(2, 12, device=DEVICE, dtype=torch.bfloat16), q4.data[:, :6], q4.scale, "nvfp4",
