@@ -199,7 +199,7 @@ def test_large_m_never_dequantizes_a_whole_weight_or_activation(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["fp8_block", "int4_wo"])
-def test_large_m_on_the_gpu_allocates_only_codes_and_outputs(recipe):
+def test_large_m_on_the_gpu_makes_no_fp32_copies(recipe):
     """At M = 16384 the extra device memory is the fp8 codes and scales (fp8 recipes) or the weight dequantized to
     bf16 (weight-only, whose large-M GEMM is cuBLAS's), and the output: no fp32 copy of the activation or weight."""
     m, k, n = 16384, 4096, 4096

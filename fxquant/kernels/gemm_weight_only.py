@@ -156,10 +156,10 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
     scale = w_scale.view(torch.uint8) if fmt in ("mxfp4", "nvfp4") else w_scale
     scale = scale.reshape(N, -1)
     codes = w if fmt == "int8" else w.contiguous().view(torch.int32)  # packed 4-bit rows as words of 8 codes
-    if M == 0 or N == 0:
-        return torch.empty((M, N), dtype=a.dtype, device=a.device)
     if group and group & (group - 1):
         raise ValueError(f"fxquant: weight-only groups must be powers of two, got {group}")
+    if M == 0 or N == 0:
+        return torch.empty((M, N), dtype=a.dtype, device=a.device)
     cfg = config or wo_gemm_config(M, fmt)
     in_registers = not (fmt == "int4" and group % cfg["BLOCK_K"])  # one int4 group per K step, at least
     if config is None and (not in_registers or dequantizes(M, N, fmt, _sm_count(a.device))):
