@@ -108,9 +108,14 @@ def scaled_mm_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, bias: 
     a2 = a.reshape(-1, K)
     s2 = a_scale.reshape(1) if a_scale.numel() == 1 else a_scale.reshape(-1, a_scale.shape[-1])
     if a.is_cuda:
-        from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
+        from fxquant.kernels.cublas_fp8 import cublas_scaled_mm, cublas_takes
+        from fxquant.kernels.gemm_fp8 import fp8_scaled_mm, is_block_scaled
 
-        out = fp8_scaled_mm(a2, s2, w, w_scale, bias, out_dtype)
+        block = is_block_scaled(s2, w_scale, w.shape[0])
+        if cublas_takes(a2, s2, w, w_scale, bias, out_dtype, block):
+            out = cublas_scaled_mm(a2, s2, w, w_scale, block)
+        else:
+            out = fp8_scaled_mm(a2, s2, w, w_scale, bias, out_dtype)
     else:
         group = -1 if s2.dim() == 1 else 0 if s2.shape[1] == 1 else K // s2.shape[1]
         qa = Quantized(a2, s2.reshape(()) if group < 0 else s2, "fp8_e4m3", _act_granularity(group), a2.shape,

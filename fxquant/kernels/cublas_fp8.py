@@ -1,0 +1,37 @@
+"""Large-M fp8 GEMMs through cuBLAS (`torch._scaled_mm`), where it was measured faster than the Triton kernel.
+
+H200, torch 2.11 (BENCHMARKS.md, second round): at M = 1024 and 4096 cuBLAS ran rowwise at 1063-1200 TF/s
+against the Triton kernel's 780-832, and blockwise (1x128 activations, 128x128 weights) at 1023-1098 against
+635-673; at M = 128 either was up to 25% faster depending on the shape, and at decode the Triton kernel wins
+(cuBLAS blockwise refuses M = 1). Only the three recipe layouts, with the call shapes `bench/kernels.py` ran, are
+sent; anything else (a bias, an output other than bf16, unaligned N or K) stays on the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CUBLAS_ABOVE_M = 128
+
+
+def cublas_takes(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias,
+                 out_dtype: torch.dtype, block_scales: bool) -> bool:
+    """Whether `cublas_scaled_mm` runs this product: a [M, K] and w [N, K] contiguous e4m3, no bias, bf16 out."""
+    (M, K), N = a.shape, w.shape[0]
+    align = 128 if block_scales else 16  # cuBLAS fp8: 16-byte rows; 128x128 weight blocks must tile N and K
+    layout = (a_scale.numel() == 1 and w_scale.numel() == 1) or block_scales or (
+        a_scale.shape == (M, 1) and w_scale.numel() == N)
+    return (a.is_cuda and M > CUBLAS_ABOVE_M and bias is None and out_dtype == torch.bfloat16
+            and a.dtype == w.dtype == torch.float8_e4m3fn and a.is_contiguous() and w.is_contiguous()
+            and N % align == 0 and K % align == 0 and layout)
+
+
+def cublas_scaled_mm(a, a_scale, w, w_scale, block_scales: bool) -> torch.Tensor:
+    """(a * a_scale) @ (w * w_scale).T in bf16; scales per tensor, per token/channel, or 1x128 / 128x128."""
+    if block_scales:  # cuBLAS wants both scale grids outer-dimension-major
+        sa, sw = a_scale.t().contiguous().t(), w_scale.t()
+    elif a_scale.numel() == 1:
+        sa, sw = a_scale.reshape(()), w_scale.reshape(())
+    else:
+        sa, sw = a_scale, w_scale.reshape(1, -1)
+    return torch._scaled_mm(a, w.t(), sa, sw, out_dtype=torch.bfloat16)
