@@ -1,7 +1,7 @@
 """FP8 GEMMs on the GPU: correctness, an optional config sweep, then TFLOP/s and weight GB/s against
 cuBLAS (torch._scaled_mm, torch.mm) measured in the same process.
 
-Run: PYTHONPATH=. python bench/kernels.py [--sweep]
+Run: PYTHONPATH=. python bench/kernels.py [--sweep [--decode]]   (--decode: sweep M <= 16 only)
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ def scaled_mm_baselines(qa, qw, scheme):
 
 def sweep_candidates(m):
     if m <= 16:
-        return [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=s)
-                for bn in (32, 64, 128) for s in (4, 6)]
+        return [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=s, programs=p)
+                for bn in (32, 64, 128) for s in (4, 6) for p in (264, 528, 1056)]
     if m <= 128:
         return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=s)
                 for bm in (32, 64) for bn in (64, 128) for s in (3, 5)]
@@ -74,7 +74,7 @@ def sweep() -> list[dict]:
     rows = []
     for scheme in ("block", "row"):
         for n, k in NKS:
-            for m in MS:
+            for m in [m for m in MS if m <= 16] if "--decode" in sys.argv else MS:
                 qa, qw = operands(m, n, k, scheme)
                 best = None
                 for cfg in sweep_candidates(m):

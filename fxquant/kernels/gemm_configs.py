@@ -10,11 +10,14 @@ put more CTAs on the 132 SMs.
 
 from __future__ import annotations
 
+from fxquant.kernels.splitk import TARGET_PROGRAMS
+
 
 def fp8_gemm_config(M: int, N: int, K: int, block_scales: bool) -> dict:
     wide = N > 8192
     if M <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64 if wide else 32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=6)
+        return dict(BLOCK_M=16, BLOCK_N=64 if wide else 32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=6,
+                    programs=TARGET_PROGRAMS)
     if M <= 128:
         return dict(BLOCK_M=64, BLOCK_N=128 if wide else 64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
     if block_scales:

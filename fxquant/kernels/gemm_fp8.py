@@ -24,7 +24,7 @@ import triton.language as tl
 
 from fxquant.kernels.cast import float_cast_mode
 from fxquant.kernels.gemm_configs import fp8_gemm_config
-from fxquant.kernels.splitk import reduce_partials, split_k
+from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
 from fxquant.kernels.tiles import grouped_tile, k_steps_of, store_tile
 
 SCALE_BLOCK = 128  # the 1x128 / 128x128 scale block
@@ -125,7 +125,8 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
         raise ValueError(f"fxquant: block-scaled fp8 GEMM needs BLOCK_K == {SCALE_BLOCK} and BLOCK_N dividing "
                          f"{SCALE_BLOCK}, got BLOCK_K={cfg['BLOCK_K']} BLOCK_N={cfg['BLOCK_N']}")
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
-    split = cfg.get("SPLIT_K") or split_k(tiles, triton.cdiv(K, cfg["BLOCK_K"]), M)
+    programs = cfg.get("programs", TARGET_PROGRAMS)
+    split = cfg.get("SPLIT_K") or split_k(tiles, triton.cdiv(K, cfg["BLOCK_K"]), M, programs)
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     _fp8_gemm_kernel[(tiles, split)](
         a, b, out, ws, a_scale, b_scale, bias if bias is not None else out,
