@@ -1,7 +1,7 @@
 """Weight-only GEMMs and the fused norm -> fp8 on the GPU: correctness first, then time against bf16 torch.mm
 (cuBLAS) and the unfused norm + quantize, measured in the same process.
 
-Run: PYTHONPATH=. python bench/weight_only.py [--sweep | --crossover]
+Run: PYTHONPATH=. python bench/weight_only.py [--sweep | --crossover] [--decode]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from fxquant.kernels import gemm_weight_only
 from fxquant.kernels.gemm_weight_only import weight_only_mm, wo_gemm_config
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8
 
-MS = [1, 16, 128, 1024, 4096]
+MS = [1, 16] if "--decode" in sys.argv else [1, 16, 128, 1024, 4096]  # --decode: the M <= 16 rows alone
 NKS = [(4096, 4096), (14336, 4096), (4096, 14336)]
 FORMATS = {"int8": ("channel", 0), "int4": (("group", 128), 128), "mxfp4": (None, 32), "nvfp4": (None, 16)}
 
@@ -83,7 +83,7 @@ def timed(m, n, k, fmt, cfg):
 def sweep(ceiling) -> list[dict]:
     """Every candidate on the widest shape, then the five best of each on the other shapes and M."""
     rows = []
-    for fmt, m_probe in itertools.product(("int4", "mxfp4", "int8"), (16, 1024)):
+    for fmt, m_probe in itertools.product(("int4", "mxfp4", "int8"), [m for m in (16, 1024) if m <= MS[-1]]):
         ranked = []
         for cfg in sweep_candidates(m_probe):
             try:
@@ -164,7 +164,8 @@ def main():
     if "--crossover" in sys.argv:
         print(table(crossover(ceiling)))
         return
-    print(table(bench_norm(ceiling)))
+    if "--decode" not in sys.argv:
+        print(table(bench_norm(ceiling)))
     print(table(bench_gemms(ceiling)))
 
 

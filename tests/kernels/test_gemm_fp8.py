@@ -5,9 +5,9 @@ import torch
 import triton
 
 from fxquant import reference as R
-from fxquant.kernels.gemm_configs import BUCKET_PROBES
+from fxquant.kernels.gemm_configs import BUCKET_PROBES, fp8_gemm_config
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
-from fxquant.kernels.splitk import split_k
+from fxquant.kernels.splitk import TILE_LOCKS, split_k, tile_locks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Relative error against fp64 for fp32 output: the interpreter accumulates in fp32; sm_90's fp8 MMA
@@ -68,8 +68,9 @@ def test_empty_m_and_bad_shapes():
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 @pytest.mark.parametrize("config", [{}, {"COMPILER_PROMOTES": False}], ids=["split-k", "split-k-promote-by-hand"])
 def test_decode_splits_k_and_stays_exact(scheme, config):
-    M, N, K = 4, 256, 2048  # 8 output tiles of 16 x 32 over 16 K steps: split into 4 slices
-    tiles, steps = triton.cdiv(M, 16) * triton.cdiv(N, 32), K // 128
+    M, N, K = 4, 256, 2048  # 4 output tiles of 16 x 64 over 16 K steps: split into 4 slices
+    cfg = fp8_gemm_config(M, N, K, scheme == "block")
+    tiles, steps = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), K // cfg["BLOCK_K"]
     assert split_k(tiles, steps, M) == 4
     qa, qw = operands(M, N, K, scheme)
     bias = torch.randn(N, device=DEVICE)
@@ -77,3 +78,9 @@ def test_decode_splits_k_and_stays_exact(scheme, config):
     assert rel_err(out, qa, qw, bias) < FP32_BOUND
     again = fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, bias, torch.float32, config=config)
     assert torch.equal(out, again)  # slices add in a fixed order: the same bits every run
+    assert not tile_locks(qa.data.device, tiles).any()  # the last slice of each tile zeroed its counter
+
+
+def test_split_k_refuses_more_tiles_than_counters():
+    with pytest.raises(ValueError, match="tile counters"):
+        tile_locks(torch.device(DEVICE), TILE_LOCKS + 1)
