@@ -24,7 +24,7 @@ import triton.language as tl
 
 from fxquant.kernels.cast import float_cast_mode
 from fxquant.kernels.gemm_configs import fp8_gemm_config
-from fxquant.kernels.splitk import TARGET_PROGRAMS, split_k, tile_locks
+from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
 from fxquant.kernels.tiles import grouped_tile, k_steps_of, store_tile
 
 SCALE_BLOCK = 128  # the 1x128 / 128x128 scale block
@@ -34,7 +34,7 @@ TORCH_TO_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.flo
 @triton.jit
 def _fp8_gemm_kernel(
     # pointers
-    a_ptr, b_ptr, c_ptr, ws_ptr, locks_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    a_ptr, b_ptr, c_ptr, ws_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
     # sizes
     M, N, K,
     # strides
@@ -83,8 +83,7 @@ def _fp8_gemm_kernel(
         a_s = tl.load(a_scale_ptr + offs_m * stride_asm, mask=mask_m, other=0.0)
         b_s = tl.load(b_scale_ptr + offs_n * stride_bsn, mask=mask_n, other=0.0)
         acc = acc * a_s[:, None] * b_s[None, :]
-    store_tile(acc, c_ptr, ws_ptr, locks_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,
-               tl.program_id(0), pid_k,
+    store_tile(acc, c_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, pid_k,
                HAS_BIAS, SPLIT_K, OUT, CAST)
 
 
@@ -129,9 +128,8 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
     programs = cfg.get("programs", TARGET_PROGRAMS)
     split = cfg.get("SPLIT_K") or split_k(tiles, triton.cdiv(K, cfg["BLOCK_K"]), M, programs)
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
-    locks = tile_locks(a.device, tiles) if split > 1 else out
     _fp8_gemm_kernel[(tiles, split)](
-        a, b, out, ws, locks, a_scale, b_scale, bias if bias is not None else out,
+        a, b, out, ws, a_scale, b_scale, bias if bias is not None else out,
         M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         asm, ask, bsn, bsk,
@@ -141,4 +139,6 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if split > 1:
+        reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])
     return out

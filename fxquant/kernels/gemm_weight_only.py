@@ -33,7 +33,7 @@ from fxquant.kernels.cast import float_cast_mode, interpreting
 from fxquant.kernels.codes import FORMATS, block_scale, e2m1_value, int4_planes, nibbles, offset_int
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
-from fxquant.kernels.splitk import TARGET_PROGRAMS, split_k, tile_locks
+from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
 from fxquant.kernels.tiles import grouped_tile, k_steps_of, store_tile
 
 
@@ -73,7 +73,7 @@ def int4_dot_planes(a, w_ptr, offs_n, mask_n, step, stride_wn, z, HAS_ZP: tl.con
 @triton.jit
 def _wo_gemm_kernel(
     # pointers
-    a_ptr, w_ptr, s_ptr, z_ptr, gs_ptr, c_ptr, ws_ptr, locks_ptr, bias_ptr,
+    a_ptr, w_ptr, s_ptr, z_ptr, gs_ptr, c_ptr, ws_ptr, bias_ptr,
     # sizes
     M, N, K,
     # strides (the weight's in its own elements: bytes for int8, int32 words of packed codes for 4-bit)
@@ -132,8 +132,7 @@ def _wo_gemm_kernel(
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0)[None, :]
     if FMT == 3:
         acc = acc * tl.load(gs_ptr)
-    store_tile(acc, c_ptr, ws_ptr, locks_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,
-               tl.program_id(0), pid_k,
+    store_tile(acc, c_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, pid_k,
                HAS_BIAS, SPLIT_K, OUT, CAST)
 
 
@@ -213,10 +212,9 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     split = split_k(tiles, triton.cdiv(K, cfg["BLOCK_K"]), M, cfg["programs"])
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
-    locks = tile_locks(a.device, tiles) if split > 1 else out
     _wo_gemm_kernel[(tiles, split)](
         a, codes, scale, zero_point if zero_point is not None else scale,
-        global_scale if global_scale is not None else scale, out, ws, locks, bias if bias is not None else out,
+        global_scale if global_scale is not None else scale, out, ws, bias if bias is not None else out,
         M, N, K,
         a.stride(0), a.stride(1), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
         out.stride(0), out.stride(1),
@@ -228,6 +226,8 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
         GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if split > 1:
+        reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])
     return out
 
 

@@ -1,6 +1,5 @@
 """Split-K for small M: the K loop is cut into SPLIT_K slices run by separate programs, each writing an fp32
-partial. The last slice to finish a tile adds all its partials in slice order, adds the bias and casts
-(`tiles.store_tile`): the same bits on every run, unlike atomics, and no second kernel launch.
+partial; one reduce kernel sums them in a fixed order (deterministic, unlike atomics), adds the bias and casts.
 
 At decode (M <= 16) a GEMM's time is weight bytes / bandwidth, and an N-only grid of 32-64 tiles leaves most of
 the 132 SMs idle; cutting K gives every SM a slice of the weight to stream.
@@ -9,10 +8,12 @@ the 132 SMs idle; cutting K gives every SM a slice of the weight to stream.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from fxquant.kernels.cast import cast_float, float_cast_mode
 
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs) keep loads in flight while one waits
-TILE_LOCKS = 4096  # arrival counters per stream: split-K grids have fewer tiles than programs (<= 1056 here)
-_locks: dict[tuple, torch.Tensor] = {}
 
 
 def split_k(tiles: int, k_steps: int, M: int, programs: int = TARGET_PROGRAMS) -> int:
@@ -26,18 +27,33 @@ def split_k(tiles: int, k_steps: int, M: int, programs: int = TARGET_PROGRAMS) -
     return split
 
 
-def tile_locks(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters, one per output tile; the last slice of a tile sets its counter back to zero.
-    One set per (device, stream), so GEMMs on concurrent streams never share one. Under CUDA graph capture a new
-    set is zeroed inside the graph (capture runs nothing, so a cached set made there would hold garbage)."""
-    if tiles > TILE_LOCKS:
-        raise ValueError(f"fxquant: a split-K grid of {tiles} tiles exceeds the {TILE_LOCKS} tile counters; "
-                         "ask for fewer programs")
-    cuda = device.type == "cuda"
-    key = (device, torch.cuda.current_stream(device).cuda_stream if cuda else 0)
-    locks = _locks.get(key)
-    if locks is None:
-        locks = torch.zeros(TILE_LOCKS, dtype=torch.int32, device=device)
-        if not (cuda and torch.cuda.is_current_stream_capturing()):
-            _locks[key] = locks
-    return locks
+@triton.jit
+def _splitk_reduce_kernel(
+    # pointers
+    ws_ptr, c_ptr, bias_ptr,
+    # sizes and strides
+    M, N, stride_cm, stride_cn,
+    # meta-parameters
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT_K):  # a fixed order: the same bits on every run
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+    m, n = offs // N, offs % N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c_ptr + m * stride_cm + n * stride_cn, cast_float(acc, OUT, CAST), mask=mask)
+
+
+def reduce_partials(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, out_tl) -> torch.Tensor:
+    """out = sum(ws [SPLIT_K, M, N], 0) + bias, cast once to out's dtype."""
+    split, M, N = ws.shape
+    block = 1024
+    _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
+        ws, out, bias if bias is not None else ws, M, N, out.stride(0), out.stride(1),
+        SPLIT_K=split, HAS_BIAS=bias is not None, OUT=out_tl, CAST=float_cast_mode(_splitk_reduce_kernel),
+        BLOCK=block, num_warps=4,
+    )
+    return out

@@ -30,31 +30,15 @@ def k_steps_of(pid_k, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
-def _store_c(acc, c_ptr, bias_ptr, offs_m, offs_n, mask, N, stride_cm, stride_cn, HAS_BIAS: tl.constexpr,
-             OUT: tl.constexpr, CAST: tl.constexpr):
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, cast_float(acc, OUT, CAST), mask=mask)
-
-
-@triton.jit
-def store_tile(acc, c_ptr, ws_ptr, locks_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, tile, pid_k,
+def store_tile(acc, c_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, pid_k,
                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr):
-    """The fp32 tile, biased and cast once into C. Split along K, each slice stores its fp32 partial and counts
-    itself in the tile's lock; the last to arrive adds the SPLIT_K partials in slice order (the same bits whichever
-    slice is last), stores C and zeroes the lock for the next GEMM."""
+    """The fp32 tile: biased and cast once into C, or, split along K, stored as this slice's fp32 partial
+    (splitk's reduce adds the slices and the bias, and casts)."""
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if SPLIT_K == 1:
-        _store_c(acc, c_ptr, bias_ptr, offs_m, offs_n, mask, N, stride_cm, stride_cn, HAS_BIAS, OUT, CAST)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, cast_float(acc, OUT, CAST), mask=mask)
     else:
-        partials = ws_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(partials + pid_k * M * N, acc, mask=mask)
-        tl.debug_barrier()  # every thread's part of the partial is written before the slice counts itself
-        arrived = tl.atomic_add(locks_ptr + tile, 1, sem="acq_rel", scope="gpu")  # publish ours, see theirs
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros_like(acc)
-            for s in range(SPLIT_K):  # .cg: read the other SMs' partials from L2, never a stale L1 line
-                total += tl.load(partials + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            _store_c(total, c_ptr, bias_ptr, offs_m, offs_n, mask, N, stride_cm, stride_cn, HAS_BIAS, OUT, CAST)
-            tl.atomic_xchg(locks_ptr + tile, 0)
+        tl.store(ws_ptr + pid_k * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc, mask=mask)
