@@ -36,7 +36,7 @@ def decode_kernel_sass(fmt: str, stages: int | None = None) -> str:
              "*fp32", "*bf16", "*fp32", "*bf16"] + ["i32"] * 11
     signature = dict(zip(ARGS, types, strict=True))
     constexprs = dict(FMT=FORMATS[fmt], GROUP=GROUPS[fmt], HAS_ZP=fmt == "int4", HAS_BIAS=False, SPLIT_K=4,
-                      DOT=tl.bfloat16, ASM=True, OUT=tl.bfloat16, CAST=0, EVEN_K=True, BLOCK_M=cfg["BLOCK_M"],
+                      DOT=tl.bfloat16, OUT=tl.bfloat16, CAST=0, EVEN_K=True, BLOCK_M=cfg["BLOCK_M"],
                       BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
                       **dict.fromkeys(UNIT_STRIDES, 1))
     signature.update(dict.fromkeys(constexprs, "constexpr"))

@@ -52,43 +52,6 @@ def nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K: tl.constexpr, EV
     return tl.reshape(tl.join(even, odd), (offs_n.shape[0], BLOCK_K))
 
 
-def _planes_asm(offset: int) -> str:
-    """PTX for two words w0, w1 of 8 packed codes -> plane j = (OFFSET + code j of w0, OFFSET + code j of w1) as one
-    16-bit pair per output register: the two pairs' halves are gathered with PRMT, then each plane is one shift and
-    one LOP3 ((t & 0x000F000F) | OFFSET OFFSET), two codes at a time."""
-    lines = ["{", ".reg .b32 lo, hi, t;", "prmt.b32 lo, $8, $9, 0x5410;", "prmt.b32 hi, $8, $9, 0x7632;"]
-    for j in range(8):
-        src = "lo" if j < 4 else "hi"
-        shift = 4 * (j % 4)
-        if shift:
-            lines.append(f"shr.b32 t, {src}, {shift};")
-        lines.append(f"lop3.b32 ${j}, {'t' if shift else src}, 0x000F000F, {offset:#010x}, 0xEA;")  # (a & b) | c
-    return "\n".join(lines + ["}"])
-
-
-PLANES_ASM_BF16 = tl.constexpr(_planes_asm(0x43004300))  # 2^7 + n in bf16
-PLANES_ASM_FP16 = tl.constexpr(_planes_asm(0x64006400))  # 2^10 + n in fp16
-
-
-@triton.jit
-def int4_planes(packed, DOT: tl.constexpr, ASM: tl.constexpr):
-    """The 8 codes of each int32 word of `packed` as 8 tensors of its shape: plane j holds OFFSET + code j, exactly
-    as offset_int gives it. ASM (bf16/fp16 on a GPU) runs the PTX, which builds two codes per instruction; without
-    it (the interpreter) each plane is a shift, a mask and offset_int."""
-    if ASM and DOT == tl.bfloat16:
-        planes = tl.inline_asm_elementwise(PLANES_ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [packed],
-                                           dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
-    elif ASM:
-        planes = tl.inline_asm_elementwise(PLANES_ASM_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [packed],
-                                           dtype=(tl.float16,) * 8, is_pure=True, pack=2)
-    else:
-        planes = (offset_int(packed & 15, DOT), offset_int((packed >> 4) & 15, DOT),
-                  offset_int((packed >> 8) & 15, DOT), offset_int((packed >> 12) & 15, DOT),
-                  offset_int((packed >> 16) & 15, DOT), offset_int((packed >> 20) & 15, DOT),
-                  offset_int((packed >> 24) & 15, DOT), offset_int((packed >> 28) & 15, DOT))
-    return planes
-
-
 @triton.jit
 def offset_int(n, DOT: tl.constexpr):
     """OFFSET + n exactly in DOT for 0 <= n < 16, with no int -> float conversion: n ORed into the mantissa of a

@@ -13,9 +13,7 @@ exact operands:
 - NVFP4: the e2m1 value times its block's e4m3 scale (exact: at most 6 significant bits); the fp32 global
   scale is applied in the epilogue.
 Packed 4-bit weights hold K-pairs per byte (low nibble first); the kernel reads them as int32 words of 8 codes
-(4-bit K must be a multiple of 8) and splits each word in the thread that loaded it. At decode, int4 words are
-split into 8 K planes in the MMA's register layout by a few PTX instructions per two words (`codes.int4_planes`),
-and the activations are cut into the same planes: no shared-memory round trip of the weight.
+(4-bit K must be a multiple of 8) and splits each word in the thread that loaded it.
 Decode splits K across programs (`splitk.py`). K and N tails are masked. Under Triton's interpreter, whose bf16
 dot is wrong, the dot runs in fp32 on the same exact operands.
 """
@@ -30,44 +28,11 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import float_cast_mode, interpreting
-from fxquant.kernels.codes import FORMATS, block_scale, e2m1_value, int4_planes, nibbles, offset_int
+from fxquant.kernels.codes import FORMATS, block_scale, e2m1_value, nibbles, offset_int
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
 from fxquant.kernels.tiles import grouped_tile, k_steps_of, store_tile
-
-
-@triton.jit
-def k_planes(a, BLOCK_M: tl.constexpr, WORDS: tl.constexpr):
-    """[BLOCK_M, 8 * WORDS] activations as the 8 K planes of `int4_planes`: plane j holds columns 8 * w + j."""
-    bit0_0, bit0_1 = tl.split(tl.reshape(a, (BLOCK_M, WORDS, 2, 2, 2)))  # k = 8w + 4 b2 + 2 b1 + b0: split b0
-    p00, p10 = tl.split(bit0_0)  # then b1 (planes with b0 = 0)
-    p01, p11 = tl.split(bit0_1)
-    plane0, plane4 = tl.split(p00)  # then b2
-    plane2, plane6 = tl.split(p10)
-    plane1, plane5 = tl.split(p01)
-    plane3, plane7 = tl.split(p11)
-    return plane0, plane1, plane2, plane3, plane4, plane5, plane6, plane7
-
-
-@triton.jit
-def int4_dot_planes(a, w_ptr, offs_n, mask_n, step, stride_wn, z, HAS_ZP: tl.constexpr, DOT: tl.constexpr,
-                    ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
-    """a [BLOCK_M, 8 * WORDS] @ (q - z) of one K step, fp32: the step's packed words are loaded as [WORDS, BLOCK_N]
-    and split into 8 planes (plane j: code j of each word, k = 8 * word + j) in the MMA's operand layout, with no
-    shared-memory round trip of the weight; the activations are cut into the same planes and 8 K-16 dots add up.
-    int4 K is a multiple of its group, which BLOCK_K divides: there is no K tail."""
-    word = step * WORDS + tl.arange(0, WORDS)
-    packed = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + word[:, None], mask=mask_n[None, :], other=0)
-    if not HAS_ZP:
-        packed = packed ^ -0x77777778  # 0x88888888 as int32: every code c becomes c ^ 8
-    w_planes = int4_planes(packed, DOT, ASM)
-    a_planes = k_planes(a, BLOCK_M, WORDS)
-    zero = offset_int(z, DOT)[None, :]
-    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for j in tl.static_range(8):
-        part = tl.dot(a_planes[j], w_planes[j] - zero, part)
-    return part
 
 
 @triton.jit
@@ -80,7 +45,7 @@ def _wo_gemm_kernel(
     stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk, stride_cm, stride_cn,
     # meta-parameters
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_k = tl.program_id(1)
@@ -88,7 +53,6 @@ def _wo_gemm_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    WORDS: tl.constexpr = BLOCK_K // 8  # int32 words of packed 4-bit codes per K step
     mask_m, mask_n = offs_m < M, offs_n < N
     first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -103,23 +67,17 @@ def _wo_gemm_kernel(
             # through fp32: the interpreter mangles int8 -> bf16, and fp32 -> bf16 of a small integer is exact
             acc = tl.dot(a, w.to(tl.float32).to(DOT), acc)
         elif FMT == 1:
+            codes = nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
             s_index = step * BLOCK_K // GROUP  # BLOCK_K divides GROUP: one group per K step
             scale = tl.load(s_ptr + offs_n * stride_sn + s_index * stride_sk, mask=mask_n, other=0.0)
             # The MMA multiplies exact small integers, q - z, and the group's fp32 scale multiplies the fp32
             # partial sum: more exact than a dequantized weight rounded to bf16, and no int -> float conversions.
             if HAS_ZP:
                 z = tl.load(z_ptr + offs_n * stride_sn + s_index * stride_sk, mask=mask_n, other=0).to(tl.int32)
+                ints = offset_int(codes, DOT) - offset_int(z, DOT)[:, None]
             else:  # a symmetric code c is (c ^ 8) - 8
-                z = tl.full((BLOCK_N,), 8, tl.int32)
-            if BLOCK_M <= 16:  # mma.sync takes the weight from registers: split the words there, in planes
-                part = int4_dot_planes(a, w_ptr, offs_n, mask_n, step, stride_wn, z, HAS_ZP, DOT, ASM, BLOCK_M,
-                                       BLOCK_N, WORDS)
-            else:  # wgmma reads the weight from shared memory anyway: one [BN, BK] tile of q - z
-                codes = nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
-                if not HAS_ZP:
-                    codes = codes ^ 8
-                part = tl.dot(a, tl.trans(offset_int(codes, DOT) - offset_int(z, DOT)[:, None]))
-            acc += part * scale[None, :]
+                ints = offset_int(codes ^ 8, DOT) - offset_int(tl.full((BLOCK_N, 1), 8, tl.int32), DOT)
+            acc += tl.dot(a, tl.trans(ints)) * scale[None, :]
         else:
             codes = nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
             BLOCKS: tl.constexpr = BLOCK_K // GROUP  # scale blocks per K step (BLOCK_K is a multiple of 16, 32)
@@ -220,7 +178,6 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
         out.stride(0), out.stride(1),
         FMT=FORMATS[fmt], GROUP=group or 1, HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None,
         SPLIT_K=split, DOT=tl.float32 if interpreting(_wo_gemm_kernel) else TORCH_TO_TL[a.dtype],
-        ASM=not interpreting(_wo_gemm_kernel),
         OUT=TORCH_TO_TL[a.dtype], CAST=float_cast_mode(_wo_gemm_kernel),
         EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         GROUP_M=cfg["GROUP_M"],
