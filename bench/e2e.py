@@ -1,6 +1,6 @@
 """End to end on the GPU: a 4-layer Llama (hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 32000)
 from config, bf16, random weights. Eager, Inductor bf16, torchao fp8 per-row (when torchao imports) and
-fxquant recipes; first-compile time and latency.
+fxquant recipes; first-compile time, latency, and the GPU kernel time inside it (profiler).
 
 Run: PYTHONPATH=. python bench/e2e.py [--reduce-overhead] [--no-torchao] [recipe ...]
 """
@@ -41,6 +41,15 @@ def torchao_fp8_row(model):
     return quantized
 
 
+def gpu_ms(fn, ids, calls: int = 10) -> float:
+    """Milliseconds of GPU kernel time per call, from the profiler: what the latency would be with no CPU cost."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn(ids, use_cache=False)
+        torch.cuda.synchronize()
+    return sum(event.self_device_time_total for event in prof.key_averages()) / calls / 1e3
+
+
 def main():
     print(header())
     model = build()
@@ -75,9 +84,11 @@ def main():
                 first = time.perf_counter() - start
                 ms = triton.testing.do_bench(lambda fn=fn, ids=ids: fn(ids, use_cache=False), warmup=25, rep=200,
                                              return_mode="median")
+                kernels = gpu_ms(fn, ids)
                 ref = reference[name]
                 err = float((logits - ref).norm() / ref.norm())
-                rows.append({"path": path, "shape": name, "ms": f"{ms:.2f}", "first call s": f"{first:.1f}",
+                rows.append({"path": path, "shape": name, "ms": f"{ms:.2f}", "GPU kernel ms": f"{kernels:.2f}",
+                             "first call s": f"{first:.1f}",
                              "logits rel err": f"{err:.4f}"})
                 print(rows[-1], flush=True)
     print(table(rows))
