@@ -2,7 +2,7 @@
 from config, bf16, random weights. Eager, Inductor bf16, torchao fp8 per-row (when torchao imports) and
 fxquant recipes; first-compile time, latency, and the GPU kernel time inside it (profiler).
 
-Run: PYTHONPATH=. python bench/e2e.py [--reduce-overhead] [--no-torchao] [recipe ...]
+Run: PYTHONPATH=. python bench/e2e.py [--reduce-overhead] [--no-torchao] [--top-kernels] [recipe ...]
 """
 
 from __future__ import annotations
@@ -41,12 +41,16 @@ def torchao_fp8_row(model):
     return quantized
 
 
-def gpu_ms(fn, ids, calls: int = 10) -> float:
-    """Milliseconds of GPU kernel time per call, from the profiler: what the latency would be with no CPU cost."""
+def gpu_ms(fn, ids, label: str, calls: int = 10) -> float:
+    """Milliseconds of GPU kernel time per call, from the profiler: what the latency would be with no CPU cost.
+    With --top-kernels, the kernels that take it are printed."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn(ids, use_cache=False)
         torch.cuda.synchronize()
+    if "--top-kernels" in sys.argv:
+        print(f"{label}, {calls} calls:")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=70))
     return sum(event.self_device_time_total for event in prof.key_averages()) / calls / 1e3
 
 
@@ -84,7 +88,7 @@ def main():
                 first = time.perf_counter() - start
                 ms = triton.testing.do_bench(lambda fn=fn, ids=ids: fn(ids, use_cache=False), warmup=25, rep=200,
                                              return_mode="median")
-                kernels = gpu_ms(fn, ids)
+                kernels = gpu_ms(fn, ids, f"{path}, {name}")
                 ref = reference[name]
                 err = float((logits - ref).norm() / ref.norm())
                 rows.append({"path": path, "shape": name, "ms": f"{ms:.2f}", "GPU kernel ms": f"{kernels:.2f}",
