@@ -1,15 +1,15 @@
-"""Large-M fp8 GEMMs through cuBLAS: which products it takes, and its error against the fp64 product of the
-dequantized operands (bf16 output: about 2^-9 relative per element, so 4e-3 on the norm)."""
+"""Large-M fp8 GEMMs through cuBLAS: the call shapes the installed torch accepts (meta tensors, any machine), which
+products it takes, and its error against the fp64 product of the dequantized operands (bf16 output: about 2^-9
+relative per element, so 4e-3 on the norm)."""
 
 import pytest
 import torch
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant import reference as R
-from fxquant.kernels.cublas_fp8 import CUBLAS_ABOVE_M, cublas_takes
+from fxquant.kernels.cublas_fp8 import CUBLAS_ABOVE_M, cublas_scaled_mm, cublas_takes
 from fxquant.kernels.gemm_fp8 import is_block_scaled
 
-pytestmark = pytest.mark.gpu
 RECIPES = {"tensor": ("tensor", "tensor"), "row": ("token", "channel"), "block": (("group", 128), ("block", 128, 128))}
 
 
@@ -23,6 +23,18 @@ def operands(recipe, M=CUBLAS_ABOVE_M + 128, N=384, K=512):
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
+def test_installed_torch_accepts_the_call_shapes(recipe):
+    """torch._scaled_mm's shape and layout checks run on meta tensors: an API change in torch fails here, on CPU."""
+    M, N, K = CUBLAS_ABOVE_M + 128, 384, 512
+    e4m3 = dict(dtype=torch.float8_e4m3fn, device="meta")
+    scales = {"tensor": ((1,), (1,)), "row": ((M, 1), (N, 1)), "block": ((M, K // 128), (N // 128, K // 128))}
+    a_scale, w_scale = (torch.empty(shape, device="meta") for shape in scales[recipe])
+    out = cublas_scaled_mm(torch.empty(M, K, **e4m3), a_scale, torch.empty(N, K, **e4m3), w_scale, recipe == "block")
+    assert out.shape == (M, N) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", list(RECIPES))
 def test_op_at_large_m_matches_the_exact_product(recipe):
     qa, qw, a_scale = operands(recipe)
     assert cublas_takes(qa.data, a_scale, qw.data, qw.scale, None, torch.bfloat16,
@@ -32,6 +44,7 @@ def test_op_at_large_m_matches_the_exact_product(recipe):
     assert float((out.double() - exact).norm() / exact.norm()) < 4e-3
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", ["bias", "fp32 out", "decode M", "unaligned N"])
 def test_other_products_stay_on_the_triton_kernel(case):
     # Block weights tile N in 128s, so the unaligned-N case uses row scales (cuBLAS needs N % 16 == 0 there).
