@@ -3,8 +3,10 @@
 H200, torch 2.11 (BENCHMARKS.md, second round): at M = 1024 and 4096 cuBLAS ran rowwise at 1063-1200 TF/s
 against the Triton kernel's 780-832, and blockwise (1x128 activations, 128x128 weights) at 1023-1098 against
 635-673; at M = 128 either was up to 25% faster depending on the shape, and at decode the Triton kernel wins
-(cuBLAS blockwise refuses M = 1). Only the three recipe layouts, with the call shapes `bench/kernels.py` ran, are
-sent; anything else (a bias, an output other than bf16, unaligned N or K) stays on the Triton kernel.
+(cuBLAS blockwise refuses M = 1). End to end this took fp8_block prefill from 0.97x to 1.31x Inductor bf16
+(BENCHMARKS.md, fifth round). Only the three recipe layouts, with the call shapes `bench/kernels.py` ran, are
+sent; anything else (a bias, an output other than bf16, unaligned N or K, other scale blocks) stays on the Triton
+kernel, which also gives the clear error for malformed scales.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ CUBLAS_ABOVE_M = 128
 
 def cublas_takes(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias,
                  out_dtype: torch.dtype, block_scales: bool) -> bool:
-    """Whether `cublas_scaled_mm` runs this product: a [M, K] and w [N, K] contiguous e4m3, no bias, bf16 out."""
+    """Whether `cublas_scaled_mm` runs this product (on a CUDA device): a [M, K] and w [N, K] contiguous e4m3, no
+    bias, bf16 out, and scales per tensor, per token and channel, or 1x128 and 128x128."""
     (M, K), N = a.shape, w.shape[0]
     align = 128 if block_scales else 16  # cuBLAS fp8: 16-byte rows; 128x128 weight blocks must tile N and K
-    layout = (a_scale.numel() == 1 and w_scale.numel() == 1) or block_scales or (
-        a_scale.shape == (M, 1) and w_scale.numel() == N)
-    return (a.is_cuda and M > CUBLAS_ABOVE_M and bias is None and out_dtype == torch.bfloat16
+    if block_scales:
+        layout = a_scale.shape == (M, K // 128) and w_scale.shape == (N // 128, K // 128)
+    else:
+        layout = (a_scale.numel() == 1 and w_scale.numel() == 1) or (
+            a_scale.shape == (M, 1) and w_scale.numel() == N)
+    return (M > CUBLAS_ABOVE_M and bias is None and out_dtype == torch.bfloat16
             and a.dtype == w.dtype == torch.float8_e4m3fn and a.is_contiguous() and w.is_contiguous()
             and N % align == 0 and K % align == 0 and layout)
 

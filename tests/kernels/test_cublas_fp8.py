@@ -22,15 +22,33 @@ def operands(recipe, M=CUBLAS_ABOVE_M + 128, N=384, K=512):
     return qa, qw, a_scale
 
 
+def meta_operands(recipe, M=CUBLAS_ABOVE_M + 128, N=384, K=512, a_group=128):
+    e4m3 = dict(dtype=torch.float8_e4m3fn, device="meta")
+    scales = {"tensor": ((1,), (1,)), "row": ((M, 1), (N, 1)), "block": ((M, K // a_group), (N // 128, K // 128))}
+    a_scale, w_scale = (torch.empty(shape, device="meta") for shape in scales[recipe])
+    return torch.empty(M, K, **e4m3), a_scale, torch.empty(N, K, **e4m3), w_scale
+
+
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_installed_torch_accepts_the_call_shapes(recipe):
     """torch._scaled_mm's shape and layout checks run on meta tensors: an API change in torch fails here, on CPU."""
-    M, N, K = CUBLAS_ABOVE_M + 128, 384, 512
-    e4m3 = dict(dtype=torch.float8_e4m3fn, device="meta")
-    scales = {"tensor": ((1,), (1,)), "row": ((M, 1), (N, 1)), "block": ((M, K // 128), (N // 128, K // 128))}
-    a_scale, w_scale = (torch.empty(shape, device="meta") for shape in scales[recipe])
-    out = cublas_scaled_mm(torch.empty(M, K, **e4m3), a_scale, torch.empty(N, K, **e4m3), w_scale, recipe == "block")
-    assert out.shape == (M, N) and out.dtype == torch.bfloat16
+    a, a_scale, w, w_scale = meta_operands(recipe)
+    assert cublas_takes(a, a_scale, w, w_scale, None, torch.bfloat16, recipe == "block")
+    out = cublas_scaled_mm(a, a_scale, w, w_scale, recipe == "block")
+    assert out.shape == (a.shape[0], w.shape[0]) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("case", ["bias", "fp32 out", "decode M", "unaligned N", "1x64 groups", "fp8 e5m2"])
+def test_other_products_are_left_to_the_triton_kernel(case):
+    recipe = "row" if case == "unaligned N" else "block"  # block weights tile N in 128s
+    a, a_scale, w, w_scale = meta_operands(recipe, M=16 if case == "decode M" else CUBLAS_ABOVE_M + 128,
+                                           N=328 if case == "unaligned N" else 384,
+                                           a_group=64 if case == "1x64 groups" else 128)
+    if case == "fp8 e5m2":
+        a, w = a.to(torch.float8_e5m2), w.to(torch.float8_e5m2)
+    bias = torch.empty(w.shape[0], device="meta") if case == "bias" else None
+    out_dtype = torch.float32 if case == "fp32 out" else torch.bfloat16
+    assert not cublas_takes(a, a_scale, w, w_scale, bias, out_dtype, recipe == "block")
 
 
 @pytest.mark.gpu
@@ -46,17 +64,23 @@ def test_op_at_large_m_matches_the_exact_product(recipe):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["bias", "fp32 out", "decode M", "unaligned N"])
-def test_other_products_stay_on_the_triton_kernel(case):
-    # Block weights tile N in 128s, so the unaligned-N case uses row scales (cuBLAS needs N % 16 == 0 there).
+def test_products_left_to_the_triton_kernel_match_the_exact_product(case):
     recipe = "row" if case == "unaligned N" else "block"
     qa, qw, a_scale = operands(recipe, M=16 if case == "decode M" else CUBLAS_ABOVE_M + 128,
                                N=328 if case == "unaligned N" else 384)
     bias = torch.randn(qw.shape[0], device="cuda", dtype=torch.bfloat16) if case == "bias" else None
     out_dtype = torch.float32 if case == "fp32 out" else torch.bfloat16
-    assert not cublas_takes(qa.data, a_scale, qw.data, qw.scale, bias, out_dtype,
-                            is_block_scaled(a_scale, qw.scale, qw.shape[0]))
     out = torch.ops.fxquant.scaled_mm_fp8(qa.data, a_scale, qw.data, qw.scale, bias, out_dtype)
     exact = R.dequantize(qa, torch.float64) @ R.dequantize(qw, torch.float64).T
     if bias is not None:
         exact += bias.double()
     assert float((out.double() - exact).norm() / exact.norm()) < 4e-3
+
+
+@pytest.mark.gpu
+def test_malformed_block_scales_get_the_triton_kernels_error():
+    """1x64 activation groups under 128x128 weight blocks: not sent to cuBLAS, refused with the fix."""
+    qa = R.quantize(torch.randn(CUBLAS_ABOVE_M + 128, 512, device="cuda"), "fp8_e4m3", ("group", 64))
+    qw = R.quantize(torch.randn(384, 512, device="cuda") * 0.05, "fp8_e4m3", ("block", 128, 128))
+    with pytest.raises(ValueError, match="block-scaled fp8 GEMM needs a_scale"):
+        torch.ops.fxquant.scaled_mm_fp8(qa.data, qa.scale, qw.data, qw.scale, None, torch.bfloat16)
