@@ -200,15 +200,17 @@ def test_large_m_never_dequantizes_a_whole_weight_or_activation(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["fp8_block", "int4_wo"])
 def test_large_m_on_the_gpu_makes_no_fp32_copies(recipe):
-    """At M = 16384 the extra device memory is the fp8 codes and scales (fp8 recipes) or the weight dequantized to
-    bf16 (weight-only, whose large-M GEMM is cuBLAS's), and the output: no fp32 copy of the activation or weight."""
+    """At M = 16384 the extra device memory is the fp8 codes and scales (fp8 recipes, whose large-M GEMM is cuBLAS's)
+    or the weight dequantized to bf16 (weight-only, likewise), and the output: no fp32 copy of the activation or
+    weight."""
     m, k, n = 16384, 4096, 4096
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda") * 0.02
     if recipe == "fp8_block":
         q = fxquant.quantize(w, "fp8_e4m3", ("block", 128, 128))
         call = lambda: fxquant.ops.linear_fp8(x, q.data, q.scale, None, 128)
-        expected = m * k + m * (k // 128) * 4 + m * n * 2  # codes, scales, bf16 output
+        # codes, scales, their M-major copy for cuBLAS (`cublas_fp8.py`), bf16 output
+        expected = m * k + 2 * m * (k // 128) * 4 + m * n * 2
     else:
         q = fxquant.quantize(w, "int4", ("group", 128))
         call = lambda: fxquant.ops.linear_weight_only(x, q.data, q.scale, None, q.zero_point, None, "int4", 128, n)
