@@ -1,7 +1,12 @@
-"""Every op the passes insert, as `torch.library.custom_op("fxquant::...")` with a fake impl.
+"""Every op the passes insert, as a `torch.library` op `fxquant::...` with a fake impl.
 
 Dynamo, Inductor and torch.export see through these ops. CPU tensors run the pure-torch reference;
 CUDA tensors run the Triton kernels where one serves the case, else the same reference on the GPU.
+
+The ops are defined with `torch.library.define` and `torch.library.impl` rather than the `custom_op` decorator,
+whose Python autograd and checking wrappers cost 14-45 us of host time per call on an H200 host against 4 us
+here (bench/host.py, BENCHMARKS.md): in default mode (no CUDA graphs) a decode step is host-bound, and that was
+a third of it. The ops are for inference and have no autograd formula: torch warns on a backward through them.
 """
 
 from __future__ import annotations
@@ -15,6 +20,12 @@ from fxquant import reference as R
 from fxquant import reference_norm as RN
 from fxquant.api import quantize
 from fxquant.granularity import Granularity
+from fxquant.kernels.cublas_fp8 import cublas_scaled_mm, cublas_takes
+from fxquant.kernels.gemm_fp8 import fp8_scaled_mm, is_block_scaled
+from fxquant.kernels.gemm_weight_only import weight_only_mm
+from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8 as norm_quant_kernel
+from fxquant.kernels.norm_quant_fp8 import serves as norm_quant_serves
+from fxquant.kernels.quant_fp8 import MAX_ROW_LEN, quantize_fp8_rows
 from fxquant.quantized import Quantized
 
 E4M3 = torch.float8_e4m3fn
@@ -72,24 +83,35 @@ def _weight_granularity(w: Tensor, w_scale: Tensor) -> Granularity:
     return Granularity("block", (w.shape[0] // w_scale.shape[0], w.shape[1] // w_scale.shape[1]))
 
 
-@torch.library.custom_op("fxquant::quantize_fp8", mutates_args=())
-def quantize_fp8(x: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+def _op(schema: str, kernel) -> torch._ops.OpOverloadPacket:
+    """Define `fxquant::<schema>` with `kernel` as its implementation on every device; returns the op."""
+    name, signature = schema.split("(", 1)
+    torch.library.define(f"fxquant::{name}", "(" + signature)
+    torch.library.impl(f"fxquant::{name}", "default", kernel)
+    return getattr(torch.ops.fxquant, name)
+
+
+def _fake(name: str):
+    return torch.library.register_fake(f"fxquant::{name}")
+
+
+def _quantize_fp8(x: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     """Dynamic e4m3 codes and fp32 scales of x [..., K]: per token (group_size 0), per 1 x group_size, or
     per tensor (group_size -1, scale of shape [1])."""
     if group_size < 0:
         q = quantize(x, "fp8_e4m3", "tensor")  # the static kernel on CUDA after a torch amax
         return q.data, q.scale.reshape(1)
     row_len = group_size or x.shape[-1]
-    if x.is_cuda:
-        from fxquant.kernels.quant_fp8 import MAX_ROW_LEN, quantize_fp8_rows
-
-        if row_len <= MAX_ROW_LEN:
-            return quantize_fp8_rows(x, row_len, E4M3)
+    if x.is_cuda and row_len <= MAX_ROW_LEN:
+        return quantize_fp8_rows(x, row_len, E4M3)
     q = R.quantize(x, "fp8_e4m3", _act_granularity(group_size))
     return q.data, q.scale
 
 
-@quantize_fp8.register_fake
+quantize_fp8 = _op("quantize_fp8(Tensor x, int group_size) -> (Tensor, Tensor)", _quantize_fp8)
+
+
+@_fake("quantize_fp8")
 def _(x, group_size):
     if group_size < 0:
         return torch.empty_like(x, dtype=E4M3), x.new_empty((1,), dtype=torch.float32)
@@ -97,9 +119,8 @@ def _(x, group_size):
     return torch.empty_like(x, dtype=E4M3), x.new_empty((*x.shape[:-1], groups), dtype=torch.float32)
 
 
-@torch.library.custom_op("fxquant::scaled_mm_fp8", mutates_args=())
-def scaled_mm_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None,
-                  out_dtype: torch.dtype) -> Tensor:
+def _scaled_mm_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None,
+                   out_dtype: torch.dtype) -> Tensor:
     """(a [..., K] * a_scale) @ (w [N, K] * w_scale).T + bias, fp32 accumulation, one cast to out_dtype.
 
     a_scale: [..., 1] per token or [..., K/g] per 1 x g group; w_scale: one element, [N, 1] or [N/128, K/128].
@@ -108,9 +129,6 @@ def scaled_mm_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, bias: 
     a2 = a.reshape(-1, K)
     s2 = a_scale.reshape(1) if a_scale.numel() == 1 else a_scale.reshape(-1, a_scale.shape[-1])
     if a.is_cuda:
-        from fxquant.kernels.cublas_fp8 import cublas_scaled_mm, cublas_takes
-        from fxquant.kernels.gemm_fp8 import fp8_scaled_mm, is_block_scaled
-
         block = is_block_scaled(s2, w_scale, w.shape[0])
         if cublas_takes(a2, s2, w, w_scale, bias, out_dtype, block):
             out = cublas_scaled_mm(a2, s2, w, w_scale, block)
@@ -125,49 +143,58 @@ def scaled_mm_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, bias: 
     return out.reshape(*lead, w.shape[0])
 
 
-@scaled_mm_fp8.register_fake
+scaled_mm_fp8 = _op("scaled_mm_fp8(Tensor a, Tensor a_scale, Tensor w, Tensor w_scale, Tensor? bias, "
+                    "ScalarType out_dtype) -> Tensor", _scaled_mm_fp8)
+
+
+@_fake("scaled_mm_fp8")
 def _(a, a_scale, w, w_scale, bias, out_dtype):
     return a.new_empty((*a.shape[:-1], w.shape[0]), dtype=out_dtype)
 
 
-@torch.library.custom_op("fxquant::linear_fp8", mutates_args=())
-def linear_fp8(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None, group_size: int) -> Tensor:
+def _linear_fp8(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None, group_size: int) -> Tensor:
     """F.linear with dynamic e4m3 activations (per token, or 1 x group_size) and a pre-quantized e4m3 weight."""
-    a, a_scale = quantize_fp8(x, group_size)
-    return scaled_mm_fp8(a, a_scale, w, w_scale, bias, x.dtype)
+    # The implementations, not the ops: one dispatch per call, which is most of a decode step's host time.
+    a, a_scale = _quantize_fp8(x, group_size)
+    return _scaled_mm_fp8(a, a_scale, w, w_scale, bias, x.dtype)
 
 
-@linear_fp8.register_fake
+linear_fp8 = _op("linear_fp8(Tensor x, Tensor w, Tensor w_scale, Tensor? bias, int group_size) -> Tensor",
+                 _linear_fp8)
+
+
+@_fake("linear_fp8")
 def _(x, w, w_scale, bias, group_size):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
-@torch.library.custom_op("fxquant::linear_weight_only", mutates_args=())
-def linear_weight_only(x: Tensor, w: Tensor, w_scale: Tensor, w_global_scale: Tensor | None,
-                       w_zero_point: Tensor | None, bias: Tensor | None, fmt: str, group_size: int,
-                       out_features: int) -> Tensor:
+def _linear_weight_only(x: Tensor, w: Tensor, w_scale: Tensor, w_global_scale: Tensor | None,
+                        w_zero_point: Tensor | None, bias: Tensor | None, fmt: str, group_size: int,
+                        out_features: int) -> Tensor:
     """F.linear with a weight-only quantized weight (int8, int4, mxfp4, nvfp4), activations untouched."""
     in_features = x.shape[-1]
-    gran = Granularity("channel") if group_size == 0 else Granularity("group", (group_size,))
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-        from fxquant.kernels.gemm_weight_only import weight_only_mm
-
         out = weight_only_mm(x.reshape(-1, in_features), w, w_scale, fmt, group_size, out_features,
                              zero_point=w_zero_point, global_scale=w_global_scale, bias=bias)
         return out.reshape(*x.shape[:-1], out_features)
+    gran = Granularity("channel") if group_size == 0 else Granularity("group", (group_size,))
     qw = Quantized(w, w_scale, fmt, gran, torch.Size((out_features, in_features)), x.dtype,
                    global_scale=w_global_scale, zero_point=w_zero_point)
     out = _chunked_linear(x.reshape(-1, in_features), qw, bias, x.dtype)
     return out.reshape(*x.shape[:-1], out_features)
 
 
-@linear_weight_only.register_fake
+linear_weight_only = _op("linear_weight_only(Tensor x, Tensor w, Tensor w_scale, Tensor? w_global_scale, "
+                         "Tensor? w_zero_point, Tensor? bias, str fmt, int group_size, int out_features) -> Tensor",
+                         _linear_weight_only)
+
+
+@_fake("linear_weight_only")
 def _(x, w, w_scale, w_global_scale, w_zero_point, bias, fmt, group_size, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-@torch.library.custom_op("fxquant::linear_mxfp8", mutates_args=())
-def linear_mxfp8(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
+def _linear_mxfp8(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
     """MXFP8 activations (dynamic, blocks of 32) and weight. Hopper has no MX tensor cores, so this runs
     the reference GEMM (fp32 dequantize and matmul) on every device."""
     qw = Quantized(w, w_scale, "mxfp8", Granularity("group", (R.MX_BLOCK,)), w.shape, x.dtype)
@@ -176,46 +203,51 @@ def linear_mxfp8(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None) -> 
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
-@linear_mxfp8.register_fake
+linear_mxfp8 = _op("linear_mxfp8(Tensor x, Tensor w, Tensor w_scale, Tensor? bias) -> Tensor", _linear_mxfp8)
+
+
+@_fake("linear_mxfp8")
 def _(x, w, w_scale, bias):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 def _norm_quant(x, residual, weight, bias, eps, group_size, rms):
-    if x.is_cuda:
-        from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8 as kernel
-        from fxquant.kernels.norm_quant_fp8 import serves
-
-        if serves(x.shape[-1], group_size):
-            codes, scales, h, _ = kernel(x, weight, bias, eps, group_size, rms=rms, residual=residual)
-            return codes, scales, h
+    if x.is_cuda and norm_quant_serves(x.shape[-1], group_size):
+        codes, scales, h, _ = norm_quant_kernel(x, weight, bias, eps, group_size, rms=rms, residual=residual)
+        return codes, scales, h
     codes, scales, h, _ = RN.norm_quant_fp8(x, weight, bias, eps, group_size, rms=rms, residual=residual)
     return codes, scales, h
 
 
-@torch.library.custom_op("fxquant::norm_quant_fp8", mutates_args=())
-def norm_quant_fp8(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, group_size: int,
-                   rms: bool) -> tuple[Tensor, Tensor]:
+def _norm_quant_fp8(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, group_size: int,
+                    rms: bool) -> tuple[Tensor, Tensor]:
     """RMSNorm (rms) or LayerNorm of x [..., D], rounded to x's dtype, then dynamic e4m3 per token
     (group_size 0) or 1 x group_size: (codes, fp32 scales), as quantize_fp8(norm(x)) gives them."""
     codes, scales, _ = _norm_quant(x, None, weight, bias, eps, group_size, rms)
     return codes, scales
 
 
-@norm_quant_fp8.register_fake
+norm_quant_fp8 = _op("norm_quant_fp8(Tensor x, Tensor? weight, Tensor? bias, float eps, int group_size, bool rms) "
+                     "-> (Tensor, Tensor)", _norm_quant_fp8)
+
+
+@_fake("norm_quant_fp8")
 def _(x, weight, bias, eps, group_size, rms):
     groups = x.shape[-1] // group_size if group_size else 1
     return torch.empty_like(x, dtype=E4M3), x.new_empty((*x.shape[:-1], groups), dtype=torch.float32)
 
 
-@torch.library.custom_op("fxquant::add_norm_quant_fp8", mutates_args=())
-def add_norm_quant_fp8(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
-                       group_size: int, rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _add_norm_quant_fp8(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+                        group_size: int, rms: bool) -> tuple[Tensor, Tensor, Tensor]:
     """h = x + residual (in x's dtype), then norm_quant_fp8(h): (codes, scales, h)."""
     return _norm_quant(x, residual, weight, bias, eps, group_size, rms)
 
 
-@add_norm_quant_fp8.register_fake
+add_norm_quant_fp8 = _op("add_norm_quant_fp8(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps, "
+                         "int group_size, bool rms) -> (Tensor, Tensor, Tensor)", _add_norm_quant_fp8)
+
+
+@_fake("add_norm_quant_fp8")
 def _(x, residual, weight, bias, eps, group_size, rms):
     groups = x.shape[-1] // group_size if group_size else 1
     return (torch.empty_like(x, dtype=E4M3), x.new_empty((*x.shape[:-1], groups), dtype=torch.float32),

@@ -10,6 +10,8 @@ Inputs must already be saturated to +-max; NaN maps to the format's NaN.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -31,7 +33,7 @@ def cast_mode(kernel, device: torch.device) -> int:
             "fxquant: Triton kernels on the CPU need TRITON_INTERPRET=1 set before fxquant is imported; "
             "or use impl='reference'"
         )
-    cap = torch.cuda.get_device_capability(device)
+    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
     if cap >= (9, 0):
         return CAST_NATIVE
     if cap >= (8, 9):
@@ -40,6 +42,12 @@ def cast_mode(kernel, device: torch.device) -> int:
         f"fxquant: fp8 kernels need compute capability >= 8.9, this GPU is sm_{cap[0]}{cap[1]}; "
         "use a weight-only recipe (int8_wo, int4_wo) or impl='reference'"
     )
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    """A device's compute capability, asked once: every kernel launch needs it."""
+    return torch.cuda.get_device_capability(index)
 
 
 def float_cast_mode(kernel) -> int:

@@ -18,12 +18,15 @@ splits K across programs (`splitk.py`); the row scales are linear, so each K sli
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import float_cast_mode
 from fxquant.kernels.gemm_configs import fp8_gemm_config
+from fxquant.kernels.launch import cdiv
 from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
 from fxquant.kernels.tiles import grouped_tile, k_steps_of, store_tile
 
@@ -92,6 +95,24 @@ def is_block_scaled(a_scale: torch.Tensor, b_scale: torch.Tensor, N: int) -> boo
     return (a_scale.dim() == 2 and a_scale.shape[1] > 1) or (b_scale.dim() == 2 and 1 < b_scale.shape[0] < N)
 
 
+@functools.lru_cache(maxsize=1024)
+def _launch_plan(M: int, N: int, K: int, block_scales: bool, overrides: tuple) -> tuple[int, int, dict]:
+    """(output tiles, K slices, tile meta-parameters) of a product: the same for every call at a shape, so
+    worked out once. overrides: (name, value) pairs replacing the bucket's config, e.g. from a sweep."""
+    cfg = {**fp8_gemm_config(M, N, K, block_scales), **dict(overrides)}
+    if block_scales and (cfg["BLOCK_K"] != SCALE_BLOCK or SCALE_BLOCK % cfg["BLOCK_N"]):
+        # One activation scale per K step and one weight scale per tile: any other tiling reads wrong scales.
+        raise ValueError(f"fxquant: block-scaled fp8 GEMM needs BLOCK_K == {SCALE_BLOCK} and BLOCK_N dividing "
+                         f"{SCALE_BLOCK}, got BLOCK_K={cfg['BLOCK_K']} BLOCK_N={cfg['BLOCK_N']}")
+    tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
+    split = cfg.get("SPLIT_K") or split_k(tiles, cdiv(K, cfg["BLOCK_K"]), M, cfg.get("programs",
+                                                                                         TARGET_PROGRAMS))
+    meta = dict(COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", not block_scales), BLOCK_M=cfg["BLOCK_M"],
+                BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"])
+    return tiles, split, meta
+
+
 def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, config=None):
     """a: [M, K] fp8; b: [N, K] fp8 (a weight, as F.linear takes it); returns [M, N] in out_dtype.
 
@@ -105,8 +126,8 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
                          f"got {tuple(a.shape)} {a.dtype} and {tuple(b.shape)} {b.dtype}")
     block_scales = is_block_scaled(a_scale, b_scale, N)
     if block_scales:
-        kb = triton.cdiv(K, SCALE_BLOCK)
-        want_a, want_b = (M, kb), (triton.cdiv(N, SCALE_BLOCK), kb)
+        kb = cdiv(K, SCALE_BLOCK)
+        want_a, want_b = (M, kb), (cdiv(N, SCALE_BLOCK), kb)
         if tuple(a_scale.shape) != want_a or tuple(b_scale.shape) != want_b:
             raise ValueError(f"fxquant: block-scaled fp8 GEMM needs a_scale {want_a} and b_scale {want_b}, got "
                              f"{tuple(a_scale.shape)} and {tuple(b_scale.shape)}")
@@ -119,14 +140,7 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
-    cfg = {**fp8_gemm_config(M, N, K, block_scales), **(config or {})}  # config: overrides, e.g. from a sweep
-    if block_scales and (cfg["BLOCK_K"] != SCALE_BLOCK or SCALE_BLOCK % cfg["BLOCK_N"]):
-        # One activation scale per K step and one weight scale per tile: any other tiling reads wrong scales.
-        raise ValueError(f"fxquant: block-scaled fp8 GEMM needs BLOCK_K == {SCALE_BLOCK} and BLOCK_N dividing "
-                         f"{SCALE_BLOCK}, got BLOCK_K={cfg['BLOCK_K']} BLOCK_N={cfg['BLOCK_N']}")
-    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
-    programs = cfg.get("programs", TARGET_PROGRAMS)
-    split = cfg.get("SPLIT_K") or split_k(tiles, triton.cdiv(K, cfg["BLOCK_K"]), M, programs)
+    tiles, split, meta = _launch_plan(M, N, K, block_scales, tuple(sorted((config or {}).items())))
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     _fp8_gemm_kernel[(tiles, split)](
         a, b, out, ws, a_scale, b_scale, bias if bias is not None else out,
@@ -134,10 +148,7 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         asm, ask, bsn, bsk,
         BLOCK_SCALES=block_scales, SCALE_BLOCK=SCALE_BLOCK, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
-        CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split,
-        COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", not block_scales),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split, **meta,
     )
     if split > 1:
         reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])

@@ -31,6 +31,7 @@ from fxquant.kernels.cast import float_cast_mode, interpreting
 from fxquant.kernels.codes import FORMATS, block_scale, e2m1_value, nibbles, offset_int
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
+from fxquant.kernels.launch import cdiv
 from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
 from fxquant.kernels.tiles import grouped_tile, k_steps_of, store_tile
 
@@ -130,12 +131,31 @@ def dequantizes(M: int, N: int, fmt: str, sms: int) -> bool:
     if M > DEQUANTIZE_ABOVE_M:
         return True
     cfg = wo_gemm_config(M, fmt)
-    return 4 * triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]) < 3 * sms
+    return 4 * cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]) < 3 * sms
 
 
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else FITTED_SMS
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_plan(M: int, N: int, K: int, fmt: str, group: int, sms: int, overrides: tuple | None):
+    """(output tiles, K slices, tile meta-parameters) of the in-register kernel, or None where the product
+    dequantizes the weight instead: the same for every call at a shape, so worked out once. overrides: an
+    explicit tile config as (name, value) pairs, which always takes the in-register kernel."""
+    cfg = dict(overrides) if overrides is not None else wo_gemm_config(M, fmt)
+    in_registers = not (fmt == "int4" and group % cfg["BLOCK_K"])  # one int4 group per K step, at least
+    if overrides is None and (not in_registers or dequantizes(M, N, fmt, sms)):
+        return None
+    if not in_registers:
+        raise ValueError(f"fxquant: int4 groups of {group} need BLOCK_K dividing them, got {cfg['BLOCK_K']}")
+    tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
+    split = split_k(tiles, cdiv(K, cfg["BLOCK_K"]), M, cfg["programs"])
+    meta = dict(EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"])
+    return tiles, split, meta
 
 
 def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=None, global_scale=None,
@@ -160,15 +180,12 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
         raise ValueError(f"fxquant: weight-only groups must be powers of two, got {group}")
     if M == 0 or N == 0:
         return torch.empty((M, N), dtype=a.dtype, device=a.device)
-    cfg = config or wo_gemm_config(M, fmt)
-    in_registers = not (fmt == "int4" and group % cfg["BLOCK_K"])  # one int4 group per K step, at least
-    if config is None and (not in_registers or dequantizes(M, N, fmt, _sm_count(a.device))):
+    overrides = tuple(sorted(config.items())) if config is not None else None
+    plan = _launch_plan(M, N, K, fmt, group, _sm_count(a.device), overrides)
+    if plan is None:
         return _dequantized_mm(a, codes, scale, fmt, group, zero_point, global_scale, bias)
-    if not in_registers:
-        raise ValueError(f"fxquant: int4 groups of {group} need BLOCK_K dividing them, got {cfg['BLOCK_K']}")
+    tiles, split, meta = plan
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
-    split = split_k(tiles, triton.cdiv(K, cfg["BLOCK_K"]), M, cfg["programs"])
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     _wo_gemm_kernel[(tiles, split)](
         a, codes, scale, zero_point if zero_point is not None else scale,
@@ -178,10 +195,7 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
         out.stride(0), out.stride(1),
         FMT=FORMATS[fmt], GROUP=group or 1, HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None,
         SPLIT_K=split, DOT=tl.float32 if interpreting(_wo_gemm_kernel) else TORCH_TO_TL[a.dtype],
-        OUT=TORCH_TO_TL[a.dtype], CAST=float_cast_mode(_wo_gemm_kernel),
-        EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        OUT=TORCH_TO_TL[a.dtype], CAST=float_cast_mode(_wo_gemm_kernel), **meta,
     )
     if split > 1:
         reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])

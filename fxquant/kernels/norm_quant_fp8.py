@@ -15,9 +15,11 @@ from triton.language.extra import libdevice
 from fxquant.formats import AMAX_FLOOR, E4M3
 from fxquant.kernels.cast import cast_float, cast_mode
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
+from fxquant.kernels.launch import next_power_of_2
 from fxquant.kernels.quant_fp8 import quant_rows
 
 MAX_NORM_DIM = 16384  # one row lives in registers; longer rows run the reference
+E4M3_MAX = E4M3.max  # a property computed on each read: read once
 
 
 @triton.jit
@@ -97,7 +99,7 @@ def norm_quant_fp8(x, weight=None, bias=None, eps=1e-6, group_size=0, *, rms=Tru
     scales = torch.empty((*x.shape[:-1], D // group), dtype=torch.float32, device=x.device)
     h = torch.empty_like(x) if residual is not None else None
     stats = torch.empty((*x.shape[:-1], 2), dtype=torch.float32, device=x.device)
-    block = triton.next_power_of_2(D)
+    block = next_power_of_2(D)
     if rows:
         # A power-of-two group divides the padded row: its tail forms whole groups (of zeros), never part of one.
         _norm_quant_fp8_kernel[(rows,)](
@@ -105,7 +107,7 @@ def norm_quant_fp8(x, weight=None, bias=None, eps=1e-6, group_size=0, *, rms=Tru
             bias if bias is not None else x, codes, scales, h if h is not None else x, stats,
             D, D // group, eps,
             RMS=rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-            LP=TORCH_TO_TL[x.dtype], GROUP=group_size or block, FMAX=E4M3.max, FP8=tl.float8e4nv,
+            LP=TORCH_TO_TL[x.dtype], GROUP=group_size or block, FMAX=E4M3_MAX, FP8=tl.float8e4nv,
             CAST=cast_mode(_norm_quant_fp8_kernel, x.device), AMAX_FLOOR=AMAX_FLOOR, BLOCK_D=block,
             num_warps=min(16, max(1, block // 512)),
         )

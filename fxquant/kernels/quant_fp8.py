@@ -7,12 +7,15 @@ one IEEE reciprocal per row then multiplies, the amax floor, NaN/inf poison, sat
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from fxquant.formats import AMAX_FLOOR, E4M3, E5M2
 from fxquant.kernels.cast import cast_fp8, cast_mode
+from fxquant.kernels.launch import cdiv, next_power_of_2
 
 FP8_FORMATS = {torch.float8_e4m3fn: (E4M3, tl.float8e4nv), torch.float8_e5m2: (E5M2, tl.float8e5)}
 MAX_ROW_LEN = 16384  # one row lives in registers; longer rows go to the reference
@@ -77,11 +80,15 @@ def _quant_fp8_static_kernel(
     tl.store(y_ptr + offs, cast_fp8(q, FP8, CAST), mask=mask)
 
 
-def _rows_config(n_rows: int, row_len: int) -> tuple[int, int, int]:
-    """(BLOCK_ROWS, BLOCK_COLS, num_warps): a whole row per tile, about 8K elements per program."""
-    block_cols = triton.next_power_of_2(row_len)
-    block_rows = max(1, min(triton.next_power_of_2(max(n_rows, 1)), 8192 // block_cols))
-    return block_rows, block_cols, 4 if block_rows * block_cols <= 4096 else 8
+@functools.lru_cache(maxsize=1024)
+def _rows_plan(n_rows: int, row_len: int, fp8_dtype: torch.dtype) -> tuple[int, dict]:
+    """(programs, meta-parameters): a whole row per tile, about 8K elements per program. The same for every call
+    at a shape, so worked out once."""
+    fmt, tl_fp8 = FP8_FORMATS[fp8_dtype]
+    block_cols = next_power_of_2(row_len)
+    block_rows = max(1, min(next_power_of_2(max(n_rows, 1)), 8192 // block_cols))
+    return cdiv(n_rows, block_rows), dict(FMAX=fmt.max, FP8=tl_fp8, AMAX_FLOOR=AMAX_FLOOR, BLOCK_ROWS=block_rows,
+                                          BLOCK_COLS=block_cols, num_warps=4 if block_rows * block_cols <= 4096 else 8)
 
 
 def quantize_fp8_rows(x: torch.Tensor, row_len: int, fp8_dtype=torch.float8_e4m3fn):
@@ -89,19 +96,17 @@ def quantize_fp8_rows(x: torch.Tensor, row_len: int, fp8_dtype=torch.float8_e4m3
 
     x: [..., K] with K % row_len == 0 -> (codes [..., K] fp8, scales [..., K // row_len] fp32)
     """
-    fmt, tl_fp8 = FP8_FORMATS[fp8_dtype]
-    if x.shape[-1] % row_len or row_len > MAX_ROW_LEN:
-        raise ValueError(f"fxquant: fp8 row quantizer needs row_len <= {MAX_ROW_LEN} dividing K={x.shape[-1]}")
+    if fp8_dtype not in FP8_FORMATS or x.shape[-1] % row_len or row_len > MAX_ROW_LEN:
+        raise ValueError(f"fxquant: fp8 row quantizer needs an fp8 dtype and row_len <= {MAX_ROW_LEN} dividing "
+                         f"K={x.shape[-1]}; got {fp8_dtype} and row_len {row_len}")
     x = x.contiguous()
     n_rows = x.numel() // row_len
     y = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     scale = torch.empty((*x.shape[:-1], x.shape[-1] // row_len), dtype=torch.float32, device=x.device)
     if n_rows:
-        block_rows, block_cols, warps = _rows_config(n_rows, row_len)
-        _quant_fp8_rows_kernel[(triton.cdiv(n_rows, block_rows),)](
-            x, y, scale, n_rows, row_len,
-            FMAX=fmt.max, FP8=tl_fp8, CAST=cast_mode(_quant_fp8_rows_kernel, x.device), AMAX_FLOOR=AMAX_FLOOR,
-            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=warps,
+        programs, meta = _rows_plan(n_rows, row_len, fp8_dtype)
+        _quant_fp8_rows_kernel[(programs,)](
+            x, y, scale, n_rows, row_len, CAST=cast_mode(_quant_fp8_rows_kernel, x.device), **meta,
         )
     return y, scale
 
@@ -115,7 +120,7 @@ def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor, fp8_dtype=torch.fl
     y = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     if x.numel():
         block = 4096
-        _quant_fp8_static_kernel[(triton.cdiv(x.numel(), block),)](
+        _quant_fp8_static_kernel[(cdiv(x.numel(), block),)](
             x, y, scale.to(device=x.device, dtype=torch.float32).reshape(1), x.numel(),
             FMAX=fmt.max, FP8=tl_fp8, CAST=cast_mode(_quant_fp8_static_kernel, x.device), BLOCK=block,
             num_warps=8,

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import cast_float, float_cast_mode
+from fxquant.kernels.launch import cdiv
 
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs) keep loads in flight while one waits
 
@@ -51,7 +52,7 @@ def reduce_partials(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | No
     """out = sum(ws [SPLIT_K, M, N], 0) + bias, cast once to out's dtype."""
     split, M, N = ws.shape
     block = 1024
-    _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
+    _splitk_reduce_kernel[(cdiv(M * N, block),)](
         ws, out, bias if bias is not None else ws, M, N, out.stride(0), out.stride(1),
         SPLIT_K=split, HAS_BIAS=bias is not None, OUT=out_tl, CAST=float_cast_mode(_splitk_reduce_kernel),
         BLOCK=block, num_warps=4,
