@@ -40,8 +40,13 @@ class QuantizedCallable:
         fresh = (q.data, q.scale, q.global_scale, q.zero_point)
         with torch.no_grad():
             for name, tensor in zip(layer.buffers, fresh, strict=True):
-                if name is not None:
-                    getattr(self.result.gm, name).copy_(tensor)
+                if name is None:
+                    continue
+                buffer = getattr(self.result.gm, name)
+                if layer.rows is not None:  # merged with its siblings: its share of the stacked rows
+                    first, stop, of = layer.rows
+                    buffer = buffer[first * buffer.shape[0] // of: stop * buffer.shape[0] // of]
+                buffer.copy_(tensor)
         layer.version = layer.source._version
 
 

@@ -43,6 +43,7 @@ class LayerRecord:
     source: torch.Tensor | None = None
     version: int = 0
     buffers: tuple[str, ...] = ()
+    rows: tuple[int, int, int] | None = None  # merged with siblings: its rows [first, stop) of `of` in the buffers
 
 
 def quantize_weight(w: torch.Tensor, recipe: str):

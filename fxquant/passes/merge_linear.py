@@ -1,0 +1,128 @@
+"""merge_linear: quantized linears that read the same activation become one GEMM on their stacked weights.
+
+Pre:  quantize_linear and fuse_norm have run (so q, k and v read one quantized activation). Post: sibling GEMMs of
+one op with the same activation, the same weight layout and no bias are one op on the weights concatenated along
+N, and each former output is a slice of its result. A decode step then streams the weights in fewer, wider GEMMs:
+in a Llama layer q/k/v become one and gate/up one, 5 launches (and 5 split-K reduces) become 2. Every output
+element is the same dot product with the same scales; only the fp32 summation order may differ with the tiling.
+Weights with one scale per tensor are not merged (fp8 per tensor, NVFP4's global scale): their scales differ.
+
+    %q = scaled_mm_fp8(%a, %s, %wq, %sq, None, bf16); %k = scaled_mm_fp8(%a, %s, %wk, %sk, None, bf16)
+        ->  %qk = scaled_mm_fp8(%a, %s, %w_qk, %s_qk, None, bf16)
+            %q = slice(%qk, -1, 0, Nq); %k = slice(%qk, -1, Nq, Nq + Nk)
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+
+import torch
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
+from fxquant.passes.quantize_linear import LayerRecord, fetch_attr
+
+SCALED_MM = torch.ops.fxquant.scaled_mm_fp8.default
+WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default
+# Per op: the argument positions of the weight's (codes, scale, zero point), the bias, and the output width.
+WEIGHT_ARGS = {SCALED_MM: (2, 3, None), WEIGHT_ONLY: (1, 2, 4)}
+BIAS_ARG = {SCALED_MM: 4, WEIGHT_ONLY: 5}
+WIDTH_ARG = {WEIGHT_ONLY: 8}
+
+
+class MergeLinear(PassBase):
+    def __init__(self, layers: list[LayerRecord]):
+        super().__init__()
+        self.layers = layers  # their buffer names and rows are updated, so a changed weight re-quantizes in place
+
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
+        siblings = defaultdict(list)
+        for node in gm.graph.nodes:
+            key = _sibling_key(gm, node)
+            if key is not None:
+                siblings[key].append(node)
+        # Siblings that share a weight (one module called twice on the same input) stay as they are.
+        groups = [nodes for nodes in siblings.values()
+                  if len(nodes) > 1 and len({n.args[WEIGHT_ARGS[n.target][0]] for n in nodes}) == len(nodes)]
+        for nodes in groups:
+            self._merge(gm, nodes)
+        if groups:
+            gm.graph.lint()
+            gm.recompile()
+        return PassResult(gm, bool(groups))
+
+    def _merge(self, gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> None:
+        graph, op = gm.graph, nodes[0].target
+        positions = [p for p in WEIGHT_ARGS[op] if p is not None and nodes[0].args[p] is not None]
+        old_names = [[n.args[p].target for p in positions] for n in nodes]
+        widths = [fetch_attr(gm, n.args[positions[0]]).shape[0] for n in nodes]
+        total = sum(widths)
+        new_names = [f"{name}_merged{len(nodes)}" for name in old_names[0]]
+        for i, name in enumerate(new_names):
+            gm.register_buffer(name, torch.cat([getattr(gm, names[i]) for names in old_names]))
+        args = list(nodes[0].args)
+        with graph.inserting_before(nodes[0]):
+            for p, name in zip(positions, new_names, strict=True):
+                args[p] = graph.get_attr(name)
+            if op in WIDTH_ARG:
+                args[WIDTH_ARG[op]] = total
+            merged = graph.call_function(op, tuple(args))
+        start = 0
+        for node, width in zip(nodes, widths, strict=True):
+            with graph.inserting_before(node):
+                part = graph.call_function(torch.ops.aten.slice.Tensor, (merged, -1, start, start + width))
+            part.meta.update(node.meta)
+            node.replace_all_uses_with(part)
+            weight_nodes = [node.args[p] for p in positions]
+            graph.erase_node(node)
+            for weight_node in weight_nodes:
+                if not weight_node.users:
+                    graph.erase_node(weight_node)
+            start += width
+        renamed = {old: new for names in old_names for old, new in zip(names, new_names, strict=True)}
+        for names in old_names:
+            for name in names:
+                delattr(gm, name)
+        self._record(renamed, widths)
+
+    def _record(self, renamed: dict[str, str], widths: list[int]) -> None:
+        """Point each merged layer's record at the merged buffers and at its rows in them."""
+        start, total = 0, sum(widths)
+        for width, layer in zip(widths, self._layers_of(renamed, len(widths)), strict=True):
+            layer.buffers = tuple(renamed.get(name, name) if name else None for name in layer.buffers)
+            layer.rows = (start, start + width, total)
+            start += width
+
+    def _layers_of(self, renamed: dict[str, str], count: int) -> list[LayerRecord]:
+        layers = [layer for layer in self.layers if layer.buffers and layer.buffers[0] in renamed]
+        order = list(renamed)
+        layers.sort(key=lambda layer: order.index(layer.buffers[0]))
+        if len(layers) != count:
+            raise RuntimeError(f"fxquant: merge_linear found {len(layers)} layer records for {count} merged GEMMs")
+        return layers
+
+
+def _sibling_key(gm: torch.fx.GraphModule, node: torch.fx.Node):
+    """What GEMMs must share to merge: op, activation (a getitem stands for its source and index), every
+    non-weight argument, and the weight's layout past its rows; None where this node cannot merge."""
+    op = node.target
+    if node.op != "call_function" or op not in WEIGHT_ARGS or node.args[BIAS_ARG[op]] is not None:
+        return None
+    if op is WEIGHT_ONLY and node.args[3] is not None:
+        return None  # a global scale per tensor
+    weights = [fetch_attr(gm, node.args[p]) if p is not None else None for p in WEIGHT_ARGS[op]]
+    codes, scale = weights[0], weights[1]
+    if codes is None or scale is None or scale.numel() == 1 or codes.shape[0] % scale.shape[0]:
+        return None  # not buffers, or one scale per tensor
+    layout = tuple((tuple(t.shape[1:]), t.dtype, codes.shape[0] // t.shape[0]) if t is not None else None
+                   for t in weights)
+    fixed = [_source(arg) for i, arg in enumerate(node.args) if i not in WEIGHT_ARGS[op] and i != WIDTH_ARG.get(op)]
+    return op, layout, tuple(fixed)
+
+
+def _source(arg):
+    """fuse_norm gives each former quantizer its own getitem of the fused op: equal getitems are one input."""
+    if isinstance(arg, torch.fx.Node) and arg.target is operator.getitem:
+        return arg.args
+    return arg

@@ -1,0 +1,119 @@
+"""merge_linear: q/k/v and gate/up of an HF Llama become one GEMM each, with the same numbers and weight bytes."""
+
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+from torch.fx.passes.infra.pass_base import PassResult
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from fxquant.config import QuantConfig
+from fxquant.passes import run_pipeline
+from fxquant.passes.merge_linear import MergeLinear
+
+GEMMS = (torch.ops.fxquant.scaled_mm_fp8.default, torch.ops.fxquant.linear_fp8.default,
+         torch.ops.fxquant.linear_weight_only.default)
+MERGING = ["fp8_block", "fp8_row", "int8_wo", "int4_wo", "mxfp4_wo"]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=300)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(torch.bfloat16).eval(), torch.randint(0, 300, (2, 8))
+
+
+def pipeline(model, ids, recipe):
+    """The pipeline's result on the model's dynamo graph, and the logits its graph computes."""
+    results = []
+
+    def backend(gm, inputs):
+        results.append(run_pipeline(gm, QuantConfig(recipe=recipe), inputs))
+        return results[-1].gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        logits = torch.compile(model, backend=backend, fullgraph=True)(ids, use_cache=False).logits
+    return results[0], logits
+
+
+def targets(gm):
+    return Counter(node.target for node in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("recipe", MERGING)
+def test_qkv_and_gate_up_become_one_gemm_each_with_the_same_numbers(llama, recipe, monkeypatch):
+    model, ids = llama
+    merged, logits = pipeline(model, ids, recipe)
+    counts = targets(merged.gm)
+    # q/k/v -> 1, gate/up -> 1, o and down alone: 4 GEMMs where there were 7; 5 slices give the old outputs.
+    assert sum(counts[op] for op in GEMMS) == 4
+    assert counts[torch.ops.aten.slice.Tensor] == 5
+    assert [layer.rows for layer in merged.layers if layer.rows] == [
+        (0, 256, 512), (256, 384, 512), (384, 512, 512), (0, 512, 1024), (512, 1024, 1024)]
+
+    monkeypatch.setattr(MergeLinear, "call", lambda self, gm: PassResult(gm, False))
+    apart, logits_apart = pipeline(model, ids, recipe)
+    assert sum(targets(apart.gm)[op] for op in GEMMS) == 7
+    # The same dot products with the same scales; the CPU reference sums each in the same order either way.
+    assert torch.equal(logits, logits_apart)
+    weight_bytes = lambda result: sum(b.numel() * b.element_size() for name, b in result.gm.named_buffers()
+                                      if name.startswith("_fxq_"))
+    assert weight_bytes(merged) == weight_bytes(apart)
+
+
+def test_a_second_run_changes_nothing(llama):
+    model, ids = llama
+    result, _ = pipeline(model, ids, "fp8_block")
+    assert not MergeLinear(result.layers)(result.gm).modified
+
+
+@pytest.mark.parametrize("recipe", ["fp8_tensor", "nvfp4_wo"])
+def test_one_scale_per_tensor_keeps_gemms_apart(llama, recipe):
+    model, ids = llama
+    result, _ = pipeline(model, ids, recipe)
+    assert sum(targets(result.gm)[op] for op in GEMMS) == 7 and not any(layer.rows for layer in result.layers)
+
+
+def test_biased_siblings_stay_apart():
+    class Qkv(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k = torch.nn.Linear(256, 256), torch.nn.Linear(256, 128)
+
+        def forward(self, x):
+            return self.q(x).sum(-1) + self.k(x).sum(-1)
+
+    model = Qkv().to(torch.bfloat16)
+    results = []
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=lambda gm, inputs: results.append(
+            run_pipeline(gm, QuantConfig(recipe="fp8_row"), inputs)) or results[-1].gm.forward)(
+            torch.randn(4, 256, dtype=torch.bfloat16))
+    assert targets(results[0].gm)[torch.ops.aten.slice.Tensor] == 0
+
+
+def test_a_changed_weight_is_requantized_into_its_rows_of_the_merged_buffer(llama):
+    model, ids = llama
+    attention = model.model.layers[0].self_attn
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend="fxquant", fullgraph=True, options={"recipe": "fp8_row", "inner": "eager"})
+    saved = attention.k_proj.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            fn(ids, use_cache=False)
+            attention.k_proj.weight.mul_(-3.0)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = fn(ids, use_cache=False).logits
+            torch._dynamo.reset()
+            fresh = torch.compile(model, backend="fxquant", fullgraph=True,
+                                  options={"recipe": "fp8_row", "inner": "eager"})(ids, use_cache=False).logits
+    finally:
+        with torch.no_grad():
+            attention.k_proj.weight.copy_(saved)
+    assert any("k_proj changed after compile" in str(w.message) for w in caught)
+    assert torch.equal(out, fresh)
