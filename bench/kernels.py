@@ -1,7 +1,7 @@
 """FP8 GEMMs on the GPU: correctness, an optional config sweep, then TFLOP/s and weight GB/s against
 cuBLAS (torch._scaled_mm, torch.mm) measured in the same process.
 
-Run: PYTHONPATH=. python bench/kernels.py [--sweep] [--decode]
+Run: PYTHONPATH=. python bench/kernels.py [--sweep] [--decode] [--merged]
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
 
 MS = [1, 16] if "--decode" in sys.argv else [1, 16, 128, 1024, 4096]  # --decode: the M <= 16 rows alone
 NKS = [(4096, 4096), (14336, 4096), (4096, 14336)]
+if "--merged" in sys.argv:  # the shapes merge_linear makes of a Llama layer: q/k/v (4096 + 2 x 1024) and gate/up
+    NKS = [(6144, 4096), (28672, 4096)]
 SCHEMES = {"tensor": ("tensor", "tensor"), "row": ("token", "channel"), "block": (("group", 128), ("block", 128, 128))}
 # Row-scaled accumulation variants: the compiler promotes every K step (default) or the kernel does it by hand.
 VARIANTS = {"": None, " (promote by hand)": {"COMPILER_PROMOTES": False}}

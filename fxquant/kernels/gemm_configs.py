@@ -4,7 +4,8 @@ Buckets follow how LLM serving sees M: decode (M <= 16) streams the weight and w
 medium M balances tile reuse against CTA count; large M wants big tiles. Block-scaled GEMMs fix
 BLOCK_K = 128 (one scale per K step) and BLOCK_N <= 128 (one weight-scale block per tile).
 The picks are the winners of `bench/kernels.py --sweep` on an H200 (BENCHMARKS.md) for the Llama shapes
-(N, K) in {(4096, 4096), (14336, 4096), (4096, 14336)}; at medium M narrow N (<= 8192) prefers narrower tiles,
+(N, K) in {(4096, 4096), (14336, 4096), (4096, 14336)}, and at decode also the merged q/k/v and gate/up
+(6144 and 28672 x 4096, `--merged`); at medium M narrow N (<= 8192) prefers narrower tiles,
 which put more CTAs on the 132 SMs. Decode tiles come from `--sweep --decode`, which also sweeps the split-K
 target `programs`.
 """
@@ -17,10 +18,13 @@ from fxquant.kernels.splitk import TARGET_PROGRAMS
 def fp8_gemm_config(M: int, N: int, K: int, block_scales: bool) -> dict:
     wide = N > 8192
     if M <= 16:
-        long_k_blocks = block_scales and K > 8192  # 528 programs won for block scales at K = 14336
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4,
-                    num_stages=4 if block_scales or N * K <= 2**24 else 6,
-                    programs=2 * TARGET_PROGRAMS if long_k_blocks else TARGET_PROGRAMS)
+        # Sweep winners: 528 programs for block scales at K = 14336 and for 16M-32M-element weights (a merged
+        # 6144x4096 q/k/v: its 96 tiles split only 2 ways toward 264); 6 stages only for row scales on 32M-64M
+        # elements (14336x4096, 4096x14336).
+        many_programs = (block_scales and K > 8192) or 2**24 < N * K <= 2**25
+        deep = not block_scales and 2**25 < N * K <= 2**26
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=6 if deep else 4,
+                    programs=2 * TARGET_PROGRAMS if many_programs else TARGET_PROGRAMS)
     if M <= 128:
         return dict(BLOCK_M=64, BLOCK_N=128 if wide else 64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
     if block_scales:
