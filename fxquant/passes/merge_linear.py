@@ -1,6 +1,6 @@
 """merge_linear: quantized linears that read the same activation become one GEMM on their stacked weights.
 
-Pre:  quantize_linear and fuse_norm have run (so q, k and v read one quantized activation). Post: sibling GEMMs of
+Pre:  quantize_linear and fuse_norm have run. Post: identical activation quantizers are one, and sibling GEMMs of
 one op with the same activation, the same weight layout and no bias are one op on the weights concatenated along
 N, and each former output is a slice of its result. A decode step then streams the weights in fewer, wider GEMMs:
 in a Llama layer q/k/v become one and gate/up one, 5 launches (and 5 split-K reduces) become 2. Every output
@@ -23,6 +23,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.passes.quantize_linear import LayerRecord, fetch_attr
 
+QUANTIZE = torch.ops.fxquant.quantize_fp8.default
 SCALED_MM = torch.ops.fxquant.scaled_mm_fp8.default
 WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default
 # Per op: the argument positions of the weight's (codes, scale, zero point), the bias, and the output width.
@@ -37,6 +38,7 @@ class MergeLinear(PassBase):
         self.layers = layers  # their buffer names and rows are updated, so a changed weight re-quantizes in place
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
+        deduped = _dedupe_quantizers(gm.graph)
         siblings = defaultdict(list)
         for node in gm.graph.nodes:
             key = _sibling_key(gm, node)
@@ -47,10 +49,10 @@ class MergeLinear(PassBase):
                   if len(nodes) > 1 and len({n.args[WEIGHT_ARGS[n.target][0]] for n in nodes}) == len(nodes)]
         for nodes in groups:
             self._merge(gm, nodes)
-        if groups:
+        if groups or deduped:
             gm.graph.lint()
             gm.recompile()
-        return PassResult(gm, bool(groups))
+        return PassResult(gm, bool(groups or deduped))
 
     def _merge(self, gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> None:
         graph, op = gm.graph, nodes[0].target
@@ -101,6 +103,28 @@ class MergeLinear(PassBase):
         if len(layers) != count:
             raise RuntimeError(f"fxquant: merge_linear found {len(layers)} layer records for {count} merged GEMMs")
         return layers
+
+
+def _dedupe_quantizers(graph: torch.fx.Graph) -> bool:
+    """One quantize_fp8 per (activation, group): linears on one input that no fused norm quantized (an export
+    graph's, or one without a norm) first share their quantized activation, which makes them siblings."""
+    kept, modified = {}, False
+    for node in list(graph.nodes):
+        if node.target is not QUANTIZE:
+            continue
+        first = kept.setdefault(node.args, node)
+        if first is node:
+            continue
+        for item in list(node.users):  # getitem(node, i): read first's getitem i instead
+            twin = next((u for u in first.users if u.target is operator.getitem and u.args[1] == item.args[1]), None)
+            if twin is None:
+                item.replace_input_with(node, first)
+            else:
+                item.replace_all_uses_with(twin)
+                graph.erase_node(item)
+        graph.erase_node(node)
+        modified = True
+    return modified
 
 
 def _sibling_key(gm: torch.fx.GraphModule, node: torch.fx.Node):

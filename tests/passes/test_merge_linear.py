@@ -77,23 +77,43 @@ def test_one_scale_per_tensor_keeps_gemms_apart(llama, recipe):
     assert sum(targets(result.gm)[op] for op in GEMMS) == 7 and not any(layer.rows for layer in result.layers)
 
 
-def test_biased_siblings_stay_apart():
-    class Qkv(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q, self.k = torch.nn.Linear(256, 256), torch.nn.Linear(256, 128)
+class TwoProjections(torch.nn.Module):
+    """Two linears on the raw input: no norm, so each gets its own activation quantizer."""
 
-        def forward(self, x):
-            return self.q(x).sum(-1) + self.k(x).sum(-1)
+    def __init__(self, bias: bool):
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(256, 256, bias=bias), torch.nn.Linear(256, 128, bias=bias)
 
-    model = Qkv().to(torch.bfloat16)
+    def forward(self, x):
+        return self.q(x).sum(-1) + self.k(x).sum(-1)
+
+
+def two_projections(recipe, bias):
+    torch.manual_seed(0)
+    model, x = TwoProjections(bias).to(torch.bfloat16), torch.randn(4, 256, dtype=torch.bfloat16)
     results = []
     torch._dynamo.reset()
     with torch.no_grad():
-        torch.compile(model, backend=lambda gm, inputs: results.append(
-            run_pipeline(gm, QuantConfig(recipe="fp8_row"), inputs)) or results[-1].gm.forward)(
-            torch.randn(4, 256, dtype=torch.bfloat16))
-    assert targets(results[0].gm)[torch.ops.aten.slice.Tensor] == 0
+        out = torch.compile(model, backend=lambda gm, inputs: results.append(
+            run_pipeline(gm, QuantConfig(recipe=recipe), inputs)) or results[-1].gm.forward)(x)
+    return targets(results[0].gm), out
+
+
+def test_biased_siblings_stay_apart():
+    counts, _ = two_projections("fp8_row", bias=True)
+    assert counts[torch.ops.aten.slice.Tensor] == 0 and counts[torch.ops.fxquant.scaled_mm_fp8.default] == 2
+    assert counts[torch.ops.fxquant.quantize_fp8.default] == 1  # the one activation is quantized once
+
+
+def test_siblings_without_a_norm_share_one_quantizer_then_merge(monkeypatch):
+    counts, out = two_projections("fp8_block", bias=False)
+    assert counts[torch.ops.fxquant.linear_fp8.default] == 1 and counts[torch.ops.aten.slice.Tensor] == 2
+    # One scale per tensor: the quantizer is shared, the GEMMs stay two.
+    counts = two_projections("fp8_tensor", bias=False)[0]
+    assert counts[torch.ops.fxquant.quantize_fp8.default] == 1 and counts[torch.ops.fxquant.scaled_mm_fp8.default] == 2
+    monkeypatch.setattr(MergeLinear, "call", lambda self, gm: PassResult(gm, False))
+    apart_counts, apart = two_projections("fp8_block", bias=False)
+    assert apart_counts[torch.ops.fxquant.linear_fp8.default] == 2 and torch.equal(out, apart)
 
 
 def test_a_changed_weight_is_requantized_into_its_rows_of_the_merged_buffer(llama):
