@@ -2,8 +2,7 @@
 from config, bf16, random weights. Eager, Inductor bf16, torchao fp8 per-row (when torchao imports) and
 fxquant recipes; first-compile time, latency, and the GPU kernel time inside it (profiler).
 
-Run: PYTHONPATH=. python bench/e2e.py [--reduce-overhead] [--no-torchao] [--top-kernels] [--no-pdl] [recipe ...]
-(--no-pdl: fxquant's kernels launch without programmatic dependent launch, to measure what it brings)
+Run: PYTHONPATH=. python bench/e2e.py [--reduce-overhead] [--no-torchao] [--top-kernels] [recipe ...]
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import triton.testing
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import fxquant  # noqa: F401  (registers the backend)
-import fxquant.kernels.pdl
 from bench.common import header, table
 
 SHAPES = {"prefill 1x2048": (1, 2048), "decode B16x1": (16, 1), "decode B64x1": (64, 1)}
@@ -58,8 +56,6 @@ def gpu_ms(fn, ids, label: str, calls: int = 10) -> float:
 
 def main():
     print(header())
-    fxquant.kernels.pdl.ENABLED = "--no-pdl" not in sys.argv
-    print("programmatic dependent launch:", fxquant.kernels.pdl.ENABLED)
     model = build()
     mode = "reduce-overhead" if "--reduce-overhead" in sys.argv else None
     recipes = [a for a in sys.argv[1:] if not a.startswith("--")] or ["fp8_block", "fp8_row", "int4_wo"]

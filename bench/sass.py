@@ -37,14 +37,13 @@ def decode_kernel_sass(fmt: str, stages: int | None = None) -> str:
     signature = dict(zip(ARGS, types, strict=True))
     constexprs = dict(FMT=FORMATS[fmt], GROUP=GROUPS[fmt], HAS_ZP=fmt == "int4", HAS_BIAS=False, SPLIT_K=4,
                       DOT=tl.bfloat16, OUT=tl.bfloat16, CAST=0, EVEN_K=True, BLOCK_M=cfg["BLOCK_M"],
-                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PDL=True,
+                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
                       **dict.fromkeys(UNIT_STRIDES, 1))
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     attrs = {(ARGS.index(name),): [["tt.divisibility", 16]] for name in ARGS[:8] + list(DIVISIBLE)}
     kernel = triton.compile(ASTSource(fn=_wo_gemm_kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=cfg["num_warps"], num_stages=stages or cfg["num_stages"],
-                                         launch_pdl=True))
+                            options=dict(num_warps=cfg["num_warps"], num_stages=stages or cfg["num_stages"]))
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])

@@ -27,7 +27,6 @@ import triton.language as tl
 from fxquant.kernels.cast import float_cast_mode
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.launch import cdiv
-from fxquant.kernels.pdl import pdl_options, wait_for_inputs
 from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
 from fxquant.kernels.tiles import grouped_tile, k_steps_of, store_tile
 
@@ -47,9 +46,8 @@ def _fp8_gemm_kernel(
     # meta-parameters
     BLOCK_SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
     CAST: tl.constexpr, SPLIT_K: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
     pid_k = tl.program_id(1)
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
@@ -150,7 +148,7 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         asm, ask, bsn, bsk,
         BLOCK_SCALES=block_scales, SCALE_BLOCK=SCALE_BLOCK, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
-        CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split, **meta, **pdl_options(_fp8_gemm_kernel, a.device),
+        CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split, **meta,
     )
     if split > 1:
         reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])

@@ -32,7 +32,6 @@ from fxquant.kernels.codes import FORMATS, block_scale, e2m1_value, nibbles, off
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv
-from fxquant.kernels.pdl import pdl_options, wait_for_inputs
 from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
 from fxquant.kernels.tiles import grouped_tile, k_steps_of, store_tile
 
@@ -48,9 +47,8 @@ def _wo_gemm_kernel(
     # meta-parameters
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
     pid_k = tl.program_id(1)
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -198,7 +196,6 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
         FMT=FORMATS[fmt], GROUP=group or 1, HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None,
         SPLIT_K=split, DOT=tl.float32 if interpreting(_wo_gemm_kernel) else TORCH_TO_TL[a.dtype],
         OUT=TORCH_TO_TL[a.dtype], CAST=float_cast_mode(_wo_gemm_kernel), **meta,
-        **pdl_options(_wo_gemm_kernel, a.device),
     )
     if split > 1:
         reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])
