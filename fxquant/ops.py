@@ -4,9 +4,9 @@ Dynamo, Inductor and torch.export see through these ops. CPU tensors run the pur
 CUDA tensors run the Triton kernels where one serves the case, else the same reference on the GPU.
 
 The ops are defined with `torch.library.define` and `torch.library.impl` rather than the `custom_op` decorator,
-whose Python autograd and checking wrappers cost 14-45 us of host time per call on an H200 host against 4 us
-here (bench/host.py, BENCHMARKS.md): in default mode (no CUDA graphs) a decode step is host-bound, and that was
-a third of it. The ops are for inference and have no autograd formula: torch warns on a backward through them.
+whose Python autograd and checking wrappers cost 10-18 us of host time per call on the H200's host against 1-4 us
+this way (bench/host.py, BENCHMARKS.md, sixth round): without CUDA graphs a decode step is host-bound. The ops are
+for inference and have no autograd formula: torch warns on a backward through them.
 """
 
 from __future__ import annotations

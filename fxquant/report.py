@@ -16,6 +16,9 @@ def format_report(layers, findings=()) -> str:
     rows = [("layer", "shape [N, K]", "scheme", "bytes before", "bytes after", "weight SQNR dB (worst channel)")]
     for layer in layers:
         scheme = f"{layer.recipe} ({RECIPES[layer.recipe]})" if layer.recipe else f"skipped: {layer.reason}"
+        if layer.rows:
+            first, stop, of = layer.rows
+            scheme += f", rows {first}:{stop} of a merged {of}-row GEMM"
         sqnr = "-" if layer.weight_sqnr is None else f"{layer.weight_sqnr:.1f} ({layer.worst_row_sqnr:.1f})"
         rows.append((layer.fqn, "x".join(map(str, layer.shape)), scheme, f"{layer.bytes_before:,}",
                      f"{layer.bytes_after:,}", sqnr))

@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from fxquant.config import QuantConfig
 from fxquant.passes import run_pipeline
 from fxquant.passes.merge_linear import MergeLinear
+from fxquant.report import format_report
 
 GEMMS = (torch.ops.fxquant.scaled_mm_fp8.default, torch.ops.fxquant.linear_fp8.default,
          torch.ops.fxquant.linear_weight_only.default)
@@ -62,6 +63,14 @@ def test_qkv_and_gate_up_become_one_gemm_each_with_the_same_numbers(llama, recip
     weight_bytes = lambda result: sum(b.numel() * b.element_size() for name, b in result.gm.named_buffers()
                                       if name.startswith("_fxq_"))
     assert weight_bytes(merged) == weight_bytes(apart)
+
+
+def test_the_report_says_which_rows_of_a_merged_gemm_a_layer_is(llama):
+    model, ids = llama
+    result, _ = pipeline(model, ids, "fp8_block")
+    lines = format_report(result.layers).splitlines()
+    assert any("k_proj" in line and "rows 256:384 of a merged 512-row GEMM" in line for line in lines)
+    assert not any("o_proj" in line and "merged" in line for line in lines)
 
 
 def test_a_second_run_changes_nothing(llama):
