@@ -5,6 +5,7 @@ import torch
 from fp8_cases import same_bits
 
 import fxquant
+from fxquant.kernels.quant_fp8 import quantize_fp8_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FMTS = ["fp8_e4m3", "fp8_e5m2"]
@@ -73,6 +74,9 @@ def test_unsupported_request_is_a_clear_error():
         fxquant.quantize(sample((2, 64)), "mxfp4", impl="triton")
     with pytest.raises(ValueError, match="not a multiple of the group size 128"):
         fxquant.quantize(sample((2, 96)), "fp8_e4m3", ("group", 128), impl="triton")
+    for row_len, dtype in [(96, torch.float8_e4m3fn), (128, torch.bfloat16)]:  # the launcher called directly
+        with pytest.raises(ValueError, match="fp8 row quantizer needs an fp8 dtype and row_len"):
+            quantize_fp8_rows(sample((2, 256)), row_len, dtype)
 
 
 @pytest.mark.gpu
