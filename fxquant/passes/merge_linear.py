@@ -21,6 +21,7 @@ import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
+from fxquant.passes.annotations import fake_value
 from fxquant.passes.quantize_linear import LayerRecord, fetch_attr
 
 QUANTIZE = torch.ops.fxquant.quantize_fp8.default
@@ -70,11 +71,16 @@ class MergeLinear(PassBase):
             if op in WIDTH_ARG:
                 args[WIDTH_ARG[op]] = total
             merged = graph.call_function(op, tuple(args))
+        key, value = _merged_value(nodes[0], total)
+        if value is not None:
+            merged.meta[key] = value
         start = 0
         for node, width in zip(nodes, widths, strict=True):
             with graph.inserting_before(node):
                 part = graph.call_function(torch.ops.aten.slice.Tensor, (merged, -1, start, start + width))
             part.meta.update(node.meta)
+            if value is not None:
+                part.meta[key] = value[..., start:start + width]  # the strided view it now is
             node.replace_all_uses_with(part)
             weight_nodes = [node.args[p] for p in positions]
             graph.erase_node(node)
@@ -125,6 +131,15 @@ def _dedupe_quantizers(graph: torch.fx.Graph) -> bool:
         graph.erase_node(node)
         modified = True
     return modified
+
+
+def _merged_value(node: torch.fx.Node, total: int):
+    """(meta key, fake value) of the merged GEMM's output, from a sibling's: same leading dims, N = total."""
+    key = "val" if "val" in node.meta else "example_value"
+    value = fake_value(node)
+    if not isinstance(value, torch.Tensor):
+        return key, None
+    return key, value.new_empty((*value.shape[:-1], total))
 
 
 def _sibling_key(gm: torch.fx.GraphModule, node: torch.fx.Node):

@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fxquant.config import QuantConfig
 from fxquant.passes import run_pipeline
+from fxquant.passes.annotations import fake_value
 from fxquant.passes.merge_linear import MergeLinear
 from fxquant.report import format_report
 
@@ -71,6 +72,18 @@ def test_the_report_says_which_rows_of_a_merged_gemm_a_layer_is(llama):
     lines = format_report(result.layers).splitlines()
     assert any("k_proj" in line and "rows 256:384 of a merged 512-row GEMM" in line for line in lines)
     assert not any("o_proj" in line and "merged" in line for line in lines)
+
+
+def test_merged_gemms_and_their_slices_carry_fake_values(llama):
+    model, ids = llama
+    result, _ = pipeline(model, ids, "fp8_row")
+    merged = [n for n in result.gm.graph.nodes if n.target is torch.ops.fxquant.scaled_mm_fp8.default]
+    widths = sorted(fake_value(n).shape[-1] for n in merged)
+    assert widths == [512, 1024]  # q/k/v: 256 + 128 + 128; gate/up: 512 + 512
+    for node in merged:
+        parts = [user for user in node.users if user.target is torch.ops.aten.slice.Tensor]
+        assert sum(fake_value(p).shape[-1] for p in parts) == fake_value(node).shape[-1]
+        assert all(fake_value(p).stride(-2) == fake_value(node).shape[-1] for p in parts)
 
 
 def test_a_second_run_changes_nothing(llama):
