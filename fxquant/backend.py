@@ -57,6 +57,7 @@ def fxquant(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None
     if mode not in MODES:
         raise ValueError(f"fxquant: unknown mode {mode!r}; valid: {', '.join(map(str, MODES))}")
     result = run_pipeline(gm, config, example_inputs)
+    _refuse_gradients(result.gm, example_inputs)
     result.warn()
     if config.report:
         print(format_report(result.layers, result.findings))
@@ -74,6 +75,19 @@ def fxquant(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None
             patches.update({"max_autotune": True})
         compiled = compile_fx(result.gm, example_inputs, config_patches=patches)
     return QuantizedCallable(compiled, result)
+
+
+def _refuse_gradients(gm: torch.fx.GraphModule, example_inputs) -> None:
+    """The quantized graph has no backward: with grad mode on, an input that requires grad is refused, with the fix,
+    rather than differentiated through the rounding (frozen parameters never require it)."""
+    if not torch.is_grad_enabled() or not any(str(node.target).startswith("fxquant.") for node in gm.graph.nodes):
+        return
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    needing = [node.name for node, value in zip(placeholders, example_inputs, strict=False)
+               if node.users and isinstance(value, torch.Tensor) and value.requires_grad]
+    if needing:
+        raise RuntimeError(f"fxquant: the quantized graph is for inference, but input(s) {needing} require grad. "
+                           "Fix: run the model under torch.no_grad() or torch.inference_mode(), or detach its inputs")
 
 
 # Installed packages name the backend through the `torch_dynamo_backends` entry point, which dynamo loads

@@ -130,3 +130,16 @@ def test_backend_by_name_in_a_process_that_never_imports_fxquant():
 
 def test_quantize_api_is_exported():
     assert set(fxquant.__all__) >= {"quantize", "dequantize", "export", "QuantConfig", "backend"}
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_an_input_that_requires_grad_is_refused_with_the_fix(inner):
+    x = X.clone().requires_grad_()
+    with pytest.raises(Exception, match=r"require grad\. Fix: run the model under torch.no_grad\(\)"):
+        compiled(tiny_block(), inner=inner)(x)
+
+
+def test_grad_mode_with_inputs_that_need_no_grad_runs():
+    model = tiny_block()  # its parameters require grad; the compiled graph holds them frozen
+    out = compiled(model)(X)
+    assert not out.requires_grad and rel_err(out, model(X)) < 0.03
