@@ -6,8 +6,8 @@ CUDA tensors run the Triton kernels where one serves the case, else the same ref
 The ops are defined with `torch.library.define` and `torch.library.impl` rather than the `custom_op` decorator,
 whose Python autograd and checking wrappers cost 10-18 us of host time per call on the H200's host against 1-4 us
 this way (bench/host.py, BENCHMARKS.md, sixth round): without CUDA graphs a decode step is host-bound. The ops are
-for inference and have no autograd formula: an input that requires grad, with grad mode on, is refused with the
-fix (run under torch.no_grad()).
+for inference and have no autograd formula. The backend refuses, with the fix, a compiled graph whose inputs require
+grad; called directly, an op lets torch's fallback differentiate through the reference, and torch warns.
 """
 
 from __future__ import annotations
@@ -88,26 +88,12 @@ def _op(schema: str, kernel) -> torch._ops.OpOverloadPacket:
     """Define `fxquant::<schema>` with `kernel` as its implementation on every device; returns the op."""
     name, signature = schema.split("(", 1)
     torch.library.define(f"fxquant::{name}", "(" + signature)
-    torch.library.impl(f"fxquant::{name}", "default", _inference_only(name, kernel))
+    torch.library.impl(f"fxquant::{name}", "default", kernel)
     return getattr(torch.ops.fxquant, name)
 
 
 def _fake(name: str):
     return torch.library.register_fake(f"fxquant::{name}")
-
-
-def _inference_only(name: str, fn):
-    """fn, refusing inputs that need a gradient: the ops have no autograd formula, and torch's fallback would
-    otherwise differentiate through the reference's rounding, with only a warning. (The backend refuses such
-    inputs at compile time, for compiled graphs.)"""
-    def checked(*args):
-        if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
-            raise RuntimeError(
-                f"fxquant::{name} is an inference op (quantized weights, no gradient), but an input requires grad. "
-                "Fix: run the model under torch.no_grad() or torch.inference_mode(), or detach its inputs")
-        return fn(*args)
-
-    return checked
 
 
 def _quantize_fp8(x: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
