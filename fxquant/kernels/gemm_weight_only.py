@@ -120,7 +120,10 @@ def wo_gemm_config(M: int, fmt: str) -> dict:
 # decode only). Fitted on the H200 crossover in BENCHMARKS.md (fourth round): e.g. int4 at M = 64 takes 47 us in
 # registers against 81 us on 14336x4096 (112 tiles), and 199 us against 83 us on 4096x14336 (32 tiles).
 DEQUANTIZE_ABOVE_M = 128
-CHUNK_ELEMENTS = 2**26  # the dequantized weight exists at most this many elements at a time (128 MiB in bf16)
+# The dequantized weight exists at most this many elements at a time (256 MiB in bf16). Every chunk past the first
+# costs a strided copy of its output columns: at 2**26 a merged 28672x4096 gate/up took two chunks, and the copies
+# were 7% of an int4_wo prefill (BENCHMARKS.md, sixth round); 2**27 holds it in one.
+CHUNK_ELEMENTS = 2**27
 FITTED_SMS = 132  # the H200's SM count, used where there is no GPU to ask (the interpreter), so CPU runs dispatch alike
 
 
