@@ -120,9 +120,9 @@ def wo_gemm_config(M: int, fmt: str) -> dict:
 # decode only). Fitted on the H200 crossover in BENCHMARKS.md (fourth round): e.g. int4 at M = 64 takes 47 us in
 # registers against 81 us on 14336x4096 (112 tiles), and 199 us against 83 us on 4096x14336 (32 tiles).
 DEQUANTIZE_ABOVE_M = 128
-# The dequantized weight exists at most this many elements at a time (256 MiB in bf16). Every chunk past the first
-# costs a strided copy of its output columns: at 2**26 a merged 28672x4096 gate/up took two chunks, and the copies
-# were 7% of an int4_wo prefill (BENCHMARKS.md, sixth round); 2**27 holds it in one.
+# The dequantized weight exists at most this many elements at a time (256 MiB in bf16). At 2**26 a merged 28672x4096
+# gate/up took two chunks, each with a strided copy of its output columns: 7% of an int4_wo prefill (BENCHMARKS.md,
+# sixth round). 2**27 holds it in one, and chunks without a bias now write their columns in place.
 CHUNK_ELEMENTS = 2**27
 FITTED_SMS = 132  # the H200's SM count, used where there is no GPU to ask (the interpreter), so CPU runs dispatch alike
 
@@ -217,5 +217,8 @@ def _dequantized_mm(a, codes, scale, fmt, group, zero_point, global_scale, bias)
     out = torch.empty((a.shape[0], N), dtype=a.dtype, device=a.device)
     for n0 in range(0, N, rows):
         n1 = min(N, n0 + rows)
-        out[:, n0:n1] = F.linear(a, weight(n0, n1), chunk(bias, n0, n1))
+        if bias is None:  # the GEMM writes its column block in place (leading dimension N): no copy of it
+            torch.mm(a, weight(n0, n1).T, out=out[:, n0:n1])
+        else:
+            out[:, n0:n1] = F.linear(a, weight(n0, n1), bias[n0:n1])
     return out

@@ -65,10 +65,11 @@ def test_dequantize_weight_is_the_reference_bit_for_bit(fmt, K, symmetric, dtype
     assert torch.equal(out, R.dequantize(q, dtype))
 
 
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no bias"])
 @pytest.mark.parametrize("M", [40, DEQUANTIZE_ABOVE_M + 72])
 @pytest.mark.parametrize("chunk_elements", [2**26, 4 * 256], ids=["one chunk", "rows of 4"])
 @pytest.mark.parametrize("fmt", list(GRANULARITY))
-def test_dequantize_path_multiplies_the_rounded_weight(fmt, chunk_elements, M, monkeypatch):
+def test_dequantize_path_multiplies_the_rounded_weight(fmt, chunk_elements, M, with_bias, monkeypatch):
     """Past DEQUANTIZE_ABOVE_M, or at medium M with a grid too small for the GPU (here one tile), the weight is
     rounded once to bf16 (half an ulp) and multiplied by torch's GEMM, in chunks of rows when it is large (here
     forced to 4 rows)."""
@@ -77,7 +78,7 @@ def test_dequantize_path_multiplies_the_rounded_weight(fmt, chunk_elements, M, m
     N, K = 24, 256
     assert dequantizes(M, N, fmt, 132)
     x = torch.randn(M, K, generator=gen).to(torch.bfloat16).to(DEVICE)
-    bias = torch.randn(N, generator=gen).to(torch.bfloat16).to(DEVICE)
+    bias = torch.randn(N, generator=gen).to(torch.bfloat16).to(DEVICE) if with_bias else None
     q = quantized(fmt, N, K, gen)
     out = weight_only_mm(x, q.data, q.scale, fmt, GROUP[fmt], N, zero_point=q.zero_point,
                          global_scale=q.global_scale, bias=bias)
