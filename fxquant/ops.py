@@ -155,7 +155,7 @@ def _(a, a_scale, w, w_scale, bias, out_dtype):
 
 def _linear_fp8(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None, group_size: int) -> Tensor:
     """F.linear with dynamic e4m3 activations (per token, or 1 x group_size) and a pre-quantized e4m3 weight."""
-    # The implementations, not the ops: one dispatch per call, which is most of a decode step's host time.
+    # The implementations, not the ops: one dispatch per call instead of three (each 1-4 us of host time).
     a, a_scale = _quantize_fp8(x, group_size)
     return _scaled_mm_fp8(a, a_scale, w, w_scale, bias, x.dtype)
 
