@@ -26,10 +26,17 @@ import torch
 import triton
 import triton.language as tl
 
-from fxquant.kernels import pdl
 from fxquant.kernels.cast import float_cast_mode
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.launch import cdiv, l2_bytes, sm_count
+from fxquant.kernels.pdl import (
+    let_dependents_launch,
+    pdl_options,
+    prefetch_rows,
+    prefetch_steps,
+    prefetchable,
+    wait_for_inputs,
+)
 from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
 from fxquant.kernels.tiles import grouped_tile, k_steps_of, store_tile
 
@@ -63,10 +70,9 @@ def _fp8_gemm_kernel(
     first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
     k0 = first_k * BLOCK_K
     # No kernel writes the weight: its first K steps stream into L2 while the kernel before this one finishes.
-    k_count = min(min(last_k * BLOCK_K, K), k0 + prefetch_k) - k0
-    pdl.prefetch_rows(b_ptr, offs_n, mask_n, stride_bn, k0, k_count, PDL)
-    pdl.wait_for_inputs(PDL)
-    pdl.let_dependents_launch(PDL)
+    prefetch_rows(b_ptr, offs_n, mask_n, stride_bn, k0, min(min(last_k * BLOCK_K, K), k0 + prefetch_k) - k0, PDL)
+    wait_for_inputs(PDL)
+    let_dependents_launch(PDL)
 
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
@@ -123,7 +129,7 @@ def _launch_plan(M: int, N: int, K: int, block_scales: bool, sms: int, l2: int, 
                 BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"])
     step_bytes = cfg["BLOCK_N"] * cfg["BLOCK_K"]  # a byte per fp8 code
-    prefetch_k = pdl.prefetch_steps(tiles * split, step_bytes, sms, l2) * cfg["BLOCK_K"]
+    prefetch_k = prefetch_steps(tiles * split, step_bytes, sms, l2) * cfg["BLOCK_K"]
     return tiles, split, prefetch_k, meta
 
 
@@ -161,10 +167,9 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
         a, b, out, ws, a_scale, b_scale, bias if bias is not None else out,
         M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        asm, ask, bsn, bsk, prefetch_k if pdl.prefetchable(b) else 0,
+        asm, ask, bsn, bsk, prefetch_k if prefetchable(b) else 0,
         BLOCK_SCALES=block_scales, SCALE_BLOCK=SCALE_BLOCK, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
-        CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split, **meta,
-        **pdl.pdl_options(_fp8_gemm_kernel, a.device),
+        CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split, **meta, **pdl_options(_fp8_gemm_kernel, a.device),
     )
     if split > 1:
         reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])

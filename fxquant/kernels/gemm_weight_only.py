@@ -28,12 +28,19 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fxquant.kernels import pdl
 from fxquant.kernels.cast import float_cast_mode, interpreting
 from fxquant.kernels.codes import FORMATS, block_scale, e2m1_value, nibbles, offset_int
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, l2_bytes, sm_count
+from fxquant.kernels.pdl import (
+    let_dependents_launch,
+    pdl_options,
+    prefetch_rows,
+    prefetch_steps,
+    prefetchable,
+    wait_for_inputs,
+)
 from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
 from fxquant.kernels.tiles import grouped_tile, k_steps_of, store_tile
 
@@ -64,11 +71,11 @@ def _wo_gemm_kernel(
     # No kernel writes the weight: its first K steps stream into L2 while the kernel before this one finishes.
     k_count = min(min(last_k * BLOCK_K, K), k0 + prefetch_k) - k0
     if FMT == 0:  # int8: a byte per code
-        pdl.prefetch_rows(w_ptr, offs_n, mask_n, stride_wn, k0, k_count, PDL)
+        prefetch_rows(w_ptr, offs_n, mask_n, stride_wn, k0, k_count, PDL)
     else:  # 4-bit: int32 words of 8 codes, so K / 2 bytes per row
-        pdl.prefetch_rows(w_ptr, offs_n, mask_n, stride_wn * 4, k0 // 2, k_count // 2, PDL)
-    pdl.wait_for_inputs(PDL)
-    pdl.let_dependents_launch(PDL)
+        prefetch_rows(w_ptr, offs_n, mask_n, stride_wn * 4, k0 // 2, k_count // 2, PDL)
+    wait_for_inputs(PDL)
+    let_dependents_launch(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(first_k, last_k):
         k = step * BLOCK_K + offs_k
@@ -167,7 +174,7 @@ def _launch_plan(M: int, N: int, K: int, fmt: str, group: int, sms: int, l2: int
                 BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"])
     step_bytes = cfg["BLOCK_N"] * cfg["BLOCK_K"] // (2 if fmt != "int8" else 1)
-    return tiles, split, pdl.prefetch_steps(tiles * split, step_bytes, sms, l2) * cfg["BLOCK_K"], meta
+    return tiles, split, prefetch_steps(tiles * split, step_bytes, sms, l2) * cfg["BLOCK_K"], meta
 
 
 def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=None, global_scale=None,
@@ -204,11 +211,11 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
         global_scale if global_scale is not None else scale, out, ws, bias if bias is not None else out,
         M, N, K,
         a.stride(0), a.stride(1), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
-        out.stride(0), out.stride(1), prefetch_k if pdl.prefetchable(codes) else 0,
+        out.stride(0), out.stride(1), prefetch_k if prefetchable(codes) else 0,
         FMT=FORMATS[fmt], GROUP=group or 1, HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None,
         SPLIT_K=split, DOT=tl.float32 if interpreting(_wo_gemm_kernel) else TORCH_TO_TL[a.dtype],
         OUT=TORCH_TO_TL[a.dtype], CAST=float_cast_mode(_wo_gemm_kernel), **meta,
-        **pdl.pdl_options(_wo_gemm_kernel, a.device),
+        **pdl_options(_wo_gemm_kernel, a.device),
     )
     if split > 1:
         reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])
