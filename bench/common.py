@@ -9,8 +9,6 @@ import torch
 import triton
 import triton.testing
 
-from fxquant.kernels.pdl import disabled as pdl_disabled
-
 L2_FLUSH_BYTES = 256 * 2**20  # several times the H200's 60 MB L2: every timed call reads from HBM
 
 
@@ -30,14 +28,6 @@ def graph_time_ms(fn, arg_sets: list) -> float:
     """Median milliseconds of fn(*args) replayed from a CUDA graph: GPU time without launch overhead."""
     cycle = itertools.cycle(arg_sets)
     return triton.testing.do_bench_cudagraph(lambda: fn(*next(cycle)), rep=100, return_mode="median")
-
-
-def without_pdl(fn):
-    """fn with fxquant's kernels launched without programmatic dependent launch (and so without weight prefetch)."""
-    def run(*args):
-        with pdl_disabled():
-            return fn(*args)
-    return run
 
 
 def copy_bandwidth_gbs() -> float:

@@ -2,13 +2,11 @@
 from config, bf16, random weights. Eager, Inductor bf16, torchao fp8 per-row (when torchao imports) and
 fxquant recipes; first-compile time, latency, and the GPU kernel time inside it (profiler).
 
-Run: PYTHONPATH=. python bench/e2e.py [--reduce-overhead] [--no-torchao] [--top-kernels] [--pdl-ab] [recipe ...]
-(--pdl-ab: each fxquant recipe also runs with its kernels launched without programmatic dependent launch)
+Run: PYTHONPATH=. python bench/e2e.py [--reduce-overhead] [--no-torchao] [--top-kernels] [recipe ...]
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import sys
 import time
@@ -19,7 +17,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import fxquant  # noqa: F401  (registers the backend)
 from bench.common import header, table
-from fxquant.kernels.pdl import disabled as pdl_disabled
 
 SHAPES = {"prefill 1x2048": (1, 2048), "decode B16x1": (16, 1), "decode B64x1": (64, 1)}
 
@@ -65,8 +62,6 @@ def main():
     print("mode:", mode or "default")
     paths = {"eager": model, "inductor bf16": None, "torchao fp8 row": "torchao",
              **{f"fxquant {r}": r for r in recipes}}
-    if "--pdl-ab" in sys.argv:
-        paths.update({f"fxquant {r} (no PDL)": r for r in recipes})
     if "--no-torchao" in sys.argv:  # its first compile takes minutes
         del paths["torchao fp8 row"]
     inputs = {name: torch.randint(0, 32000, shape, device="cuda") for name, shape in SHAPES.items()}
@@ -75,40 +70,32 @@ def main():
         reference = {name: model(ids, use_cache=False).logits.float() for name, ids in inputs.items()}
         for path, recipe in paths.items():
             torch._dynamo.reset()
-            launch = pdl_disabled() if path.endswith("(no PDL)") else contextlib.nullcontext()
-            with launch:
-                rows += run_path(path, recipe, model, mode, inputs, reference)
+            if path == "eager":
+                fn = model
+            elif recipe is None:
+                fn = torch.compile(model, mode=mode)
+            elif recipe == "torchao":
+                quantized = torchao_fp8_row(model)
+                if quantized is None:
+                    continue
+                fn = torch.compile(quantized, mode=mode)
+            else:
+                fn = torch.compile(model, backend="fxquant", options={"recipe": recipe, "mode": mode})
+            for name, ids in inputs.items():
+                start = time.perf_counter()
+                logits = fn(ids, use_cache=False).logits.float()
+                torch.cuda.synchronize()
+                first = time.perf_counter() - start
+                ms = triton.testing.do_bench(lambda fn=fn, ids=ids: fn(ids, use_cache=False), warmup=25, rep=200,
+                                             return_mode="median")
+                kernels = gpu_ms(fn, ids, f"{path}, {name}")
+                ref = reference[name]
+                err = float((logits - ref).norm() / ref.norm())
+                rows.append({"path": path, "shape": name, "ms": f"{ms:.2f}", "GPU kernel ms": f"{kernels:.2f}",
+                             "first call s": f"{first:.1f}",
+                             "logits rel err": f"{err:.4f}"})
+                print(rows[-1], flush=True)
     print(table(rows))
-
-
-def run_path(path, recipe, model, mode, inputs, reference) -> list[dict]:
-    """Compile one path, then per shape: first-call time, latency, GPU kernel time and logits error."""
-    if path == "eager":
-        fn = model
-    elif recipe is None:
-        fn = torch.compile(model, mode=mode)
-    elif recipe == "torchao":
-        quantized = torchao_fp8_row(model)
-        if quantized is None:
-            return []
-        fn = torch.compile(quantized, mode=mode)
-    else:
-        fn = torch.compile(model, backend="fxquant", options={"recipe": recipe, "mode": mode})
-    rows = []
-    for name, ids in inputs.items():
-        start = time.perf_counter()
-        logits = fn(ids, use_cache=False).logits.float()
-        torch.cuda.synchronize()
-        first = time.perf_counter() - start
-        ms = triton.testing.do_bench(lambda fn=fn, ids=ids: fn(ids, use_cache=False), warmup=25, rep=200,
-                                     return_mode="median")
-        kernels = gpu_ms(fn, ids, f"{path}, {name}")
-        ref = reference[name]
-        err = float((logits - ref).norm() / ref.norm())
-        rows.append({"path": path, "shape": name, "ms": f"{ms:.2f}", "GPU kernel ms": f"{kernels:.2f}",
-                     "first call s": f"{first:.1f}", "logits rel err": f"{err:.4f}"})
-        print(rows[-1], flush=True)
-    return rows
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import sys
 import torch
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
-from bench.common import copy_bandwidth_gbs, graph_time_ms, header, rotating, table, without_pdl
+from bench.common import copy_bandwidth_gbs, graph_time_ms, header, rotating, table
 from fxquant import reference as R
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
@@ -118,11 +118,9 @@ def bench() -> list[dict]:
                 for variant, cfg in VARIANTS.items():
                     if variant and scheme != "row":
                         continue
-                    gemm = lambda qa, qw, c=cfg: fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, None,
-                                                               torch.bfloat16, c)
-                    results[f"fxq {scheme}{variant}"] = (graph_time_ms(gemm, sets), n * k)
-                    if m <= 16 and not variant:
-                        results[f"fxq {scheme} (no PDL)"] = (graph_time_ms(without_pdl(gemm), sets), n * k)
+                    results[f"fxq {scheme}{variant}"] = (graph_time_ms(
+                        lambda qa, qw, c=cfg: fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, None,
+                                                            torch.bfloat16, c), sets), n * k)
                 try:
                     results[f"cublas {scheme}"] = (graph_time_ms(
                         lambda qa, qw, s=scheme: scaled_mm_baselines(qa, qw, s)(), sets), n * k)
@@ -130,10 +128,8 @@ def bench() -> list[dict]:
                     results[f"cublas {scheme}"] = (None, f"{type(exc).__name__}: {str(exc)[:40]}")
             lin_sets = rotating(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
                                          operands(1, n, k, "block")[1]), (m * 2 + n) * k)
-            linear = lambda x, qw: torch.ops.fxquant.linear_fp8(x, qw.data, qw.scale, None, 128)
-            results["fxq linear_fp8 block (quant+gemm)"] = (graph_time_ms(linear, lin_sets), n * k)
-            if m <= 16:
-                results["fxq linear_fp8 block (no PDL)"] = (graph_time_ms(without_pdl(linear), lin_sets), n * k)
+            results["fxq linear_fp8 block (quant+gemm)"] = (graph_time_ms(
+                lambda x, qw: torch.ops.fxquant.linear_fp8(x, qw.data, qw.scale, None, 128), lin_sets), n * k)
             for name, (ms, wbytes) in results.items():
                 if ms is None:
                     rows.append({"M": m, "N": n, "K": k, "impl": name, "us": "-", "TFLOP/s": wbytes,

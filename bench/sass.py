@@ -23,8 +23,7 @@ from fxquant.kernels.codes import FORMATS
 from fxquant.kernels.gemm_weight_only import _wo_gemm_kernel, wo_gemm_config
 
 ARGS = ["a_ptr", "w_ptr", "s_ptr", "z_ptr", "gs_ptr", "c_ptr", "ws_ptr", "bias_ptr", "M", "N", "K",
-        "stride_am", "stride_ak", "stride_wn", "stride_wk", "stride_sn", "stride_sk", "stride_cm", "stride_cn",
-        "prefetch_k"]
+        "stride_am", "stride_ak", "stride_wn", "stride_wk", "stride_sn", "stride_sk", "stride_cm", "stride_cn"]
 UNIT_STRIDES = ("stride_ak", "stride_wk", "stride_sk", "stride_cn")
 DIVISIBLE = ("N", "K", "stride_am", "stride_wn", "stride_sn", "stride_cm")
 GROUPS = {"int8": 1, "int4": 128, "mxfp4": 32, "nvfp4": 16}
@@ -34,18 +33,17 @@ def decode_kernel_sass(fmt: str, stages: int | None = None) -> str:
     """SASS of the decode (M <= 16) configuration, split-K on, with zero points for int4."""
     cfg = wo_gemm_config(16, fmt)
     types = ["*bf16", "*i8" if fmt == "int8" else "*i32", "*fp32" if fmt in ("int8", "int4") else "*u8", "*u8",
-             "*fp32", "*bf16", "*fp32", "*bf16"] + ["i32"] * 12
+             "*fp32", "*bf16", "*fp32", "*bf16"] + ["i32"] * 11
     signature = dict(zip(ARGS, types, strict=True))
     constexprs = dict(FMT=FORMATS[fmt], GROUP=GROUPS[fmt], HAS_ZP=fmt == "int4", HAS_BIAS=False, SPLIT_K=4,
                       DOT=tl.bfloat16, OUT=tl.bfloat16, CAST=0, EVEN_K=True, BLOCK_M=cfg["BLOCK_M"],
-                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PDL=True,
+                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
                       **dict.fromkeys(UNIT_STRIDES, 1))
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     attrs = {(ARGS.index(name),): [["tt.divisibility", 16]] for name in ARGS[:8] + list(DIVISIBLE)}
     kernel = triton.compile(ASTSource(fn=_wo_gemm_kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=cfg["num_warps"], num_stages=stages or cfg["num_stages"],
-                                         launch_pdl=True))
+                            options=dict(num_warps=cfg["num_warps"], num_stages=stages or cfg["num_stages"]))
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])

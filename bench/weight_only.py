@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
-from bench.common import copy_bandwidth_gbs, graph_time_ms, header, rotating, table, without_pdl
+from bench.common import copy_bandwidth_gbs, graph_time_ms, header, rotating, table
 from fxquant import reference as R
 from fxquant.kernels import gemm_weight_only
 from fxquant.kernels.gemm_weight_only import weight_only_mm, wo_gemm_config
@@ -59,11 +59,8 @@ def bench_gemms(ceiling) -> list[dict]:
                 q = quantized_weight(n, k, fmt)
                 wsets = rotating(lambda q=q: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
                                               _copy(q)), q.nbytes + m * k * 2)
-                gemm = lambda x, q, f=fmt: run(x, q, f)
-                rows.append(_row(m, n, k, f"fxq {fmt}", graph_time_ms(gemm, wsets), bf16, q.nbytes, ceiling))
-                if m <= 16:
-                    rows.append(_row(m, n, k, f"fxq {fmt} (no PDL)", graph_time_ms(without_pdl(gemm), wsets), bf16,
-                                     q.nbytes, ceiling))
+                ms = graph_time_ms(lambda x, q, f=fmt: run(x, q, f), wsets)
+                rows.append(_row(m, n, k, f"fxq {fmt}", ms, bf16, q.nbytes, ceiling))
     return rows
 
 

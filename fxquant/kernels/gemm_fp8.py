@@ -14,8 +14,6 @@ Two scale layouts:
   the fp32 accumulator at every 128-wide K step, since they change along K.
 M/N/K tails are masked. Tile shapes come from `gemm_configs.py`, tuned per M bucket on the H200. Small M
 splits K across programs (`splitk.py`); the row scales are linear, so each K slice applies them to its partial.
-On sm_90 the kernel launches with programmatic dependent launch and prefetches its weight slice before it waits
-for A (`pdl.py`).
 """
 
 from __future__ import annotations
@@ -28,15 +26,7 @@ import triton.language as tl
 
 from fxquant.kernels.cast import float_cast_mode
 from fxquant.kernels.gemm_configs import fp8_gemm_config
-from fxquant.kernels.launch import cdiv, l2_bytes, sm_count
-from fxquant.kernels.pdl import (
-    let_dependents_launch,
-    pdl_options,
-    prefetch_rows,
-    prefetch_steps,
-    prefetchable,
-    wait_for_inputs,
-)
+from fxquant.kernels.launch import cdiv
 from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
 from fxquant.kernels.tiles import grouped_tile, k_steps_of, store_tile
 
@@ -53,12 +43,10 @@ def _fp8_gemm_kernel(
     # strides
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bsn, stride_bsk,
-    # K elements of each weight row a program asks into L2 before it waits for A (with PDL)
-    prefetch_k,
     # meta-parameters
     BLOCK_SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
     CAST: tl.constexpr, SPLIT_K: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_k = tl.program_id(1)
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -66,17 +54,12 @@ def _fp8_gemm_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m, mask_n = offs_m < M, offs_n < N
-    first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
-    k0 = first_k * BLOCK_K
-    # No kernel writes the weight: its first K steps stream into L2 while the kernel before this one finishes.
-    prefetch_rows(b_ptr, offs_n, mask_n, stride_bn, k0, min(min(last_k * BLOCK_K, K), k0 + prefetch_k) - k0, PDL)
-    wait_for_inputs(PDL)
-    let_dependents_launch(PDL)
-
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    mask_m, mask_n = offs_m < M, offs_n < N
+
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
     a_ptrs += first_k * BLOCK_K * stride_ak
     b_ptrs += first_k * BLOCK_K * stride_bk
     for k in range(first_k, last_k):
@@ -113,10 +96,9 @@ def is_block_scaled(a_scale: torch.Tensor, b_scale: torch.Tensor, N: int) -> boo
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_plan(M: int, N: int, K: int, block_scales: bool, sms: int, l2: int, overrides: tuple):
-    """(output tiles, K slices, K elements of weight prefetch per row, tile meta-parameters) of a product on a GPU
-    with `sms` SMs and `l2` bytes of L2: the same for every call at a shape, so worked out once. overrides: (name,
-    value) pairs replacing the bucket's config, e.g. from a sweep."""
+def _launch_plan(M: int, N: int, K: int, block_scales: bool, overrides: tuple) -> tuple[int, int, dict]:
+    """(output tiles, K slices, tile meta-parameters) of a product: the same for every call at a shape, so
+    worked out once. overrides: (name, value) pairs replacing the bucket's config, e.g. from a sweep."""
     cfg = {**fp8_gemm_config(M, N, K, block_scales), **dict(overrides)}
     if block_scales and (cfg["BLOCK_K"] != SCALE_BLOCK or SCALE_BLOCK % cfg["BLOCK_N"]):
         # One activation scale per K step and one weight scale per tile: any other tiling reads wrong scales.
@@ -128,9 +110,7 @@ def _launch_plan(M: int, N: int, K: int, block_scales: bool, sms: int, l2: int, 
     meta = dict(COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", not block_scales), BLOCK_M=cfg["BLOCK_M"],
                 BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"])
-    step_bytes = cfg["BLOCK_N"] * cfg["BLOCK_K"]  # a byte per fp8 code
-    prefetch_k = prefetch_steps(tiles * split, step_bytes, sms, l2) * cfg["BLOCK_K"]
-    return tiles, split, prefetch_k, meta
+    return tiles, split, meta
 
 
 def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, config=None):
@@ -160,16 +140,15 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
-    tiles, split, prefetch_k, meta = _launch_plan(M, N, K, block_scales, sm_count(a.device), l2_bytes(a.device),
-                                                  tuple(sorted((config or {}).items())))
+    tiles, split, meta = _launch_plan(M, N, K, block_scales, tuple(sorted((config or {}).items())))
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     _fp8_gemm_kernel[(tiles, split)](
         a, b, out, ws, a_scale, b_scale, bias if bias is not None else out,
         M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        asm, ask, bsn, bsk, prefetch_k if prefetchable(b) else 0,
+        asm, ask, bsn, bsk,
         BLOCK_SCALES=block_scales, SCALE_BLOCK=SCALE_BLOCK, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
-        CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split, **meta, **pdl_options(_fp8_gemm_kernel, a.device),
+        CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split, **meta,
     )
     if split > 1:
         reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])

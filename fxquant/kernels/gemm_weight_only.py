@@ -14,9 +14,8 @@ exact operands:
   scale is applied in the epilogue.
 Packed 4-bit weights hold K-pairs per byte (low nibble first); the kernel reads them as int32 words of 8 codes
 (4-bit K must be a multiple of 8) and splits each word in the thread that loaded it.
-Decode splits K across programs (`splitk.py`). K and N tails are masked. On sm_90 the kernel launches with
-programmatic dependent launch and prefetches its weight slice before it waits for A (`pdl.py`). Under Triton's
-interpreter, whose bf16 dot is wrong, the dot runs in fp32 on the same exact operands.
+Decode splits K across programs (`splitk.py`). K and N tails are masked. Under Triton's interpreter, whose bf16
+dot is wrong, the dot runs in fp32 on the same exact operands.
 """
 
 from __future__ import annotations
@@ -32,15 +31,7 @@ from fxquant.kernels.cast import float_cast_mode, interpreting
 from fxquant.kernels.codes import FORMATS, block_scale, e2m1_value, nibbles, offset_int
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
-from fxquant.kernels.launch import cdiv, l2_bytes, sm_count
-from fxquant.kernels.pdl import (
-    let_dependents_launch,
-    pdl_options,
-    prefetch_rows,
-    prefetch_steps,
-    prefetchable,
-    wait_for_inputs,
-)
+from fxquant.kernels.launch import cdiv
 from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
 from fxquant.kernels.tiles import grouped_tile, k_steps_of, store_tile
 
@@ -53,12 +44,10 @@ def _wo_gemm_kernel(
     M, N, K,
     # strides (the weight's in its own elements: bytes for int8, int32 words of packed codes for 4-bit)
     stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk, stride_cm, stride_cn,
-    # K elements of each weight row a program asks into L2 before it waits for A (with PDL)
-    prefetch_k,
     # meta-parameters
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_k = tl.program_id(1)
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -67,15 +56,6 @@ def _wo_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m, mask_n = offs_m < M, offs_n < N
     first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
-    k0 = first_k * BLOCK_K
-    # No kernel writes the weight: its first K steps stream into L2 while the kernel before this one finishes.
-    k_count = min(min(last_k * BLOCK_K, K), k0 + prefetch_k) - k0
-    if FMT == 0:  # int8: a byte per code
-        prefetch_rows(w_ptr, offs_n, mask_n, stride_wn, k0, k_count, PDL)
-    else:  # 4-bit: int32 words of 8 codes, so K / 2 bytes per row
-        prefetch_rows(w_ptr, offs_n, mask_n, stride_wn * 4, k0 // 2, k_count // 2, PDL)
-    wait_for_inputs(PDL)
-    let_dependents_launch(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(first_k, last_k):
         k = step * BLOCK_K + offs_k
@@ -144,6 +124,7 @@ DEQUANTIZE_ABOVE_M = 128
 # gate/up took two chunks, each with a strided copy of its output columns: 7% of an int4_wo prefill (BENCHMARKS.md,
 # sixth round). 2**27 holds it in one, and chunks without a bias now write their columns in place.
 CHUNK_ELEMENTS = 2**27
+FITTED_SMS = 132  # the H200's SM count, used where there is no GPU to ask (the interpreter), so CPU runs dispatch alike
 
 
 def dequantizes(M: int, N: int, fmt: str, sms: int) -> bool:
@@ -156,12 +137,16 @@ def dequantizes(M: int, N: int, fmt: str, sms: int) -> bool:
     return 4 * cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]) < 3 * sms
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else FITTED_SMS
+
+
 @functools.lru_cache(maxsize=1024)
-def _launch_plan(M: int, N: int, K: int, fmt: str, group: int, sms: int, l2: int, overrides: tuple | None):
-    """(output tiles, K slices, K elements of weight prefetch per row, tile meta-parameters) of the in-register
-    kernel on a GPU with `sms` SMs and `l2` bytes of L2, or None where the product dequantizes the weight instead:
-    the same for every call at a shape, so worked out once. overrides: an explicit tile config as (name, value)
-    pairs, which always takes the in-register kernel."""
+def _launch_plan(M: int, N: int, K: int, fmt: str, group: int, sms: int, overrides: tuple | None):
+    """(output tiles, K slices, tile meta-parameters) of the in-register kernel, or None where the product
+    dequantizes the weight instead: the same for every call at a shape, so worked out once. overrides: an
+    explicit tile config as (name, value) pairs, which always takes the in-register kernel."""
     cfg = dict(overrides) if overrides is not None else wo_gemm_config(M, fmt)
     in_registers = not (fmt == "int4" and group % cfg["BLOCK_K"])  # one int4 group per K step, at least
     if overrides is None and (not in_registers or dequantizes(M, N, fmt, sms)):
@@ -173,8 +158,7 @@ def _launch_plan(M: int, N: int, K: int, fmt: str, group: int, sms: int, l2: int
     meta = dict(EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                 BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"])
-    step_bytes = cfg["BLOCK_N"] * cfg["BLOCK_K"] // (2 if fmt != "int8" else 1)
-    return tiles, split, prefetch_steps(tiles * split, step_bytes, sms, l2) * cfg["BLOCK_K"], meta
+    return tiles, split, meta
 
 
 def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=None, global_scale=None,
@@ -200,10 +184,10 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
     if M == 0 or N == 0:
         return torch.empty((M, N), dtype=a.dtype, device=a.device)
     overrides = tuple(sorted(config.items())) if config is not None else None
-    plan = _launch_plan(M, N, K, fmt, group, sm_count(a.device), l2_bytes(a.device), overrides)
+    plan = _launch_plan(M, N, K, fmt, group, _sm_count(a.device), overrides)
     if plan is None:
         return _dequantized_mm(a, codes, scale, fmt, group, zero_point, global_scale, bias)
-    tiles, split, prefetch_k, meta = plan
+    tiles, split, meta = plan
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     _wo_gemm_kernel[(tiles, split)](
@@ -211,11 +195,10 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
         global_scale if global_scale is not None else scale, out, ws, bias if bias is not None else out,
         M, N, K,
         a.stride(0), a.stride(1), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
-        out.stride(0), out.stride(1), prefetch_k if prefetchable(codes) else 0,
+        out.stride(0), out.stride(1),
         FMT=FORMATS[fmt], GROUP=group or 1, HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None,
         SPLIT_K=split, DOT=tl.float32 if interpreting(_wo_gemm_kernel) else TORCH_TO_TL[a.dtype],
         OUT=TORCH_TO_TL[a.dtype], CAST=float_cast_mode(_wo_gemm_kernel), **meta,
-        **pdl_options(_wo_gemm_kernel, a.device),
     )
     if split > 1:
         reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])

@@ -16,7 +16,6 @@ import triton.language as tl
 from fxquant.formats import AMAX_FLOOR, E4M3, E5M2
 from fxquant.kernels.cast import cast_fp8, cast_mode
 from fxquant.kernels.launch import cdiv, next_power_of_2
-from fxquant.kernels.pdl import let_dependents_launch, pdl_options, wait_for_inputs
 
 FP8_FORMATS = {torch.float8_e4m3fn: (E4M3, tl.float8e4nv), torch.float8_e5m2: (E5M2, tl.float8e5)}
 MAX_ROW_LEN = 16384  # one row lives in registers; longer rows go to the reference
@@ -41,10 +40,8 @@ def _quant_fp8_rows_kernel(
     n_rows, row_len,
     # meta-parameters
     FMAX: tl.constexpr, FP8: tl.constexpr, CAST: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
 ):
-    let_dependents_launch(PDL)  # the GEMM that reads these codes may start streaming its weight now
-    wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < row_len)
@@ -110,7 +107,6 @@ def quantize_fp8_rows(x: torch.Tensor, row_len: int, fp8_dtype=torch.float8_e4m3
         programs, meta = _rows_plan(n_rows, row_len, fp8_dtype)
         _quant_fp8_rows_kernel[(programs,)](
             x, y, scale, n_rows, row_len, CAST=cast_mode(_quant_fp8_rows_kernel, x.device), **meta,
-            **pdl_options(_quant_fp8_rows_kernel, x.device),
         )
     return y, scale
 
