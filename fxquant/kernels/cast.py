@@ -33,7 +33,7 @@ def cast_mode(kernel, device: torch.device) -> int:
             "fxquant: Triton kernels on the CPU need TRITON_INTERPRET=1 set before fxquant is imported; "
             "or use impl='reference'"
         )
-    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    cap = capability(device)
     if cap >= (9, 0):
         return CAST_NATIVE
     if cap >= (8, 9):
@@ -44,9 +44,13 @@ def cast_mode(kernel, device: torch.device) -> int:
     )
 
 
+def capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability, asked once per device: every kernel launch needs it."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.cache
 def _capability(index: int) -> tuple[int, int]:
-    """A device's compute capability, asked once: every kernel launch needs it."""
     return torch.cuda.get_device_capability(index)
 
 

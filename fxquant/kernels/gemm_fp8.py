@@ -24,9 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fxquant.kernels.cast import float_cast_mode
+from fxquant.kernels.cast import capability, float_cast_mode, interpreting
 from fxquant.kernels.gemm_configs import fp8_gemm_config
-from fxquant.kernels.launch import cdiv
+from fxquant.kernels.gemm_fp8_tma import describable, launch_tma
+from fxquant.kernels.launch import cdiv, sm_count
 from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
 from fxquant.kernels.tiles import grouped_tile, k_steps_of, store_tile
 
@@ -96,9 +97,10 @@ def is_block_scaled(a_scale: torch.Tensor, b_scale: torch.Tensor, N: int) -> boo
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_plan(M: int, N: int, K: int, block_scales: bool, overrides: tuple) -> tuple[int, int, dict]:
-    """(output tiles, K slices, tile meta-parameters) of a product: the same for every call at a shape, so
-    worked out once. overrides: (name, value) pairs replacing the bucket's config, e.g. from a sweep."""
+def _launch_plan(M: int, N: int, K: int, block_scales: bool, overrides: tuple) -> tuple[int, int, bool, dict]:
+    """(output tiles, K slices, whether the TMA kernel may run it, tile meta-parameters) of a product: the same for
+    every call at a shape, so worked out once. overrides: (name, value) pairs replacing the bucket's config, e.g.
+    from a sweep."""
     cfg = {**fp8_gemm_config(M, N, K, block_scales), **dict(overrides)}
     if block_scales and (cfg["BLOCK_K"] != SCALE_BLOCK or SCALE_BLOCK % cfg["BLOCK_N"]):
         # One activation scale per K step and one weight scale per tile: any other tiling reads wrong scales.
@@ -110,7 +112,7 @@ def _launch_plan(M: int, N: int, K: int, block_scales: bool, overrides: tuple) -
     meta = dict(COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", not block_scales), BLOCK_M=cfg["BLOCK_M"],
                 BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"])
-    return tiles, split, meta
+    return tiles, split, cfg.get("TMA", False) and split == 1, meta
 
 
 def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, config=None):
@@ -140,7 +142,12 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
-    tiles, split, meta = _launch_plan(M, N, K, block_scales, tuple(sorted((config or {}).items())))
+    tiles, split, tma, meta = _launch_plan(M, N, K, block_scales, tuple(sorted((config or {}).items())))
+    if tma and describable(a, b) and (interpreting(_fp8_gemm_kernel) or capability(a.device) >= (9, 0)):
+        launch_tma(a, b, out, a_scale, b_scale, bias, (out.stride(0), out.stride(1), asm, ask, bsn, bsk),
+                   block_scales=block_scales, scale_block=SCALE_BLOCK, out_tl=TORCH_TO_TL[out_dtype],
+                   cast=float_cast_mode(_fp8_gemm_kernel), cfg=meta, sms=sm_count(a.device))
+        return out
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     _fp8_gemm_kernel[(tiles, split)](
         a, b, out, ws, a_scale, b_scale, bias if bias is not None else out,

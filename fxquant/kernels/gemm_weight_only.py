@@ -31,7 +31,7 @@ from fxquant.kernels.cast import float_cast_mode, interpreting
 from fxquant.kernels.codes import FORMATS, block_scale, e2m1_value, nibbles, offset_int
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
-from fxquant.kernels.launch import cdiv
+from fxquant.kernels.launch import cdiv, sm_count
 from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
 from fxquant.kernels.tiles import grouped_tile, k_steps_of, store_tile
 
@@ -124,7 +124,6 @@ DEQUANTIZE_ABOVE_M = 128
 # gate/up took two chunks, each with a strided copy of its output columns: 7% of an int4_wo prefill (BENCHMARKS.md,
 # sixth round). 2**27 holds it in one, and chunks without a bias now write their columns in place.
 CHUNK_ELEMENTS = 2**27
-FITTED_SMS = 132  # the H200's SM count, used where there is no GPU to ask (the interpreter), so CPU runs dispatch alike
 
 
 def dequantizes(M: int, N: int, fmt: str, sms: int) -> bool:
@@ -135,11 +134,6 @@ def dequantizes(M: int, N: int, fmt: str, sms: int) -> bool:
         return True
     cfg = wo_gemm_config(M, fmt)
     return 4 * cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]) < 3 * sms
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else FITTED_SMS
 
 
 @functools.lru_cache(maxsize=1024)
@@ -184,7 +178,7 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
     if M == 0 or N == 0:
         return torch.empty((M, N), dtype=a.dtype, device=a.device)
     overrides = tuple(sorted(config.items())) if config is not None else None
-    plan = _launch_plan(M, N, K, fmt, group, _sm_count(a.device), overrides)
+    plan = _launch_plan(M, N, K, fmt, group, sm_count(a.device), overrides)
     if plan is None:
         return _dequantized_mm(a, codes, scale, fmt, group, zero_point, global_scale, bias)
     tiles, split, meta = plan
