@@ -7,7 +7,8 @@ The picks are the winners of `bench/kernels.py --sweep` on an H200 (BENCHMARKS.m
 (N, K) in {(4096, 4096), (14336, 4096), (4096, 14336)}, and at decode also the merged q/k/v and gate/up
 (6144 and 28672 x 4096, `--merged`); at medium M narrow N (<= 8192) prefers narrower tiles,
 which put more CTAs on the 132 SMs. Decode tiles come from `--sweep --decode`, which also sweeps the split-K
-target `programs`.
+target `programs`. Past M = 128, operands that tensor descriptors can read run the persistent TMA kernel
+(`gemm_fp8_tma.py`) with the winners of `--sweep --large`; the pointer kernel's tiles remain for the rest.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from __future__ import annotations
 from fxquant.kernels.splitk import TARGET_PROGRAMS
 
 
-def fp8_gemm_config(M: int, N: int, K: int, block_scales: bool) -> dict:
+def fp8_gemm_config(M: int, N: int, K: int, block_scales: bool, tma: bool = False) -> dict:
+    """Tiles for an [M, K] x [N, K] product; `tma`: the operands can go through the persistent TMA kernel."""
     wide = N > 8192
     if M <= 16:
         # Sweep winners: 528 programs for block scales at K = 14336 and for 16M-32M-element weights (a merged
@@ -27,6 +29,9 @@ def fp8_gemm_config(M: int, N: int, K: int, block_scales: bool) -> dict:
                     programs=2 * TARGET_PROGRAMS if many_programs else TARGET_PROGRAMS)
     if M <= 128:
         return dict(BLOCK_M=64, BLOCK_N=128 if wide else 64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+    if tma:  # 2 warpgroups; block scales keep one weight scale per tile (BLOCK_N 128)
+        return dict(TMA=True, BLOCK_M=128 if block_scales else 256, BLOCK_N=128, BLOCK_K=128, GROUP_M=8,
+                    num_warps=8, num_stages=5 if block_scales else 4)
     if block_scales:
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)

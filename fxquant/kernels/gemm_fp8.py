@@ -14,6 +14,8 @@ Two scale layouts:
   the fp32 accumulator at every 128-wide K step, since they change along K.
 M/N/K tails are masked. Tile shapes come from `gemm_configs.py`, tuned per M bucket on the H200. Small M
 splits K across programs (`splitk.py`); the row scales are linear, so each K slice applies them to its partial.
+Past M = 128 on sm_90+, operands that tensor descriptors can read go to the persistent TMA kernel
+(`gemm_fp8_tma.py`), about 20% faster there than this one (BENCHMARKS.md, seventh round).
 """
 
 from __future__ import annotations
@@ -97,11 +99,12 @@ def is_block_scaled(a_scale: torch.Tensor, b_scale: torch.Tensor, N: int) -> boo
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_plan(M: int, N: int, K: int, block_scales: bool, overrides: tuple) -> tuple[int, int, bool, dict]:
-    """(output tiles, K slices, whether the TMA kernel may run it, tile meta-parameters) of a product: the same for
-    every call at a shape, so worked out once. overrides: (name, value) pairs replacing the bucket's config, e.g.
-    from a sweep."""
-    cfg = {**fp8_gemm_config(M, N, K, block_scales), **dict(overrides)}
+def _launch_plan(M: int, N: int, K: int, block_scales: bool, describable: bool,
+                 overrides: tuple) -> tuple[int, int, bool, dict]:
+    """(output tiles, K slices, whether the TMA kernel runs it, tile meta-parameters) of a product whose operands
+    tensor descriptors can or cannot read: the same for every call at a shape, so worked out once. overrides:
+    (name, value) pairs replacing the bucket's config, e.g. from a sweep."""
+    cfg = {**fp8_gemm_config(M, N, K, block_scales, describable), **dict(overrides)}
     if block_scales and (cfg["BLOCK_K"] != SCALE_BLOCK or SCALE_BLOCK % cfg["BLOCK_N"]):
         # One activation scale per K step and one weight scale per tile: any other tiling reads wrong scales.
         raise ValueError(f"fxquant: block-scaled fp8 GEMM needs BLOCK_K == {SCALE_BLOCK} and BLOCK_N dividing "
@@ -112,7 +115,7 @@ def _launch_plan(M: int, N: int, K: int, block_scales: bool, overrides: tuple) -
     meta = dict(COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", not block_scales), BLOCK_M=cfg["BLOCK_M"],
                 BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"])
-    return tiles, split, cfg.get("TMA", False) and split == 1, meta
+    return tiles, split, describable and cfg.get("TMA", False) and split == 1, meta
 
 
 def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, config=None):
@@ -142,8 +145,10 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
-    tiles, split, tma, meta = _launch_plan(M, N, K, block_scales, tuple(sorted((config or {}).items())))
-    if tma and describable(a, b) and (interpreting(_fp8_gemm_kernel) or capability(a.device) >= (9, 0)):
+    tma_capable = interpreting(_fp8_gemm_kernel) or capability(a.device) >= (9, 0)
+    tiles, split, tma, meta = _launch_plan(M, N, K, block_scales, tma_capable and describable(a, b),
+                                           tuple(sorted((config or {}).items())))
+    if tma:
         launch_tma(a, b, out, a_scale, b_scale, bias, (out.stride(0), out.stride(1), asm, ask, bsn, bsk),
                    block_scales=block_scales, scale_block=SCALE_BLOCK, out_tl=TORCH_TO_TL[out_dtype],
                    cast=float_cast_mode(_fp8_gemm_kernel), cfg=meta, sms=sm_count(a.device))

@@ -49,6 +49,23 @@ def test_operands_a_descriptor_cannot_read_take_the_pointer_kernel(launches):
     assert float((out.double() - exact).norm() / exact.norm()) < FP32_BOUND
 
 
+@pytest.mark.parametrize("scheme", ["block", "row"])
+def test_past_m_128_the_default_config_takes_the_tma_kernel_when_descriptors_can_read(scheme, launches):
+    M, N, K = 200, 256, 384
+    qa, qw = operands(M, N, K, scheme)
+    bias = torch.randn(N, device=DEVICE)
+    out = fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, bias, torch.float32)
+    assert launches == [1]
+    assert rel_err(out, qa, qw, bias) < FP32_BOUND
+    # The same product on operand copies padded by 8 bytes per row: the pointer kernel's tiles, the same result.
+    pad = lambda t: torch.nn.functional.pad(t.view(torch.uint8), (0, 8)).view(t.dtype)[:, :K]
+    qa_rows, qw_rows = pad(qa.data), pad(qw.data)
+    assert not describable(qa_rows, qw_rows)
+    out_pointer = fp8_scaled_mm(qa_rows, qa.scale, qw_rows, qw.scale, bias, torch.float32)
+    assert launches == [1]
+    assert rel_err(out_pointer, qa, qw, bias) < FP32_BOUND
+
+
 def test_describable_needs_contiguous_16_byte_aligned_rows():
     t = torch.zeros(64, 256, dtype=torch.float8_e4m3fn, device=DEVICE)
     assert describable(t, t)
