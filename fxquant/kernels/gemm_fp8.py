@@ -114,7 +114,7 @@ def _launch_plan(M: int, N: int, K: int, block_scales: bool, describable: bool,
                                                                                          TARGET_PROGRAMS))
     meta = dict(COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", not block_scales), BLOCK_M=cfg["BLOCK_M"],
                 BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"], DEFER_SCALE=cfg.get("DEFER_SCALE", False))
+                num_stages=cfg["num_stages"])
     return tiles, split, describable and cfg.get("TMA", False) and split == 1, meta
 
 
@@ -160,7 +160,7 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         asm, ask, bsn, bsk,
         BLOCK_SCALES=block_scales, SCALE_BLOCK=SCALE_BLOCK, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
-        CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split, **{k: v for k, v in meta.items() if k != "DEFER_SCALE"},
+        CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split, **meta,
     )
     if split > 1:
         reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])

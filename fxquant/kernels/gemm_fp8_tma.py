@@ -34,7 +34,7 @@ def _fp8_gemm_tma_kernel(
     # meta-parameters
     BLOCK_SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
     CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, DEFER_SCALE: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
@@ -43,8 +43,6 @@ def _fp8_gemm_tma_kernel(
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        part_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k in range(k_steps):
             a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])  # [BM, BK]; tails read as zeros
             b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K])  # [BN, BK]
@@ -52,18 +50,10 @@ def _fp8_gemm_tma_kernel(
                 # BLOCK_K == SCALE_BLOCK >= BLOCK_N: one activation scale per row, one weight scale per tile.
                 a_s = tl.load(a_scale_ptr + offs_m * stride_asm + k * stride_ask, mask=offs_m < M, other=0.0)
                 b_s = tl.load(b_scale_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn + k * stride_bsk)
-                if DEFER_SCALE:
-                    nxt = tl.dot(a, tl.trans(b))
-                    acc += part * part_scale[:, None]
-                    part = nxt
-                    part_scale = a_s * b_s
-                else:
-                    acc += tl.dot(a, tl.trans(b)) * (a_s[:, None] * b_s)
+                acc += tl.dot(a, tl.trans(b)) * (a_s[:, None] * b_s)
             else:
                 # The compiler adds the MMA's partial into fp32 every BLOCK_K, keeping wgmma asynchronous.
                 acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
-        if DEFER_SCALE:
-            acc += part * part_scale[:, None]
         if not BLOCK_SCALES:
             a_s = tl.load(a_scale_ptr + offs_m * stride_asm, mask=offs_m < M, other=0.0)
             b_s = tl.load(b_scale_ptr + offs_n * stride_bsn, mask=offs_n < N, other=0.0)
@@ -91,6 +81,6 @@ def launch_tma(a, b, out, a_scale, b_scale, bias, strides, *, block_scales: bool
         M, N, K,
         *strides, programs,
         BLOCK_SCALES=block_scales, SCALE_BLOCK=scale_block, HAS_BIAS=bias is not None, OUT=out_tl, CAST=cast,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], DEFER_SCALE=cfg.get("DEFER_SCALE", False),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
