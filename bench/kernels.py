@@ -1,7 +1,7 @@
 """FP8 GEMMs on the GPU: correctness, an optional config sweep, then TFLOP/s and weight GB/s against
 cuBLAS (torch._scaled_mm, torch.mm) measured in the same process.
 
-Run: PYTHONPATH=. python bench/kernels.py [--sweep] [--decode | --large] [--merged]
+Run: PYTHONPATH=. python bench/kernels.py [--sweep [--block]] [--decode | --large] [--merged]
 (--large: M in {1024, 4096} and 8192^3, where the sweep also tries the persistent TMA kernel against cuBLAS)
 """
 
@@ -85,7 +85,7 @@ def sweep() -> list[dict]:
     """Every candidate per scheme, shape and M, each checked against the default tiles' product before it is timed;
     the default tiles' and cuBLAS's times beside the best."""
     rows = []
-    for scheme in ("block", "row"):
+    for scheme in ("block",) if "--block" in sys.argv else ("block", "row"):
         for m, n, k in CASES:
             sets = rotating(lambda s=scheme: operands(m, n, k, s), (m + n) * k)  # weights read from HBM
             qa, qw = sets[0]
