@@ -131,7 +131,7 @@ def bench() -> list[dict]:
         for scheme in SCHEMES:
             sets = rotating(lambda s=scheme: operands(m, n, k, s), (m + n) * k)
             for variant, cfg in VARIANTS.items():
-                if variant and scheme != "row":
+                if variant and (scheme != "row" or m > 128):  # past M = 128 the TMA kernel always lets it promote
                     continue
                 results[f"fxq {scheme}{variant}"] = (graph_time_ms(
                     lambda qa, qw, c=cfg: fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, None,
