@@ -1,8 +1,9 @@
 """FP8 GEMMs on the GPU: correctness, an optional config sweep, then TFLOP/s and weight GB/s against
 cuBLAS (torch._scaled_mm, torch.mm) measured in the same process.
 
-Run: PYTHONPATH=. python bench/kernels.py [--sweep [--block]] [--decode | --large] [--merged]
-(--large: M in {1024, 4096} and 8192^3, where the sweep also tries the persistent TMA kernel against cuBLAS)
+Run: PYTHONPATH=. python bench/kernels.py [--sweep [--block]] [--decode | --medium | --large] [--merged]
+(--medium: M in {64, 128} on the Llama and merged shapes, where the sweep tries split-K;
+ --large: M in {1024, 4096} and 8192^3, where the sweep tries the persistent TMA kernel against cuBLAS)
 """
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ from fxquant import reference as R
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
 
-MS = [1, 16] if "--decode" in sys.argv else [1024, 4096] if "--large" in sys.argv else [1, 16, 128, 1024, 4096]
+MS = ([1, 16] if "--decode" in sys.argv else [64, 128] if "--medium" in sys.argv
+      else [1024, 4096] if "--large" in sys.argv else [1, 16, 128, 1024, 4096])
 NKS = [(4096, 4096), (14336, 4096), (4096, 14336)]
-if "--merged" in sys.argv:  # the shapes merge_linear makes of a Llama layer: q/k/v (4096 + 2 x 1024) and gate/up
-    NKS = [(6144, 4096), (28672, 4096)]
+MERGED = [(6144, 4096), (28672, 4096)]  # the shapes merge_linear makes of a Llama layer: q/k/v and gate/up
+if "--merged" in sys.argv:
+    NKS = MERGED
+elif "--medium" in sys.argv:
+    NKS = NKS + MERGED
 CASES = [(m, n, k) for n, k in NKS for m in MS] + ([(8192, 8192, 8192)] if "--large" in sys.argv else [])
 SCHEMES = {"tensor": ("tensor", "tensor"), "row": ("token", "channel"), "block": (("group", 128), ("block", 128, 128))}
 # Row-scaled accumulation variants: the compiler promotes every K step (default) or the kernel does it by hand.
@@ -68,6 +73,9 @@ def sweep_candidates(m):
                 for bn in (32, 64, 128) for s in (4, 6) for p in (264, 528, 1056)] + [
                 dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=s, SPLIT_K=1)
                 for bn in (16, 32) for s in (4, 6)]
+    if m <= 128 and "--medium" in sys.argv:  # split-K toward a program count, as at decode
+        return [dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, programs=p)
+                for bn in (64, 128) for p in (132, 264, 528)]
     if m <= 128:
         return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=s)
                 for bm in (32, 64) for bn in (64, 128) for s in (3, 5)]

@@ -30,7 +30,7 @@ from fxquant.kernels.cast import capability, float_cast_mode, interpreting
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_fp8_tma import describable, launch_tma
 from fxquant.kernels.launch import cdiv, sm_count
-from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
+from fxquant.kernels.splitk import reduce_partials, split_k
 from fxquant.kernels.tiles import grouped_tile, k_steps_of, store_tile
 
 SCALE_BLOCK = 128  # the 1x128 / 128x128 scale block
@@ -110,8 +110,9 @@ def _launch_plan(M: int, N: int, K: int, block_scales: bool, describable: bool,
         raise ValueError(f"fxquant: block-scaled fp8 GEMM needs BLOCK_K == {SCALE_BLOCK} and BLOCK_N dividing "
                          f"{SCALE_BLOCK}, got BLOCK_K={cfg['BLOCK_K']} BLOCK_N={cfg['BLOCK_N']}")
     tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
-    split = cfg.get("SPLIT_K") or split_k(tiles, cdiv(K, cfg["BLOCK_K"]), M, cfg.get("programs",
-                                                                                         TARGET_PROGRAMS))
+    # Configs that name a program target split K toward it (decode, and medium M where the sweep chose it).
+    split = cfg.get("SPLIT_K") or (split_k(tiles, cdiv(K, cfg["BLOCK_K"]), cfg["programs"]) if "programs" in cfg
+                                   else 1)
     meta = dict(COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", not block_scales), BLOCK_M=cfg["BLOCK_M"],
                 BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"])

@@ -148,7 +148,7 @@ def _launch_plan(M: int, N: int, K: int, fmt: str, group: int, sms: int, overrid
     if not in_registers:
         raise ValueError(f"fxquant: int4 groups of {group} need BLOCK_K dividing them, got {cfg['BLOCK_K']}")
     tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
-    split = split_k(tiles, cdiv(K, cfg["BLOCK_K"]), M, cfg["programs"])
+    split = split_k(tiles, cdiv(K, cfg["BLOCK_K"]), cfg["programs"]) if M <= 16 else 1  # split-K serves decode
     meta = dict(EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                 BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"])

@@ -1,8 +1,10 @@
-"""Split-K for small M: the K loop is cut into SPLIT_K slices run by separate programs, each writing an fp32
-partial; one reduce kernel sums them in a fixed order (deterministic, unlike atomics), adds the bias and casts.
+"""Split-K where the output tiles are too few for the SMs: the K loop is cut into SPLIT_K slices run by separate
+programs, each writing an fp32 partial; one reduce kernel sums them in a fixed order (deterministic, unlike
+atomics), adds the bias and casts.
 
-At decode (M <= 16) a GEMM's time is weight bytes / bandwidth, and an N-only grid of 32-64 tiles leaves most of
-the 132 SMs idle; cutting K gives every SM a slice of the weight to stream.
+At decode (M <= 16), and at medium M where the tile configs ask for it, a GEMM's time is mostly weight bytes /
+bandwidth, and an N-only grid of 32-64 tiles leaves most of the 132 SMs idle; cutting K gives every SM a slice of
+the weight to stream.
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ from fxquant.kernels.launch import cdiv
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs) keep loads in flight while one waits
 
 
-def split_k(tiles: int, k_steps: int, M: int, programs: int = TARGET_PROGRAMS) -> int:
-    """Slices of K for a grid of `tiles` output tiles and `k_steps` BLOCK_K steps, aiming at `programs` programs:
-    1 above decode sizes."""
-    if M > 16 or tiles >= programs:
+def split_k(tiles: int, k_steps: int, programs: int = TARGET_PROGRAMS) -> int:
+    """Slices of K for a grid of `tiles` output tiles and `k_steps` BLOCK_K steps, aiming at `programs` programs."""
+    if tiles >= programs:
         return 1
     split = 1
     while tiles * split * 2 <= programs and k_steps // (split * 2) >= 4:  # keep >= 4 K steps per slice

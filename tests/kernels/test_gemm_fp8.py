@@ -71,7 +71,7 @@ def test_decode_splits_k_and_stays_exact(scheme, config):
     M, N, K = 4, 256, 2048  # 4 output tiles of 16 x 64 over 16 K steps: split into 4 slices
     cfg = fp8_gemm_config(M, N, K, scheme == "block")
     tiles, steps = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), K // cfg["BLOCK_K"]
-    assert split_k(tiles, steps, M) == 4
+    assert split_k(tiles, steps, cfg["programs"]) == 4
     qa, qw = operands(M, N, K, scheme)
     bias = torch.randn(N, device=DEVICE)
     out = fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, bias, torch.float32, config=config)
