@@ -14,12 +14,15 @@ from __future__ import annotations
 import torch
 
 CUBLAS_ABOVE_M = 128
+# Weights of more than 8192 rows (gate/up, 14336 and 28672 x 4096) go to cuBLAS from M = 128: 1.3-1.4x the Triton
+# kernel there, 0.7-0.9x at M = 64 (BENCHMARKS.md, seventh round).
+WIDE_N, CUBLAS_WIDE_FROM_M = 8192, 128
 
 
 def cublas_takes(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias,
                  out_dtype: torch.dtype, block_scales: bool) -> bool:
-    """Whether `cublas_scaled_mm` runs this product (on a CUDA device): a [M, K] and w [N, K] contiguous e4m3, no
-    bias, bf16 out, and scales per tensor, per token and channel, or 1x128 and 128x128."""
+    """Whether `cublas_scaled_mm` runs this product (on a CUDA device): large M (see above), a [M, K] and w [N, K]
+    contiguous e4m3, no bias, bf16 out, and scales per tensor, per token and channel, or 1x128 and 128x128."""
     (M, K), N = a.shape, w.shape[0]
     align = 128 if block_scales else 16  # cuBLAS fp8: 16-byte rows; 128x128 weight blocks must tile N and K
     if block_scales:
@@ -27,7 +30,8 @@ def cublas_takes(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scal
     else:
         layout = (a_scale.numel() == 1 and w_scale.numel() == 1) or (
             a_scale.shape == (M, 1) and w_scale.numel() == N)
-    return (M > CUBLAS_ABOVE_M and bias is None and out_dtype == torch.bfloat16
+    large = M > CUBLAS_ABOVE_M or (N > WIDE_N and M >= CUBLAS_WIDE_FROM_M)
+    return (large and bias is None and out_dtype == torch.bfloat16
             and a.dtype == w.dtype == torch.float8_e4m3fn and a.is_contiguous() and w.is_contiguous()
             and N % align == 0 and K % align == 0 and layout)
 

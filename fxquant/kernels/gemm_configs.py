@@ -27,8 +27,16 @@ def fp8_gemm_config(M: int, N: int, K: int, block_scales: bool, tma: bool = Fals
         deep = not block_scales and 2**25 < N * K <= 2**26
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=6 if deep else 4,
                     programs=2 * TARGET_PROGRAMS if many_programs else TARGET_PROGRAMS)
+    medium = dict(BLOCK_M=64, BLOCK_N=128 if wide else 64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+    # `--sweep --medium` winners: split-K also pays here where the tiles are few. A long K (down_proj,
+    # 4096x14336) splits 4 ways at M = 64 and 128 (41 -> 26 us at M = 64); up to M = 64, weights of at most
+    # 16384 rows take 64-wide tiles, which split the 4096x4096 o_proj 4 ways (13.0 -> 10.9 us).
+    if M <= 128 and K > 8192:
+        return {**medium, "BLOCK_N": 128, "programs": TARGET_PROGRAMS // 2 if M <= 64 else TARGET_PROGRAMS}
+    if M <= 64 and N <= 16384:
+        return {**medium, "BLOCK_N": 64, "programs": TARGET_PROGRAMS}
     if M <= 128:
-        return dict(BLOCK_M=64, BLOCK_N=128 if wide else 64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+        return medium
     if tma:
         # 2 warpgroups; block scales keep one weight scale per tile (BLOCK_N 128). Stages fit an fp32 output
         # tile's 64 KB epilogue scratch beside the pipeline in 227 KB of shared memory: 256x128 at 4 stages did not.

@@ -51,6 +51,13 @@ def test_other_products_are_left_to_the_triton_kernel(case):
     assert not cublas_takes(a, a_scale, w, w_scale, bias, out_dtype, recipe == "block")
 
 
+def test_wide_weights_go_to_cublas_from_m_128_and_narrow_ones_above_it():
+    """Measured crossovers: at M = 128 cuBLAS wins on weights of more than 8192 rows, the Triton kernel on others."""
+    takes = lambda M, N: cublas_takes(*meta_operands("block", M=M, N=N, K=512), None, torch.bfloat16, True)
+    assert takes(128, 8320) and not takes(64, 8320) and not takes(127, 8320)
+    assert not takes(128, 8192) and takes(CUBLAS_ABOVE_M + 1, 8192)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_op_at_large_m_matches_the_exact_product(recipe):

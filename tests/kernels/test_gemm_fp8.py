@@ -6,7 +6,7 @@ import triton
 
 from fxquant import reference as R
 from fxquant.kernels.gemm_configs import BUCKET_PROBES, fp8_gemm_config
-from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
+from fxquant.kernels.gemm_fp8 import _launch_plan, fp8_scaled_mm
 from fxquant.kernels.splitk import split_k
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,3 +78,16 @@ def test_decode_splits_k_and_stays_exact(scheme, config):
     assert rel_err(out, qa, qw, bias) < FP32_BOUND
     again = fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, bias, torch.float32, config=config)
     assert torch.equal(out, again)  # slices add in a fixed order: the same bits every run
+
+
+@pytest.mark.parametrize("scheme", ["block", "row"])
+@pytest.mark.parametrize("M, N, K", [(40, 256, 2048), (100, 128, 8448)], ids=["short-k", "long-k"])
+def test_medium_m_splits_k_where_tiles_are_few(M, N, K, scheme):
+    """The medium bucket's split-K: up to M = 64 on short K, and on long K (> 8192) up to M = 128."""
+    tiles, split, _, _ = _launch_plan(M, N, K, scheme == "block", False, ())
+    assert split > 1
+    qa, qw = operands(M, N, K, scheme)
+    bias = torch.randn(N, device=DEVICE)
+    out = fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, bias, torch.float32)
+    assert rel_err(out, qa, qw, bias) < FP32_BOUND
+    assert torch.equal(out, fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, bias, torch.float32))
