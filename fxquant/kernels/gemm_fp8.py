@@ -99,12 +99,12 @@ def is_block_scaled(a_scale: torch.Tensor, b_scale: torch.Tensor, N: int) -> boo
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_plan(M: int, N: int, K: int, block_scales: bool, describable: bool,
+def _launch_plan(M: int, N: int, K: int, block_scales: bool, tma_ready: bool,
                  overrides: tuple) -> tuple[int, int, bool, dict]:
-    """(output tiles, K slices, whether the TMA kernel runs it, tile meta-parameters) of a product whose operands
-    tensor descriptors can or cannot read: the same for every call at a shape, so worked out once. overrides:
-    (name, value) pairs replacing the bucket's config, e.g. from a sweep."""
-    cfg = {**fp8_gemm_config(M, N, K, block_scales, describable), **dict(overrides)}
+    """(output tiles, K slices, whether the TMA kernel runs it, tile meta-parameters) of a product; tma_ready: the
+    GPU has TMA and descriptors can read the operands. The same for every call at a shape, so worked out once.
+    overrides: (name, value) pairs replacing the bucket's config, e.g. from a sweep."""
+    cfg = {**fp8_gemm_config(M, N, K, block_scales, tma_ready), **dict(overrides)}
     if block_scales and (cfg["BLOCK_K"] != SCALE_BLOCK or SCALE_BLOCK % cfg["BLOCK_N"]):
         # One activation scale per K step and one weight scale per tile: any other tiling reads wrong scales.
         raise ValueError(f"fxquant: block-scaled fp8 GEMM needs BLOCK_K == {SCALE_BLOCK} and BLOCK_N dividing "
@@ -116,7 +116,7 @@ def _launch_plan(M: int, N: int, K: int, block_scales: bool, describable: bool,
     meta = dict(COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", not block_scales), BLOCK_M=cfg["BLOCK_M"],
                 BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"])
-    return tiles, split, describable and cfg.get("TMA", False) and split == 1, meta
+    return tiles, split, tma_ready and cfg.get("TMA", False) and split == 1, meta
 
 
 def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, config=None):
