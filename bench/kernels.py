@@ -161,6 +161,8 @@ def bench() -> list[dict]:
             rows.append({"M": m, "N": n, "K": k, "impl": name, "us": f"{ms * 1e3:.1f}",
                          "TFLOP/s": f"{flops / ms / 1e9:.0f}", "weight GB/s": f"{wbytes / ms / 1e6:.0f}",
                          "% copy": f"{100 * wbytes / ms / 1e6 / ceiling:.0f}"})
+        print(f"M={m} N={n} K={k}:", {r["impl"]: r["us"] for r in rows if (r["M"], r["N"], r["K"]) == (m, n, k)},
+              flush=True)  # each case as it finishes, so a cut-short run keeps what it measured
     return rows
 
 
