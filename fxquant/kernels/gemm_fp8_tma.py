@@ -18,7 +18,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fxquant.kernels.launch import cdiv
-from fxquant.kernels.tiles import grouped_tile, store_tile
+from fxquant.kernels.tiles import store_tile, tile_offsets
 
 
 @triton.jit
@@ -39,9 +39,7 @@ def _fp8_gemm_tma_kernel(
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), tiles, programs, flatten=True):
-        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        pid_m, pid_n, offs_m, offs_n = tile_offsets(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(k_steps):
             a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])  # [BM, BK]; tails read as zeros

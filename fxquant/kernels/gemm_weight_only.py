@@ -33,7 +33,7 @@ from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, sm_count
 from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
-from fxquant.kernels.tiles import grouped_tile, k_steps_of, store_tile
+from fxquant.kernels.tiles import k_steps_of, store_tile, tile_offsets
 
 
 @triton.jit
@@ -50,9 +50,7 @@ def _wo_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_k = tl.program_id(1)
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m, mask_n = offs_m < M, offs_n < N
     first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
