@@ -17,6 +17,7 @@ import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
+from fxquant.passes.rewrite import replace_with_call
 
 LINEAR = torch.ops.fxquant.linear_fp8.default
 ADD_NORM = torch.ops.fxquant.add_norm_quant_fp8.default
@@ -40,13 +41,8 @@ class FuseLinearNorm(PassBase):
                     continue
                 x, residual = residual, x  # the kernel adds in fp32 and rounds once: either order, the same bits
             source, w, w_scale, _, act_group = x.args
-            with gm.graph.inserting_before(norm):
-                fused = gm.graph.call_function(FUSED, (source, w, w_scale, act_group, residual, weight, bias, eps,
-                                                       group, rms))
-            fused.meta.update(norm.meta)
-            norm.replace_all_uses_with(fused)
-            gm.graph.erase_node(norm)
-            gm.graph.erase_node(x)
+            replace_with_call(gm, norm, FUSED, (source, w, w_scale, act_group, residual, weight, bias, eps, group, rms),
+                              dead=(x,))
             modified = True
         if modified:
             gm.graph.lint()
