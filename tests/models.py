@@ -92,11 +92,11 @@ def mlp_layers(dtype=torch.bfloat16, seed=0):
     return MlpLayers().to(dtype).eval()
 
 
-def tiny_llama(layers: int, seed=0):
-    """A transformers LlamaForCausalLM from a config (hidden 256, GQA 4/2 heads), bf16, and token ids [2, 8]."""
+def tiny_llama(layers: int, seed=0, hidden=256, intermediate=512):
+    """A transformers LlamaForCausalLM from a config (GQA 4/2 heads), bf16, and token ids [2, 8]."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-                         num_hidden_layers=layers, vocab_size=300)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=layers, vocab_size=300)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).to(torch.bfloat16).eval(), torch.randint(0, 300, (2, 8))

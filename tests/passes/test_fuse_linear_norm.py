@@ -107,3 +107,17 @@ class Reads(torch.nn.Module):
 def test_a_linear_with_a_bias_or_a_second_reader_stays_apart(bias):
     gm = torch.fx.symbolic_trace(Reads(bias))
     assert not FuseLinearNorm()(gm).modified
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [16, 64])
+def test_on_the_gpu_the_joined_ops_give_the_unfused_logits(batch, monkeypatch):
+    """Decode rows, and K long enough (1024, 2048) that o_proj and down_proj split it: the norm adds the partials."""
+    model, _ = tiny_llama(2, hidden=1024, intermediate=2048)
+    model = model.cuda()
+    ids = torch.randint(0, 300, (batch, 1), device="cuda")
+    fused, out = pipeline(lambda ids: model(ids, use_cache=False).logits, (ids,))
+    assert Counter(node.target for node in fused.graph.nodes)[FUSED] == 3
+    monkeypatch.setattr(FuseLinearNorm, "call", lambda self, gm: PassResult(gm, False))
+    _, out_apart = pipeline(lambda ids: model(ids, use_cache=False).logits, (ids,))
+    assert torch.equal(out, out_apart)
