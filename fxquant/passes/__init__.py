@@ -58,10 +58,10 @@ def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=N
         if example_inputs is None:
             raise ValueError("fxquant: recipe='auto' needs sample inputs to measure each layer on")
         config = resolve_auto(config, measure_graph(gm, example_inputs, config, usable_recipes(device)))
-    quantize, fuse_norm = QuantizeLinear(config), FuseNorm()
+    quantize, fuse_norm, fuse_linear_norm = QuantizeLinear(config), FuseNorm(), FuseLinearNorm()
     result = PassManager(passes=[quantize, fuse_norm, MergeLinear(quantize.layers), FuseLinear(), Cleanup(),
-                                 FuseLinearNorm()], steps=1)(gm)
-    findings += lint_layers(quantize.layers, upcast.upcast_nodes, fuse_norm.fused)
+                                 fuse_linear_norm], steps=1)(gm)
+    findings += lint_layers(quantize.layers, upcast.upcast_nodes, fuse_norm.fused, fuse_linear_norm.joined)
     errors = [f for f in findings if f.severity == "error"]
     if errors:
         raise NumericsError("fxquant: refusing to compile, running would produce inf/NaN:\n"

@@ -17,6 +17,7 @@ import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
+from fxquant.passes.annotations import annotation
 from fxquant.passes.rewrite import replace_with_call
 
 LINEAR = torch.ops.fxquant.linear_fp8.default
@@ -30,6 +31,9 @@ def _joins(node) -> bool:
 
 
 class FuseLinearNorm(PassBase):
+    def __init__(self):
+        self.joined: list[str] = []  # the linears now computed with the norm after them (layer names), for the report
+
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         modified = False
         for norm in list(gm.graph.nodes):
@@ -41,6 +45,8 @@ class FuseLinearNorm(PassBase):
                     continue
                 x, residual = residual, x  # the kernel adds in fp32 and rounds once: either order, the same bits
             source, w, w_scale, _, act_group = x.args
+            found = annotation(x)
+            self.joined.append(found.fqn if found is not None and found.fqn else x.name)
             replace_with_call(gm, norm, FUSED, (source, w, w_scale, act_group, residual, weight, bias, eps, group, rms),
                               dead=(x,))
             modified = True

@@ -11,24 +11,26 @@ from fxquant import reference as R
 from fxquant.config import QuantConfig
 from fxquant.passes import run_pipeline
 from fxquant.passes.fuse_linear_norm import FuseLinearNorm
+from fxquant.report import format_report
 
 ops = torch.ops.fxquant
 FUSED, LINEAR, ADD_NORM = (ops.linear_fp8_add_norm_quant.default, ops.linear_fp8.default,
                            ops.add_norm_quant_fp8.default)
 
 
-def pipeline(model, args, recipe="fp8_block"):
-    """The pipeline's graph for the model's dynamo graph, and the output that graph computes."""
-    graphs = []
+def pipeline(model, args, recipe="fp8_block", results=None):
+    """The pipeline's graph for the model's dynamo graph, and the output that graph computes; `results` collects
+    the whole PipelineResult."""
+    results = [] if results is None else results
 
     def backend(gm, inputs):
-        graphs.append(run_pipeline(gm, QuantConfig(recipe=recipe), inputs).gm)
-        return graphs[-1].forward
+        results.append(run_pipeline(gm, QuantConfig(recipe=recipe), inputs))
+        return results[-1].gm.forward
 
     torch._dynamo.reset()
     with torch.no_grad():
         out = torch.compile(model, backend=backend, fullgraph=True)(*args)
-    return graphs[0], out
+    return results[0].gm, out
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,15 @@ def test_o_and_down_proj_join_the_norm_after_them_with_the_same_logits(llama, re
     assert Counter(node.target for node in apart.graph.nodes)[FUSED] == 0
     # The op's reference is the two ops it replaces: the same bits.
     assert torch.equal(out, out_apart)
+
+
+def test_the_report_names_the_joined_linears(llama):
+    model, ids = llama
+    results = []
+    pipeline(lambda ids: model(ids, use_cache=False).logits, (ids,), results=results)
+    report = format_report(results[0].layers, results[0].findings)
+    assert ("linears joined with the residual add and norm after them: model.layers.0.self_attn.o_proj, "
+            "model.layers.0.mlp.down_proj, model.layers.1.self_attn.o_proj") in report
 
 
 def test_a_second_run_changes_nothing(llama):
