@@ -147,9 +147,9 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
-    tma_capable = interpreting(_fp8_gemm_kernel) or capability(a.device) >= (9, 0)
-    tiles, split, tma, meta = _launch_plan(M, N, K, block_scales, tma_capable and describable(a, b),
-                                           tuple(sorted((config or {}).items())))
+    # Decode tiles split K and never take the TMA kernel: no descriptor check on decode's host-bound path.
+    tma_ready = M > 16 and (interpreting(_fp8_gemm_kernel) or capability(a.device) >= (9, 0)) and describable(a, b)
+    tiles, split, tma, meta = _launch_plan(M, N, K, block_scales, tma_ready, tuple(sorted((config or {}).items())))
     if tma:
         launch_tma(a, b, out, a_scale, b_scale, bias, (out.stride(0), out.stride(1), asm, ask, bsn, bsk),
                    block_scales=block_scales, scale_block=SCALE_BLOCK, out_tl=TORCH_TO_TL[out_dtype],
@@ -164,6 +164,6 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
         BLOCK_SCALES=block_scales, SCALE_BLOCK=SCALE_BLOCK, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
         CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split, **meta,
     )
-    if split == 1 or partials:
-        return ws
-    return reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])
+    if split == 1:
+        return out
+    return ws if partials else reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])
