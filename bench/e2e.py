@@ -2,25 +2,21 @@
 from config, bf16, random weights. Eager, Inductor bf16, torchao fp8 per-row (when torchao imports) and
 fxquant recipes; first-compile time, latency, and the GPU kernel time inside it (profiler).
 
-Run: PYTHONPATH=. python bench/e2e.py [--reduce-overhead] [--no-torchao] [--top-kernels] [--ab-linear-norm] [recipe ...]
-(--ab-linear-norm: each fxquant recipe also runs without the fuse_linear_norm pass, in the same process)
+Run: PYTHONPATH=. python bench/e2e.py [--reduce-overhead] [--no-torchao] [--top-kernels] [recipe ...]
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import sys
 import time
 
 import torch
 import triton.testing
-from torch.fx.passes.infra.pass_base import PassResult
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import fxquant  # noqa: F401  (registers the backend)
 from bench.common import header, table
-from fxquant.passes.fuse_linear_norm import FuseLinearNorm
 
 SHAPES = {"prefill 1x2048": (1, 2048), "decode B16x1": (16, 1), "decode B64x1": (64, 1)}
 
@@ -68,61 +64,38 @@ def main():
              **{f"fxquant {r}": r for r in recipes}}
     if "--no-torchao" in sys.argv:  # its first compile takes minutes
         del paths["torchao fp8 row"]
-    if "--ab-linear-norm" in sys.argv:
-        paths.update({f"fxquant {r}{UNFUSED}": r for r in recipes})
     inputs = {name: torch.randint(0, 32000, shape, device="cuda") for name, shape in SHAPES.items()}
     rows = []
     with torch.no_grad():
         reference = {name: model(ids, use_cache=False).logits.float() for name, ids in inputs.items()}
         for path, recipe in paths.items():
             torch._dynamo.reset()
-            with without_linear_norm() if path.endswith(UNFUSED) else contextlib.nullcontext():
-                rows += run_path(path, recipe, model, mode, inputs, reference)
+            if path == "eager":
+                fn = model
+            elif recipe is None:
+                fn = torch.compile(model, mode=mode)
+            elif recipe == "torchao":
+                quantized = torchao_fp8_row(model)
+                if quantized is None:
+                    continue
+                fn = torch.compile(quantized, mode=mode)
+            else:
+                fn = torch.compile(model, backend="fxquant", options={"recipe": recipe, "mode": mode})
+            for name, ids in inputs.items():
+                start = time.perf_counter()
+                logits = fn(ids, use_cache=False).logits.float()
+                torch.cuda.synchronize()
+                first = time.perf_counter() - start
+                ms = triton.testing.do_bench(lambda fn=fn, ids=ids: fn(ids, use_cache=False), warmup=25, rep=200,
+                                             return_mode="median")
+                kernels = gpu_ms(fn, ids, f"{path}, {name}")
+                ref = reference[name]
+                err = float((logits - ref).norm() / ref.norm())
+                rows.append({"path": path, "shape": name, "ms": f"{ms:.2f}", "GPU kernel ms": f"{kernels:.2f}",
+                             "first call s": f"{first:.1f}",
+                             "logits rel err": f"{err:.4f}"})
+                print(rows[-1], flush=True)
     print(table(rows))
-
-
-UNFUSED = " (no fuse_linear_norm)"
-
-
-@contextlib.contextmanager
-def without_linear_norm():
-    """The pipeline without its fuse_linear_norm pass: o_proj and down_proj stay apart from the next norm."""
-    call = FuseLinearNorm.call
-    FuseLinearNorm.call = lambda self, gm: PassResult(gm, False)
-    try:
-        yield
-    finally:
-        FuseLinearNorm.call = call
-
-
-def run_path(path, recipe, model, mode, inputs, reference) -> list[dict]:
-    """Compile one path, then per shape: first-call time, latency, GPU kernel time and logits error."""
-    if path == "eager":
-        fn = model
-    elif recipe is None:
-        fn = torch.compile(model, mode=mode)
-    elif recipe == "torchao":
-        quantized = torchao_fp8_row(model)
-        if quantized is None:
-            return []
-        fn = torch.compile(quantized, mode=mode)
-    else:
-        fn = torch.compile(model, backend="fxquant", options={"recipe": recipe, "mode": mode})
-    rows = []
-    for name, ids in inputs.items():
-        start = time.perf_counter()
-        logits = fn(ids, use_cache=False).logits.float()
-        torch.cuda.synchronize()
-        first = time.perf_counter() - start
-        ms = triton.testing.do_bench(lambda fn=fn, ids=ids: fn(ids, use_cache=False), warmup=25, rep=200,
-                                     return_mode="median")
-        kernels = gpu_ms(fn, ids, f"{path}, {name}")
-        ref = reference[name]
-        err = float((logits - ref).norm() / ref.norm())
-        rows.append({"path": path, "shape": name, "ms": f"{ms:.2f}", "GPU kernel ms": f"{kernels:.2f}",
-                     "first call s": f"{first:.1f}", "logits rel err": f"{err:.4f}"})
-        print(rows[-1], flush=True)
-    return rows
 
 
 if __name__ == "__main__":

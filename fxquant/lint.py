@@ -58,9 +58,9 @@ def lint_graph(gm: torch.fx.GraphModule, example_inputs=None) -> list[Finding]:
     return findings
 
 
-def lint_layers(layers, upcast_nodes, fused_norms=(), joined_linears=()) -> list[Finding]:
+def lint_layers(layers, upcast_nodes, fused_norms=()) -> list[Finding]:
     """Findings from what the pipeline did: skipped layers and why, masked tails, reductions moved to fp32,
-    norms fused with their fp8 quantizers, linears joined with the norm after them."""
+    norms fused with their fp8 quantizers."""
     findings = []
     for layer in layers:
         if layer.recipe is None:
@@ -82,9 +82,6 @@ def lint_layers(layers, upcast_nodes, fused_norms=(), joined_linears=()) -> list
         findings.append(Finding("info", "upcast", name, "reduction was in bf16/fp16; now in fp32, cast back"))
     for name in fused_norms:
         findings.append(Finding("info", "fused_norm", name, "norm and its fp8 quantizers run as one kernel"))
-    for name in joined_linears:
-        findings.append(Finding("info", "joined_linear", name, "runs as one op with the residual add and norm -> fp8 "
-                                "after it"))
     return findings
 
 

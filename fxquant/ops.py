@@ -121,11 +121,10 @@ def _(x, group_size):
 
 
 def _scaled_mm_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None,
-                   out_dtype: torch.dtype, partials: bool = False) -> Tensor:
+                   out_dtype: torch.dtype) -> Tensor:
     """(a [..., K] * a_scale) @ (w [N, K] * w_scale).T + bias, fp32 accumulation, one cast to out_dtype.
 
     a_scale: [..., 1] per token or [..., K/g] per 1 x g group; w_scale: one element, [N, 1] or [N/128, K/128].
-    partials (CUDA, no bias): where the Triton kernel splits K, its fp32 partials [SPLIT_K, ..., N], unreduced.
     """
     lead, K = a.shape[:-1], a.shape[-1]
     a2 = a.reshape(-1, K)
@@ -135,14 +134,14 @@ def _scaled_mm_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, bias:
         if cublas_takes(a2, s2, w, w_scale, bias, out_dtype, block):
             out = cublas_scaled_mm(a2, s2, w, w_scale, block)
         else:
-            out = fp8_scaled_mm(a2, s2, w, w_scale, bias, out_dtype, partials=partials)
+            out = fp8_scaled_mm(a2, s2, w, w_scale, bias, out_dtype)
     else:
         group = -1 if s2.dim() == 1 else 0 if s2.shape[1] == 1 else K // s2.shape[1]
         qa = Quantized(a2, s2.reshape(()) if group < 0 else s2, "fp8_e4m3", _act_granularity(group), a2.shape,
                        out_dtype)
         qw = Quantized(w, w_scale, "fp8_e4m3", _weight_granularity(w, w_scale), w.shape, out_dtype)
         out = _chunked_linear(qa, qw, bias, out_dtype)
-    return out.reshape(*out.shape[:-2], *lead, w.shape[0])
+    return out.reshape(*lead, w.shape[0])
 
 
 scaled_mm_fp8 = _op("scaled_mm_fp8(Tensor a, Tensor a_scale, Tensor w, Tensor w_scale, Tensor? bias, "
@@ -254,29 +253,3 @@ def _(x, residual, weight, bias, eps, group_size, rms):
     groups = x.shape[-1] // group_size if group_size else 1
     return (torch.empty_like(x, dtype=E4M3), x.new_empty((*x.shape[:-1], groups), dtype=torch.float32),
             torch.empty_like(x))
-
-
-def _linear_fp8_add_norm_quant(x: Tensor, w: Tensor, w_scale: Tensor, act_group: int, residual: Tensor,
-                               weight: Tensor | None, bias: Tensor | None, eps: float, group_size: int,
-                               rms: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """add_norm_quant_fp8(linear_fp8(x, w, w_scale, None, act_group), residual, ...): a bias-free fp8 linear whose
-    output only feeds a residual add and the norm -> fp8 after it (o_proj and down_proj). Where the GEMM splits K,
-    the norm kernel adds its partials: the same bits as the two ops, one launch and one round trip fewer."""
-    if x.is_cuda and norm_quant_serves(w.shape[0], group_size):
-        y = _scaled_mm_fp8(*_quantize_fp8(x, act_group), w, w_scale, None, x.dtype, partials=True)
-        codes, scales, h, _ = norm_quant_kernel(y, weight, bias, eps, group_size, rms=rms, residual=residual,
-                                                partials=y.dim() > residual.dim())
-        return codes, scales, h
-    return _norm_quant(_linear_fp8(x, w, w_scale, None, act_group), residual, weight, bias, eps, group_size, rms)
-
-
-linear_fp8_add_norm_quant = _op(
-    "linear_fp8_add_norm_quant(Tensor x, Tensor w, Tensor w_scale, int act_group, Tensor residual, Tensor? weight, "
-    "Tensor? bias, float eps, int group_size, bool rms) -> (Tensor, Tensor, Tensor)", _linear_fp8_add_norm_quant)
-
-
-@_fake("linear_fp8_add_norm_quant")
-def _(x, w, w_scale, act_group, residual, weight, bias, eps, group_size, rms):
-    groups = residual.shape[-1] // group_size if group_size else 1
-    return (torch.empty_like(residual, dtype=E4M3),
-            residual.new_empty((*residual.shape[:-1], groups), dtype=torch.float32), torch.empty_like(residual))

@@ -33,10 +33,7 @@ def format_report(layers, findings=()) -> str:
     fused = [f.where for f in findings if f.kind == "fused_norm"]
     if fused:
         lines.append(f"norms fused with their fp8 quantizers: {', '.join(fused)}")
-    joined = [f.where for f in findings if f.kind == "joined_linear"]
-    if joined:
-        lines.append(f"linears joined with the residual add and norm after them: {', '.join(joined)}")
     for finding in findings:
-        if finding.kind not in ("upcast", "skipped", "fused_norm", "joined_linear"):  # already shown above
+        if finding.kind not in ("upcast", "skipped", "fused_norm"):  # already shown above
             lines.append(f"{finding.severity}: {finding.where}: {finding.message}")
     return "fxquant report\n" + "\n".join(lines)

@@ -67,36 +67,3 @@ class ResidualNormMlp(nn.Module):
 def residual_norm_mlp(dtype=torch.bfloat16, seed=0):
     torch.manual_seed(seed)
     return ResidualNormMlp().to(dtype).eval()
-
-
-class MlpLayers(nn.Module):
-    """Llama MLP sub-blocks in a row: each down_proj's output is the residual add the next block's norm reads."""
-
-    def __init__(self, d=256, hidden=512, layers=2):
-        super().__init__()
-        self.norms = nn.ModuleList(nn.RMSNorm(d, eps=1e-6) for _ in range(layers))
-        self.gates = nn.ModuleList(nn.Linear(d, hidden, bias=False) for _ in range(layers))
-        self.ups = nn.ModuleList(nn.Linear(d, hidden, bias=False) for _ in range(layers))
-        self.downs = nn.ModuleList(nn.Linear(hidden, d, bias=False) for _ in range(layers))
-
-    def forward(self, x):  # x: [B, S, D]
-        h = x
-        for norm, gate, up, down in zip(self.norms, self.gates, self.ups, self.downs, strict=True):
-            n = norm(h)
-            h = h + down(F.silu(gate(n)) * up(n))
-        return h
-
-
-def mlp_layers(dtype=torch.bfloat16, seed=0):
-    torch.manual_seed(seed)
-    return MlpLayers().to(dtype).eval()
-
-
-def tiny_llama(layers: int, seed=0, hidden=256, intermediate=512):
-    """A transformers LlamaForCausalLM from a config (GQA 4/2 heads), bf16, and token ids [2, 8]."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=4,
-                         num_key_value_heads=2, num_hidden_layers=layers, vocab_size=300)
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).to(torch.bfloat16).eval(), torch.randint(0, 300, (2, 8))

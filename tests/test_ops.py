@@ -78,19 +78,3 @@ def test_norm_quant_fp8_ops(rms, group):
     assert float((scales / ref_scales - 1).abs().max()) <= 2**-8  # at most one bf16 ulp of a group's amax
     assert (codes.float() != ref_codes.float()).float().mean() < 0.01
 
-
-
-@pytest.mark.parametrize("wgran, group", [("channel", 0), (("block", 128, 128), 128)])
-@pytest.mark.parametrize("lead", [(1,), (16,), (2, 8), (64,), (300,)], ids=str)  # on the GPU, up to 64 rows split
-def test_linear_fp8_add_norm_quant_op_is_the_two_ops_it_joins(wgran, group, lead):  # K; 300 go to cuBLAS / TMA
-    torch.manual_seed(0)
-    x, r = randn(*lead, 2048, dtype=torch.bfloat16), randn(*lead, 1024, dtype=torch.bfloat16)
-    qw, norm_w = R.quantize(randn(1024, 2048) * 0.05, "fp8_e4m3", wgran), randn(1024, dtype=torch.bfloat16)
-    args = (x, qw.data, qw.scale, group, r, norm_w, None, 1e-6, group, True)
-    if lead == (2, 8):
-        opcheck(torch.ops.fxquant.linear_fp8_add_norm_quant, args)
-    got = torch.ops.fxquant.linear_fp8_add_norm_quant(*args)
-    y = torch.ops.fxquant.linear_fp8(x, qw.data, qw.scale, None, group)
-    want = torch.ops.fxquant.add_norm_quant_fp8(y, r, norm_w, None, 1e-6, group, True)
-    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
-    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])

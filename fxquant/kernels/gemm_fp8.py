@@ -116,18 +116,14 @@ def _launch_plan(M: int, N: int, K: int, block_scales: bool, tma_ready: bool,
     return tiles, split, tma_ready and cfg.get("TMA", False) and split == 1, meta
 
 
-def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, config=None, *, partials=False):
+def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, config=None):
     """a: [M, K] fp8; b: [N, K] fp8 (a weight, as F.linear takes it); returns [M, N] in out_dtype.
 
     Row scales: a_scale [M, 1] or one element, b_scale [N, 1] or one element.
     Block scales: a_scale [M, K/128] (1x128 groups), b_scale [N/128, K/128] (128x128 blocks).
-    partials (no bias): where the product splits K, return the fp32 partials [SPLIT_K, M, N] unreduced, for a
-    consumer that adds them in slice order and rounds once to out_dtype, as `splitk.reduce_partials` does.
     """
     M, K = a.shape
     N = b.shape[0]
-    if partials and bias is not None:
-        raise ValueError("fxquant: fp8_scaled_mm returns unreduced partials only without a bias")
     if b.shape[1] != K or a.dtype != b.dtype:
         raise ValueError(f"fxquant: fp8_scaled_mm needs a [M, K] and b [N, K] of one fp8 dtype; "
                          f"got {tuple(a.shape)} {a.dtype} and {tuple(b.shape)} {b.dtype}")
@@ -164,6 +160,6 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
         BLOCK_SCALES=block_scales, SCALE_BLOCK=SCALE_BLOCK, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
         CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split, **meta,
     )
-    if split == 1:
-        return out
-    return ws if partials else reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])
+    if split > 1:
+        reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])
+    return out

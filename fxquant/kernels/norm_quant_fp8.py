@@ -3,10 +3,6 @@
 One program per row: load x (and the residual), write the sum back in the model's dtype, reduce the
 statistics in fp32, normalize, round the norm's output to the model's dtype where the unfused graph has it,
 then quantize it in registers. Matches `fxquant.reference_norm` bit for bit given the same (mean, rstd).
-
-x may instead be a split-K GEMM's fp32 partials (`fp8_scaled_mm(..., partials=True)`): the kernel adds them in
-slice order and rounds once to the model's dtype, exactly as the GEMM's own reduce kernel would, so the result has
-the unfused bits with one launch and one round trip of the GEMM's output fewer.
 """
 
 from __future__ import annotations
@@ -39,24 +35,17 @@ def _add_unfused(a, b, CAST: tl.constexpr):
 def _norm_quant_fp8_kernel(
     # pointers
     x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, scale_ptr, h_ptr, stats_ptr,
-    # sizes (slice_stride: elements between x's split-K partials)
-    D, n_groups, eps, slice_stride,
+    # sizes
+    D, n_groups, eps,
     # meta-parameters
     RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, LP: tl.constexpr,
     GROUP: tl.constexpr, FMAX: tl.constexpr, FP8: tl.constexpr, CAST: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-    BLOCK_D: tl.constexpr, PARTIALS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    if PARTIALS:
-        # The partials added in slice order and rounded once to the model's dtype: the GEMM output's own bits.
-        h = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        for s in range(PARTIALS):
-            h += tl.load(x_ptr + s * slice_stride + row * D + cols, mask=mask, other=0.0)
-        h = cast_float(h, LP, CAST).to(tl.float32)
-    else:
-        h = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         # The add in fp32, rounded once to the model's dtype: the residual stream the graph keeps.
         h = cast_float(h + tl.load(res_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32), LP, CAST)
@@ -90,41 +79,36 @@ def serves(D: int, group_size: int) -> bool:
     return D <= MAX_NORM_DIM and not group_size & (group_size - 1) and D % (group_size or D or 1) == 0
 
 
-def norm_quant_fp8(x, weight=None, bias=None, eps=1e-6, group_size=0, *, rms=True, residual=None, partials=False):
+def norm_quant_fp8(x, weight=None, bias=None, eps=1e-6, group_size=0, *, rms=True, residual=None):
     """x [..., D] (bf16/fp16/fp32) -> (codes [..., D] e4m3, scales [..., D/g or 1] fp32, h, stats [..., 2]).
 
     h = x + residual in x's dtype (None without a residual); stats = (mean, rstd) fp32 per row.
-    partials: x is instead [SPLIT_K, ..., D] fp32 split-K partials of a tensor in residual's dtype and shape.
     """
     D = x.shape[-1]
     group = group_size or D
     if not serves(D, group_size):
         raise ValueError(f"fxquant: fused norm -> fp8 needs D <= {MAX_NORM_DIM} divisible by a power-of-two "
                          f"group (or per token), got D={D}, group {group_size}")
-    like = residual if partials else x  # the tensor whose dtype and shape the outputs take
-    if partials and (residual is None or x.dtype != torch.float32 or x.shape[1:] != residual.shape):
-        raise ValueError(f"fxquant: split-K partials {tuple(x.shape)} {x.dtype} must be fp32 [SPLIT_K, *residual's "
-                         f"shape], with a residual; got residual {None if residual is None else tuple(residual.shape)}")
-    if residual is not None and (residual.shape != like.shape or residual.dtype != like.dtype):
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"fxquant: residual {tuple(residual.shape)} {residual.dtype} must match x "
                          f"{tuple(x.shape)} {x.dtype}")
     x = x.contiguous()
     residual = residual.contiguous() if residual is not None else None
-    rows = like.numel() // D if D else 0
-    codes = torch.empty(like.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty((*like.shape[:-1], D // group), dtype=torch.float32, device=x.device)
-    h = torch.empty_like(like) if residual is not None else None
-    stats = torch.empty((*like.shape[:-1], 2), dtype=torch.float32, device=x.device)
+    rows = x.numel() // D if D else 0
+    codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((*x.shape[:-1], D // group), dtype=torch.float32, device=x.device)
+    h = torch.empty_like(x) if residual is not None else None
+    stats = torch.empty((*x.shape[:-1], 2), dtype=torch.float32, device=x.device)
     block = next_power_of_2(D)
     if rows:
         # A power-of-two group divides the padded row: its tail forms whole groups (of zeros), never part of one.
         _norm_quant_fp8_kernel[(rows,)](
             x, residual if residual is not None else x, weight if weight is not None else x,
             bias if bias is not None else x, codes, scales, h if h is not None else x, stats,
-            D, D // group, eps, rows * D,
+            D, D // group, eps,
             RMS=rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-            LP=TORCH_TO_TL[like.dtype], GROUP=group_size or block, FMAX=E4M3_MAX, FP8=tl.float8e4nv,
+            LP=TORCH_TO_TL[x.dtype], GROUP=group_size or block, FMAX=E4M3_MAX, FP8=tl.float8e4nv,
             CAST=cast_mode(_norm_quant_fp8_kernel, x.device), AMAX_FLOOR=AMAX_FLOOR, BLOCK_D=block,
-            PARTIALS=x.shape[0] if partials else 0, num_warps=min(16, max(1, block // 512)),
+            num_warps=min(16, max(1, block // 512)),
         )
     return codes, scales, h, stats

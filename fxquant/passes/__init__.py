@@ -1,5 +1,5 @@
 """The fxquant pass pipeline: freeze_params -> detect -> upcast -> quantize_linear -> fuse_norm -> merge_linear ->
-fuse_linear -> cleanup -> fuse_linear_norm."""
+fuse_linear -> cleanup."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from fxquant.passes.cleanup import Cleanup
 from fxquant.passes.detect import Detect
 from fxquant.passes.freeze_params import FreezeParams
 from fxquant.passes.fuse_linear import FuseLinear
-from fxquant.passes.fuse_linear_norm import FuseLinearNorm
 from fxquant.passes.fuse_norm import FuseNorm
 from fxquant.passes.merge_linear import MergeLinear
 from fxquant.passes.quantize_linear import LayerRecord, QuantizeLinear
@@ -58,10 +57,10 @@ def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=N
         if example_inputs is None:
             raise ValueError("fxquant: recipe='auto' needs sample inputs to measure each layer on")
         config = resolve_auto(config, measure_graph(gm, example_inputs, config, usable_recipes(device)))
-    quantize, fuse_norm, fuse_linear_norm = QuantizeLinear(config), FuseNorm(), FuseLinearNorm()
-    result = PassManager(passes=[quantize, fuse_norm, MergeLinear(quantize.layers), FuseLinear(), Cleanup(),
-                                 fuse_linear_norm], steps=1)(gm)
-    findings += lint_layers(quantize.layers, upcast.upcast_nodes, fuse_norm.fused, fuse_linear_norm.joined)
+    quantize, fuse_norm = QuantizeLinear(config), FuseNorm()
+    result = PassManager(passes=[quantize, fuse_norm, MergeLinear(quantize.layers), FuseLinear(), Cleanup()],
+                         steps=1)(gm)
+    findings += lint_layers(quantize.layers, upcast.upcast_nodes, fuse_norm.fused)
     errors = [f for f in findings if f.severity == "error"]
     if errors:
         raise NumericsError("fxquant: refusing to compile, running would produce inf/NaN:\n"

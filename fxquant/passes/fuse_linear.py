@@ -17,7 +17,6 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.passes.annotations import node_dtype
-from fxquant.passes.rewrite import replace_with_call
 
 
 class FuseLinear(PassBase):
@@ -36,8 +35,12 @@ class FuseLinear(PassBase):
             x, group = q.args
             if node_dtype(x) not in (None, out_dtype):
                 continue  # linear_fp8 returns x's dtype
-            replace_with_call(gm, mm, torch.ops.fxquant.linear_fp8.default, (x, w, w_scale, bias, group),
-                              dead=(a, a_scale, q))
+            with gm.graph.inserting_before(mm):
+                fused = gm.graph.call_function(torch.ops.fxquant.linear_fp8.default, (x, w, w_scale, bias, group))
+            fused.meta.update(mm.meta)
+            mm.replace_all_uses_with(fused)
+            for node in (mm, a, a_scale, q):
+                gm.graph.erase_node(node)
             modified = True
         if modified:
             gm.graph.lint()

@@ -3,12 +3,11 @@
 import pytest
 import torch
 import triton
-import triton.language as tl
 
 from fxquant import reference as R
 from fxquant.kernels.gemm_configs import BUCKET_PROBES, fp8_gemm_config
 from fxquant.kernels.gemm_fp8 import _launch_plan, fp8_scaled_mm
-from fxquant.kernels.splitk import reduce_partials, split_k
+from fxquant.kernels.splitk import split_k
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Relative error against fp64 for fp32 output: the interpreter accumulates in fp32; sm_90's fp8 MMA
@@ -92,19 +91,3 @@ def test_medium_m_splits_k_where_tiles_are_few(M, N, K, scheme):
     out = fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, bias, torch.float32)
     assert rel_err(out, qa, qw, bias) < FP32_BOUND
     assert torch.equal(out, fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, bias, torch.float32))
-
-
-@pytest.mark.parametrize("scheme", ["block", "row"])
-def test_partials_are_the_slices_the_reduce_would_add(scheme):
-    M, N, K = 4, 256, 2048  # split 4 ways (see test_decode_splits_k_and_stays_exact)
-    qa, qw = operands(M, N, K, scheme)
-    parts = fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, None, torch.bfloat16, partials=True)
-    assert parts.shape == (4, M, N) and parts.dtype == torch.float32
-    out = fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, None, torch.bfloat16)
-    assert torch.equal(reduce_partials(parts, torch.empty_like(out), None, tl.bfloat16), out)
-    # A product that does not split K is returned whole.
-    qa, qw = operands(200, N, 256, scheme)
-    whole = fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, None, torch.bfloat16, partials=True)
-    assert torch.equal(whole, fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, None, torch.bfloat16))
-    with pytest.raises(ValueError, match="without a bias"):
-        fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, torch.zeros(N, device=DEVICE), partials=True)

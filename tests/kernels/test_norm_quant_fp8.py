@@ -6,9 +6,7 @@ import torch
 from fp8_cases import same_bits
 
 from fxquant import reference_norm
-from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8
-from fxquant.kernels.splitk import reduce_partials
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Shapes hit every branch: one row, D not a power of two (padded tail), several groups, 3-D input.
@@ -66,35 +64,3 @@ def test_zero_rows_quantize_to_zero():
 def test_unservable_shapes_are_clear_errors(d, group):
     with pytest.raises(ValueError, match="fused norm -> fp8 needs D"):
         norm_quant_fp8(torch.randn(2, d, device=DEVICE), None, None, 1e-6, group)
-
-
-@pytest.mark.parametrize("shape", [(5, 384), (2, 3, 512), (4, 200)], ids=str)
-@pytest.mark.parametrize("split", [2, 4])
-@pytest.mark.parametrize("rms", [True, False], ids=["rms", "layer"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_split_k_partials_give_the_bits_of_the_reduce_then_the_norm(shape, split, rms, dtype):
-    """The kernel adds a GEMM's fp32 partials in slice order and rounds once, as splitk's reduce kernel does."""
-    group = 128 if shape[-1] % 128 == 0 else 0
-    partials = sample((split, *shape), torch.float32, seed=4)
-    if split > 2:  # slices 0 and 1 cancel at 2**24: only slice order keeps the small slices' sum exact
-        partials[0] = torch.randn(shape, device=DEVICE) * 2**24
-        partials[1] = -partials[0]
-    residual = sample(shape, dtype, seed=1)
-    weight, bias = sample(shape[-1:], dtype, seed=2), None if rms else sample(shape[-1:], dtype, seed=3)
-    reduced = torch.empty((residual.numel() // shape[-1], shape[-1]), dtype=dtype, device=DEVICE)
-    reduce_partials(partials.reshape(split, -1, shape[-1]), reduced, None, TORCH_TO_TL[dtype])
-    want = norm_quant_fp8(reduced.reshape(shape), weight, bias, 1e-5, group, rms=rms, residual=residual)
-    got = norm_quant_fp8(partials, weight, bias, 1e-5, group, rms=rms, residual=residual, partials=True)
-    assert same_bits(got[0], want[0]) == 0
-    for a, b in zip(got[1:], want[1:], strict=True):
-        assert torch.equal(a, b)
-
-
-def test_partials_need_fp32_slices_of_the_residuals_shape():
-    residual = sample((4, 256), torch.bfloat16)
-    with pytest.raises(ValueError, match="split-K partials"):
-        norm_quant_fp8(sample((2, 4, 256), torch.float32), None, None, 1e-5, 128, partials=True)
-    with pytest.raises(ValueError, match="split-K partials"):
-        norm_quant_fp8(sample((2, 4, 256), torch.bfloat16), None, None, 1e-5, 128, residual=residual, partials=True)
-    with pytest.raises(ValueError, match="split-K partials"):
-        norm_quant_fp8(sample((2, 3, 256), torch.float32), None, None, 1e-5, 128, residual=residual, partials=True)

@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 import torch
-from models import tiny_llama
 from torch.fx.passes.infra.pass_base import PassResult
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from fxquant.config import QuantConfig
 from fxquant.passes import run_pipeline
@@ -15,13 +15,16 @@ from fxquant.passes.merge_linear import MergeLinear
 from fxquant.report import format_report
 
 GEMMS = (torch.ops.fxquant.scaled_mm_fp8.default, torch.ops.fxquant.linear_fp8.default,
-         torch.ops.fxquant.linear_fp8_add_norm_quant.default, torch.ops.fxquant.linear_weight_only.default)
+         torch.ops.fxquant.linear_weight_only.default)
 MERGING = ["fp8_block", "fp8_row", "int8_wo", "int4_wo", "mxfp4_wo"]
 
 
 @pytest.fixture(scope="module")
 def llama():
-    return tiny_llama(1)
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=300)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(torch.bfloat16).eval(), torch.randint(0, 300, (2, 8))
 
 
 def pipeline(model, ids, recipe):
