@@ -1,7 +1,8 @@
 """Weight-only GEMMs and the fused norm -> fp8 on the GPU: correctness first, then time against bf16 torch.mm
 (cuBLAS) and the unfused norm + quantize, measured in the same process.
 
-Run: PYTHONPATH=. python bench/weight_only.py [--sweep | --crossover] [--decode]
+Run: PYTHONPATH=. python bench/weight_only.py [--sweep | --crossover | --gemv] [--decode]
+(--gemv: sweep the GEMV's tiles at M = 1, then race it against the tensor-core kernel at M = 1..16)
 """
 
 from __future__ import annotations
@@ -119,6 +120,57 @@ def crossover(ceiling) -> list[dict]:
     return rows
 
 
+GEMV_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "programs")
+
+
+def weight_sets(m, q):
+    n, k = q.shape
+    return rotating(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16), _copy(q)), q.nbytes + m * k * 2)
+
+
+def gemv_sweep() -> dict:
+    """Every GEMV candidate at M = 1 on 4096x4096 and 14336x4096; the best by total time, per format."""
+    best = {}
+    for fmt in ("int4", "mxfp4", "int8"):
+        totals = {}
+        for n, k in NKS[:2]:
+            sets = weight_sets(1, quantized_weight(n, k, fmt))
+            for values in itertools.product([16, 32, 64], [256, 512], [2, 4], [2, 4], [1056]):
+                cfg = dict(zip(GEMV_KEYS, values, strict=True))
+                try:
+                    ms = graph_time_ms(lambda x, q, c=cfg: run(x, q, fmt, c), sets)
+                except Exception as exc:  # a config the compiler rejects (registers) is skipped
+                    print("  skip", fmt, cfg, type(exc).__name__, flush=True)
+                    ms = float("inf")
+                totals[values] = totals.get(values, 0.0) + ms
+        ranked = sorted(totals.items(), key=lambda item: item[1])
+        for values, ms in ranked[:6]:
+            print(f"  {fmt} M=1 both shapes {ms * 1e3:.1f} us {dict(zip(GEMV_KEYS, values, strict=True))}", flush=True)
+        best[fmt] = dict(zip(GEMV_KEYS, ranked[0][0], strict=True))
+    best["nvfp4"] = best["mxfp4"]  # the same codes and loop; only the scale decode differs
+    return best
+
+
+def gemv_race(ceiling, best) -> list[dict]:
+    """At M = 1..16: bf16 torch.mm, the tensor-core kernel (its decode tiles) and the GEMV (the sweep's best)."""
+    rows = []
+    for (n, k), fmt in itertools.product(NKS, FORMATS):
+        q = quantized_weight(n, k, fmt)
+        for m in (1, 2, 4, 8, 16):
+            bf16 = graph_time_ms(lambda x, w: x @ w.T, rotating(
+                lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+                         torch.randn(n, k, device="cuda", dtype=torch.bfloat16)), (m + n) * k * 2))
+            sets = weight_sets(m, q)
+            mma = graph_time_ms(lambda x, q: run(x, q, fmt, wo_gemm_config(m, fmt)), sets)
+            gemv = graph_time_ms(lambda x, q: run(x, q, fmt, best[fmt]), sets)
+            rows.append({"format": fmt, "M": m, "N": n, "K": k, "bf16 us": f"{bf16 * 1e3:.1f}",
+                         "tensor-core us": f"{mma * 1e3:.1f}", "GEMV us": f"{gemv * 1e3:.1f}",
+                         "GEMV x bf16": f"{bf16 / gemv:.2f}",
+                         "GEMV % copy": f"{100 * q.nbytes / gemv / 1e6 / ceiling:.0f}"})
+            print(rows[-1], flush=True)
+    return rows
+
+
 def _copy(q):
     clone = lambda t: None if t is None else t.clone()
     return type(q)(q.data.clone(), q.scale.clone(), q.fmt, q.granularity, q.shape, q.dtype,
@@ -160,6 +212,11 @@ def main():
     print(f"copy ceiling (read+write): {ceiling:.0f} GB/s")
     if "--sweep" in sys.argv:
         print(table(sweep(ceiling)))
+        return
+    if "--gemv" in sys.argv:
+        best = gemv_sweep()
+        print({fmt: " ".join(f"{key}={v}" for key, v in cfg.items()) for fmt, cfg in best.items()})
+        print(table(gemv_race(ceiling, best)))
         return
     if "--crossover" in sys.argv:
         print(table(crossover(ceiling)))
