@@ -2,7 +2,7 @@
 (cuBLAS) and the unfused norm + quantize, measured in the same process.
 
 Run: PYTHONPATH=. python bench/weight_only.py [--sweep | --crossover | --gemv] [--decode]
-(--gemv: sweep the GEMV's tiles at M = 1, then race it against the tensor-core kernel at M = 1..16)
+(--gemv: sweep the int4 GEMV's tiles at M = 1, then race it against the tensor-core kernel)
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from bench.common import copy_bandwidth_gbs, graph_time_ms, header, rotating, ta
 from fxquant import reference as R
 from fxquant.kernels import gemm_weight_only
 from fxquant.kernels.gemm_weight_only import weight_only_mm, wo_gemm_config
+from fxquant.kernels.gemv_weight_only import wo_gemv_config
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8
 
 MS = [1, 16] if "--decode" in sys.argv else [1, 16, 128, 1024, 4096]  # --decode: the M <= 16 rows alone
@@ -129,45 +130,42 @@ def weight_sets(m, q):
 
 
 def gemv_sweep() -> dict:
-    """Every GEMV candidate at M = 1 on 4096x4096 and 14336x4096; the best by total time, per format."""
-    best = {}
-    for fmt in ("int4", "mxfp4", "int8"):
-        totals = {}
-        for n, k in NKS[:2]:
-            sets = weight_sets(1, quantized_weight(n, k, fmt))
-            for values in itertools.product([16, 32, 64], [256, 512], [2, 4], [2, 4], [1056]):
-                cfg = dict(zip(GEMV_KEYS, values, strict=True))
-                try:
-                    ms = graph_time_ms(lambda x, q, c=cfg: run(x, q, fmt, c), sets)
-                except Exception as exc:  # a config the compiler rejects (registers) is skipped
-                    print("  skip", fmt, cfg, type(exc).__name__, flush=True)
-                    ms = float("inf")
-                totals[values] = totals.get(values, 0.0) + ms
-        ranked = sorted(totals.items(), key=lambda item: item[1])
-        for values, ms in ranked[:6]:
-            print(f"  {fmt} M=1 both shapes {ms * 1e3:.1f} us {dict(zip(GEMV_KEYS, values, strict=True))}", flush=True)
-        best[fmt] = dict(zip(GEMV_KEYS, ranked[0][0], strict=True))
-    best["nvfp4"] = best["mxfp4"]  # the same codes and loop; only the scale decode differs
-    return best
+    """Every int4 GEMV candidate at M = 1 on 4096x4096 and 14336x4096; the best by total time."""
+    totals = {}
+    for n, k in NKS[:2]:
+        sets = weight_sets(1, quantized_weight(n, k, "int4"))
+        for values in itertools.product([16, 32], [256, 512], [2, 4], [2, 3], [528, 1056]):
+            cfg = dict(zip(GEMV_KEYS, values, strict=True))
+            try:
+                ms = graph_time_ms(lambda x, q, c=cfg: run(x, q, "int4", c), sets)
+            except Exception as exc:  # a config the compiler rejects (registers) is skipped
+                print("  skip", cfg, type(exc).__name__, flush=True)
+                ms = float("inf")
+            totals[values] = totals.get(values, 0.0) + ms
+    ranked = sorted(totals.items(), key=lambda item: item[1])
+    for values, ms in ranked[:6]:
+        print(f"  int4 M=1 both shapes {ms * 1e3:.1f} us {dict(zip(GEMV_KEYS, values, strict=True))}", flush=True)
+    return dict(zip(GEMV_KEYS, ranked[0][0], strict=True))
 
 
 def gemv_race(ceiling, best) -> list[dict]:
-    """At M = 1..16: bf16 torch.mm, the tensor-core kernel (its decode tiles) and the GEMV (the sweep's best)."""
+    """int4 at M = 1: bf16 torch.mm, the tensor-core kernel (its decode tiles), the GEMV's default and the sweep's
+    best."""
     rows = []
-    for (n, k), fmt in itertools.product(NKS, FORMATS):
-        q = quantized_weight(n, k, fmt)
-        for m in (1, 2, 4, 8, 16):
-            bf16 = graph_time_ms(lambda x, w: x @ w.T, rotating(
-                lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
-                         torch.randn(n, k, device="cuda", dtype=torch.bfloat16)), (m + n) * k * 2))
-            sets = weight_sets(m, q)
-            mma = graph_time_ms(lambda x, q: run(x, q, fmt, wo_gemm_config(m, fmt)), sets)
-            gemv = graph_time_ms(lambda x, q: run(x, q, fmt, best[fmt]), sets)
-            rows.append({"format": fmt, "M": m, "N": n, "K": k, "bf16 us": f"{bf16 * 1e3:.1f}",
-                         "tensor-core us": f"{mma * 1e3:.1f}", "GEMV us": f"{gemv * 1e3:.1f}",
-                         "GEMV x bf16": f"{bf16 / gemv:.2f}",
-                         "GEMV % copy": f"{100 * q.nbytes / gemv / 1e6 / ceiling:.0f}"})
-            print(rows[-1], flush=True)
+    for n, k in NKS:
+        q = quantized_weight(n, k, "int4")
+        bf16 = graph_time_ms(lambda x, w: x @ w.T, rotating(
+            lambda: (torch.randn(1, k, device="cuda", dtype=torch.bfloat16),
+                     torch.randn(n, k, device="cuda", dtype=torch.bfloat16)), (1 + n) * k * 2))
+        sets = weight_sets(1, q)
+        mma = graph_time_ms(lambda x, q: run(x, q, "int4", wo_gemm_config(1, "int4")), sets)
+        default = graph_time_ms(lambda x, q: run(x, q, "int4", wo_gemv_config()), sets)
+        swept = graph_time_ms(lambda x, q: run(x, q, "int4", best), sets)
+        rows.append({"N": n, "K": k, "bf16 us": f"{bf16 * 1e3:.1f}", "tensor-core us": f"{mma * 1e3:.1f}",
+                     "GEMV us": f"{default * 1e3:.1f}", "GEMV best us": f"{swept * 1e3:.1f}",
+                     "best x bf16": f"{bf16 / swept:.2f}",
+                     "best % copy": f"{100 * q.nbytes / swept / 1e6 / ceiling:.0f}"})
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -215,7 +213,7 @@ def main():
         return
     if "--gemv" in sys.argv:
         best = gemv_sweep()
-        print({fmt: " ".join(f"{key}={v}" for key, v in cfg.items()) for fmt, cfg in best.items()})
+        print("best:", " ".join(f"{key}={v}" for key, v in best.items()))
         print(table(gemv_race(ceiling, best)))
         return
     if "--crossover" in sys.argv:

@@ -32,7 +32,7 @@ from fxquant.kernels.cast import float_cast_mode, interpreting
 from fxquant.kernels.codes import FORMATS, block_scale, e2m1_value, nibbles, offset_int
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
-from fxquant.kernels.gemv_weight_only import GEMV_MAX_M, weight_only_gemv
+from fxquant.kernels.gemv_weight_only import gemv_takes, weight_only_gemv
 from fxquant.kernels.launch import cdiv, sm_count
 from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
 from fxquant.kernels.tiles import k_steps_of, store_tile, tile_offsets
@@ -179,8 +179,8 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
         raise ValueError(f"fxquant: weight-only groups must be powers of two, got {group}")
     if M == 0 or N == 0:
         return torch.empty((M, N), dtype=a.dtype, device=a.device)
-    if (M <= GEMV_MAX_M and config is None) or (config is not None and "BLOCK_M" not in config):
-        return weight_only_gemv(a, codes, scale, fmt, group, N, zero_point, global_scale, bias, config)
+    if (config is None and gemv_takes(M, fmt, group)) or (config is not None and "BLOCK_M" not in config):
+        return weight_only_gemv(a, codes, scale, group, N, zero_point, bias, config)
     overrides = tuple(sorted(config.items())) if config is not None else None
     plan = _launch_plan(M, N, K, fmt, group, sm_count(a.device), overrides)
     if plan is None:

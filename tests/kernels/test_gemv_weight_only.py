@@ -1,6 +1,6 @@
-"""The weight-only GEMV (Triton) against the fp64 product of the dequantized weight, with the tensor-core kernel's
-bound (`test_gemm_weight_only.within_bound`): every decoded code is exact, products are summed in fp32, and int4's
-group scale multiplies each group's exact-integer sum once."""
+"""The int4 GEMV (Triton) against the fp64 product of the dequantized weight, with the tensor-core kernel's bound
+(`test_gemm_weight_only.within_bound`): every decoded code is exact, each product rounds once, and each group's
+sum is scaled once."""
 
 import pytest
 import torch
@@ -8,53 +8,47 @@ import torch
 from fxquant import reference as R
 from fxquant.kernels import gemm_weight_only
 from fxquant.kernels.gemm_weight_only import weight_only_mm
-from fxquant.kernels.gemv_weight_only import GEMV_MAX_M, wo_gemv_config
-from tests.kernels.test_gemm_weight_only import DEVICE, GRANULARITY, GROUP, within_bound
+from fxquant.kernels.gemv_weight_only import wo_gemv_config
+from tests.kernels.test_gemm_weight_only import DEVICE, within_bound
 
-# (M, N, K): split-K, an N tail with a K tail (384 is one and a half 256-wide steps), the widest M, a 512-wide row.
-SHAPES = [(1, 128, 1024), (3, 80, 384), (GEMV_MAX_M, 64, 256), (2, 40, 512)]
-CASES = [(fmt, False) for fmt in GRANULARITY] + [("int4", True)]
+# (N, K, group): split-K; an N tail with a K tail (640 ends mid step); groups of 32 and 64 (several per step);
+# a group of 1024, which widens the 512-wide step.
+SHAPES = [(128, 2048, 128), (80, 640, 128), (48, 512, 32), (40, 1024, 64), (32, 2048, 1024)]
 
 
-def quantized(fmt, N, K, gen, symmetric, granularity=None):
+def quantized(N, K, group, gen, symmetric):
     w = torch.randn(N, K, generator=gen) * 0.05
-    granularity = granularity or GRANULARITY[fmt]
-    if fmt == "int4":
-        return R.quantize(w.to(DEVICE), fmt, granularity, symmetric=symmetric)
-    return R.quantize(w.to(DEVICE), fmt, granularity) if granularity else R.quantize(w.to(DEVICE), fmt)
+    return R.quantize(w.to(DEVICE), "int4", ("group", group), symmetric=symmetric)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zero point", "symmetric"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("fmt,symmetric", CASES, ids=lambda v: {True: "symmetric", False: ""}.get(v, v))
-def test_gemv_is_the_exact_product_rounded_once(fmt, symmetric, shape, dtype):
-    M, N, K = shape
+def test_gemv_is_the_exact_product_rounded_once(shape, symmetric, dtype):
+    N, K, group = shape
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(M, K, generator=gen).to(dtype).to(DEVICE)
+    x = torch.randn(1, K, generator=gen).to(dtype).to(DEVICE)
     bias = torch.randn(N, generator=gen).to(dtype).to(DEVICE)
-    q = quantized(fmt, N, K, gen, symmetric)
-    out = weight_only_mm(x, q.data, q.scale, fmt, GROUP[fmt], N, zero_point=q.zero_point,
-                         global_scale=q.global_scale, bias=bias)
-    assert out.shape == (M, N) and out.dtype == dtype
+    q = quantized(N, K, group, gen, symmetric)
+    out = weight_only_mm(x, q.data, q.scale, "int4", group, N, zero_point=q.zero_point, bias=bias,
+                         config=dict(wo_gemv_config(), programs=8))  # few programs: several K steps per slice
+    assert out.shape == (1, N) and out.dtype == dtype
     assert within_bound(out, x, R.dequantize(q, torch.float64), bias)
 
 
-@pytest.mark.parametrize("group", [64, 512])
-def test_int4_groups_narrower_and_wider_than_a_k_step(group):
-    """Two groups per 128-wide step, and a 512-wide group that widens the step to 512."""
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(1, 1024, generator=gen).to(torch.bfloat16).to(DEVICE)
-    q = quantized("int4", 48, 1024, gen, False, ("group", group))
-    out = weight_only_mm(x, q.data, q.scale, "int4", group, 48, zero_point=q.zero_point,
-                         config=dict(wo_gemv_config("int4"), BLOCK_K=128))
-    assert within_bound(out, x, R.dequantize(q, torch.float64))
-
-
-def test_small_m_takes_the_gemv_and_larger_m_the_tensor_cores(monkeypatch):
+@pytest.mark.parametrize("M,fmt,group,expected", [
+    (1, "int4", 128, True), (1, "int4", 32, True), (2, "int4", 128, False), (1, "int4", 16, False),
+    (1, "mxfp4", 32, False), (1, "int8", 0, False),
+])
+def test_one_row_of_int4_takes_the_gemv(M, fmt, group, expected, monkeypatch):
+    """Groups of 16 codes are narrower than the GEMV's 16-byte loads of 32; other formats and M > 1 take the tensor
+    cores."""
     calls = []
-    monkeypatch.setattr(gemm_weight_only, "weight_only_gemv", lambda *args: calls.append(args[0].shape[0]))
-    q = quantized("int4", 64, 256, torch.Generator().manual_seed(4), False)
-    for m in (1, GEMV_MAX_M, GEMV_MAX_M + 1):
-        weight_only_mm(torch.randn(m, 256, device=DEVICE, dtype=torch.bfloat16), q.data, q.scale, "int4", 128, 64,
-                       zero_point=q.zero_point)
-    assert calls == [1, GEMV_MAX_M]
+    monkeypatch.setattr(gemm_weight_only, "weight_only_gemv", lambda *args: calls.append(args) or args[0])
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(64, 256, generator=gen).to(DEVICE)
+    q = (R.quantize(w, fmt, ("group", group)) if fmt == "int4" else
+         R.quantize(w, fmt, "channel") if fmt == "int8" else R.quantize(w, fmt))
+    weight_only_mm(torch.randn(M, 256, device=DEVICE, dtype=torch.bfloat16), q.data, q.scale, fmt, group, 64,
+                   zero_point=q.zero_point, global_scale=q.global_scale)
+    assert bool(calls) is expected
