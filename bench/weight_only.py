@@ -134,7 +134,7 @@ def gemv_sweep() -> dict:
     totals = {}
     for n, k in NKS[:2]:
         sets = weight_sets(1, quantized_weight(n, k, "int4"))
-        for values in itertools.product([16, 32], [256, 512], [2, 4], [2, 3], [528, 1056]):
+        for values in itertools.product([16, 32], [512, 1024], [4, 8], [2], [528, 1056]):
             cfg = dict(zip(GEMV_KEYS, values, strict=True))
             try:
                 ms = graph_time_ms(lambda x, q, c=cfg: run(x, q, "int4", c), sets)

@@ -39,11 +39,11 @@ def _field(w, P: tl.constexpr):
 
 
 @triton.jit
-def _columns8(x, ROWS: tl.constexpr):
-    """The 8 columns of x [ROWS, 4, 8] as tensors [ROWS, 4]: j = 4 * b2 + 2 * b1 + b0, split lowest bit first."""
-    even, odd = tl.split(tl.reshape(x, (ROWS, 4, 4, 2)))
-    c0, c2 = tl.split(tl.reshape(even, (ROWS, 4, 2, 2)))
-    c1, c3 = tl.split(tl.reshape(odd, (ROWS, 4, 2, 2)))
+def _columns8(x, G: tl.constexpr, Q: tl.constexpr):
+    """The 8 columns of x [G, Q, 4, 8] as tensors [G, Q, 4]: j = 4 * b2 + 2 * b1 + b0, split lowest bit first."""
+    even, odd = tl.split(tl.reshape(x, (G, Q, 4, 4, 2)))
+    c0, c2 = tl.split(tl.reshape(even, (G, Q, 4, 2, 2)))
+    c1, c3 = tl.split(tl.reshape(odd, (G, Q, 4, 2, 2)))
     j0, j4 = tl.split(c0)
     j2, j6 = tl.split(c2)
     j1, j5 = tl.split(c1)
@@ -69,6 +69,7 @@ def _wo_gemv_kernel(
     first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
     GROUPS: tl.constexpr = BLOCK_K // GROUP  # int4 groups per K step
     QUARTERS: tl.constexpr = GROUP // 32  # 4-word (32-code) pieces of a group, each one 16-byte load per thread
+    quarters = tl.arange(0, QUARTERS)
     words4 = tl.arange(0, 4)
     lanes8 = tl.arange(0, 8)
     acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
@@ -81,35 +82,31 @@ def _wo_gemv_kernel(
                         other=0).to(tl.int32)
         else:  # a symmetric code c is (c ^ 8) - 8
             z = tl.full((BLOCK_N, GROUPS), 8, tl.int32)
-        z = z[:, :, None]
+        z = z[:, :, None, None]
         z0, z1, z2, z3 = _field(z, 0), _field(z << 4, 1), _field(z << 8, 2), _field(z << 12, 3)
-        # Each thread holds whole groups of a row, so its sums need no other thread until after the loop. Code
-        # field p of a half word sums, exactly scaled by 2^(4p), into part_p.
-        part0 = tl.zeros((BLOCK_N, GROUPS, 4), dtype=tl.float32)
-        part1 = tl.zeros((BLOCK_N, GROUPS, 4), dtype=tl.float32)
-        part2 = tl.zeros((BLOCK_N, GROUPS, 4), dtype=tl.float32)
-        part3 = tl.zeros((BLOCK_N, GROUPS, 4), dtype=tl.float32)
-        for i in tl.static_range(QUARTERS):
-            word = offs_g[None, :, None] * (GROUP // 8) + 4 * i + words4[None, None, :]  # [1, G, 4]
-            lo = tl.load(w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn + word,
-                         mask=g_mask[:, :, None], other=0)  # [BN, G, 4]: codes 0-3 of each word in its low half
-            if not HAS_ZP:
-                lo = lo ^ NIBBLE_SIGNS
-            hi = lo >> 16  # codes 4-7 (the sign bits the shift brings in are masked off)
-            k = (offs_g[:, None, None] * (GROUP // 8) + 4 * i + words4[None, :, None]) * 8 + lanes8[None, None, :]
-            a = tl.load(a_ptr + k * stride_ak, mask=k < K, other=0.0).to(tl.float32)  # masked K adds nothing
-            a0, a1, a2, a3, a4, a5, a6, a7 = _columns8(a, GROUPS)
-            # (q - z) * 2^(4p) exactly, as the difference of two fields; one fp32 FMA per code
-            part0 += (_field(lo, 0) - z0) * a0[None]
-            part1 += (_field(lo, 1) - z1) * a1[None]
-            part2 += (_field(lo, 2) - z2) * a2[None]
-            part3 += (_field(lo, 3) - z3) * a3[None]
-            part0 += (_field(hi, 0) - z0) * a4[None]
-            part1 += (_field(hi, 1) - z1) * a5[None]
-            part2 += (_field(hi, 2) - z2) * a6[None]
-            part3 += (_field(hi, 3) - z3) * a7[None]
+        # The step's words and activations are loaded at once, so their latencies overlap. Each thread holds 4
+        # words (32 codes) of a row; code field p of a half word sums, exactly scaled by 2^(4p), into part_p.
+        word = (offs_g[:, None, None] * QUARTERS + quarters[None, :, None]) * 4 + words4[None, None, :]  # [G, Q, 4]
+        lo = tl.load(w_ptr + offs_n[:, None, None, None].to(tl.int64) * stride_wn + word[None],
+                     mask=g_mask[:, :, None, None], other=0)  # [BN, G, Q, 4]: codes 0-3 of a word, low half
+        if not HAS_ZP:
+            lo = lo ^ NIBBLE_SIGNS
+        hi = lo >> 16  # codes 4-7 (the sign bits the shift brings in are masked off)
+        k = word[:, :, :, None] * 8 + lanes8[None, None, None, :]  # [G, Q, 4, 8]
+        a = tl.load(a_ptr + k * stride_ak, mask=k < K, other=0.0).to(tl.float32)  # masked K adds nothing
+        a0, a1, a2, a3, a4, a5, a6, a7 = _columns8(a, GROUPS, QUARTERS)
+        # (q - z) * 2^(4p) exactly, as the difference of two fields; one fp32 FMA per code
+        part0 = (_field(lo, 0) - z0) * a0[None]
+        part1 = (_field(lo, 1) - z1) * a1[None]
+        part2 = (_field(lo, 2) - z2) * a2[None]
+        part3 = (_field(lo, 3) - z3) * a3[None]
+        part0 += (_field(hi, 0) - z0) * a4[None]
+        part1 += (_field(hi, 1) - z1) * a5[None]
+        part2 += (_field(hi, 2) - z2) * a6[None]
+        part3 += (_field(hi, 3) - z3) * a7[None]
         part = part0 + part1 * 0.0625 + part2 * 0.00390625 + part3 * 0.000244140625  # times 2^-4p: exact
-        acc += tl.sum(part, axis=2) * scale  # each group's sum scaled once, as the tensor-core kernel does
+        part = tl.sum(tl.sum(part, axis=3), axis=2)
+        acc += part * scale  # each group's sum scaled once, as the tensor-core kernel does
     out = tl.sum(acc, axis=1)
     store_tile(out[None, :], c_ptr, ws_ptr, bias_ptr, tl.arange(0, 1), offs_n, 1, N, 0, stride_cn, pid_k,
                HAS_BIAS, SPLIT_K, OUT, CAST)
@@ -123,7 +120,7 @@ def gemv_takes(M: int, fmt: str, group: int) -> bool:
 def wo_gemv_config() -> dict:
     """Tiles for the GEMV: the winners of `bench/weight_only.py --gemv` on an H200 (BENCHMARKS.md). A group wider
     than BLOCK_K widens the K step to it."""
-    return dict(BLOCK_N=16, BLOCK_K=512, num_warps=2, num_stages=2, programs=1056)
+    return dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=2, programs=1056)
 
 
 @functools.lru_cache(maxsize=1024)
