@@ -1,8 +1,7 @@
 """Weight-only GEMMs and the fused norm -> fp8 on the GPU: correctness first, then time against bf16 torch.mm
 (cuBLAS) and the unfused norm + quantize, measured in the same process.
 
-Run: PYTHONPATH=. python bench/weight_only.py [--sweep | --crossover | --gemv] [--decode]
-(--gemv: sweep the int4 GEMV's tiles at M = 1, then race it against the tensor-core kernel)
+Run: PYTHONPATH=. python bench/weight_only.py [--sweep | --crossover] [--decode]
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from bench.common import copy_bandwidth_gbs, graph_time_ms, header, rotating, ta
 from fxquant import reference as R
 from fxquant.kernels import gemm_weight_only
 from fxquant.kernels.gemm_weight_only import weight_only_mm, wo_gemm_config
-from fxquant.kernels.gemv_weight_only import wo_gemv_config
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8
 
 MS = [1, 16] if "--decode" in sys.argv else [1, 16, 128, 1024, 4096]  # --decode: the M <= 16 rows alone
@@ -121,54 +119,6 @@ def crossover(ceiling) -> list[dict]:
     return rows
 
 
-GEMV_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "programs")
-
-
-def weight_sets(m, q):
-    n, k = q.shape
-    return rotating(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16), _copy(q)), q.nbytes + m * k * 2)
-
-
-def gemv_sweep() -> dict:
-    """Every int4 GEMV candidate at M = 1 on 4096x4096 and 14336x4096; the best by total time."""
-    totals = {}
-    for n, k in NKS[:2]:
-        sets = weight_sets(1, quantized_weight(n, k, "int4"))
-        for values in itertools.product([16, 32], [512, 1024], [4, 8], [2], [528, 1056]):
-            cfg = dict(zip(GEMV_KEYS, values, strict=True))
-            try:
-                ms = graph_time_ms(lambda x, q, c=cfg: run(x, q, "int4", c), sets)
-            except Exception as exc:  # a config the compiler rejects (registers) is skipped
-                print("  skip", cfg, type(exc).__name__, flush=True)
-                ms = float("inf")
-            totals[values] = totals.get(values, 0.0) + ms
-    ranked = sorted(totals.items(), key=lambda item: item[1])
-    for values, ms in ranked[:6]:
-        print(f"  int4 M=1 both shapes {ms * 1e3:.1f} us {dict(zip(GEMV_KEYS, values, strict=True))}", flush=True)
-    return dict(zip(GEMV_KEYS, ranked[0][0], strict=True))
-
-
-def gemv_race(ceiling, best) -> list[dict]:
-    """int4 at M = 1: bf16 torch.mm, the tensor-core kernel (its decode tiles), the GEMV's default and the sweep's
-    best."""
-    rows = []
-    for n, k in NKS:
-        q = quantized_weight(n, k, "int4")
-        bf16 = graph_time_ms(lambda x, w: x @ w.T, rotating(
-            lambda: (torch.randn(1, k, device="cuda", dtype=torch.bfloat16),
-                     torch.randn(n, k, device="cuda", dtype=torch.bfloat16)), (1 + n) * k * 2))
-        sets = weight_sets(1, q)
-        mma = graph_time_ms(lambda x, q: run(x, q, "int4", wo_gemm_config(1, "int4")), sets)
-        default = graph_time_ms(lambda x, q: run(x, q, "int4", wo_gemv_config()), sets)
-        swept = graph_time_ms(lambda x, q: run(x, q, "int4", best), sets)
-        rows.append({"N": n, "K": k, "bf16 us": f"{bf16 * 1e3:.1f}", "tensor-core us": f"{mma * 1e3:.1f}",
-                     "GEMV us": f"{default * 1e3:.1f}", "GEMV best us": f"{swept * 1e3:.1f}",
-                     "best x bf16": f"{bf16 / swept:.2f}",
-                     "best % copy": f"{100 * q.nbytes / swept / 1e6 / ceiling:.0f}"})
-        print(rows[-1], flush=True)
-    return rows
-
-
 def _copy(q):
     clone = lambda t: None if t is None else t.clone()
     return type(q)(q.data.clone(), q.scale.clone(), q.fmt, q.granularity, q.shape, q.dtype,
@@ -210,11 +160,6 @@ def main():
     print(f"copy ceiling (read+write): {ceiling:.0f} GB/s")
     if "--sweep" in sys.argv:
         print(table(sweep(ceiling)))
-        return
-    if "--gemv" in sys.argv:
-        best = gemv_sweep()
-        print("best:", " ".join(f"{key}={v}" for key, v in best.items()))
-        print(table(gemv_race(ceiling, best)))
         return
     if "--crossover" in sys.argv:
         print(table(crossover(ceiling)))

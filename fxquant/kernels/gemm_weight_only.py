@@ -1,9 +1,8 @@
 """Weight-only GEMMs: out[M, N] = A[M, K] (bf16/fp16) @ dequantize(W)[N, K].T (+ bias), fp32 accumulation.
 
-Up to GEMV_MAX_M rows, a GEMV on CUDA cores (`gemv_weight_only.py`). Past that, two paths chosen by `dequantizes`
-from a measured crossover. Decode and well-filled medium M dequantize the weight in registers, tile by tile, with
-no full-precision copy of it. Otherwise the weight is dequantized to the activation dtype (`dequantize_weight.py`,
-at most CHUNK_ELEMENTS at a time) and cuBLAS multiplies it.
+Two paths, chosen by `dequantizes` from a measured crossover. Decode and well-filled medium M dequantize the
+weight in registers, tile by tile, with no full-precision copy of it. Otherwise the weight is dequantized to the
+activation dtype (`dequantize_weight.py`, at most CHUNK_ELEMENTS at a time) and cuBLAS multiplies it.
 
 In registers, each code is turned into a value the activation dtype holds exactly, so the tensor cores multiply
 exact operands:
@@ -32,7 +31,6 @@ from fxquant.kernels.cast import float_cast_mode, interpreting
 from fxquant.kernels.codes import FORMATS, block_scale, e2m1_value, nibbles, offset_int
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
-from fxquant.kernels.gemv_weight_only import gemv_takes, weight_only_gemv
 from fxquant.kernels.launch import cdiv, sm_count
 from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
 from fxquant.kernels.tiles import k_steps_of, store_tile, tile_offsets
@@ -159,11 +157,9 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
                    bias=None, config=None):
     """a: [M, K] bf16/fp16; w: the codes as `fxquant.quantize` packs them ([N, K] int8, or [N, K/2] uint8);
     w_scale: [N, 1] (int8), [N, K/group] fp32 (int4), E8M0 (mxfp4) or e4m3 (nvfp4). Returns [M, N] in a's dtype.
-    Up to GEMV_MAX_M rows the GEMV (`gemv_weight_only.py`) decodes and multiplies on CUDA cores. Decode and
-    well-filled medium M (see `dequantizes`) dequantize in registers for the tensor cores; otherwise, and for int4
-    groups narrower than a K step, the weight is dequantized to the activation dtype in chunks of at most
-    CHUNK_ELEMENTS, each multiplied by cuBLAS. An explicit tile `config` picks the kernel for any M: a
-    `wo_gemm_config` dict (it has BLOCK_M) the tensor-core kernel, a `wo_gemv_config` dict the GEMV."""
+    Decode and well-filled medium M (see `dequantizes`), or any M given an explicit tile `config`, dequantize in
+    registers; otherwise, and for int4 groups narrower than a K step, the weight is dequantized to the activation
+    dtype in chunks of at most CHUNK_ELEMENTS, each multiplied by cuBLAS."""
     M, K = a.shape
     if fmt not in FORMATS or a.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"fxquant: weight-only GEMM takes bf16/fp16 activations and one of {list(FORMATS)}; got "
@@ -179,8 +175,6 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
         raise ValueError(f"fxquant: weight-only groups must be powers of two, got {group}")
     if M == 0 or N == 0:
         return torch.empty((M, N), dtype=a.dtype, device=a.device)
-    if (config is None and gemv_takes(M, fmt, group)) or (config is not None and "BLOCK_M" not in config):
-        return weight_only_gemv(a, codes, scale, group, N, zero_point, bias, config)
     overrides = tuple(sorted(config.items())) if config is not None else None
     plan = _launch_plan(M, N, K, fmt, group, sm_count(a.device), overrides)
     if plan is None:
