@@ -99,8 +99,9 @@ def is_block_scaled(a_scale: torch.Tensor, b_scale: torch.Tensor, N: int) -> boo
 def _launch_plan(M: int, N: int, K: int, block_scales: bool, tma_ready: bool,
                  overrides: tuple) -> tuple[int, int, bool, dict]:
     """(output tiles, K slices, whether the TMA kernel runs it, tile meta-parameters) of a product; tma_ready: the
-    GPU has TMA and descriptors can read the operands. The same for every call at a shape, so worked out once.
-    overrides: (name, value) pairs replacing the bucket's config, e.g. from a sweep."""
+    GPU has TMA (the caller asks again with False where descriptors cannot read the operands). The same for every
+    call at a shape, so worked out once. overrides: (name, value) pairs replacing the bucket's config, e.g. from
+    a sweep."""
     cfg = {**fp8_gemm_config(M, N, K, block_scales, tma_ready), **dict(overrides)}
     if block_scales and (cfg["BLOCK_K"] != SCALE_BLOCK or SCALE_BLOCK % cfg["BLOCK_N"]):
         # One activation scale per K step and one weight scale per tile: any other tiling reads wrong scales.
@@ -143,9 +144,11 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
-    # Decode tiles split K and never take the TMA kernel: no descriptor check on decode's host-bound path.
-    tma_ready = M > 16 and (interpreting(_fp8_gemm_kernel) or capability(a.device) >= (9, 0)) and describable(a, b)
-    tiles, split, tma, meta = _launch_plan(M, N, K, block_scales, tma_ready, tuple(sorted((config or {}).items())))
+    overrides = tuple(sorted((config or {}).items()))
+    tma_capable = interpreting(_fp8_gemm_kernel) or capability(a.device) >= (9, 0)
+    tiles, split, tma, meta = _launch_plan(M, N, K, block_scales, tma_capable, overrides)
+    if tma and not describable(a, b):  # checked only where the plan wants TMA: decode's host path skips it
+        tiles, split, tma, meta = _launch_plan(M, N, K, block_scales, False, overrides)
     if tma:
         launch_tma(a, b, out, a_scale, b_scale, bias, (out.stride(0), out.stride(1), asm, ask, bsn, bsk),
                    block_scales=block_scales, scale_block=SCALE_BLOCK, out_tl=TORCH_TO_TL[out_dtype],
