@@ -1,5 +1,7 @@
 """In-kernel decoding of weight codes, shared by the weight-only GEMM and the weight dequantizer: packed 4-bit
-words split into codes, integers made exact floats from bits, e2m1 values, and per-block scales."""
+words split into codes, integers made exact floats from bits, e2m1 values, and per-block scales. The GEMM's
+bf16/fp16 paths decode two codes per instruction in inline PTX; the interpreter, which runs no PTX, takes a
+one-code-at-a-time path to the same values (tests/kernels/test_codes.py checks both, bit for bit)."""
 
 from __future__ import annotations
 
@@ -39,28 +41,144 @@ def block_scale(s_ptr, offs_n, k_index, stride_sn, stride_sk, mask, FMT: tl.cons
 
 
 @triton.jit
-def nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] 4-bit codes of one K step, in K order, as int32. Packed rows are read as int32 words
-    (nibble j of a little-endian word is code j of its 8), then split with joins, which keep each word's 8 codes
-    in one thread: k = 4 * b2 + 2 * b1 + b0, and each join adds the next lower bit as the fastest dimension."""
+def packed_words(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K / 8] int32 words of one K step's packed 4-bit codes (nibble j of a little-endian word
+    is code j of its 8)."""
     WORDS: tl.constexpr = BLOCK_K // 8
     word = step * WORDS + tl.arange(0, WORDS)
     mask = mask_n[:, None] if EVEN_K else mask_n[:, None] & (word[None, :] * 8 < K)
-    packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + word[None, :], mask=mask, other=0)
-    even = tl.join(tl.join(packed & 15, (packed >> 16) & 15), tl.join((packed >> 8) & 15, (packed >> 24) & 15))
-    odd = tl.join(tl.join((packed >> 4) & 15, (packed >> 20) & 15), tl.join((packed >> 12) & 15, (packed >> 28) & 15))
-    return tl.reshape(tl.join(even, odd), (offs_n.shape[0], BLOCK_K))
+    return tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + word[None, :], mask=mask, other=0)
 
 
 @triton.jit
-def offset_int(n, DOT: tl.constexpr):
-    """OFFSET + n exactly in DOT for 0 <= n < 16, with no int -> float conversion: n ORed into the mantissa of a
-    power of two whose ulp is 1 (OFFSET = 2^7 in bf16, 2^10 in fp16, 2^23 in fp32). A difference of two such
-    values is the exact difference of the integers."""
-    if DOT == tl.bfloat16:
-        value = (n | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    elif DOT == tl.float16:
-        value = (n | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+def in_k_order(c0, c1, c2, c3, c4, c5, c6, c7):
+    """Codes 0..7 of [BLOCK_N, WORDS] words as one [BLOCK_N, 8 * WORDS] tensor in K order, each word's codes
+    kept in one thread. A join appends its pair index as the last dimension, so nested joins reverse the bits of
+    the index: pairing codes 4 apart innermost, then 2 apart, then 1 apart puts code k at position k."""
+    joined = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+    return tl.reshape(joined, (c0.shape[0], c0.shape[1] * 8))
+
+
+@triton.jit
+def split_words(packed):
+    """[BLOCK_N, WORDS] words as their [BLOCK_N, 8 * WORDS] codes in K order, as int32."""
+    return in_k_order(packed & 15, (packed >> 4) & 15, (packed >> 8) & 15, (packed >> 12) & 15,
+                      (packed >> 16) & 15, (packed >> 20) & 15, (packed >> 24) & 15, (packed >> 28) & 15)
+
+
+@triton.jit
+def nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] 4-bit codes of one K step, in K order, as int32."""
+    return split_words(packed_words(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K))
+
+
+@triton.jit
+def int4_differences(packed, zero, DOT: tl.constexpr):
+    """q - z for every code q of the [BLOCK_N, WORDS] words, with z the [BLOCK_N, 1] int32 zero points: exact
+    small integers in DOT, [BLOCK_N, 8 * WORDS] in K order. On the GPU (bf16, fp16) two codes go at a time in
+    PTX: a masked pair of nibbles ORed into a pair of biased floats (OFFSET + q, OFFSET's ulp being 1) is one
+    lop3, and one packed fma subtracts OFFSET + z from both. The interpreter (DOT fp32), which runs no PTX, builds
+    the same values one code at a time."""
+    if DOT == tl.float32:
+        ints = biased(split_words(packed)) - biased(zero)
+    elif DOT == tl.bfloat16:
+        neg = zero | 0xC300  # -(2^7 + z) in bf16
+        neg = neg | (neg << 16)
+        out = tl.inline_asm_elementwise(_INT4_PAIRS_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [packed, neg, 0x3F803F80],
+                                        dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        ints = in_k_order(out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7])
     else:
-        value = biased(n)
-    return value
+        neg = zero | 0xE400  # -(2^10 + z) in fp16
+        neg = neg | (neg << 16)
+        out = tl.inline_asm_elementwise(_INT4_PAIRS_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [packed, neg, 0x3C003C00],
+                                        dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        ints = in_k_order(out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7])
+    return ints
+
+
+# Outputs $0..$7 are codes 0..7 of word $8 minus z; $9 holds -(OFFSET + z) twice and $10 the float 1 twice. Pair j
+# holds codes j (low half) and j + 4 (high half), nibbles 16 bits apart. OFFSET + q and the difference are exact
+# in the 16-bit float, so the fma's rounding mode never applies.
+_INT4_PAIRS_ASM = """
+{
+.reg .b32 w, p0, p1, p2, p3;
+lop3.b32 p0, $8, 0x000f000f, OFFSET, 0xea;
+shr.u32 w, $8, 4;
+lop3.b32 p1, w, 0x000f000f, OFFSET, 0xea;
+shr.u32 w, $8, 8;
+lop3.b32 p2, w, 0x000f000f, OFFSET, 0xea;
+shr.u32 w, $8, 12;
+lop3.b32 p3, w, 0x000f000f, OFFSET, 0xea;
+FMA p0, p0, $10, $9;
+FMA p1, p1, $10, $9;
+FMA p2, p2, $10, $9;
+FMA p3, p3, $10, $9;
+mov.b32 {$0, $4}, p0;
+mov.b32 {$1, $5}, p1;
+mov.b32 {$2, $6}, p2;
+mov.b32 {$3, $7}, p3;
+}
+"""
+_INT4_PAIRS_BF16 = tl.constexpr(_INT4_PAIRS_ASM.replace("OFFSET", "0x43004300").replace("FMA", "fma.rn.bf16x2"))
+_INT4_PAIRS_F16 = tl.constexpr(_INT4_PAIRS_ASM.replace("OFFSET", "0x64006400").replace("FMA", "fma.rn.f16x2"))
+
+
+@triton.jit
+def fp4_values(packed, scale, GROUP: tl.constexpr, DOT: tl.constexpr):
+    """Each e2m1 code of the [BLOCK_N, WORDS] words times its block's fp32 scale ([BLOCK_N, 8 * WORDS / GROUP]):
+    [BLOCK_N, 8 * WORDS] in DOT, K order, exact wherever the product is (an E8M0 or e4m3 scale times an e2m1
+    value has at most 6 significant bits). In bf16, two codes go at a time in PTX: each code's bits land in a bf16
+    pair's sign, exponent and mantissa fields, which is the value times 2^-126 (e2m1's subnormal 0.5 lands on a
+    bf16 subnormal), and two packed multiplies, by 2^126 and by the scale, are exact. Elsewhere (fp16, whose range
+    could clip a scale, and the interpreter's fp32) the value is formed in fp32 and rounded once."""
+    BLOCK_N: tl.constexpr = packed.shape[0]
+    WORDS: tl.constexpr = packed.shape[1]
+    BLOCKS: tl.constexpr = WORDS * 8 // GROUP
+    if DOT == tl.bfloat16:
+        bits = scale.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # exact: 8-bit exponent
+        pair = tl.reshape(tl.broadcast_to((bits | (bits << 16))[:, :, None], (BLOCK_N, BLOCKS, GROUP // 8)),
+                          (BLOCK_N, WORDS))
+        out = tl.inline_asm_elementwise(_FP4_PAIRS_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [packed, pair, 0x7E807E80],
+                                        dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        values = in_k_order(out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7])
+    else:
+        values = tl.reshape(e2m1_value(split_words(packed)), (BLOCK_N, BLOCKS, GROUP)) * scale[:, :, None]
+        values = tl.reshape(values, (BLOCK_N, WORDS * 8)).to(DOT)
+    return values
+
+
+# Outputs $0..$7 are codes 0..7 of word $8 times the bf16 scale held twice in $9; $10 holds 2^126 twice. Pair j
+# holds codes j (low half) and j + 4 (high half): a code's exponent and mantissa bits (2..0) shift to bf16 bits
+# 8..6 and its sign (bit 3) to bit 15. Both multiplies are exact, so their rounding mode never applies.
+_FP4_PAIRS_BF16 = tl.constexpr("""
+{
+.reg .b32 m, s, p0, p1, p2, p3;
+shl.b32 m, $8, 6;
+and.b32 m, m, 0x01c001c0;
+shl.b32 s, $8, 12;
+lop3.b32 p0, s, 0x80008000, m, 0xea;
+shl.b32 m, $8, 2;
+and.b32 m, m, 0x01c001c0;
+shl.b32 s, $8, 8;
+lop3.b32 p1, s, 0x80008000, m, 0xea;
+shr.u32 m, $8, 2;
+and.b32 m, m, 0x01c001c0;
+shl.b32 s, $8, 4;
+lop3.b32 p2, s, 0x80008000, m, 0xea;
+shr.u32 m, $8, 6;
+and.b32 m, m, 0x01c001c0;
+lop3.b32 p3, $8, 0x80008000, m, 0xea;
+mul.rn.bf16x2 p0, p0, $10;
+mul.rn.bf16x2 p1, p1, $10;
+mul.rn.bf16x2 p2, p2, $10;
+mul.rn.bf16x2 p3, p3, $10;
+mul.rn.bf16x2 p0, p0, $9;
+mul.rn.bf16x2 p1, p1, $9;
+mul.rn.bf16x2 p2, p2, $9;
+mul.rn.bf16x2 p3, p3, $9;
+mov.b32 {$0, $4}, p0;
+mov.b32 {$1, $5}, p1;
+mov.b32 {$2, $6}, p2;
+mov.b32 {$3, $7}, p3;
+}
+""")

@@ -13,7 +13,8 @@ exact operands:
 - NVFP4: the e2m1 value times its block's e4m3 scale (exact: at most 6 significant bits); the fp32 global
   scale is applied in the epilogue.
 Packed 4-bit weights hold K-pairs per byte (low nibble first); the kernel reads them as int32 words of 8 codes
-(4-bit K must be a multiple of 8) and splits each word in the thread that loaded it.
+(4-bit K must be a multiple of 8) and decodes each word in the thread that loaded it, two codes per instruction
+in bf16 (and fp16 for int4) (`codes.py`).
 Decode splits K across programs (`splitk.py`). K and N tails are masked. Under Triton's interpreter, whose bf16
 dot is wrong, the dot runs in fp32 on the same exact operands.
 """
@@ -28,7 +29,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import float_cast_mode, interpreting
-from fxquant.kernels.codes import FORMATS, block_scale, e2m1_value, nibbles, offset_int
+from fxquant.kernels.codes import FORMATS, block_scale, fp4_values, int4_differences, packed_words
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, sm_count
@@ -66,25 +67,25 @@ def _wo_gemm_kernel(
             # through fp32: the interpreter mangles int8 -> bf16, and fp32 -> bf16 of a small integer is exact
             acc = tl.dot(a, w.to(tl.float32).to(DOT), acc)
         elif FMT == 1:
-            codes = nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
+            packed = packed_words(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
             s_index = step * BLOCK_K // GROUP  # BLOCK_K divides GROUP: one group per K step
             scale = tl.load(s_ptr + offs_n * stride_sn + s_index * stride_sk, mask=mask_n, other=0.0)
             # The MMA multiplies exact small integers, q - z, and the group's fp32 scale multiplies the fp32
             # partial sum: more exact than a dequantized weight rounded to bf16, and no int -> float conversions.
             if HAS_ZP:
                 z = tl.load(z_ptr + offs_n * stride_sn + s_index * stride_sk, mask=mask_n, other=0).to(tl.int32)
-                ints = offset_int(codes, DOT) - offset_int(z, DOT)[:, None]
             else:  # a symmetric code c is (c ^ 8) - 8
-                ints = offset_int(codes ^ 8, DOT) - offset_int(tl.full((BLOCK_N, 1), 8, tl.int32), DOT)
+                packed = packed ^ -0x77777778  # 0x88888888 as int32: bit 3 of every nibble
+                z = tl.full((BLOCK_N,), 8, tl.int32)
+            ints = int4_differences(packed, z[:, None], DOT)
             acc += tl.dot(a, tl.trans(ints)) * scale[None, :]
         else:
-            codes = nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
+            packed = packed_words(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
             BLOCKS: tl.constexpr = BLOCK_K // GROUP  # scale blocks per K step (BLOCK_K is a multiple of 16, 32)
             offs_b = step * BLOCKS + tl.arange(0, BLOCKS)
             scale = block_scale(s_ptr, offs_n[:, None], offs_b[None, :], stride_sn, stride_sk,
                                  mask_n[:, None] & (offs_b[None, :] * GROUP < K), FMT)  # [BN, BLOCKS]
-            values = tl.reshape(e2m1_value(codes), (BLOCK_N, BLOCKS, GROUP)) * scale[:, :, None]
-            acc = tl.dot(a, tl.trans(tl.reshape(values, (BLOCK_N, BLOCK_K)).to(DOT)), acc)
+            acc = tl.dot(a, tl.trans(fp4_values(packed, scale, GROUP, DOT)), acc)
     if FMT == 0:
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0)[None, :]
     if FMT == 3:
