@@ -109,7 +109,7 @@ def crossover(ceiling) -> list[dict]:
         sets = rotating(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
                                  torch.randn(n, k, device="cuda", dtype=torch.bfloat16)), (m + n) * k * 2)
         bf16 = graph_time_ms(lambda x, w: x @ w.T, sets)
-        registers, _ = timed(m, n, k, fmt, wo_gemm_config(min(m, 128), fmt))
+        registers, _ = timed(m, n, k, fmt, wo_gemm_config(min(m, 128), k, fmt))
         threshold, gemm_weight_only.DEQUANTIZE_ABOVE_M = gemm_weight_only.DEQUANTIZE_ABOVE_M, 0  # every M dequantizes
         dequantized, _ = timed(m, n, k, fmt, None)
         gemm_weight_only.DEQUANTIZE_ABOVE_M = threshold

@@ -94,16 +94,18 @@ def _wo_gemm_kernel(
                HAS_BIAS, SPLIT_K, OUT, CAST)
 
 
-def wo_gemm_config(M: int, fmt: str) -> dict:
+def wo_gemm_config(M: int, K: int, fmt: str) -> dict:
     """Tiles for the in-register path (M <= DEQUANTIZE_ABOVE_M) by M bucket and format: the winners of
     `bench/weight_only.py --sweep` on an H200 (BENCHMARKS.md) for the Llama shapes. Decode streams the weight with
     narrow N tiles and split-K, aiming at 1056 programs (8 per SM) for 4-bit formats, whose unpacking needs more
-    warps in flight to hide load latency. BLOCK_K divides int4's group of 128 and is a multiple of every 4-bit
-    block (16, 32)."""
+    warps in flight to hide load latency; a long K (down_proj's 14336) does better at 528 (int4 at M = 1: 21.1 us
+    against 23.0), where slices of 14 K steps instead of 7 amortize each program's pipeline fill. BLOCK_K divides
+    int4's group of 128 and is a multiple of every 4-bit block (16, 32)."""
     packed = fmt != "int8"
     if M <= 16:
+        programs = (528 if K > 8192 else 1056) if packed else TARGET_PROGRAMS
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3 if packed else 5,
-                    programs=1056 if packed else TARGET_PROGRAMS)
+                    programs=programs)
     if fmt == "int4":
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3,
                     programs=TARGET_PROGRAMS)
@@ -125,13 +127,13 @@ DEQUANTIZE_ABOVE_M = 128
 CHUNK_ELEMENTS = 2**27
 
 
-def dequantizes(M: int, N: int, fmt: str, sms: int) -> bool:
+def dequantizes(M: int, N: int, K: int, fmt: str, sms: int) -> bool:
     """Whether `weight_only_mm` takes the dequantize + cuBLAS path for an [M, K] x [N, K] product on `sms` SMs."""
     if M <= 16:
         return False
     if M > DEQUANTIZE_ABOVE_M:
         return True
-    cfg = wo_gemm_config(M, fmt)
+    cfg = wo_gemm_config(M, K, fmt)
     return 4 * cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]) < 3 * sms
 
 
@@ -140,9 +142,9 @@ def _launch_plan(M: int, N: int, K: int, fmt: str, group: int, sms: int, overrid
     """(output tiles, K slices, tile meta-parameters) of the in-register kernel, or None where the product
     dequantizes the weight instead: the same for every call at a shape, so worked out once. overrides: an
     explicit tile config as (name, value) pairs, which always takes the in-register kernel."""
-    cfg = dict(overrides) if overrides is not None else wo_gemm_config(M, fmt)
+    cfg = dict(overrides) if overrides is not None else wo_gemm_config(M, K, fmt)
     in_registers = not (fmt == "int4" and group % cfg["BLOCK_K"])  # one int4 group per K step, at least
-    if overrides is None and (not in_registers or dequantizes(M, N, fmt, sms)):
+    if overrides is None and (not in_registers or dequantizes(M, N, K, fmt, sms)):
         return None
     if not in_registers:
         raise ValueError(f"fxquant: int4 groups of {group} need BLOCK_K dividing them, got {cfg['BLOCK_K']}")

@@ -40,7 +40,7 @@ def test_kernel_is_the_exact_product_rounded_once(fmt, shape, dtype):
     bias = torch.randn(N, generator=gen).to(dtype).to(DEVICE)
     q = R.quantize(w, fmt, GRANULARITY[fmt]) if GRANULARITY[fmt] else R.quantize(w, fmt)
     out = weight_only_mm(x, q.data, q.scale, fmt, GROUP[fmt], N, zero_point=q.zero_point,
-                         global_scale=q.global_scale, bias=bias, config=wo_gemm_config(min(M, 128), fmt))
+                         global_scale=q.global_scale, bias=bias, config=wo_gemm_config(min(M, 128), K, fmt))
     assert out.shape == (M, N) and out.dtype == dtype
     assert within_bound(out, x, R.dequantize(q, torch.float64), bias)
 
@@ -76,7 +76,7 @@ def test_dequantize_path_multiplies_the_rounded_weight(fmt, chunk_elements, M, w
     monkeypatch.setattr(gemm_weight_only, "CHUNK_ELEMENTS", chunk_elements)
     gen = torch.Generator().manual_seed(2)
     N, K = 24, 256
-    assert dequantizes(M, N, fmt, 132)
+    assert dequantizes(M, N, K, fmt, 132)
     x = torch.randn(M, K, generator=gen).to(torch.bfloat16).to(DEVICE)
     bias = torch.randn(N, generator=gen).to(torch.bfloat16).to(DEVICE) if with_bias else None
     q = quantized(fmt, N, K, gen)
@@ -95,7 +95,7 @@ def test_dequantize_path_multiplies_the_rounded_weight(fmt, chunk_elements, M, w
     (256, 14336, "int4", True),  # above DEQUANTIZE_ABOVE_M: 138 us against 93 us
 ])
 def test_path_choice_follows_the_measured_crossover(M, N, fmt, expected):
-    assert dequantizes(M, N, fmt, sms=132) is expected
+    assert dequantizes(M, N, 4096, fmt, sms=132) is expected
 
 
 def test_symmetric_int4_and_no_bias():
