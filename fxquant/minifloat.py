@@ -66,7 +66,8 @@ def decode(code: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     exp_field = mag >> fmt.mbits
     mant = (mag & (2**fmt.mbits - 1)).to(torch.float32)
     normal = (1 + mant * 2.0**-fmt.mbits) * pow2(exp_field - fmt.bias)
-    value = torch.where(exp_field == 0, mant * fmt.min_subnormal, normal)
+    # an exponent-only format (E8M0) has no subnormals: its code 0 is 2^-bias, not 0
+    value = torch.where(exp_field == 0, mant * fmt.min_subnormal, normal) if fmt.mbits else normal
     if fmt.specials is Specials.IEEE:
         top = exp_field == 2**fmt.ebits - 1
         value = torch.where(top, torch.where(mant == 0, torch.inf, torch.nan), value)

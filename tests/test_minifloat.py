@@ -29,7 +29,7 @@ def test_generic_rounding_matches_ml_dtypes(fmt):
     assert torch.equal(torch.signbit(ours), torch.signbit(theirs))
 
 
-@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [E4M3, E5M2, E8M0], ids=lambda f: f.name)
 def test_decode_matches_torch_on_every_code(fmt):
     codes = torch.arange(256, dtype=torch.int32)
     theirs = codes.to(torch.uint8).view(fmt.torch_dtype).float()
