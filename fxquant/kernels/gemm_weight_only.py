@@ -14,7 +14,7 @@ exact operands:
   scale is applied in the epilogue.
 Packed 4-bit weights hold K-pairs per byte (low nibble first); the kernel reads them as int32 words of 8 codes
 (4-bit K must be a multiple of 8) and decodes each word in the thread that loaded it, two codes per instruction
-in bf16 (and fp16 for int4) (`codes.py`).
+in bf16, and in fp16 for int4 (`codes.py`).
 Decode splits K across programs (`splitk.py`). K and N tails are masked. Under Triton's interpreter, whose bf16
 dot is wrong, the dot runs in fp32 on the same exact operands.
 """
