@@ -24,7 +24,8 @@ def rounding_cases(fmt: FloatFormat) -> torch.Tensor:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Mismatch count between two fp8 tensors: bits must agree, except that any NaN matches any NaN."""
-    fa, fb = a.float(), b.float()
-    both_nan = torch.isnan(fa) & torch.isnan(fb)
-    return int(((a.view(torch.uint8) != b.view(torch.uint8)) & ~both_nan).sum())
+    """Mismatch count between two float tensors of one width: bits must agree (signed zeros included), except that
+    any NaN matches any NaN."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    both_nan = torch.isnan(a.float()) & torch.isnan(b.float())
+    return int(((a.view(ints) != b.view(ints)) & ~both_nan).sum())
