@@ -1,6 +1,7 @@
 """The K loop of the weight-only GEMM in SASS, without a GPU: the kernel is compiled ahead of time for sm_90 with
 the specializations a real launch gets (unit strides, 16-divisible sizes and pointers), disassembled with the
-`cuobjdump` that Triton ships, and the longest loop's instructions are counted by opcode.
+`cuobjdump` that Triton ships, and the longest loop's instructions are counted by opcode. The registers per thread
+(which cap the programs an SM holds) come from the same cubin.
 
 Run: python bench/sass.py [int8|int4|mxfp4|nvfp4] [--stages N]
 """
@@ -29,8 +30,9 @@ DIVISIBLE = ("N", "K", "stride_am", "stride_wn", "stride_sn", "stride_cm")
 GROUPS = {"int8": 1, "int4": 128, "mxfp4": 32, "nvfp4": 16}
 
 
-def decode_kernel_sass(fmt: str, stages: int | None = None) -> str:
-    """SASS of the decode (M <= 16) configuration, split-K on, with zero points for int4."""
+def decode_kernel_sass(fmt: str, stages: int | None = None) -> tuple[str, int]:
+    """SASS and registers per thread of the decode (M <= 16) configuration, split-K on, with zero points for
+    int4."""
     cfg = wo_gemm_config(16, 4096, fmt)
     types = ["*bf16", "*i8" if fmt == "int8" else "*i32", "*fp32" if fmt in ("int8", "int4") else "*u8", "*u8",
              "*fp32", "*bf16", "*fp32", "*bf16"] + ["i32"] * 11
@@ -48,7 +50,9 @@ def decode_kernel_sass(fmt: str, stages: int | None = None) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
-        return subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+        dump = lambda flag: subprocess.run([cuobjdump, flag, cubin.name], capture_output=True, text=True,
+                                           check=True).stdout
+        return dump("-sass"), int(re.search(r"REG:(\d+)", dump("-res-usage")).group(1))
 
 
 def longest_loop(sass: str) -> collections.Counter:
@@ -65,8 +69,10 @@ def longest_loop(sass: str) -> collections.Counter:
 def main():
     fmt = next((a for a in sys.argv[1:] if a in FORMATS), "int4")
     stages = int(sys.argv[sys.argv.index("--stages") + 1]) if "--stages" in sys.argv else None
-    ops = longest_loop(decode_kernel_sass(fmt, stages))
-    print(f"{fmt}: {sum(ops.values())} instructions per K step per thread (triton {triton.__version__}, sm_90)")
+    sass, registers = decode_kernel_sass(fmt, stages)
+    ops = longest_loop(sass)
+    print(f"{fmt}: {sum(ops.values())} instructions per K step per thread, {registers} registers per thread "
+          f"(triton {triton.__version__}, sm_90)")
     for name, count in ops.most_common(12):
         print(f"  {count:5d}  {name}")
 
