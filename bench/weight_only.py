@@ -65,12 +65,12 @@ def bench_gemms(ceiling) -> list[dict]:
 
 
 def sweep_candidates(m):
-    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "programs")
-    if m <= 16:
-        grid = itertools.product([16], [32, 64, 128], [128], [1], [4], [3, 5], [264, 1056])
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "programs", "maxnreg")
+    if m <= 16:  # maxnreg 96: 5 programs of 128 threads per SM instead of the int4 kernel's 4 (bench/sass.py)
+        grid = itertools.product([16], [32, 64, 128], [128], [1], [4], [3, 5], [528, 1056], [None, 96])
     else:
-        grid = [(bm, bn, 128, 8, w, s, 264) for bm, bn, w in [(128, 128, 8), (128, 128, 4), (64, 128, 4), (128, 256, 8)]
-                for s in (3, 4)]
+        grid = [(bm, bn, 128, 8, w, s, 264, None)
+                for bm, bn, w in [(128, 128, 8), (128, 128, 4), (64, 128, 4), (128, 256, 8)] for s in (3, 4)]
     return [dict(zip(keys, values, strict=True)) for values in grid]
 
 

@@ -153,6 +153,8 @@ def _launch_plan(M: int, N: int, K: int, fmt: str, group: int, sms: int, overrid
     meta = dict(EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                 BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"])
+    if cfg.get("maxnreg"):  # a cap on registers per thread, so more programs fit an SM
+        meta["maxnreg"] = cfg["maxnreg"]
     return tiles, split, meta
 
 
