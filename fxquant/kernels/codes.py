@@ -81,17 +81,12 @@ def int4_differences(packed, zero, DOT: tl.constexpr):
     the same values one code at a time."""
     if DOT == tl.float32:
         ints = biased(split_words(packed)) - biased(zero)
-    elif DOT == tl.bfloat16:
-        neg = zero | 0xC300  # -(2^7 + z) in bf16
-        neg = neg | (neg << 16)
-        out = tl.inline_asm_elementwise(_INT4_PAIRS_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [packed, neg, 0x3F803F80],
-                                        dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-        ints = in_k_order(out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7])
     else:
-        neg = zero | 0xE400  # -(2^10 + z) in fp16
-        neg = neg | (neg << 16)
-        out = tl.inline_asm_elementwise(_INT4_PAIRS_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [packed, neg, 0x3C003C00],
-                                        dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        bf16: tl.constexpr = DOT == tl.bfloat16
+        neg = zero | (0xC300 if bf16 else 0xE400)  # -(2^7 + z) in bf16, -(2^10 + z) in fp16
+        out = tl.inline_asm_elementwise(_INT4_PAIRS_BF16 if bf16 else _INT4_PAIRS_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
+                                        [packed, neg | (neg << 16), 0x3F803F80 if bf16 else 0x3C003C00],  # 1.0 twice
+                                        dtype=(tl.bfloat16 if bf16 else tl.float16,) * 8, is_pure=True, pack=1)
         ints = in_k_order(out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7])
     return ints
 
