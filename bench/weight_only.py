@@ -1,7 +1,7 @@
 """Weight-only GEMMs and the fused norm -> fp8 on the GPU: correctness first, then time against bf16 torch.mm
 (cuBLAS) and the unfused norm + quantize, measured in the same process.
 
-Run: PYTHONPATH=. python bench/weight_only.py [--sweep | --crossover] [--decode]
+Run: PYTHONPATH=. python bench/weight_only.py [--sweep | --crossover] [--decode | --medium]
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from fxquant.kernels import gemm_weight_only
 from fxquant.kernels.gemm_weight_only import weight_only_mm, wo_gemm_config
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8
 
-MS = [1, 16] if "--decode" in sys.argv else [1, 16, 128, 1024, 4096]  # --decode: the M <= 16 rows alone
+# --decode: the M <= 16 rows alone; --medium: M = 32, 64, 128
+MS = [1, 16] if "--decode" in sys.argv else [32, 64, 128] if "--medium" in sys.argv else [1, 16, 128, 1024, 4096]
 NKS = [(4096, 4096), (14336, 4096), (4096, 14336)]
 FORMATS = {"int8": ("channel", 0), "int4": (("group", 128), 128), "mxfp4": (None, 32), "nvfp4": (None, 16)}
 
@@ -64,42 +65,75 @@ def bench_gemms(ceiling) -> list[dict]:
     return rows
 
 
-def sweep_candidates(m):
-    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "programs", "maxnreg")
-    if m <= 16:  # maxnreg 96: 5 programs of 128 threads per SM instead of the int4 kernel's 4 (bench/sass.py)
-        grid = itertools.product([16], [32, 64, 128], [128], [1], [4], [3, 5], [528, 1056], [None, 96])
-    else:
-        grid = [(bm, bn, 128, 8, w, s, 264, None)
-                for bm, bn, w in [(128, 128, 8), (128, 128, 4), (64, 128, 4), (128, 256, 8)] for s in (3, 4)]
+def decode_candidates() -> list[dict]:
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "programs")
+    grid = itertools.product([16], [32, 64, 128], [128], [1], [4], [3, 5], [528, 1056])
     return [dict(zip(keys, values, strict=True)) for values in grid]
 
 
-def timed(m, n, k, fmt, cfg):
-    q = quantized_weight(n, k, fmt)
+# Medium-M tiles, each splitting K toward its program count where the output tiles are fewer.
+MEDIUM_CANDIDATES = {f"{bm}x{bn} p{p}": dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=4,
+                                              num_stages=3, programs=p)
+                     for bm, bn, p in [(16, 64, 528), (32, 64, 264), (64, 64, 264), (64, 128, 264), (32, 128, 264)]}
+
+
+def timed(m, n, k, fmt, cfg, q=None):
+    q = q if q is not None else quantized_weight(n, k, fmt)
     sets = rotating(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16), _copy(q)), q.nbytes + m * k * 2)
     return graph_time_ms(lambda x, q: run(x, q, fmt, cfg), sets), q.nbytes
 
 
 def sweep(ceiling) -> list[dict]:
-    """Every candidate on the widest shape, then the five best of each on the other shapes and M."""
+    """Decode: every candidate on the widest shape, then the five best of each on the other shapes and M."""
     rows = []
-    for fmt, m_probe in itertools.product(("int4", "mxfp4", "int8"), [m for m in (16, 1024) if m <= MS[-1]]):
+    for fmt in ("int4", "mxfp4", "int8"):
         ranked = []
-        for cfg in sweep_candidates(m_probe):
+        for cfg in decode_candidates():
             try:
-                ranked.append((timed(m_probe, 14336, 4096, fmt, cfg)[0], cfg))
+                ranked.append((timed(16, 14336, 4096, fmt, cfg)[0], cfg))
             except Exception as exc:  # a config the compiler rejects (shared memory, registers) is skipped
                 print("  skip", fmt, cfg, type(exc).__name__, flush=True)
         ranked.sort(key=lambda r: r[0])
         for ms, cfg in ranked[:8]:
-            print(f"  {fmt} M={m_probe} 14336x4096 {ms * 1e3:.1f} us {cfg}", flush=True)
-        for (n, k), m in itertools.product(NKS, (1, 16) if m_probe == 16 else (1024, 4096)):
+            print(f"  {fmt} M=16 14336x4096 {ms * 1e3:.1f} us {cfg}", flush=True)
+        for (n, k), m in itertools.product(NKS, (1, 16)):
             best = min((timed(m, n, k, fmt, cfg) + (cfg,) for _, cfg in ranked[:5]), key=lambda r: r[0])
             rows.append({"format": fmt, "M": m, "N": n, "K": k, "us": f"{best[0] * 1e3:.1f}",
                          "% copy": f"{100 * best[1] / best[0] / 1e6 / ceiling:.0f}",
                          "best": " ".join(f"{key}={v}" for key, v in best[2].items())})
             print(rows[-1], flush=True)
     return rows
+
+
+def sweep_medium() -> list[dict]:
+    """M = 32, 64, 128: every medium candidate on every shape, beside the shipped dispatch, the dequantize + cuBLAS
+    path and bf16 torch.mm (us). A candidate whose error against the fp64 product exceeds 1e-2 shows as nan."""
+    rows = []
+    for (n, k), m, fmt in itertools.product(NKS, (32, 64, 128), ("int4", "mxfp4", "int8")):
+        q = quantized_weight(n, k, fmt)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        exact = x.double() @ R.dequantize(q, torch.float64).T
+        sets = rotating(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+                                 torch.randn(n, k, device="cuda", dtype=torch.bfloat16)), (m + n) * k * 2)
+        row = {"format": fmt, "M": m, "N x K": f"{n}x{k}", "bf16": graph_time_ms(lambda x, w: x @ w.T, sets),
+               "shipped": timed(m, n, k, fmt, None, q)[0], "dequantized": _dequantized_ms(m, n, k, fmt, q)}
+        for name, cfg in MEDIUM_CANDIDATES.items():
+            err = float((run(x, q, fmt, cfg).double() - exact).norm() / exact.norm())
+            row[name] = timed(m, n, k, fmt, cfg, q)[0] if err < 1e-2 else float("nan")
+        best = min(MEDIUM_CANDIDATES, key=lambda c: row[c] if row[c] == row[c] else float("inf"))
+        rows.append({key: (f"{v * 1e3:.1f}" if isinstance(v, float) else v) for key, v in row.items()} | {"best": best})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def _dequantized_ms(m, n, k, fmt, q):
+    threshold, gemm_weight_only.DEQUANTIZE_ABOVE_M = gemm_weight_only.DEQUANTIZE_ABOVE_M, 0  # every M dequantizes
+    gemm_weight_only._launch_plan.cache_clear()
+    try:
+        return timed(m, n, k, fmt, None, q)[0]
+    finally:
+        gemm_weight_only.DEQUANTIZE_ABOVE_M = threshold
+        gemm_weight_only._launch_plan.cache_clear()
 
 
 def crossover(ceiling) -> list[dict]:
@@ -109,10 +143,9 @@ def crossover(ceiling) -> list[dict]:
         sets = rotating(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
                                  torch.randn(n, k, device="cuda", dtype=torch.bfloat16)), (m + n) * k * 2)
         bf16 = graph_time_ms(lambda x, w: x @ w.T, sets)
-        registers, _ = timed(m, n, k, fmt, wo_gemm_config(min(m, 128), k, fmt))
-        threshold, gemm_weight_only.DEQUANTIZE_ABOVE_M = gemm_weight_only.DEQUANTIZE_ABOVE_M, 0  # every M dequantizes
-        dequantized, _ = timed(m, n, k, fmt, None)
-        gemm_weight_only.DEQUANTIZE_ABOVE_M = threshold
+        q = quantized_weight(n, k, fmt)
+        registers, _ = timed(m, n, k, fmt, wo_gemm_config(min(m, 128), n, k, fmt), q)
+        dequantized = _dequantized_ms(m, n, k, fmt, q)
         rows.append({"M": m, "N": n, "K": k, "format": fmt, "bf16 us": f"{bf16 * 1e3:.1f}",
                      "in registers us": f"{registers * 1e3:.1f}", "dequantize + cuBLAS us": f"{dequantized * 1e3:.1f}"})
         print(rows[-1], flush=True)
@@ -159,12 +192,12 @@ def main():
     ceiling = copy_bandwidth_gbs()
     print(f"copy ceiling (read+write): {ceiling:.0f} GB/s")
     if "--sweep" in sys.argv:
-        print(table(sweep(ceiling)))
+        print(table(sweep_medium() if "--medium" in sys.argv else sweep(ceiling)))
         return
     if "--crossover" in sys.argv:
         print(table(crossover(ceiling)))
         return
-    if "--decode" not in sys.argv:
+    if "--decode" not in sys.argv and "--medium" not in sys.argv:
         print(table(bench_norm(ceiling)))
     print(table(bench_gemms(ceiling)))
 

@@ -1,8 +1,8 @@
 """Weight-only GEMMs: out[M, N] = A[M, K] (bf16/fp16) @ dequantize(W)[N, K].T (+ bias), fp32 accumulation.
 
-Two paths, chosen by `dequantizes` from a measured crossover. Decode and well-filled medium M dequantize the
-weight in registers, tile by tile, with no full-precision copy of it. Otherwise the weight is dequantized to the
-activation dtype (`dequantize_weight.py`, at most CHUNK_ELEMENTS at a time) and cuBLAS multiplies it.
+Two paths, chosen by M from a measured crossover. Up to DEQUANTIZE_ABOVE_M the weight is dequantized in registers,
+tile by tile, with no full-precision copy of it. Past it the weight is dequantized to the activation dtype
+(`dequantize_weight.py`, at most CHUNK_ELEMENTS at a time) and cuBLAS multiplies it.
 
 In registers, each code is turned into a value the activation dtype holds exactly, so the tensor cores multiply
 exact operands:
@@ -15,8 +15,8 @@ exact operands:
 Packed 4-bit weights hold K-pairs per byte (low nibble first); the kernel reads them as int32 words of 8 codes
 (4-bit K must be a multiple of 8) and decodes each word in the thread that loaded it, two codes per instruction
 in bf16, and in fp16 for int4 (`codes.py`).
-Decode splits K across programs (`splitk.py`). K and N tails are masked. Under Triton's interpreter, whose bf16
-dot is wrong, the dot runs in fp32 on the same exact operands.
+Where the output tiles are too few for the SMs, K is split across programs (`splitk.py`). K and N tails are masked.
+Under Triton's interpreter, whose bf16 dot is wrong, the dot runs in fp32 on the same exact operands.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from fxquant.kernels.cast import float_cast_mode, interpreting
 from fxquant.kernels.codes import FORMATS, block_scale, fp4_values, int4_differences, packed_words
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
-from fxquant.kernels.launch import cdiv, sm_count
+from fxquant.kernels.launch import cdiv
 from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
 from fxquant.kernels.tiles import k_steps_of, store_tile, tile_offsets
 
@@ -94,32 +94,32 @@ def _wo_gemm_kernel(
                HAS_BIAS, SPLIT_K, OUT, CAST)
 
 
-def wo_gemm_config(M: int, K: int, fmt: str) -> dict:
+def wo_gemm_config(M: int, N: int, K: int, fmt: str) -> dict:
     """Tiles for the in-register path (M <= DEQUANTIZE_ABOVE_M) by M bucket and format: the winners of
-    `bench/weight_only.py --sweep` on an H200 (BENCHMARKS.md) for the Llama shapes. Decode streams the weight with
-    narrow N tiles and split-K, aiming at 1056 programs (8 per SM) for 4-bit formats, whose unpacking needs more
-    warps in flight to hide load latency; a long K (down_proj's 14336) does better at 528 (int4 at M = 1: 21.1 us
-    against 23.0), where slices of 14 K steps instead of 7 amortize each program's pipeline fill. BLOCK_K divides
-    int4's group of 128 and is a multiple of every 4-bit block (16, 32)."""
-    packed = fmt != "int8"
+    `bench/weight_only.py --sweep` (decode) and `--sweep --medium` on an H200 (BENCHMARKS.md) for the Llama shapes.
+    `programs` is the split-K target (None: no split). Decode streams the weight with narrow N tiles, aiming at
+    1056 programs (8 per SM) for 4-bit formats, whose unpacking needs more warps in flight to hide load latency; a
+    long K (down_proj's 14336) does better at 528 (int4 at M = 1: 21.1 us against 23.0), where slices of 14 K steps
+    instead of 7 amortize each program's pipeline fill. Medium M splits K toward 264 programs: on 4096x14336 an
+    int4 product at M = 32 took 27.8 us against 80.2 us dequantized. BLOCK_K divides int4's group of 128 and is a
+    multiple of every 4-bit block (16, 32)."""
+    packed, fp4 = fmt != "int8", fmt in ("mxfp4", "nvfp4")
     if M <= 16:
         programs = (528 if K > 8192 else 1056) if packed else TARGET_PROGRAMS
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3 if packed else 5,
                     programs=programs)
-    if fmt == "int4":
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3,
-                    programs=TARGET_PROGRAMS)
-    if packed:
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3,
-                    programs=TARGET_PROGRAMS)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4,
-                programs=TARGET_PROGRAMS)
+    medium = dict(BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, programs=TARGET_PROGRAMS)
+    if M <= 32:
+        return {**medium, "BLOCK_M": 32, "BLOCK_N": 64}
+    if fp4 and M > 64 and N > 8192:  # enough tiles without a split: 56 us against 79 us split (14336x4096, M = 128)
+        return {**medium, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "programs": None}
+    # FP4 at M = 64 ran faster on 64-wide tiles: 40.8 us against 48.8 on 14336x4096 (MXFP4).
+    return {**medium, "BLOCK_M": 64, "BLOCK_N": 64 if fp4 else 128}
 
 
-# Past decode, dequantizing the weight once per call and running cuBLAS beats dequantizing in registers above this M
-# for every shape, and below it whenever the in-register grid would leave a quarter of the SMs idle (split-K serves
-# decode only). Fitted on the H200 crossover in BENCHMARKS.md (fourth round): e.g. int4 at M = 64 takes 47 us in
-# registers against 81 us on 14336x4096 (112 tiles), and 199 us against 83 us on 4096x14336 (32 tiles).
+# Past this M, dequantizing the weight once per call and running cuBLAS beats dequantizing in registers: at M = 256
+# int4 took 138 us in registers against 93 us dequantized on 14336x4096 (BENCHMARKS.md, fourth round). Up to it the
+# in-register kernel with split-K won on every Llama shape (tenth round).
 DEQUANTIZE_ABOVE_M = 128
 # The dequantized weight exists at most this many elements at a time (256 MiB in bf16). At 2**26 a merged 28672x4096
 # gate/up took two chunks, each with a strided copy of its output columns: 7% of an int4_wo prefill (BENCHMARKS.md,
@@ -127,34 +127,22 @@ DEQUANTIZE_ABOVE_M = 128
 CHUNK_ELEMENTS = 2**27
 
 
-def dequantizes(M: int, N: int, K: int, fmt: str, sms: int) -> bool:
-    """Whether `weight_only_mm` takes the dequantize + cuBLAS path for an [M, K] x [N, K] product on `sms` SMs."""
-    if M <= 16:
-        return False
-    if M > DEQUANTIZE_ABOVE_M:
-        return True
-    cfg = wo_gemm_config(M, K, fmt)
-    return 4 * cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]) < 3 * sms
-
-
 @functools.lru_cache(maxsize=1024)
-def _launch_plan(M: int, N: int, K: int, fmt: str, group: int, sms: int, overrides: tuple | None):
+def _launch_plan(M: int, N: int, K: int, fmt: str, group: int, overrides: tuple | None):
     """(output tiles, K slices, tile meta-parameters) of the in-register kernel, or None where the product
     dequantizes the weight instead: the same for every call at a shape, so worked out once. overrides: an
     explicit tile config as (name, value) pairs, which always takes the in-register kernel."""
-    cfg = dict(overrides) if overrides is not None else wo_gemm_config(M, K, fmt)
+    cfg = dict(overrides) if overrides is not None else wo_gemm_config(M, N, K, fmt)
     in_registers = not (fmt == "int4" and group % cfg["BLOCK_K"])  # one int4 group per K step, at least
-    if overrides is None and (not in_registers or dequantizes(M, N, K, fmt, sms)):
+    if overrides is None and (not in_registers or M > DEQUANTIZE_ABOVE_M):
         return None
     if not in_registers:
         raise ValueError(f"fxquant: int4 groups of {group} need BLOCK_K dividing them, got {cfg['BLOCK_K']}")
     tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
-    split = split_k(tiles, cdiv(K, cfg["BLOCK_K"]), cfg["programs"]) if M <= 16 else 1  # split-K serves decode
+    split = split_k(tiles, cdiv(K, cfg["BLOCK_K"]), cfg["programs"]) if cfg.get("programs") else 1
     meta = dict(EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                 BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"])
-    if cfg.get("maxnreg"):  # a cap on registers per thread, so more programs fit an SM
-        meta["maxnreg"] = cfg["maxnreg"]
     return tiles, split, meta
 
 
@@ -162,9 +150,9 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
                    bias=None, config=None):
     """a: [M, K] bf16/fp16; w: the codes as `fxquant.quantize` packs them ([N, K] int8, or [N, K/2] uint8);
     w_scale: [N, 1] (int8), [N, K/group] fp32 (int4), E8M0 (mxfp4) or e4m3 (nvfp4). Returns [M, N] in a's dtype.
-    Decode and well-filled medium M (see `dequantizes`), or any M given an explicit tile `config`, dequantize in
-    registers; otherwise, and for int4 groups narrower than a K step, the weight is dequantized to the activation
-    dtype in chunks of at most CHUNK_ELEMENTS, each multiplied by cuBLAS."""
+    Up to DEQUANTIZE_ABOVE_M, or at any M given an explicit tile `config`, the weight is dequantized in registers;
+    past it, and for int4 groups narrower than a K step, it is dequantized to the activation dtype in chunks of at
+    most CHUNK_ELEMENTS, each multiplied by cuBLAS."""
     M, K = a.shape
     if fmt not in FORMATS or a.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"fxquant: weight-only GEMM takes bf16/fp16 activations and one of {list(FORMATS)}; got "
@@ -181,7 +169,7 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
     if M == 0 or N == 0:
         return torch.empty((M, N), dtype=a.dtype, device=a.device)
     overrides = tuple(sorted(config.items())) if config is not None else None
-    plan = _launch_plan(M, N, K, fmt, group, sm_count(a.device), overrides)
+    plan = _launch_plan(M, N, K, fmt, group, overrides)
     if plan is None:
         return _dequantized_mm(a, codes, scale, fmt, group, zero_point, global_scale, bias)
     tiles, split, meta = plan

@@ -10,13 +10,13 @@ import torch
 from fxquant import reference as R
 from fxquant.kernels import gemm_weight_only
 from fxquant.kernels.dequantize_weight import dequantize_weight
-from fxquant.kernels.gemm_weight_only import DEQUANTIZE_ABOVE_M, dequantizes, weight_only_mm, wo_gemm_config
+from fxquant.kernels.gemm_weight_only import DEQUANTIZE_ABOVE_M, _launch_plan, weight_only_mm, wo_gemm_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GRANULARITY = {"int8": "channel", "int4": ("group", 128), "mxfp4": None, "nvfp4": None}
 GROUP = {"int8": 0, "int4": 128, "mxfp4": 32, "nvfp4": 16}
-# (M, N, K): decode with split-K (K >= 1024), N and M tails, a medium and a large M bucket.
-SHAPES = [(1, 128, 1024), (16, 96, 1024), (5, 80, 384), (37, 128, 256), (200, 64, 256)]
+# (M, N, K): decode with split-K (K >= 1024), N and M tails, medium M with and without split-K, a large M.
+SHAPES = [(1, 128, 1024), (16, 96, 1024), (5, 80, 384), (24, 96, 1024), (37, 128, 256), (200, 64, 256)]
 
 
 def within_bound(out, x, w_hp, bias=None, rounded_weight=False):
@@ -40,7 +40,7 @@ def test_kernel_is_the_exact_product_rounded_once(fmt, shape, dtype):
     bias = torch.randn(N, generator=gen).to(dtype).to(DEVICE)
     q = R.quantize(w, fmt, GRANULARITY[fmt]) if GRANULARITY[fmt] else R.quantize(w, fmt)
     out = weight_only_mm(x, q.data, q.scale, fmt, GROUP[fmt], N, zero_point=q.zero_point,
-                         global_scale=q.global_scale, bias=bias, config=wo_gemm_config(min(M, 128), K, fmt))
+                         global_scale=q.global_scale, bias=bias, config=wo_gemm_config(min(M, 128), N, K, fmt))
     assert out.shape == (M, N) and out.dtype == dtype
     assert within_bound(out, x, R.dequantize(q, torch.float64), bias)
 
@@ -66,17 +66,16 @@ def test_dequantize_weight_is_the_reference_bit_for_bit(fmt, K, symmetric, dtype
 
 
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no bias"])
-@pytest.mark.parametrize("M", [40, DEQUANTIZE_ABOVE_M + 72])
+@pytest.mark.parametrize("M", [DEQUANTIZE_ABOVE_M + 1, DEQUANTIZE_ABOVE_M + 72])
 @pytest.mark.parametrize("chunk_elements", [2**26, 4 * 256], ids=["one chunk", "rows of 4"])
 @pytest.mark.parametrize("fmt", list(GRANULARITY))
 def test_dequantize_path_multiplies_the_rounded_weight(fmt, chunk_elements, M, with_bias, monkeypatch):
-    """Past DEQUANTIZE_ABOVE_M, or at medium M with a grid too small for the GPU (here one tile), the weight is
-    rounded once to bf16 (half an ulp) and multiplied by torch's GEMM, in chunks of rows when it is large (here
-    forced to 4 rows)."""
+    """Past DEQUANTIZE_ABOVE_M the weight is rounded once to bf16 (half an ulp) and multiplied by torch's GEMM, in
+    chunks of rows when it is large (here forced to 4 rows)."""
     monkeypatch.setattr(gemm_weight_only, "CHUNK_ELEMENTS", chunk_elements)
     gen = torch.Generator().manual_seed(2)
     N, K = 24, 256
-    assert dequantizes(M, N, K, fmt, 132)
+    assert _launch_plan(M, N, K, fmt, GROUP[fmt], None) is None
     x = torch.randn(M, K, generator=gen).to(torch.bfloat16).to(DEVICE)
     bias = torch.randn(N, generator=gen).to(torch.bfloat16).to(DEVICE) if with_bias else None
     q = quantized(fmt, N, K, gen)
@@ -86,16 +85,21 @@ def test_dequantize_path_multiplies_the_rounded_weight(fmt, chunk_elements, M, w
     assert within_bound(out, x, R.dequantize(q, torch.float64), bias, rounded_weight=True)
 
 
-@pytest.mark.parametrize("M,N,fmt,expected", [
-    (16, 4096, "int4", False),  # decode: in registers with split-K, always
-    (64, 14336, "int4", False),  # 112 tiles: 47 us in registers, 81 us dequantized (H200)
-    (128, 14336, "mxfp4", False),  # 112 tiles: 70 us against 83 us
-    (64, 4096, "int4", True),  # 32 tiles: 199 us against 83 us
-    (128, 4096, "int8", True),  # 64 tiles: 126 us against 90 us
-    (256, 14336, "int4", True),  # above DEQUANTIZE_ABOVE_M: 138 us against 93 us
+@pytest.mark.parametrize("M,N,K,fmt,split", [
+    (16, 4096, 4096, "int4", 8),  # decode: 64 tiles toward 1056 programs, keeping 4 K steps per slice
+    (32, 4096, 14336, "int4", 4),  # 64 tiles toward 264: 27.8 us against 80.2 us dequantized (H200)
+    (64, 4096, 14336, "int4", 8),  # 32 tiles: 38.4 us against 83.0 us
+    (64, 14336, 4096, "mxfp4", 1),  # 224 64-wide tiles fill the SMs unsplit
+    (64, 14336, 4096, "int4", 2),  # 112 tiles: 40.2 us against 80.8 us dequantized
+    (128, 14336, 4096, "mxfp4", 1),  # 112 tiles of 128x128, unsplit: 56 us against 79 us split 2 ways
+    (128, 4096, 4096, "int8", 4),  # 64 tiles: 20.2 us against 26.1 us dequantized
+    (DEQUANTIZE_ABOVE_M + 1, 14336, 4096, "int4", None),  # dequantized: 93 us against 138 us at M = 256
 ])
-def test_path_choice_follows_the_measured_crossover(M, N, fmt, expected):
-    assert dequantizes(M, N, 4096, fmt, sms=132) is expected
+def test_path_choice_follows_the_measured_crossover(M, N, K, fmt, split):
+    """Up to DEQUANTIZE_ABOVE_M the product runs in registers, split along K where its tiles are too few; past it
+    the weight is dequantized (no plan)."""
+    plan = _launch_plan(M, N, K, fmt, GROUP[fmt], None)
+    assert (plan and plan[1]) == split
 
 
 def test_symmetric_int4_and_no_bias():
