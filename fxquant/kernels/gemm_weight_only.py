@@ -111,8 +111,10 @@ def wo_gemm_config(M: int, N: int, K: int, fmt: str) -> dict:
     medium = dict(BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, programs=TARGET_PROGRAMS)
     if M <= 32:
         return {**medium, "BLOCK_M": 32, "BLOCK_N": 64}
-    if fp4 and M > 64 and N > 8192:  # enough tiles without a split: 56 us against 79 us split (14336x4096, M = 128)
-        return {**medium, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "programs": None}
+    if M > 64 and fmt != "int4":
+        # 128-row tiles on 8 warps, split toward 132: at M = 128 int8 took 45.6 us against 54.7 on 64x128 tiles
+        # (14336x4096) and MXFP4 67.2 against 72.3 (4096x14336); int4 ran slower on them (85.7 against 68.1).
+        return {**medium, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "programs": TARGET_PROGRAMS // 2}
     # FP4 at M = 64 ran faster on 64-wide tiles: 40.8 us against 48.8 on 14336x4096 (MXFP4).
     return {**medium, "BLOCK_M": 64, "BLOCK_N": 64 if fp4 else 128}
 
