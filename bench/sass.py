@@ -33,7 +33,7 @@ GROUPS = {"int8": 1, "int4": 128, "mxfp4": 32, "nvfp4": 16}
 def decode_kernel_sass(fmt: str, stages: int | None = None) -> tuple[str, int]:
     """SASS and registers per thread of the decode (M <= 16) configuration, split-K on, with zero points for
     int4."""
-    cfg = wo_gemm_config(16, 4096, 4096, fmt)
+    cfg = wo_gemm_config(16, 4096, fmt)
     types = ["*bf16", "*i8" if fmt == "int8" else "*i32", "*fp32" if fmt in ("int8", "int4") else "*u8", "*u8",
              "*fp32", "*bf16", "*fp32", "*bf16"] + ["i32"] * 11
     signature = dict(zip(ARGS, types, strict=True))

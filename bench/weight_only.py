@@ -150,7 +150,7 @@ def crossover(ceiling) -> list[dict]:
                                  torch.randn(n, k, device="cuda", dtype=torch.bfloat16)), (m + n) * k * 2)
         bf16 = graph_time_ms(lambda x, w: x @ w.T, sets)
         q = quantized_weight(n, k, fmt)
-        registers, _ = timed(m, n, k, fmt, wo_gemm_config(min(m, 128), n, k, fmt), q)
+        registers, _ = timed(m, n, k, fmt, wo_gemm_config(min(m, 128), k, fmt), q)
         dequantized = _dequantized_ms(m, n, k, fmt, q)
         rows.append({"M": m, "N": n, "K": k, "format": fmt, "bf16 us": f"{bf16 * 1e3:.1f}",
                      "in registers us": f"{registers * 1e3:.1f}", "dequantize + cuBLAS us": f"{dequantized * 1e3:.1f}"})

@@ -94,7 +94,7 @@ def _wo_gemm_kernel(
                HAS_BIAS, SPLIT_K, OUT, CAST)
 
 
-def wo_gemm_config(M: int, N: int, K: int, fmt: str) -> dict:
+def wo_gemm_config(M: int, K: int, fmt: str) -> dict:
     """Tiles for the in-register path (M <= DEQUANTIZE_ABOVE_M) by M bucket and format: the winners of
     `bench/weight_only.py --sweep` (decode) and `--sweep --medium` on an H200 (BENCHMARKS.md) for the Llama shapes.
     `programs` is the split-K target (None: no split). Decode streams the weight with narrow N tiles, aiming at
@@ -134,7 +134,7 @@ def _launch_plan(M: int, N: int, K: int, fmt: str, group: int, overrides: tuple 
     """(output tiles, K slices, tile meta-parameters) of the in-register kernel, or None where the product
     dequantizes the weight instead: the same for every call at a shape, so worked out once. overrides: an
     explicit tile config as (name, value) pairs, which always takes the in-register kernel."""
-    cfg = dict(overrides) if overrides is not None else wo_gemm_config(M, N, K, fmt)
+    cfg = dict(overrides) if overrides is not None else wo_gemm_config(M, K, fmt)
     in_registers = not (fmt == "int4" and group % cfg["BLOCK_K"])  # one int4 group per K step, at least
     if overrides is None and (not in_registers or M > DEQUANTIZE_ABOVE_M):
         return None

@@ -41,7 +41,7 @@ def test_kernel_is_the_exact_product_rounded_once(fmt, shape, dtype):
     bias = torch.randn(N, generator=gen).to(dtype).to(DEVICE)
     q = R.quantize(w, fmt, GRANULARITY[fmt]) if GRANULARITY[fmt] else R.quantize(w, fmt)
     out = weight_only_mm(x, q.data, q.scale, fmt, GROUP[fmt], N, zero_point=q.zero_point,
-                         global_scale=q.global_scale, bias=bias, config=wo_gemm_config(min(M, 128), N, K, fmt))
+                         global_scale=q.global_scale, bias=bias, config=wo_gemm_config(min(M, 128), K, fmt))
     assert out.shape == (M, N) and out.dtype == dtype
     assert within_bound(out, x, R.dequantize(q, torch.float64), bias)
 
