@@ -92,7 +92,7 @@ def test_dequantize_path_multiplies_the_rounded_weight(fmt, chunk_elements, M, w
     (64, 4096, 14336, "int4", 8),  # 32 tiles: 38.4 us against 83.0 us
     (64, 14336, 4096, "mxfp4", 1),  # 224 64-wide tiles fill the SMs unsplit
     (64, 14336, 4096, "int4", 2),  # 112 tiles: 40.2 us against 80.8 us dequantized
-    (128, 14336, 4096, "mxfp4", 1),  # 112 tiles of 128x128 fill the SMs unsplit: 55.6 us
+    (128, 14336, 4096, "mxfp4", 1),  # 112 tiles of 128x128; two slices each would pass 132 programs: 55.6 us
     (128, 4096, 4096, "int8", 4),  # 32 tiles of 128x128: 19.3 us against 26.2 us dequantized
     (DEQUANTIZE_ABOVE_M + 1, 14336, 4096, "int4", None),  # dequantized: 93 us against 138 us at M = 256
 ])
