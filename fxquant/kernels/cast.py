@@ -76,13 +76,14 @@ def cast_fp8(x, FP8: tl.constexpr, CAST: tl.constexpr):
 
 @triton.jit
 def cast_float(x, DTYPE: tl.constexpr, CAST: tl.constexpr):
-    """fp32 x -> DTYPE (bf16, fp16 or fp32), round-to-nearest-even. The interpreter truncates to bf16 (about
-    half of all values come out 1 ulp low), so there the rounding is done on the bits first."""
+    """fp32 x -> DTYPE (bf16, fp16 or fp32), round-to-nearest-even. The interpreter's own conversion to bf16
+    truncates (about half of all values come out 1 ulp low) and mangles fp32 subnormals, so there the bf16 bits
+    are made from the fp32 bits."""
     if CAST == 2 and DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
-        # Add half an ulp of bf16, plus one where the kept lsb is odd (ties to even); keep NaN as NaN.
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return tl.where(x == x, rounded.to(tl.float32, bitcast=True), x).to(DTYPE)
+        # Add half an ulp of bf16, plus one where the kept lsb is odd (ties to even); NaN becomes torch's 0x7FC0.
+        rounded = tl.where(x == x, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16, 0x7FC0)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return x.to(DTYPE)
 
 

@@ -1,4 +1,4 @@
-"""The fp8 cast helper against torch's cast and the reference, on every rounding case."""
+"""The cast helpers against torch's casts and the reference, on every rounding case."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from fp8_cases import rounding_cases, same_bits
 
 import fxquant
 from fxquant.formats import E4M3, E5M2
-from fxquant.kernels.cast import CAST_NATIVE, CAST_PTX, cast_fp8, cast_mode
+from fxquant.kernels.cast import CAST_NATIVE, CAST_PTX, cast_float, cast_fp8, cast_mode, float_cast_mode
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CASES = [(E4M3, tl.float8e4nv, "fp8_e4m3"), (E5M2, tl.float8e5, "fp8_e5m2")]
@@ -19,6 +19,13 @@ def _cast_kernel(x_ptr, y_ptr, n, FP8: tl.constexpr, CAST: tl.constexpr, BLOCK: 
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n)
     tl.store(y_ptr + offs, cast_fp8(x, FP8, CAST), mask=offs < n)
+
+
+@triton.jit
+def _bf16_kernel(x_ptr, y_ptr, n, CAST: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(y_ptr + offs, cast_float(x, tl.bfloat16, CAST), mask=offs < n)
 
 
 def run_cast(x, fmt, tl_fp8, mode):
@@ -63,3 +70,19 @@ def test_interpreter_cast_is_wrong_without_the_helper():
     x = torch.tensor([127.3] * 4)
     y = run_cast(x, E4M3, tl.float8e4nv, CAST_NATIVE).float()
     assert y[0].item() != 128.0
+
+
+def test_bf16_cast_matches_torch_on_ties_subnormals_and_specials():
+    """fp32 -> bf16: ties both ways, fp32 subnormals (which the interpreter's own conversion mangles), the largest
+    values that round to inf, and NaN."""
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80C000, 0x3F807FFF, 0x7F7FFFFF, 0x7F7F7FFF, 0x00000001,
+                         0x00008000, 0x00018000, 0x000FFFFF, 0x007FFFFF, 0x00400000, 0x80012345, 0x7F800000,
+                         0xFF800000, 0x7FC00000, 0x7F800001], dtype=torch.int64).to(torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([bits.view(torch.float32), torch.randn(4096, generator=gen) * torch.exp2(
+        torch.randint(-140, 120, (4096,), generator=gen).float())]).to(DEVICE)
+    y = torch.empty(x.shape, dtype=torch.bfloat16, device=DEVICE)
+    _bf16_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), CAST=float_cast_mode(_bf16_kernel), BLOCK=1024)
+    ref = x.to(torch.bfloat16)
+    assert torch.equal(y.isnan(), ref.isnan())
+    assert torch.equal(y.view(torch.int16)[~ref.isnan()], ref.view(torch.int16)[~ref.isnan()])
