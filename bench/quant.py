@@ -9,7 +9,7 @@ import torch
 
 import fxquant
 from bench.common import copy_bandwidth_gbs, graph_time_ms, header, rotating, table
-from fxquant.kernels.quant_fp8 import quantize_fp8_rows, quantize_fp8_static
+from fxquant.kernels.quant_fp8 import quantize_fp8_rows, quantize_fp8_static, quantize_fp8_tensor
 
 SHAPES = [(1, 4096), (16, 4096), (128, 4096), (1024, 4096), (4096, 4096), (16384, 4096), (4096, 14336)]
 
@@ -47,6 +47,8 @@ def main():
             "token": (lambda x: quantize_fp8_rows(x, k), io_bytes(1)),
             "group128": (lambda x: quantize_fp8_rows(x, 128), io_bytes(k // 128)),
             "static": (lambda x: quantize_fp8_static(x, scale), io_bytes(0)),
+            # two passes over x (amax, then codes); GB/s counts its bytes once, as for the others
+            "tensor (dynamic)": (lambda x: quantize_fp8_tensor(x), io_bytes(0)),
             "torch_ref_group128": (
                 lambda x: fxquant.quantize(x, "fp8_e4m3", ("group", 128), impl="reference"), io_bytes(k // 128)),
         }

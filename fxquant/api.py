@@ -33,7 +33,7 @@ def quantize(x: torch.Tensor, fmt: str, granularity=None, *, scale=None, scale_m
         if kernel is None:
             raise NotImplementedError(
                 f"fxquant: no Triton quantize kernel for {fmt} with granularity {granularity!r}; kernels exist "
-                "for fp8 'token', ('group', g <= 16384) and static 'tensor' scales; use impl='reference'"
+                "for fp8 'token', ('group', g <= 16384) and 'tensor' scales; use impl='reference'"
             )
         return kernel()
     return reference.quantize(x, fmt, granularity, scale=scale, scale_mode=scale_mode, symmetric=symmetric)
@@ -46,7 +46,7 @@ def dequantize(q: Quantized, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 def _triton_quantize(x, fmt, granularity, scale):
     """A thunk running the Triton kernel for this request, or None where no kernel serves it."""
-    from fxquant.kernels.quant_fp8 import MAX_ROW_LEN, quantize_fp8_rows, quantize_fp8_static
+    from fxquant.kernels.quant_fp8 import MAX_ROW_LEN, quantize_fp8_rows, quantize_fp8_static, quantize_fp8_tensor
 
     if fmt not in FP8_DTYPES:
         return None
@@ -59,8 +59,8 @@ def _triton_quantize(x, fmt, granularity, scale):
     if gran.kind == "group" and scale is None and gran.sizes[0] <= MAX_ROW_LEN:
         return lambda: Quantized(*quantize_fp8_rows(x, gran.sizes[0], fp8), **meta)
     if gran == Granularity("tensor"):
-        if scale is None:  # dynamic per-tensor: the amax reduction in torch, then the static kernel
-            scale = reference.scale_from_amax(reference.block_amax(x.float().reshape(-1)), reference.FP8[fmt].max)
+        if scale is None:
+            return lambda: Quantized(*quantize_fp8_tensor(x, fp8), **meta)
         s = torch.as_tensor(scale, dtype=torch.float32, device=x.device).reshape(())
         return lambda: Quantized(quantize_fp8_static(x, s, fp8), s, **meta)
     return None

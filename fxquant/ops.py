@@ -100,7 +100,7 @@ def _quantize_fp8(x: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     """Dynamic e4m3 codes and fp32 scales of x [..., K]: per token (group_size 0), per 1 x group_size, or
     per tensor (group_size -1, scale of shape [1])."""
     if group_size < 0:
-        q = quantize(x, "fp8_e4m3", "tensor")  # the static kernel on CUDA after a torch amax
+        q = quantize(x, "fp8_e4m3", "tensor")  # on CUDA two kernels: amax partials, then scale and codes
         return q.data, q.scale.reshape(1)
     row_len = group_size or x.shape[-1]
     if x.is_cuda and row_len <= MAX_ROW_LEN:

@@ -1,4 +1,5 @@
-"""FP8 activation quantization: dynamic per-row scales (per token, or per 1xg group) and static per-tensor.
+"""FP8 activation quantization: dynamic per-row scales (per token, or per 1xg group), and per tensor, static or
+dynamic.
 
 A 1xg group quantizer is the per-row quantizer on the [M*K/g, g] view of a contiguous input, so both
 granularities share `_quant_fp8_rows_kernel`. Numerics match `fxquant.reference` bit for bit: fp32 math,
@@ -80,6 +81,42 @@ def _quant_fp8_static_kernel(
     tl.store(y_ptr + offs, cast_fp8(q, FP8, CAST), mask=mask)
 
 
+@triton.jit
+def _partial_amax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
+    """partial[p] = max |x| over blocks p, p + P, p + 2P, ... (P programs); NaN and inf survive."""
+    programs = tl.num_programs(0)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, programs * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        amax = _max_keep_nan(amax, tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)))
+    tl.store(partial_ptr + tl.program_id(0), tl.reduce(amax, 0, _max_keep_nan))
+
+
+@triton.jit
+def _quant_fp8_tensor_kernel(
+    # pointers
+    x_ptr, y_ptr, partial_ptr, scale_ptr,
+    # sizes
+    n, n_partials,
+    # meta-parameters
+    FMAX: tl.constexpr, FP8: tl.constexpr, CAST: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+    BLOCK: tl.constexpr, PARTIALS: tl.constexpr,
+):
+    """Every program reduces the partial amaxes itself (a few KB from L2) rather than wait on another launch."""
+    parts = tl.arange(0, PARTIALS)
+    amax = tl.reduce(tl.load(partial_ptr + parts, mask=parts < n_partials, other=0.0), 0, _max_keep_nan)
+    # The reference's fp32 ops: max(amax, floor) / FMAX (IEEE division); NaN or inf anywhere gives a NaN scale.
+    scale = tl.where(amax < float("inf"), tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FMAX), float("nan"))
+    if tl.program_id(0) == 0:
+        tl.store(scale_ptr, scale)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    q = _saturate(x * tl.math.div_rn(1.0, scale), FMAX)
+    q = tl.where(tl.abs(x) < float("inf"), q, float("nan"))  # inf is poison: NaN, never saturated to max
+    tl.store(y_ptr + offs, cast_fp8(q, FP8, CAST), mask=mask)
+
+
 @functools.lru_cache(maxsize=1024)
 def _rows_plan(n_rows: int, row_len: int, fp8_dtype: torch.dtype) -> tuple[int, dict]:
     """(programs, meta-parameters): a whole row per tile, about 8K elements per program. The same for every call
@@ -126,3 +163,28 @@ def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor, fp8_dtype=torch.fl
             num_warps=8,
         )
     return y
+
+
+# The amax pass runs at most this many programs, each striding over the tensor; the quantize pass's programs each
+# reduce all their partials, so it stays small.
+MAX_AMAX_PROGRAMS = 512
+TENSOR_BLOCK = 4096
+
+
+def quantize_fp8_tensor(x: torch.Tensor, fp8_dtype=torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-tensor fp8 in two launches (amax partials, then scale and codes): -> (codes shaped as x, fp32
+    scale of shape [])."""
+    fmt, tl_fp8 = FP8_FORMATS[fp8_dtype]
+    x = x.contiguous()
+    n = x.numel()
+    y = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    scale = torch.empty((), dtype=torch.float32, device=x.device)
+    n_partials = max(1, min(MAX_AMAX_PROGRAMS, cdiv(n, TENSOR_BLOCK)))
+    partial = torch.empty(n_partials, dtype=torch.float32, device=x.device)
+    _partial_amax_kernel[(n_partials,)](x, partial, n, BLOCK=TENSOR_BLOCK, num_warps=8)
+    _quant_fp8_tensor_kernel[(max(1, cdiv(n, TENSOR_BLOCK)),)](
+        x, y, partial, scale, n, n_partials, FMAX=fmt.max, FP8=tl_fp8,
+        CAST=cast_mode(_quant_fp8_tensor_kernel, x.device), AMAX_FLOOR=AMAX_FLOOR, BLOCK=TENSOR_BLOCK,
+        PARTIALS=next_power_of_2(n_partials), num_warps=8,
+    )
+    return y, scale

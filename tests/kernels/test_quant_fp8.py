@@ -5,6 +5,7 @@ import torch
 from fp8_cases import same_bits
 
 import fxquant
+from fxquant.kernels import quant_fp8
 from fxquant.kernels.quant_fp8 import quantize_fp8_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -57,6 +58,24 @@ def test_poison_zeros_and_saturation(gran):
     assert torch.isfinite(out[3:]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("poison", [None, "nan", "inf", "zeros"])
+def test_dynamic_tensor_scale_over_many_partials(poison, dtype, monkeypatch):
+    """The amax pass's programs stride over the tensor (here 3 programs over 20 blocks) and every quantize program
+    reduces their partials; a NaN or inf in the last block still poisons the whole tensor, and zeros get the
+    floor scale."""
+    monkeypatch.setattr(quant_fp8, "MAX_AMAX_PROGRAMS", 3)
+    monkeypatch.setattr(quant_fp8, "TENSOR_BLOCK", 128)
+    x = sample((10, 256), dtype, seed=1)
+    if poison == "zeros":
+        x.zero_()
+    elif poison:
+        x[9, 250] = float(poison)
+    ours = fxquant.quantize(x, "fp8_e4m3", "tensor", impl="triton")
+    check_same(ours, fxquant.quantize(x, "fp8_e4m3", "tensor", impl="reference"))
+    assert ours.scale.shape == () and bool(ours.scale.isnan()) == (poison in ("nan", "inf"))
+
+
 def test_non_contiguous_input():
     x = sample((256, 6)).T  # [6, 256], transposed storage
     check_same(fxquant.quantize(x, "fp8_e4m3", ("group", 128), impl="triton"),
@@ -67,6 +86,8 @@ def test_empty_rows():
     x = torch.empty(0, 256, device=DEVICE)
     q = fxquant.quantize(x, "fp8_e4m3", "token", impl="triton")
     assert q.data.shape == (0, 256) and q.scale.shape == (0, 1)
+    check_same(fxquant.quantize(x, "fp8_e4m3", "tensor", impl="triton"),
+               fxquant.quantize(x, "fp8_e4m3", "tensor", impl="reference"))
 
 
 def test_unsupported_request_is_a_clear_error():
