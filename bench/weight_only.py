@@ -22,7 +22,8 @@ from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8
 # --decode: the M <= 16 rows alone; --medium: M = 32, 64, 128
 MS = [1, 16] if "--decode" in sys.argv else [32, 64, 128] if "--medium" in sys.argv else [1, 16, 128, 1024, 4096]
 NKS = [(4096, 4096), (14336, 4096), (4096, 14336)]
-FORMATS = {"int8": ("channel", 0), "int4": (("group", 128), 128), "mxfp4": (None, 32), "nvfp4": (None, 16)}
+FORMATS = {"int8": ("channel", 0), "int4": (("group", 128), 128), "mxfp4": (None, 32), "nvfp4": (None, 16),
+           "mxfp8": (None, 32)}
 
 
 def quantized_weight(n, k, fmt):

@@ -21,12 +21,14 @@ from fxquant import reference as R
 from fxquant import reference_norm as RN
 from fxquant.api import quantize
 from fxquant.granularity import Granularity
+from fxquant.kernels.cast import capability
 from fxquant.kernels.cublas_fp8 import cublas_scaled_mm, cublas_takes
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm, is_block_scaled
 from fxquant.kernels.gemm_weight_only import weight_only_mm
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8 as norm_quant_kernel
 from fxquant.kernels.norm_quant_fp8 import serves as norm_quant_serves
 from fxquant.kernels.quant_fp8 import MAX_ROW_LEN, quantize_fp8_rows
+from fxquant.kernels.quant_mx import mxfp8_values
 from fxquant.quantized import Quantized
 
 E4M3 = torch.float8_e4m3fn
@@ -196,8 +198,15 @@ def _(x, w, w_scale, w_global_scale, w_zero_point, bias, fmt, group_size, out_fe
 
 
 def _linear_mxfp8(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
-    """MXFP8 activations (dynamic, blocks of 32) and weight. Hopper has no MX tensor cores, so this runs
-    the reference GEMM (fp32 dequantize and matmul) on every device."""
+    """MXFP8 activations (dynamic, blocks of 32) and weight. Hopper has no MX tensor cores, but bf16 holds MXFP8
+    values exactly (down to 2^-133, below a block scale of 2^-124), so on CUDA bf16 activations are quantized and
+    dequantized in one kernel and multiply the weight through the weight-only GEMM, which decodes its codes to bf16:
+    the products of the MX operands, accumulated in fp32. Elsewhere (the CPU, fp16 activations, GPUs without fp8
+    casts) the reference GEMM runs in fp32."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and capability(x.device) >= (8, 9):
+        out = weight_only_mm(mxfp8_values(x.reshape(-1, x.shape[-1])), w, w_scale, "mxfp8", R.MX_BLOCK,
+                             w.shape[0], bias=bias)
+        return out.reshape(*x.shape[:-1], w.shape[0])
     qw = Quantized(w, w_scale, "mxfp8", Granularity("group", (R.MX_BLOCK,)), w.shape, x.dtype)
     out = _chunked_linear(x.reshape(-1, x.shape[-1]), qw, bias, x.dtype,
                           lambda rows: R.dequantize(R.quantize(rows, "mxfp8"), torch.float32))

@@ -61,6 +61,23 @@ def test_linear_weight_only_op(fmt, group):
     assert out.dtype == torch.bfloat16 and float((out.double() - exact).norm() / exact.norm()) < 2**-8
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("M", [1, 16, 200])
+def test_linear_mxfp8_op(M, dtype):
+    """On CUDA, bf16 takes the bf16-values path (its bound: tests/kernels/test_quant_mx.py) and fp16 the fp32
+    reference; one NaN activation poisons its own row only."""
+    x, w, bias = randn(M, 256, dtype=dtype), randn(128, 256) * 0.05, randn(128, dtype=dtype)
+    qw = R.quantize(w, "mxfp8")
+    opcheck(torch.ops.fxquant.linear_mxfp8, (x, qw.data, qw.scale, bias))  # its output comparison fails on NaN
+    x[0, 5] = float("nan")
+    out = torch.ops.fxquant.linear_mxfp8(x, qw.data, qw.scale, bias)
+    assert out.shape == (M, 128) and out.dtype == dtype
+    assert out[0].isnan().all() and not out[1:].isnan().any()
+    exact = R.dequantize(R.quantize(x[1:], "mxfp8"), torch.float64) @ R.dequantize(qw, torch.float64).T
+    exact = exact + bias.double()
+    assert M == 1 or float((out[1:].double() - exact).norm() / exact.norm()) < 2**-8  # one 16-bit rounding
+
+
 @pytest.mark.parametrize("rms", [True, False], ids=["rms", "layer"])
 @pytest.mark.parametrize("group", [0, 128])
 def test_norm_quant_fp8_ops(rms, group):

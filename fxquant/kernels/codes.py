@@ -8,7 +8,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FORMATS = {"int8": 0, "int4": 1, "mxfp4": 2, "nvfp4": 3}  # the FMT constexpr of the kernels that decode codes
+# the FMT constexpr of the kernels that decode codes
+FORMATS = {"int8": 0, "int4": 1, "mxfp4": 2, "nvfp4": 3, "mxfp8": 4}
+PACKED = ("int4", "mxfp4", "nvfp4")  # two 4-bit codes per byte; the others take a byte per code
 E8M0_MIN = tl.constexpr(2.0**-127)  # E8M0 code 0: the one scale whose fp32 value is subnormal
 TWO_POW_23 = tl.constexpr(8388608.0)  # fp32 2^23 has an ulp of 1: its low mantissa bits hold small integers
 
@@ -31,13 +33,23 @@ def e2m1_value(code):
 
 @triton.jit
 def block_scale(s_ptr, offs_n, k_index, stride_sn, stride_sk, mask, FMT: tl.constexpr):
-    """The per-(n, k-block) scales as fp32, from E8M0 (MXFP4) or e4m3 (NVFP4) codes."""
+    """The per-(n, k-block) scales as fp32, from E8M0 (MXFP4, MXFP8) or e4m3 (NVFP4) codes."""
     raw = tl.load(s_ptr + offs_n * stride_sn + k_index * stride_sk, mask=mask, other=0)
-    if FMT == 2:
+    if FMT == 2 or FMT == 4:
         e = raw.to(tl.int32)
         value = (e << 23).to(tl.float32, bitcast=True)
         return tl.where(e == 0, E8M0_MIN, tl.where(e == 255, float("nan"), value))
     return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def mxfp8_values(codes, scale, GROUP: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] e4m3 codes (as bytes) times their block's fp32 scale ([BLOCK_N, BLOCK_K / GROUP]), in
+    fp32: exact (a code times a power of two), and exact again in bf16 down to 2^-133."""
+    BLOCK_N: tl.constexpr = codes.shape[0]
+    BLOCK_K: tl.constexpr = codes.shape[1]
+    values = tl.reshape(codes.to(tl.float8e4nv, bitcast=True).to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP))
+    return tl.reshape(values * scale[:, :, None], (BLOCK_N, BLOCK_K))
 
 
 @triton.jit

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import cast_float, float_cast_mode
-from fxquant.kernels.codes import FORMATS, TWO_POW_23, biased, block_scale, e2m1_value, nibbles
+from fxquant.kernels.codes import FORMATS, TWO_POW_23, biased, block_scale, e2m1_value, mxfp8_values, nibbles
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv
 
@@ -32,15 +32,19 @@ def _dequantize_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
-    if FMT == 0:  # code times its channel's scale
+    BLOCKS: tl.constexpr = BLOCK_K // GROUP  # scale blocks per tile (BLOCK_K is a multiple of every group)
+    offs_b = pid_k * BLOCKS + tl.arange(0, BLOCKS)
+    mask_b = mask_n[:, None] & (offs_b[None, :] * GROUP < K)
+    if FMT == 0 or FMT == 4:  # a byte per code
         codes = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :] * stride_wk,
                         mask=mask_n[:, None] & (k[None, :] < K), other=0)
-        values = codes.to(tl.float32) * tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0)[:, None]
+        if FMT == 0:  # code times its channel's scale
+            values = codes.to(tl.float32) * tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0)[:, None]
+        else:  # e4m3 value times its block's E8M0 scale
+            values = mxfp8_values(codes, block_scale(s_ptr, offs_n[:, None], offs_b[None, :], stride_sn, stride_sk,
+                                                     mask_b, FMT), GROUP)
     else:
         codes = nibbles(w_ptr, offs_n, mask_n, pid_k, K, stride_wn, BLOCK_K, EVEN_K)
-        BLOCKS: tl.constexpr = BLOCK_K // GROUP  # scale blocks per tile (BLOCK_K is a multiple of every group)
-        offs_b = pid_k * BLOCKS + tl.arange(0, BLOCKS)
-        mask_b = mask_n[:, None] & (offs_b[None, :] * GROUP < K)
         if FMT == 1:  # (q - z) * s: the difference of two biased integers is exact
             scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_b[None, :] * stride_sk, mask=mask_b, other=0.0)
             if HAS_ZP:
@@ -64,8 +68,8 @@ def _dequantize_kernel(
 
 def dequantize_weight(codes, scale, fmt: str, group: int, K: int, dtype: torch.dtype, *, zero_point=None,
                       global_scale=None) -> torch.Tensor:
-    """codes: [N, K] int8, or [N, K/8] int32 words of packed 4-bit codes; scale: [N, K/group] (E8M0/e4m3 as
-    uint8), [N, 1] for int8. Returns the [N, K] weight in `dtype`, rounded once."""
+    """codes: [N, K] int8 or e4m3 (as uint8), or [N, K/8] int32 words of packed 4-bit codes; scale: [N, K/group]
+    (E8M0/e4m3 as uint8), [N, 1] for int8. Returns the [N, K] weight in `dtype`, rounded once."""
     N = codes.shape[0]
     out = torch.empty((N, K), dtype=dtype, device=codes.device)
     if N == 0 or K == 0:

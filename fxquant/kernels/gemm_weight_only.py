@@ -11,7 +11,9 @@ exact operands:
   conversions); the group's fp32 scale multiplies the step's fp32 partial sum;
 - MXFP4: the e2m1 value times its block's power-of-two E8M0 scale (exact: 2 significant bits);
 - NVFP4: the e2m1 value times its block's e4m3 scale (exact: at most 6 significant bits); the fp32 global
-  scale is applied in the epilogue.
+  scale is applied in the epilogue;
+- MXFP8: the e4m3 value times its block's E8M0 scale, in bf16 only (exact: 4 significant bits, and bf16 has
+  fp32's exponent range down to 2^-133; fp16 could clip it).
 Packed 4-bit weights hold K-pairs per byte (low nibble first); the kernel reads them as int32 words of 8 codes
 (4-bit K must be a multiple of 8) and decodes each word in the thread that loaded it, two codes per instruction
 in bf16, and in fp16 for int4 (`codes.py`).
@@ -29,7 +31,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import float_cast_mode, interpreting
-from fxquant.kernels.codes import FORMATS, block_scale, fp4_values, int4_differences, packed_words
+from fxquant.kernels.codes import FORMATS, PACKED, block_scale, fp4_values, int4_differences, mxfp8_values, packed_words
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv
@@ -80,12 +82,17 @@ def _wo_gemm_kernel(
             ints = int4_differences(packed, z[:, None], DOT)
             acc += tl.dot(a, tl.trans(ints)) * scale[None, :]
         else:
-            packed = packed_words(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
             BLOCKS: tl.constexpr = BLOCK_K // GROUP  # scale blocks per K step (BLOCK_K is a multiple of 16, 32)
             offs_b = step * BLOCKS + tl.arange(0, BLOCKS)
             scale = block_scale(s_ptr, offs_n[:, None], offs_b[None, :], stride_sn, stride_sk,
                                  mask_n[:, None] & (offs_b[None, :] * GROUP < K), FMT)  # [BN, BLOCKS]
-            acc = tl.dot(a, tl.trans(fp4_values(packed, scale, GROUP, DOT)), acc)
+            if FMT == 4:
+                codes = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :] * stride_wk,
+                                mask=mask_n[:, None] & (k[None, :] < K), other=0)  # [BN, BK]
+                acc = tl.dot(a, tl.trans(mxfp8_values(codes, scale, GROUP).to(DOT)), acc)
+            else:
+                packed = packed_words(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
+                acc = tl.dot(a, tl.trans(fp4_values(packed, scale, GROUP, DOT)), acc)
     if FMT == 0:
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0)[None, :]
     if FMT == 3:
@@ -102,11 +109,14 @@ def wo_gemm_config(M: int, K: int, fmt: str) -> dict:
     long K (down_proj's 14336) does better at 528 (int4 at M = 1: 21.1 us against 23.0), where slices of 14 K steps
     instead of 7 amortize each program's pipeline fill. Medium M splits K toward 264 programs: on 4096x14336 an
     int4 product at M = 32 took 27.8 us against 80.2 us dequantized. BLOCK_K divides int4's group of 128 and is a
-    multiple of every 4-bit block (16, 32)."""
-    packed, fp4 = fmt != "int8", fmt in ("mxfp4", "nvfp4")
+    multiple of every block (16, 32). MXFP8, whose codes are decoded through fp32, takes the 4-bit formats' decode
+    tiles and FP4's medium ones: at M = 1 they took 12.7 / 27.1 / 26.5 us on 4096x4096 / 14336x4096 / 4096x14336
+    against 12.2 / 30.5 / 32.6 on int8's tile, and at M = 64 46.1 against 50.9 on 14336x4096."""
+    decoded = fmt != "int8"  # codes that take more instructions than int8's one conversion to become values
+    narrow = fmt in ("mxfp4", "nvfp4", "mxfp8")
     if M <= 16:
-        programs = (528 if K > 8192 else 1056) if packed else TARGET_PROGRAMS
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3 if packed else 5,
+        programs = (528 if K > 8192 else 1056) if decoded else TARGET_PROGRAMS
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3 if decoded else 5,
                     programs=programs)
     medium = dict(BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, programs=TARGET_PROGRAMS)
     if M <= 32:
@@ -116,7 +126,7 @@ def wo_gemm_config(M: int, K: int, fmt: str) -> dict:
         # (14336x4096) and MXFP4 67.2 against 72.3 (4096x14336); int4 ran slower on them (85.7 against 68.1).
         return {**medium, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "programs": TARGET_PROGRAMS // 2}
     # FP4 at M = 64 ran faster on 64-wide tiles: 40.8 us against 48.8 on 14336x4096 (MXFP4).
-    return {**medium, "BLOCK_M": 64, "BLOCK_N": 64 if fp4 else 128}
+    return {**medium, "BLOCK_M": 64, "BLOCK_N": 64 if narrow else 128}
 
 
 # Past this M, dequantizing the weight once per call and running cuBLAS beats dequantizing in registers: at M = 256
@@ -150,8 +160,9 @@ def _launch_plan(M: int, N: int, K: int, fmt: str, group: int, overrides: tuple 
 
 def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=None, global_scale=None,
                    bias=None, config=None):
-    """a: [M, K] bf16/fp16; w: the codes as `fxquant.quantize` packs them ([N, K] int8, or [N, K/2] uint8);
-    w_scale: [N, 1] (int8), [N, K/group] fp32 (int4), E8M0 (mxfp4) or e4m3 (nvfp4). Returns [M, N] in a's dtype.
+    """a: [M, K] bf16/fp16 (bf16 for mxfp8); w: the codes as `fxquant.quantize` packs them ([N, K] int8 or e4m3,
+    or [N, K/2] uint8); w_scale: [N, 1] (int8), [N, K/group] fp32 (int4), E8M0 (mxfp4, mxfp8) or e4m3 (nvfp4).
+    Returns [M, N] in a's dtype.
     Up to DEQUANTIZE_ABOVE_M, or at any M given an explicit tile `config`, the weight is dequantized in registers;
     past it, and for int4 groups narrower than a K step, it is dequantized to the activation dtype in chunks of at
     most CHUNK_ELEMENTS, each multiplied by cuBLAS."""
@@ -159,13 +170,17 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
     if fmt not in FORMATS or a.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"fxquant: weight-only GEMM takes bf16/fp16 activations and one of {list(FORMATS)}; got "
                          f"{a.dtype} and {fmt!r}")
-    packed = fmt != "int8"
+    if fmt == "mxfp8" and a.dtype != torch.bfloat16:  # fp16 would clip MXFP8 values outside its range
+        raise ValueError("fxquant: an mxfp8 weight multiplies bf16 activations, the 16-bit type with MXFP8's "
+                         f"range; got {a.dtype}: cast the activations to bf16")
+    packed = fmt in PACKED
     if w.shape != (N, K // 2 if packed else K) or (packed and K % 8):
         raise ValueError(f"fxquant: {fmt} weight codes must be [N={N}, K{'/2' if packed else ''}] for a [M, K={K}]"
                          f"{' with K a multiple of 8' if packed else ''}, got {tuple(w.shape)}")
-    scale = w_scale.view(torch.uint8) if fmt in ("mxfp4", "nvfp4") else w_scale
+    scale = w_scale.view(torch.uint8) if fmt in ("mxfp4", "nvfp4", "mxfp8") else w_scale
     scale = scale.reshape(N, -1)
-    codes = w if fmt == "int8" else w.contiguous().view(torch.int32)  # packed 4-bit rows as words of 8 codes
+    # packed 4-bit rows as words of 8 codes; e4m3 codes as bytes
+    codes = w.contiguous().view(torch.int32) if packed else w.view(torch.uint8) if fmt == "mxfp8" else w
     if group and group & (group - 1):
         raise ValueError(f"fxquant: weight-only groups must be powers of two, got {group}")
     if M == 0 or N == 0:

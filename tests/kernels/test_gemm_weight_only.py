@@ -1,5 +1,5 @@
-"""Weight-only GEMMs (Triton) against the fp64 product of the dequantized weight. int8, MXFP4 and NVFP4 operands are
-exact, so each output is off by at most one ulp of its dtype (one rounding at the store) plus the fp32
+"""Weight-only GEMMs (Triton) against the fp64 product of the dequantized weight. int8, MXFP4, NVFP4 and MXFP8
+operands are exact, so each output is off by at most one ulp of its dtype (one rounding at the store) plus the fp32
 accumulation's error, bounded by (steps + log2(BLOCK_K)) * 2^-24 * sum |x w| < 2^-20 * sum |x w| at these K.
 int4's codes enter the MMA as exact integers q - z and its group scale multiplies the fp32 partial sum, which
 adds one rounding per group to the same bound."""
@@ -13,8 +13,11 @@ from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_weight_only import DEQUANTIZE_ABOVE_M, _launch_plan, weight_only_mm, wo_gemm_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-GRANULARITY = {"int8": "channel", "int4": ("group", 128), "mxfp4": None, "nvfp4": None}
-GROUP = {"int8": 0, "int4": 128, "mxfp4": 32, "nvfp4": 16}
+GRANULARITY = {"int8": "channel", "int4": ("group", 128), "mxfp4": None, "nvfp4": None, "mxfp8": None}
+GROUP = {"int8": 0, "int4": 128, "mxfp4": 32, "nvfp4": 16, "mxfp8": 32}
+# mxfp8 multiplies bf16 activations only (fp16 is refused: tests/kernels/test_quant_mx.py)
+FORMAT_DTYPES = [(fmt, dtype) for fmt in GRANULARITY for dtype in (torch.bfloat16, torch.float16)
+                 if not (fmt == "mxfp8" and dtype == torch.float16)]
 # (M, N, K): decode with split-K (K >= 1024), N and M tails, medium M with and without split-K, a large M.
 SHAPES = [(1, 128, 1024), (16, 96, 1024), (5, 80, 384), (24, 96, 1024), (100, 96, 1024), (37, 128, 256),
           (200, 64, 256)]
@@ -29,10 +32,9 @@ def within_bound(out, x, w_hp, bias=None, rounded_weight=False):
     return bool(((out.double() - exact).abs() <= tolerance).all())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("fmt", list(GRANULARITY))
-def test_kernel_is_the_exact_product_rounded_once(fmt, shape, dtype):
+@pytest.mark.parametrize("fmt,dtype", FORMAT_DTYPES, ids=str)
+def test_kernel_is_the_exact_product_rounded_once(fmt, dtype, shape):
     """The in-register path, also past DEQUANTIZE_ABOVE_M when given its tiles."""
     M, N, K = shape
     gen = torch.Generator().manual_seed(0)
@@ -55,12 +57,12 @@ def quantized(fmt, N, K, gen, symmetric=False):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("fmt,K,symmetric", [("int8", 200, False), ("int4", 384, False), ("int4", 256, True),
-                                             ("mxfp4", 160, False), ("nvfp4", 400, False)])
+                                             ("mxfp4", 160, False), ("nvfp4", 400, False), ("mxfp8", 160, False)])
 def test_dequantize_weight_is_the_reference_bit_for_bit(fmt, K, symmetric, dtype):
     """K tails (160, 200, 400 are not multiples of the 128-wide tile) and a row tail (N = 40)."""
     q = quantized(fmt, 40, K, torch.Generator().manual_seed(1), symmetric)
-    scale = q.scale.view(torch.uint8) if fmt in ("mxfp4", "nvfp4") else q.scale
-    codes = q.data if fmt == "int8" else q.data.view(torch.int32)
+    scale = q.scale.view(torch.uint8) if fmt in ("mxfp4", "nvfp4", "mxfp8") else q.scale
+    codes = {"int8": q.data, "mxfp8": q.data.view(torch.uint8)}.get(fmt, q.data.view(torch.int32))
     out = dequantize_weight(codes, scale.reshape(40, -1), fmt, GROUP[fmt], K, dtype, zero_point=q.zero_point,
                             global_scale=q.global_scale)
     assert torch.equal(out, R.dequantize(q, dtype))
@@ -94,6 +96,7 @@ def test_dequantize_path_multiplies_the_rounded_weight(fmt, chunk_elements, M, w
     (64, 14336, 4096, "int4", 2),  # 112 tiles: 40.2 us against 80.8 us dequantized
     (128, 14336, 4096, "mxfp4", 1),  # 112 tiles of 128x128; two slices each would pass 132 programs: 55.6 us
     (128, 4096, 4096, "int8", 4),  # 32 tiles of 128x128: 19.3 us against 26.2 us dequantized
+    (1, 4096, 14336, "mxfp8", 8),  # 64 tiles toward 528 programs: 26.5 us against 32.6 on int8's 264
     (DEQUANTIZE_ABOVE_M + 1, 14336, 4096, "int4", None),  # dequantized: 93 us against 138 us at M = 256
 ])
 def test_path_choice_follows_the_measured_crossover(M, N, K, fmt, split):
