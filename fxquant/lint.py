@@ -30,8 +30,8 @@ WEIGHT_SQNR_FLOOR_DB = {"fp8_e4m3": 20.0, "mxfp8": 20.0, "int8": 20.0, "int4": 1
 @dataclass(frozen=True)
 class Finding:
     severity: str  # "error", "warning" or "info"
-    kind: str  # nonfinite_weight, fp16_weight, fp8_cast, fp16_overflow, weight_sqnr, skipped, tail, upcast,
-    # fused_norm
+    kind: str  # nonfinite_weight, fp16_weight, fp8_cast, fp16_overflow, weight_sqnr, slow_path, skipped, tail,
+    # upcast, fused_norm
     where: str  # layer or node name
     message: str  # what is wrong and the fix
 
@@ -75,6 +75,11 @@ def lint_layers(layers, upcast_nodes, fused_norms=()) -> list[Finding]:
                                     f"well-scaled weight (floor {WEIGHT_SQNR_FLOOR_DB[fmt]:g} dB): outliers make its "
                                     "scales coarse (or, with power-of-two MX scales, clip it). Fix: fp8_row or "
                                     "fp8_block, or skip this layer"))
+        if layer.recipe == "mxfp8" and layer.source is not None and layer.source.dtype == torch.float16:
+            findings.append(Finding("warning", "slow_path", layer.fqn, "mxfp8 on fp16 activations runs the fp32 "
+                                    "reference GEMM, on the GPU too: only bf16 holds MXFP8's range for the Triton "
+                                    "path (a Llama prefill took 14x as long on the reference). Fix: run the model "
+                                    "in bf16, or choose fp8_block"))
         if len(layer.shape) == 2 and (layer.shape[0] % GEMM_TILE or layer.shape[1] % GEMM_TILE):
             findings.append(Finding("info", "tail", layer.fqn, f"[N, K] = {list(layer.shape)} is not a multiple "
                                     f"of {GEMM_TILE}: its GEMM runs masked tail tiles, a little slower"))

@@ -124,6 +124,21 @@ def test_misaligned_layer_warns_once_per_compile_and_the_report_lists_every_find
     assert "info: tail: [N, K] = [144, 256] is not a multiple of 128" in report
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_mxfp8_on_fp16_warns_of_the_reference_gemm(dtype):
+    """fp16 activations cannot take mxfp8's Triton path (bf16 values); bf16 compiles quietly."""
+    model = linear_with_weight(torch.randn(256, 256) * 0.05, dtype)
+    x = torch.randn(4, 256, dtype=dtype)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compile_and_run(model, x, recipe="mxfp8")
+    slow = [str(w.message) for w in caught if "runs the fp32 reference GEMM, on the GPU too" in str(w.message)]
+    if dtype == torch.float16:
+        assert len(slow) == 1 and "0: mxfp8 on fp16 activations" in slow[0] and "run the model in bf16" in slow[0]
+    else:
+        assert slow == []
+
+
 def test_report_lists_reductions_moved_to_fp32(capsys):
     compile_and_run(tiny_block(), X, report=True)
     assert "reductions moved to fp32:" in capsys.readouterr().out
