@@ -20,6 +20,10 @@ from fxquant.kernels.launch import cdiv, next_power_of_2
 
 FP8_FORMATS = {torch.float8_e4m3fn: (E4M3, tl.float8e4nv), torch.float8_e5m2: (E5M2, tl.float8e5)}
 MAX_ROW_LEN = 16384  # one row lives in registers; longer rows go to the reference
+# Dynamic per-tensor: the amax pass runs at most this many programs, each striding over the tensor, so that every
+# program of the quantize pass can reduce all their partials itself.
+MAX_AMAX_PROGRAMS = 512
+TENSOR_BLOCK = 4096
 
 
 @triton.jit
@@ -163,12 +167,6 @@ def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor, fp8_dtype=torch.fl
             num_warps=8,
         )
     return y
-
-
-# The amax pass runs at most this many programs, each striding over the tensor; the quantize pass's programs each
-# reduce all their partials, so it stays small.
-MAX_AMAX_PROGRAMS = 512
-TENSOR_BLOCK = 4096
 
 
 def quantize_fp8_tensor(x: torch.Tensor, fp8_dtype=torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
