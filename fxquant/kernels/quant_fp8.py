@@ -27,12 +27,12 @@ TENSOR_BLOCK = 4096
 
 
 @triton.jit
-def _max_keep_nan(a, b):
+def max_keep_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
-def _saturate(q, FMAX: tl.constexpr):
+def saturate(q, FMAX: tl.constexpr):
     # Clamp to +-FMAX with NaN-propagating min/max: a poisoned value must stay NaN, never become +-FMAX.
     return tl.minimum(tl.maximum(q, -FMAX, propagate_nan=tl.PropagateNan.ALL), FMAX, propagate_nan=tl.PropagateNan.ALL)
 
@@ -60,11 +60,11 @@ def _quant_fp8_rows_kernel(
 @triton.jit
 def quant_rows(x, FMAX: tl.constexpr, FP8: tl.constexpr, CAST: tl.constexpr, AMAX_FLOOR: tl.constexpr):
     """fp32 x [R, C] -> (fp8 codes [R, C], fp32 scales [R]): one dynamic scale per row, as the reference makes it."""
-    amax = tl.reduce(tl.abs(x), 1, _max_keep_nan)  # NaN or inf anywhere in a row surfaces here
+    amax = tl.reduce(tl.abs(x), 1, max_keep_nan)  # NaN or inf anywhere in a row surfaces here
     # Same fp32 ops as the reference: max(amax, floor) / FMAX (IEEE division); a poisoned row gets a NaN
     # scale, so every code in it is NaN.
     scale = tl.where(amax < float("inf"), tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FMAX), float("nan"))
-    q = _saturate(x * tl.math.div_rn(1.0, scale)[:, None], FMAX)
+    q = saturate(x * tl.math.div_rn(1.0, scale)[:, None], FMAX)
     return cast_fp8(q, FP8, CAST), scale
 
 
@@ -80,7 +80,7 @@ def _quant_fp8_static_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    q = _saturate(x * tl.math.div_rn(1.0, tl.load(scale_ptr)), FMAX)
+    q = saturate(x * tl.math.div_rn(1.0, tl.load(scale_ptr)), FMAX)
     q = tl.where(tl.abs(x) < float("inf"), q, float("nan"))  # inf is poison: NaN, never saturated to max
     tl.store(y_ptr + offs, cast_fp8(q, FP8, CAST), mask=mask)
 
@@ -92,8 +92,8 @@ def _partial_amax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, programs * BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        amax = _max_keep_nan(amax, tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)))
-    tl.store(partial_ptr + tl.program_id(0), tl.reduce(amax, 0, _max_keep_nan))
+        amax = max_keep_nan(amax, tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)))
+    tl.store(partial_ptr + tl.program_id(0), tl.reduce(amax, 0, max_keep_nan))
 
 
 @triton.jit
@@ -108,7 +108,7 @@ def _quant_fp8_tensor_kernel(
 ):
     """Every program reduces the partial amaxes itself (a few KB from L2) rather than wait on another launch."""
     parts = tl.arange(0, PARTIALS)
-    amax = tl.reduce(tl.load(partial_ptr + parts, mask=parts < n_partials, other=0.0), 0, _max_keep_nan)
+    amax = tl.reduce(tl.load(partial_ptr + parts, mask=parts < n_partials, other=0.0), 0, max_keep_nan)
     # The reference's fp32 ops: max(amax, floor) / FMAX (IEEE division); NaN or inf anywhere gives a NaN scale.
     scale = tl.where(amax < float("inf"), tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FMAX), float("nan"))
     if tl.program_id(0) == 0:
@@ -116,7 +116,7 @@ def _quant_fp8_tensor_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    q = _saturate(x * tl.math.div_rn(1.0, scale), FMAX)
+    q = saturate(x * tl.math.div_rn(1.0, scale), FMAX)
     q = tl.where(tl.abs(x) < float("inf"), q, float("nan"))  # inf is poison: NaN, never saturated to max
     tl.store(y_ptr + offs, cast_fp8(q, FP8, CAST), mask=mask)
 

@@ -20,7 +20,7 @@ from fxquant.formats import E4M3
 from fxquant.kernels.cast import cast_float, cast_fp8, cast_mode, float_cast_mode
 from fxquant.kernels.codes import E8M0_MIN
 from fxquant.kernels.launch import cdiv
-from fxquant.kernels.quant_fp8 import _max_keep_nan, _saturate
+from fxquant.kernels.quant_fp8 import max_keep_nan, saturate
 from fxquant.reference import MX_BLOCK
 
 
@@ -38,13 +38,13 @@ def _mxfp8_values_kernel(
     offs = blocks[:, None].to(tl.int64) * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = blocks[:, None] < n_blocks
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # [blocks, 32]: the reference's fp32 math
-    amax = tl.reduce(tl.abs(x), 1, _max_keep_nan)  # NaN or inf anywhere in a block surfaces here
+    amax = tl.reduce(tl.abs(x), 1, max_keep_nan)  # NaN or inf anywhere in a block surfaces here
     # "floor": floor(log2(amax)) - emax of e4m3, read off amax's exponent bits; clamped to E8M0's range, so a
     # zero or tiny block gets 2^-127 (fp32's one subnormal power of two here), never a zero scale.
     e = tl.minimum(tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - EMAX, -127), 127)
     scale = tl.where(e == -127, E8M0_MIN, ((e + 127) << 23).to(tl.float32, bitcast=True))
     scale = tl.where(amax < float("inf"), scale, float("nan"))  # a poisoned block: every value NaN
-    q = _saturate(x * tl.math.div_rn(1.0, scale)[:, None], FMAX)  # powers of two: the multiply is exact
+    q = saturate(x * tl.math.div_rn(1.0, scale)[:, None], FMAX)  # powers of two: the multiply is exact
     q = tl.where(tl.abs(x) < float("inf"), q, float("nan"))  # inf is poison: NaN, never saturated to max
     values = cast_fp8(q, tl.float8e4nv, CAST).to(tl.float32) * scale[:, None]  # exact: a code times 2^e
     tl.store(y_ptr + offs, cast_float(values, tl.bfloat16, FLOAT_CAST), mask=mask)
