@@ -19,7 +19,7 @@ import triton.language as tl
 from fxquant.formats import E4M3
 from fxquant.kernels.cast import cast_float, cast_fp8, cast_mode, float_cast_mode
 from fxquant.kernels.codes import E8M0_MIN
-from fxquant.kernels.launch import cdiv
+from fxquant.kernels.launch import cdiv, next_power_of_2
 from fxquant.kernels.quant_fp8 import max_keep_nan, saturate
 from fxquant.reference import MX_BLOCK
 
@@ -53,7 +53,7 @@ def _mxfp8_values_kernel(
 @functools.lru_cache(maxsize=256)
 def _plan(n_blocks: int) -> tuple[int, int]:
     """(programs, blocks per program): 8K elements per program, fewer for a small input."""
-    per_program = min(256, max(1, triton.next_power_of_2(n_blocks)))
+    per_program = min(256, max(1, next_power_of_2(n_blocks)))
     return cdiv(n_blocks, per_program), per_program
 
 
