@@ -49,6 +49,21 @@ def test_linear_fp8_op(wgran, group):
     assert float((out.double() - exact).norm() / exact.norm()) < 0.06  # e4m3 on both operands
 
 
+@pytest.mark.parametrize("agran, wgran", [("token", "channel"), (("group", 128), ("block", 128, 128)),
+                                          ("tensor", "tensor")], ids=str)
+def test_scaled_mm_fp8_op(agran, wgran):
+    a, w, bias = randn(2, 3, 256, dtype=torch.bfloat16), randn(384, 256) * 0.05, randn(384)
+    qa, qw = R.quantize(a, "fp8_e4m3", agran), R.quantize(w, "fp8_e4m3", wgran)
+    a_scale = qa.scale.reshape(1) if agran == "tensor" else qa.scale
+    args = (qa.data, a_scale, qw.data, qw.scale, bias, torch.float32)
+    opcheck(torch.ops.fxquant.scaled_mm_fp8, args)
+    out = torch.ops.fxquant.scaled_mm_fp8(*args)
+    assert out.shape == (2, 3, 384) and out.dtype == torch.float32
+    exact = R.dequantize(qa, torch.float64) @ R.dequantize(qw, torch.float64).T + bias.double()
+    # Exact fp8 operands, fp32 accumulation and output: off by the accumulation's rounding only.
+    assert float((out.double() - exact).norm() / exact.norm()) < 1e-5
+
+
 @pytest.mark.parametrize("fmt, group", [("int8", 0), ("int4", 128), ("mxfp4", 32), ("nvfp4", 16)])
 def test_linear_weight_only_op(fmt, group):
     x, w = randn(4, 256, dtype=torch.bfloat16), randn(128, 256) * 0.05
