@@ -3,7 +3,7 @@
 from fxquant.api import dequantize, quantize
 from fxquant.backend import fxquant as backend
 from fxquant.config import RECIPES, QuantConfig, from_options
-from fxquant.export import export
+from fxquant.export import export, load
 from fxquant.formats import FORMATS, FloatFormat, IntFormat
 from fxquant.granularity import Granularity
 from fxquant.inspection import InspectReport, inspect
@@ -11,5 +11,5 @@ from fxquant.quantized import Quantized
 
 __all__ = [
     "FORMATS", "RECIPES", "FloatFormat", "Granularity", "InspectReport", "IntFormat", "QuantConfig", "Quantized",
-    "backend", "dequantize", "export", "from_options", "inspect", "quantize",
+    "backend", "dequantize", "export", "from_options", "inspect", "load", "quantize",
 ]

@@ -8,8 +8,8 @@ import torch
 from torch._dynamo import list_backends, register_backend
 
 from fxquant.config import MODES, from_options
-from fxquant.passes import PipelineResult, run_pipeline
 from fxquant.passes.quantize_linear import quantize_weight
+from fxquant.pipeline import PipelineResult, run_pipeline
 from fxquant.report import format_report
 
 
@@ -36,7 +36,7 @@ class QuantizedCallable:
             warnings.warn(f"fxquant: weight of {layer.fqn} changed after compile; re-quantizing it "
                           "(this warning shows once per compile)", stacklevel=3)
             self.warned = True
-        q = quantize_weight(layer.source, layer.recipe)
+        q = quantize_weight(layer.source.T if layer.transposed else layer.source, layer.recipe)
         fresh = (q.data, q.scale, q.global_scale, q.zero_point)
         with torch.no_grad():
             for name, tensor in zip(layer.buffers, fresh, strict=True):
@@ -60,7 +60,7 @@ def fxquant(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None
     _refuse_gradients(result.gm, example_inputs)
     result.warn()
     if config.report:
-        print(format_report(result.layers, result.findings))
+        print(format_report(result.layers, result.findings, result.weights))
     if config.inner == "eager":
         compiled = result.gm.forward
     else:

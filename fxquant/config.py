@@ -8,8 +8,9 @@ from dataclasses import dataclass, field, fields
 INNERS = ("inductor", "eager")
 # torch.compile refuses mode= together with options=, so the inner Inductor's mode also travels as an option.
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-# lm_head feeds a 100k-way softmax and MoE routers pick experts: both stay in high precision by default.
-DEFAULT_SKIP = (r"(^|\.)lm_head$", r"(^|\.)router$", r"\.gate$")
+# lm_head feeds a 100k-way softmax: it stays in high precision by default. MoE routers, which pick experts, are
+# kept by structure (their output feeds a top-k), not by name: see passes/patterns.py.
+DEFAULT_SKIP = (r"(^|\.)lm_head$",)
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class QuantConfig:
                 return f"skip option {pattern!r}"
         for pattern in self.default_skip:
             if re.search(pattern, name):
-                return "default exclusion (lm_head / router)"
+                return f"default exclusion {pattern!r} (lm_head feeds the softmax over the vocabulary)"
         return None
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fxquant.config import QuantConfig, from_options
-from fxquant.passes import run_pipeline
+from fxquant.pipeline import run_pipeline
 
 
 def export(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, config: QuantConfig | dict | None = None,
@@ -23,6 +23,12 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, c
     result.warn()
     _drop_unused_attributes(result.gm)
     return torch.export.export(result.gm, args, kwargs, dynamic_shapes=dynamic_shapes)
+
+
+def load(path, **kwargs) -> torch.export.ExportedProgram:
+    """`torch.export.load` of a program `fxquant.export` saved: importing this module registers the fxquant ops
+    the program calls, without which torch cannot deserialize it."""
+    return torch.export.load(path, **kwargs)
 
 
 def _drop_unused_attributes(gm: torch.fx.GraphModule) -> None:

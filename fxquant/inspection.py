@@ -10,7 +10,8 @@ import torch
 from fxquant.capability import check_config, graph_device, usable_recipes
 from fxquant.config import QuantConfig, from_options
 from fxquant.measure import LayerError, measure_graph, resolve_auto
-from fxquant.passes import prepare
+from fxquant.passes.state import PipelineState
+from fxquant.pipeline import prepare
 from fxquant.report import format_rows
 
 
@@ -53,7 +54,7 @@ def inspect(model: torch.nn.Module, example_inputs, config: QuantConfig | dict |
     def capture(gm, inputs):
         device = graph_device(gm, inputs)
         check_config(config, device)
-        gm, _ = prepare(gm, inputs)
+        gm = prepare(gm, PipelineState(config), inputs)
         layers.extend(measure_graph(gm, inputs, config, usable_recipes(device)))
         return gm.forward
 

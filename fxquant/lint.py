@@ -6,20 +6,20 @@ likely bug that runs (warned once per compile); "info" goes in the report only.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
 
 from fxquant.config import RECIPES
 from fxquant.formats import FORMATS
-from fxquant.passes.annotations import annotation, aten, node_dtype, target_of
-from fxquant.passes.quantize_linear import fetch_attr, linear_fqn
+from fxquant.passes.annotations import annotation, fetch_attr, linear_fqn, node_dtype
+from fxquant.passes.patterns import linear_operands
+from fxquant.passes.spellings import DIV, DTYPE_CASTS, MUL, target_of
+from fxquant.weights import ROLES
 
 FP16_MAX = FORMATS["fp16"].max
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
-SCALE_OPS = {operator.truediv, operator.mul, torch.div, torch.mul, torch.Tensor.div, torch.Tensor.mul,
-             torch.Tensor.__truediv__, torch.Tensor.__mul__, aten.div.Tensor, aten.mul.Tensor}
+SCALE_OPS = DIV | MUL | {torch.Tensor.__mul__}
 GEMM_TILE = 128  # the fp8 GEMM's K and N tile: a remainder runs masked tail tiles
 # Worst-channel weight SQNR below which outliers have made a layer's scales coarse: well under what well-scaled
 # weights get in their worst channel (fp8 ~31 dB, MXFP8's power-of-two scales 24-30, int8 per channel ~40, 4-bit
@@ -31,7 +31,7 @@ WEIGHT_SQNR_FLOOR_DB = {"fp8_e4m3": 20.0, "mxfp8": 20.0, "int8": 20.0, "int4": 1
 class Finding:
     severity: str  # "error", "warning" or "info"
     kind: str  # nonfinite_weight, fp16_weight, fp8_cast, fp16_overflow, weight_sqnr, slow_path, skipped, tail,
-    # upcast, fused_norm
+    # upcast, fused_norm, experts
     where: str  # layer or node name
     message: str  # what is wrong and the fix
 
@@ -51,18 +51,18 @@ def lint_graph(gm: torch.fx.GraphModule, example_inputs=None) -> list[Finding]:
     for node in gm.graph.nodes:
         found = annotation(node)
         if found is not None and found.kind == "linear":
-            findings += _weight_findings(node, fetch_attr(gm, node.args[1]))
+            findings += _weight_findings(node, fetch_attr(gm, linear_operands(node).weight))
         findings += _fp8_cast_findings(gm, node, values)
     if example_inputs is not None and any(_linear_dtype(n) == torch.float16 for n in gm.graph.nodes):
         findings += _fp16_activation_findings(gm, example_inputs)
     return findings
 
 
-def lint_layers(layers, upcast_nodes, fused_norms=()) -> list[Finding]:
-    """Findings from what the pipeline did: skipped layers and why, masked tails, reductions moved to fp32,
-    norms fused with their fp8 quantizers."""
-    findings = []
-    for layer in layers:
+def lint_layers(state, weights=()) -> list[Finding]:
+    """Findings from what the pipeline did (its PipelineState): skipped layers and why, masked tails, reductions
+    moved to fp32, norms fused with their fp8 quantizers; and the weight bytes no recipe covers (3-D experts)."""
+    findings = _expert_findings(weights)
+    for layer in state.layers:
         if layer.recipe is None:
             severity = "warning" if layer.reason.startswith("alignment") else "info"
             findings.append(Finding(severity, "skipped", layer.fqn, f"stays in high precision: {layer.reason}"))
@@ -83,11 +83,22 @@ def lint_layers(layers, upcast_nodes, fused_norms=()) -> list[Finding]:
         if len(layer.shape) == 2 and (layer.shape[0] % GEMM_TILE or layer.shape[1] % GEMM_TILE):
             findings.append(Finding("info", "tail", layer.fqn, f"[N, K] = {list(layer.shape)} is not a multiple "
                                     f"of {GEMM_TILE}: its GEMM runs masked tail tiles, a little slower"))
-    for name in upcast_nodes:
+    for name in state.upcast:
         findings.append(Finding("info", "upcast", name, "reduction was in bf16/fp16; now in fp32, cast back"))
-    for name in fused_norms:
+    for name in state.fused_norms:
         findings.append(Finding("info", "fused_norm", name, "norm and its fp8 quantizers run as one kernel"))
     return findings
+
+
+def _expert_findings(weights) -> list[Finding]:
+    experts = [w for w in weights if w.role == "expert"]
+    if not experts:
+        return []
+    held, total = sum(w.nbytes for w in experts), sum(w.nbytes for w in weights)
+    owners = ", ".join(dict.fromkeys(w.used_by for w in experts))
+    return [Finding("warning", "experts", owners, f"{len(experts)} {ROLES['expert']} hold {held:,} bytes, "
+                    f"{100 * held / total:.0f}% of the model's {total:,} weight bytes, and stay in high precision; "
+                    "the linears around them are quantized")]
 
 
 def _linear_dtype(node):
@@ -140,7 +151,7 @@ def _is_one(value) -> bool:
 
 def _cast_dtype(node):
     target = target_of(node)
-    if target in (torch.Tensor.to, aten._to_copy.default, aten.to.dtype, torch.Tensor.type):
+    if target in DTYPE_CASTS:
         for arg in (*node.args[1:], node.kwargs.get("dtype")):
             if isinstance(arg, torch.dtype):
                 return arg

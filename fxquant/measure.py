@@ -16,16 +16,17 @@ import torch.nn.functional as F
 from fxquant import reference as R
 from fxquant.config import AUTO, AUTO_LADDER, KEEP, RECIPES, QuantConfig
 from fxquant.metrics import sqnr_db
-from fxquant.passes.annotations import annotation, node_dtype
+from fxquant.passes.annotations import annotation, linear_fqn, node_dtype
+from fxquant.passes.patterns import linear_operands
 from fxquant.passes.quantize_linear import (
+    ROUTER_REASON,
     alignment_reason,
     emit_linear,
-    fetch_attr,
-    linear_fqn,
     quantize_weight,
     skip_reason,
     weight_skip_reason,
 )
+from fxquant.passes.side_effects import has_side_effects
 
 
 @dataclass(frozen=True)
@@ -43,21 +44,25 @@ class LayerError:
 
 
 def for_each_linear(gm: torch.fx.GraphModule, example_inputs, fn: Callable) -> None:
-    """Run gm on real inputs and call fn(node, x, weight, bias) at every annotated linear with a constant weight."""
+    """Run gm on real inputs and call fn(node, x, weight [N, K], bias) at every annotated linear with a constant
+    weight. A graph that writes memory (a KV cache) runs on copies of its inputs: measuring leaves the caller's
+    state as it was."""
 
     class Recorder(torch.fx.Interpreter):
         def run_node(self, node):
             found = annotation(node)
-            if found is not None and found.kind == "linear" and node.op == "call_function":
-                args, kwargs = self.fetch_args_kwargs_from_env(node)
-                bias = args[2] if len(args) > 2 else kwargs.get("bias")
-                w = fetch_attr(gm, node.args[1])
+            if found is not None and found.kind == "linear":
+                operands = linear_operands(node)
+                w = operands.weight_nk(gm)
                 if isinstance(w, torch.Tensor):
-                    fn(node, args[0], w, bias)
+                    fn(node, self.env[operands.x], w, self.env.get(operands.bias))
             return super().run_node(node)
 
+    writes = any(has_side_effects(node) for node in gm.graph.nodes if node.op.startswith("call"))
+    inputs = [t.clone() if writes and isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) else t
+              for t in example_inputs]
     with torch.no_grad():
-        Recorder(gm).run(*example_inputs)
+        Recorder(gm).run(*inputs)
 
 
 def quantized_linear(q, bias: torch.Tensor | None, recipe: str, out_dtype) -> torch.fx.GraphModule:
@@ -106,6 +111,9 @@ def measure_graph(gm: torch.fx.GraphModule, example_inputs, config: QuantConfig,
 
     def visit(node, x, w, bias):
         fqn, shape, out_dtype = linear_fqn(node), tuple(w.shape), node_dtype(node) or x.dtype
+        if annotation(node).router:
+            found.append(LayerError(fqn, shape, None, ROUTER_REASON))
+            return
         unpinned = config.recipe == AUTO and config.layer_recipe(fqn) is None
         if unpinned and not (weight_skip_reason(w) or config.skip_reason(fqn)):
             found.append(_choose(fqn, x, w, bias, config.min_sqnr_db, out_dtype, ladder))

@@ -1,9 +1,10 @@
-"""The per-layer report: name, shape, scheme or why skipped, bytes before and after, weight SQNR, and the lint's
-findings."""
+"""The per-layer report: name, shape, scheme or why skipped, bytes before and after, weight SQNR; the totals over
+every weight of the model (not only the linears'); and the lint's findings."""
 
 from __future__ import annotations
 
 from fxquant.config import RECIPES
+from fxquant.weights import ROLES
 
 
 def format_rows(rows: list[tuple[str, ...]]) -> list[str]:
@@ -12,7 +13,27 @@ def format_rows(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
 
 
-def format_report(layers, findings=()) -> str:
+def format_totals(layers, weights=()) -> list[str]:
+    """Quantized bytes out of all weight bytes, and what stays in high precision, by role."""
+    quantized = [layer for layer in layers if layer.recipe]
+    done_before = sum(layer.bytes_before for layer in quantized)
+    done_after = sum(layer.bytes_after for layer in quantized)
+    kept = {"linear weights kept (see above)": sum(layer.bytes_before for layer in layers if not layer.recipe)}
+    for role, label in ROLES.items():
+        if role != "linear":
+            kept[label] = sum(w.nbytes for w in weights if w.role == role)
+    total = done_before + sum(kept.values())
+    after = total - done_before + done_after
+    lines = [f"weights: quantized {done_before:,} of {total:,} bytes ({100 * done_before / max(total, 1):.0f}%); "
+             f"{total:,} -> {after:,} bytes" + (f" ({total / after:.2f}x smaller)" if after else "")]
+    held = [f"{label} {nbytes:,}" for label, nbytes in kept.items() if nbytes]
+    if held:
+        lines.append(f"kept in high precision (bytes): {'; '.join(held)}")
+    return lines
+
+
+def format_report(layers, findings=(), weights=()) -> str:
+    """The report; `weights` (the pipeline's weight inventory) makes the totals count every weight."""
     rows = [("layer", "shape [N, K]", "scheme", "bytes before", "bytes after", "weight SQNR dB (worst channel)")]
     for layer in layers:
         scheme = f"{layer.recipe} ({RECIPES[layer.recipe]})" if layer.recipe else f"skipped: {layer.reason}"
@@ -22,11 +43,7 @@ def format_report(layers, findings=()) -> str:
         sqnr = "-" if layer.weight_sqnr is None else f"{layer.weight_sqnr:.1f} ({layer.worst_row_sqnr:.1f})"
         rows.append((layer.fqn, "x".join(map(str, layer.shape)), scheme, f"{layer.bytes_before:,}",
                      f"{layer.bytes_after:,}", sqnr))
-    lines = format_rows(rows)
-    before = sum(layer.bytes_before for layer in layers)
-    after = sum(layer.bytes_after for layer in layers)
-    lines.append(f"linear weights: {before:,} -> {after:,} bytes"
-                 + (f" ({before / after:.2f}x smaller)" if after else ""))
+    lines = format_rows(rows) + format_totals(layers, weights)
     upcast = [f.where for f in findings if f.kind == "upcast"]
     if upcast:
         lines.append(f"reductions moved to fp32: {', '.join(upcast)}")

@@ -144,7 +144,8 @@ def test_model_without_linear_layers_runs_unchanged(capsys):
     x = torch.randn(3, 64)
     out = run(model, x, report=True)
     assert torch.equal(out, model(x))
-    assert "linear weights: 0 -> 0 bytes" in capsys.readouterr().out
+    report = capsys.readouterr().out
+    assert "weights: quantized 0 of 512 bytes (0%)" in report and "norm weights and biases 512" in report
 
 
 @pytest.fixture
@@ -152,7 +153,7 @@ def pre_ada_gpu(monkeypatch):
     """The graph computes on cuda:0 of compute capability 8.0 (an A100): no fp8 tensor cores."""
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(fxquant.capability.torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    monkeypatch.setattr("fxquant.passes.graph_device", lambda gm, inputs=(): cuda)
+    monkeypatch.setattr("fxquant.pipeline.graph_device", lambda gm, inputs=(): cuda)
     monkeypatch.setattr("fxquant.inspection.graph_device", lambda gm, inputs=(): cuda)
 
 

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.config import RECIPES, QuantConfig
-from fxquant.passes import run_pipeline
+from fxquant.pipeline import run_pipeline
 
 LAYERS = 2
 # Logits error against eager bf16. A random-weight Llama amplifies quantization noise through its layers (torchao's

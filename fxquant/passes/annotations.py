@@ -1,37 +1,27 @@
-"""What `detect` writes into node.meta and later passes read: frozen, so no pass edits another's findings."""
+"""What `detect` writes into node.meta and later passes read (frozen, so no pass edits another's findings), and the
+graph helpers every pass shares."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 META_KEY = "fxquant"
-aten = torch.ops.aten
-
-LINEAR = {torch._C._nn.linear, F.linear, aten.linear.default}
-SOFTMAX = {torch.softmax, F.softmax, torch.Tensor.softmax, aten._softmax.default, aten.softmax.int}
-RMS_NORM = {F.rms_norm, torch.rms_norm, aten.rms_norm.default}
-LAYER_NORM = {F.layer_norm, torch.layer_norm, aten.layer_norm.default}
-LOW_PRECISION = (torch.bfloat16, torch.float16)
+FQN_KEY = "fxquant_fqn"  # on get_attr nodes: the constant's fully qualified name in the user's model
+PARAMETER_KEY = "fxquant_parameter"  # on get_attr nodes: True for the model's parameters (weights), not buffers
 
 
 @dataclass(frozen=True)
 class Annotation:
     kind: str  # "linear", "softmax", "rms_norm", "layer_norm", "rms_norm_variance" (hand-written x.pow(2).mean)
     fqn: str | None = None  # linear: the layer's fully qualified name
+    router: bool = False  # linear: its output selects experts (feeds a top-k)
 
 
 def annotation(node: torch.fx.Node) -> Annotation | None:
     return node.meta.get(META_KEY)
-
-
-def target_of(node: torch.fx.Node):
-    """The callable a node runs, with Tensor methods resolved (x.softmax -> torch.Tensor.softmax)."""
-    if node.op == "call_method":
-        return getattr(torch.Tensor, node.target, None)
-    return node.target if node.op == "call_function" else None
 
 
 def fake_value(node):
@@ -44,3 +34,42 @@ def fake_value(node):
 def node_dtype(node) -> torch.dtype | None:
     value = fake_value(node)
     return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def fetch_attr(gm, node):
+    """The tensor a get_attr node reads, or None for any other node."""
+    if gm is None or not isinstance(node, torch.fx.Node) or node.op != "get_attr":
+        return None
+    value = gm
+    for part in node.target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def tensor_identity(t: torch.Tensor):
+    """Equal for two get_attr tensors that are one weight (a tied lm_head and embedding share one storage)."""
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+def module_path(node: torch.fx.Node) -> str | None:
+    """The innermost module that ran `node`, as a name in the user's model (L['self'].layers[0].norm ->
+    layers.0.norm; export's L__self__... paths come already dotted), or None where nothing recorded it."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    return re.sub(r"^L\['\w+'\](\.\d+)?\.?", "", path)
+
+
+def linear_fqn(node: torch.fx.Node) -> str:
+    """A linear layer's name: its annotation's, else the node's."""
+    found = annotation(node)
+    return (found.fqn if found is not None else None) or node.name
+
+
+def place_name(node: torch.fx.Node) -> str:
+    """Where a node sits in the user's model, for messages: its module path and what it computes."""
+    path = module_path(node)
+    return f"{path} ({node.name})" if path else node.name

@@ -1,14 +1,19 @@
-"""cleanup: drop dead nodes (the unused parameter placeholders stay: they are the calling convention)."""
+"""cleanup: drop dead nodes, keeping every node that writes memory (a KV cache's index_copy_ has no users).
+
+The unused parameter placeholders stay: they are the calling convention.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from fxquant.passes.side_effects import eliminate_dead_code
+
 
 class Cleanup(PassBase):
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
-        modified = gm.graph.eliminate_dead_code()
+        modified = eliminate_dead_code(gm.graph)
         if modified:
             gm.graph.lint()
             gm.recompile()

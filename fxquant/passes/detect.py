@@ -1,12 +1,15 @@
 """detect: annotate linear, rms_norm, layer_norm and softmax nodes, in every spelling dynamo and export use.
 
 Pre:  any graph (torch-level from dynamo, aten-level from torch.export), after freeze_params.
-Post: node.meta["fxquant"] = Annotation(kind, fqn) on each found node; the graph itself is unchanged.
+Post: node.meta["fxquant"] = Annotation(kind, fqn, router) on each found node; the graph itself is unchanged.
 
-Spellings: torch._C._nn.linear / F.linear / aten.linear.default; F.rms_norm / torch.rms_norm /
-aten.rms_norm.default; F.layer_norm / aten.layer_norm.default; torch.softmax / F.softmax / Tensor.softmax /
-aten._softmax / aten.softmax.int; and a hand-written RMSNorm's variance, x.pow(2).mean(-1, keepdim=True)
-feeding rsqrt (transformers' LlamaRMSNorm), annotated on the pow node.
+Spellings are `spellings.py`'s; a linear is any form `patterns.linear_operands` matches (F.linear, and addmm / mm /
+matmul with a constant 2-D weight on the right, as GPT-2's Conv1D); a hand-written RMSNorm's variance is
+annotated on its pow node when `patterns.match_rms_variance` matches. A linear whose output selects experts
+(feeds a top-k) is marked as a router.
+
+A linear's name is the weight's owner (q_proj.weight -> q_proj) when the module running it holds the weight;
+a module that reads another's weight (a tied lm_head on the embedding's) is named by its own path.
 """
 
 from __future__ import annotations
@@ -14,42 +17,20 @@ from __future__ import annotations
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from fxquant.passes.annotations import (
-    LAYER_NORM,
-    LINEAR,
-    META_KEY,
-    RMS_NORM,
-    SOFTMAX,
-    Annotation,
-    aten,
-    target_of,
-)
-from fxquant.passes.freeze_params import FQN_KEY
-
-POW = {torch.pow, torch.Tensor.pow, aten.pow.Tensor_Scalar}
-MEAN = {torch.mean, torch.Tensor.mean, aten.mean.dim}
-RSQRT = {torch.rsqrt, torch.Tensor.rsqrt, aten.rsqrt.default}
-ADD = {torch.add, torch.Tensor.add, aten.add.Tensor, __import__("operator").add}
+from fxquant.passes.annotations import FQN_KEY, META_KEY, Annotation, module_path
+from fxquant.passes.patterns import linear_operands, match_rms_variance, selects_experts
+from fxquant.passes.spellings import LAYER_NORM, RMS_NORM, SOFTMAX, target_of
 
 
-def _linear_fqn(node: torch.fx.Node) -> str | None:
-    weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-    fqn = weight.meta.get(FQN_KEY) if isinstance(weight, torch.fx.Node) else None
-    return fqn[: -len(".weight")] if fqn and fqn.endswith(".weight") else fqn
-
-
-def _is_rms_variance(pow_node: torch.fx.Node) -> bool:
-    """pow(x, 2) -> mean(-1) -> [add eps] -> rsqrt."""
-    if len(pow_node.args) < 2 or pow_node.args[1] != 2:
-        return False
-    for mean in pow_node.users:
-        if target_of(mean) not in MEAN:
-            continue
-        frontier = list(mean.users)
-        frontier += [u for n in frontier if target_of(n) in ADD for u in n.users]
-        if any(target_of(n) in RSQRT for n in frontier):
-            return True
-    return False
+def _linear_fqn(node: torch.fx.Node, weight) -> str | None:
+    weight_fqn = weight.meta.get(FQN_KEY) if isinstance(weight, torch.fx.Node) else None
+    owner = weight_fqn.rpartition(".")[0] if weight_fqn and "." in weight_fqn else None
+    path = module_path(node)
+    if path and (owner is None or not (owner == path or owner.startswith(path + "."))):
+        return path  # the weight belongs to another module (tied): name the layer that runs it
+    if weight_fqn and weight_fqn.endswith(".weight"):
+        return weight_fqn[: -len(".weight")]
+    return weight_fqn or path
 
 
 class Detect(PassBase):
@@ -58,15 +39,16 @@ class Detect(PassBase):
             target = target_of(node)
             if target is None or META_KEY in node.meta:
                 continue
-            if target in LINEAR:
-                found = Annotation("linear", _linear_fqn(node))
+            operands = linear_operands(node)
+            if operands is not None:
+                found = Annotation("linear", _linear_fqn(node, operands.weight), router=selects_experts(node))
             elif target in SOFTMAX:
                 found = Annotation("softmax")
             elif target in RMS_NORM:
                 found = Annotation("rms_norm")
             elif target in LAYER_NORM:
                 found = Annotation("layer_norm")
-            elif target in POW and _is_rms_variance(node):
+            elif match_rms_variance(node) is not None:
                 found = Annotation("rms_norm_variance")
             else:
                 continue

@@ -2,7 +2,8 @@
 
 Pre:  dynamo's graph takes parameters as placeholders (example inputs are the nn.Parameters themselves).
 Post: every use of such a placeholder reads a get_attr node whose tensor is that parameter, and whose
-      meta["fxquant_fqn"] is the parameter's fully qualified name; the placeholder stays, unused, so the
+      meta["fxquant_fqn"] is the parameter's fully qualified name (and meta["fxquant_parameter"] is True, as for
+      an export graph's parameters, not its buffers); the placeholder stays, unused, so the
       graph's calling convention does not change.
 
     %l_self_modules_fc_parameters_weight_ : placeholder      ->  %fc_weight : get_attr[target=fc_weight]
@@ -19,7 +20,7 @@ import re
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-FQN_KEY = "fxquant_fqn"
+from fxquant.passes.annotations import FQN_KEY, PARAMETER_KEY
 
 
 def placeholder_fqn(node: torch.fx.Node) -> str:
@@ -52,11 +53,14 @@ class FreezeParams(PassBase):
                 const = gm.graph.get_attr(attr)
             const.meta.update(node.meta)
             const.meta[FQN_KEY] = fqn
+            const.meta[PARAMETER_KEY] = True
             node.replace_all_uses_with(const)
             modified = True
+        parameters = {name for name, _ in gm.named_parameters()}
         for node in gm.graph.nodes:
             if node.op == "get_attr" and FQN_KEY not in node.meta:
                 node.meta[FQN_KEY] = node.target
+                node.meta[PARAMETER_KEY] = node.target in parameters
         if modified:
             gm.graph.lint()
             gm.recompile()

@@ -17,18 +17,19 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.passes.annotations import node_dtype
+from fxquant.passes.side_effects import mutation_epochs
 
 
 class FuseLinear(PassBase):
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
-        modified = False
+        modified, epochs = False, mutation_epochs(gm.graph)
         for mm in list(gm.graph.nodes):
             if mm.target is not torch.ops.fxquant.scaled_mm_fp8.default:
                 continue
             a, a_scale, w, w_scale, bias, out_dtype = mm.args
             q = a.args[0] if a.target is operator.getitem else None
-            if q is None or q.target is not torch.ops.fxquant.quantize_fp8.default:
-                continue
+            if q is None or q.target is not torch.ops.fxquant.quantize_fp8.default or epochs[q] != epochs[mm]:
+                continue  # not a quantizer's output, or a write between it and the GEMM (the fused op reads x later)
             if any(user.target is not operator.getitem for user in q.users) or len(a.users) > 1 \
                     or len(a_scale.users) > 1:
                 continue  # the activation codes are used elsewhere: keep them materialized

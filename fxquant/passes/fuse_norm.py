@@ -18,18 +18,18 @@ an ulp of the model's dtype in a few elements.
 from __future__ import annotations
 
 import operator
-import re
 
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
-from fxquant.passes.annotations import LAYER_NORM, RMS_NORM, annotation, aten, node_dtype, target_of
-from fxquant.passes.detect import ADD, MEAN, RSQRT
+from fxquant.passes.annotations import annotation, module_path, node_dtype
+from fxquant.passes.patterns import match_rms_variance
+from fxquant.passes.side_effects import mutation_epochs
+from fxquant.passes.spellings import ADD, CASTS, LAYER_NORM, MUL, RMS_NORM, RSQRT, target_of
+from fxquant.passes.state import PipelineState
 
 QUANTIZE = torch.ops.fxquant.quantize_fp8.default
-CASTS = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.type, aten._to_copy.default}
-MUL = {torch.mul, torch.Tensor.mul, aten.mul.Tensor, operator.mul}
 VALUE_META = ("val", "example_value", "tensor_meta")
 FP32_EPS = torch.finfo(torch.float32).eps  # eps=None: torch's norms then use the fp32 compute dtype's eps
 
@@ -66,15 +66,17 @@ def _hand_rms_norm(out):
         if not isinstance(normed, torch.fx.Node) or target_of(normed) not in MUL or normed is scaled:
             continue
         h32, rstd = normed.args if target_of(normed.args[1]) in RSQRT else normed.args[::-1]
-        if target_of(rstd) not in RSQRT or target_of(rstd.args[0]) not in ADD:
+        if target_of(rstd) not in RSQRT or not isinstance(rstd.args[0], torch.fx.Node):
             continue
-        mean, eps = rstd.args[0].args
-        power = mean.args[0] if target_of(mean) in MEAN else None
-        found = annotation(power) if isinstance(power, torch.fx.Node) else None
-        if found is None or found.kind != "rms_norm_variance" or _uncast(power.args[0]) is not _uncast(h32):
+        inner = rstd.args[0]
+        if target_of(inner) in ADD:
+            inner = next((a for a in inner.args if isinstance(a, torch.fx.Node)), None)
+        power = inner.args[0] if isinstance(inner, torch.fx.Node) and inner.args else None
+        matched = match_rms_variance(power) if isinstance(power, torch.fx.Node) else None
+        if matched is None or matched.rsqrt is not rstd or _uncast(power.args[0]) is not _uncast(h32):
             continue
-        if isinstance(eps, float) and isinstance(weight, torch.fx.Node):
-            return _uncast(h32), weight, None, eps, True
+        if isinstance(weight, torch.fx.Node):
+            return _uncast(h32), weight, None, matched.eps, True
     return None
 
 
@@ -105,19 +107,10 @@ def _residual_add(x, norm_out, order):
     return a, b
 
 
-def _module_name(node) -> str:
-    """The norm module's name (L['self'].layers[0].norm or L['args'][0].layers[0].norm -> layers.0.norm)."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return node.name
-    path = re.sub(r"\[(\d+)\]", r".\1", list(stack.values())[-1][0])
-    return re.sub(r"^L\['\w+'\](\.\d+)?\.?", "", path) or node.name  # drop the local holding the model
-
-
 class FuseNorm(PassBase):
-    def __init__(self):
+    def __init__(self, state: PipelineState):
         super().__init__()
-        self.fused: list[str] = []  # the norms now computed by a fused op (module names), for the report
+        self.state = state
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         graph, modified = gm.graph, False
@@ -135,6 +128,9 @@ class FuseNorm(PassBase):
             if node_dtype(x) != node_dtype(out):
                 continue  # the norm changes dtype: the kernel's output rounding would not be the graph's
             group = quantizers[0].args[1]
+            epochs = mutation_epochs(graph)
+            if epochs[x] != epochs[quantizers[0]]:
+                continue  # a write between the norm's input and its quantizers: the fused op may not move past it
             order = {node: i for i, node in enumerate(graph.nodes)}
             residual = _residual_add(x, out, order)
             with graph.inserting_before(quantizers[0]):
@@ -155,7 +151,8 @@ class FuseNorm(PassBase):
             for quantizer in quantizers:
                 quantizer.replace_all_uses_with(fused)
                 graph.erase_node(quantizer)
-            self.fused.append(_module_name(norm_node if target_of(norm_node) in RMS_NORM | LAYER_NORM else out))
+            where = norm_node if target_of(norm_node) in RMS_NORM | LAYER_NORM else out
+            self.state.fused_norms.append(module_path(where) or where.name)
             modified = True
         if modified:  # the norm's own nodes are dead now; cleanup drops them
             graph.lint()

@@ -15,14 +15,15 @@ Weights with one scale per tensor are not merged (fp8 per tensor, NVFP4's global
 from __future__ import annotations
 
 import operator
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
-from fxquant.passes.annotations import fake_value
-from fxquant.passes.quantize_linear import LayerRecord, fetch_attr
+from fxquant.passes.annotations import fake_value, fetch_attr
+from fxquant.passes.side_effects import mutation_epochs
+from fxquant.passes.state import LayerRecord, PipelineState
 
 QUANTIZE = torch.ops.fxquant.quantize_fp8.default
 SCALED_MM = torch.ops.fxquant.scaled_mm_fp8.default
@@ -34,20 +35,20 @@ WIDTH_ARG = {WEIGHT_ONLY: 8}
 
 
 class MergeLinear(PassBase):
-    def __init__(self, layers: list[LayerRecord]):
+    def __init__(self, state: PipelineState):
         super().__init__()
-        self.layers = layers  # their buffer names and rows are updated, so a changed weight re-quantizes in place
+        self.state = state  # its layers' buffer names and rows are updated, so a changed weight re-quantizes in place
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         deduped = _dedupe_quantizers(gm.graph)
+        epochs = mutation_epochs(gm.graph)
+        readers = Counter(node.target for node in gm.graph.nodes if node.op == "get_attr")
         siblings = defaultdict(list)
         for node in gm.graph.nodes:
-            key = _sibling_key(gm, node)
+            key = _sibling_key(gm, node, epochs[node], readers)
             if key is not None:
                 siblings[key].append(node)
-        # Siblings that share a weight (one module called twice on the same input) stay as they are.
-        groups = [nodes for nodes in siblings.values()
-                  if len(nodes) > 1 and len({n.args[WEIGHT_ARGS[n.target][0]] for n in nodes}) == len(nodes)]
+        groups = [nodes for nodes in siblings.values() if len(nodes) > 1]
         for nodes in groups:
             self._merge(gm, nodes)
         if groups or deduped:
@@ -103,7 +104,7 @@ class MergeLinear(PassBase):
             start += width
 
     def _layers_of(self, renamed: dict[str, str], count: int) -> list[LayerRecord]:
-        layers = [layer for layer in self.layers if layer.buffers and layer.buffers[0] in renamed]
+        layers = [layer for layer in self.state.layers if layer.buffers and layer.buffers[0] in renamed]
         order = list(renamed)
         layers.sort(key=lambda layer: order.index(layer.buffers[0]))
         if len(layers) != count:
@@ -115,10 +116,11 @@ def _dedupe_quantizers(graph: torch.fx.Graph) -> bool:
     """One quantize_fp8 per (activation, group): linears on one input that no fused norm quantized (an export
     graph's, or one without a norm) first share their quantized activation, which makes them siblings."""
     kept, modified = {}, False
+    epochs = mutation_epochs(graph)
     for node in list(graph.nodes):
         if node.target is not QUANTIZE:
             continue
-        first = kept.setdefault(node.args, node)
+        first = kept.setdefault((*node.args, epochs[node]), node)
         if first is node:
             continue
         for item in list(node.users):  # getitem(node, i): read first's getitem i instead
@@ -142,14 +144,17 @@ def _merged_value(node: torch.fx.Node, total: int):
     return key, value.new_empty((*value.shape[:-1], total))
 
 
-def _sibling_key(gm: torch.fx.GraphModule, node: torch.fx.Node):
+def _sibling_key(gm: torch.fx.GraphModule, node: torch.fx.Node, epoch: int, readers: Counter):
     """What GEMMs must share to merge: op, activation (a getitem stands for its source and index), every
-    non-weight argument, and the weight's layout past its rows; None where this node cannot merge."""
+    non-weight argument, the weight's layout past its rows, and the mutation epoch (no write between them);
+    None where this node cannot merge."""
     op = node.target
     if node.op != "call_function" or op not in WEIGHT_ARGS or node.args[BIAS_ARG[op]] is not None:
         return None
     if op is WEIGHT_ONLY and node.args[3] is not None:
         return None  # a global scale per tensor
+    if any(readers[node.args[p].target] > 1 for p in WEIGHT_ARGS[op] if p is not None and node.args[p] is not None):
+        return None  # its weight serves other calls too (one module called twice): keep its buffers whole
     weights = [fetch_attr(gm, node.args[p]) if p is not None else None for p in WEIGHT_ARGS[op]]
     codes, scale = weights[0], weights[1]
     if codes is None or scale is None or scale.numel() == 1 or codes.shape[0] % scale.shape[0]:
@@ -157,11 +162,12 @@ def _sibling_key(gm: torch.fx.GraphModule, node: torch.fx.Node):
     layout = tuple((tuple(t.shape[1:]), t.dtype, codes.shape[0] // t.shape[0]) if t is not None else None
                    for t in weights)
     fixed = [_source(arg) for i, arg in enumerate(node.args) if i not in WEIGHT_ARGS[op] and i != WIDTH_ARG.get(op)]
-    return op, layout, tuple(fixed)
+    return op, layout, tuple(fixed), epoch
 
 
 def _source(arg):
-    """fuse_norm gives each former quantizer its own getitem of the fused op: equal getitems are one input."""
-    if isinstance(arg, torch.fx.Node) and arg.target is operator.getitem:
+    """fuse_norm gives each former quantizer its own getitem of the fused op: getitems of one output index are
+    one input. Any other argument stands for itself (a node, or a constant such as a dtype)."""
+    if isinstance(arg, torch.fx.Node) and arg.target is operator.getitem and isinstance(arg.args[1], int):
         return arg.args
     return arg

@@ -1,11 +1,13 @@
 """quantize_linear: each annotated linear with a constant weight becomes fxquant ops per the recipe.
 
-Pre:  freeze_params and detect have run. Post: the weight is quantized once, now, into buffers of the
-graph module; activations are quantized at run time by an op; the GEMM is an fxquant op. Layers that
-cannot or should not be quantized stay as they are, and the report says why.
+Pre:  freeze_params and detect have run. Post: each weight is quantized once, now, into buffers of the graph
+module that every linear reading it shares; activations are quantized at run time by an op; the GEMM is an
+fxquant op. Layers that cannot or should not be quantized stay as they are, and their record says why:
+routers (their output selects experts), names the config skips, unaligned shapes, and weights that something
+kept in high precision also reads (a tied lm_head and its embedding keep one high-precision weight).
 
     %y = linear(%x, %w, %b)   ->  %q = fxquant.quantize_fp8(%x, 128); %a = getitem(%q, 0); %s = getitem(%q, 1)
-                                  %y = fxquant.scaled_mm_fp8(%a, %s, %w_q, %w_scale, %b, bf16)      (fp8)
+    %y = addmm(%b, %x, %w_kn)     %y = fxquant.scaled_mm_fp8(%a, %s, %w_q, %w_scale, %b, bf16)      (fp8)
                               ->  %y = fxquant.linear_weight_only(%x, %w_q, %w_scale, ..., "int4", 128, N)
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import operator
 import re
-from dataclasses import dataclass
+from collections import defaultdict
 
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
@@ -22,34 +24,21 @@ import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant import reference as R
 from fxquant.config import KEEP, RECIPES, LinearScheme, QuantConfig
 from fxquant.metrics import sqnr_db, worst_row_sqnr_db
-from fxquant.passes.annotations import annotation, node_dtype
+from fxquant.passes.annotations import annotation, fetch_attr, linear_fqn, module_path, node_dtype, tensor_identity
+from fxquant.passes.patterns import linear_operands
+from fxquant.passes.spellings import EMBEDDING, target_of
+from fxquant.passes.state import LayerRecord, PipelineState
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 QUANTIZED_KEY = "fxquant_quantized"
-
-
-@dataclass
-class LayerRecord:
-    """One linear layer, for the report and for re-quantizing a weight that changed after compile."""
-
-    fqn: str
-    shape: tuple[int, int]
-    recipe: str | None  # None: skipped
-    reason: str  # why skipped, or ""
-    bytes_before: int
-    bytes_after: int
-    weight_sqnr: float | None = None  # dB, the quantized weight against the original
-    worst_row_sqnr: float | None = None  # dB, its lowest output channel
-    source: torch.Tensor | None = None
-    version: int = 0
-    buffers: tuple[str, ...] = ()
-    rows: tuple[int, int, int] | None = None  # merged with siblings: its rows [first, stop) of `of` in the buffers
+ROUTER_REASON = "router: its output selects experts (top-k)"
 
 
 def quantize_weight(w: torch.Tensor, recipe: str):
-    """The recipe's quantized weight (codes, scale, global scale, zero point in one Quantized)."""
+    """The recipe's quantized weight [N, K] (codes, scale, global scale, zero point in one Quantized)."""
     scheme = RECIPES[recipe]
-    return R.quantize(w.detach(), scheme.weight_fmt, scheme.weight_granularity)
+    # contiguous: a [K, N]-stored weight arrives as a transposed view, and the kernels read row-major codes.
+    return R.quantize(w.detach().contiguous(), scheme.weight_fmt, scheme.weight_granularity)
 
 
 def weight_skip_reason(w) -> str | None:
@@ -69,59 +58,93 @@ def alignment_reason(shape, scheme: LinearScheme) -> str | None:
     return None
 
 
-def skip_reason(w, fqn, config: QuantConfig) -> str | None:
-    """Why layer fqn stays in high precision under config, or None."""
+def skip_reason(w, fqn, config: QuantConfig, auto_reasons=None) -> str | None:
+    """Why layer fqn (weight w as [N, K]) stays in high precision under config, or None."""
     reason = weight_skip_reason(w) or config.skip_reason(fqn)
     if reason:
         return reason
     recipe = config.recipe_for(fqn)
-    return "layer_recipes keeps it in high precision" if recipe == KEEP else alignment_reason(w.shape, RECIPES[recipe])
+    if recipe == KEEP:
+        return (auto_reasons or {}).get(fqn, "layer_recipes keeps it in high precision")
+    return alignment_reason(w.shape, RECIPES[recipe])
 
 
-def linear_fqn(node: torch.fx.Node) -> str:
-    return annotation(node).fqn or node.name
+def _describe(node: torch.fx.Node) -> str:
+    """A node that reads a weight, named for a message."""
+    found = annotation(node)
+    if found is not None and found.kind == "linear":
+        return linear_fqn(node)
+    kind = "embedding" if target_of(node) in EMBEDDING else str(node.target).rpartition(".")[2]
+    return f"{module_path(node) or node.name} ({kind})"
 
 
 class QuantizeLinear(PassBase):
-    def __init__(self, config: QuantConfig):
+    def __init__(self, state: PipelineState):
         super().__init__()
-        self.config = config
-        self.layers: list[LayerRecord] = []
+        self.state = state
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
-        modified = False
-        for node in list(gm.graph.nodes):
+        readers = defaultdict(list)  # weight identity -> every node that reads it
+        for node in gm.graph.nodes:
+            value = fetch_attr(gm, node)
+            if isinstance(value, torch.Tensor):
+                readers[tensor_identity(value)].extend(node.users)
+        groups = defaultdict(list)  # weight identity -> the linears that multiply by it
+        for node in gm.graph.nodes:
             found = annotation(node)
             if found is None or found.kind != "linear" or node.meta.get(QUANTIZED_KEY):
                 continue
-            x, w_node = node.args[0], node.args[1]
-            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-            w = fetch_attr(gm, w_node)
-            fqn = linear_fqn(node)
-            reason = skip_reason(w, fqn, self.config)
-            shape = tuple(w.shape) if isinstance(w, torch.Tensor) else ()
-            before = w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0
             node.meta[QUANTIZED_KEY] = True
-            if reason:
-                self.layers.append(LayerRecord(fqn, shape, None, reason, before, before))
-                continue
-            recipe = self.config.recipe_for(fqn)
-            q = quantize_weight(w, recipe)
-            names = _register(gm, fqn, q)
-            with gm.graph.inserting_before(node):
-                consts = [gm.graph.get_attr(n) if n else None for n in names]
-                out = emit_linear(gm.graph, RECIPES[recipe], x, consts, bias, shape, node_dtype(node) or w.dtype)
-            out.meta.update(node.meta)
-            node.replace_all_uses_with(out)
-            gm.graph.erase_node(node)
-            w_hat = R.dequantize(q, torch.float32)
-            self.layers.append(LayerRecord(fqn, shape, recipe, "", before, q.nbytes, sqnr_db(w_hat, w),
-                                           worst_row_sqnr_db(w_hat, w), w, w._version, tuple(names)))
-            modified = True
+            w = fetch_attr(gm, linear_operands(node).weight)
+            groups[tensor_identity(w) if isinstance(w, torch.Tensor) else node].append(node)
+        modified = False
+        for key, nodes in groups.items():
+            modified |= self._quantize_group(gm, nodes, [r for r in readers.get(key, ()) if r not in nodes])
         if modified:
             gm.graph.lint()
             gm.recompile()
         return PassResult(gm, modified)
+
+    def _quantize_group(self, gm, nodes: list[torch.fx.Node], others: list[torch.fx.Node]) -> bool:
+        """Quantize the weight `nodes` share, once, unless a reason keeps it in high precision."""
+        operands = [linear_operands(node) for node in nodes]
+        source = fetch_attr(gm, operands[0].weight)
+        w = operands[0].weight_nk(gm)
+        fqn = ", ".join(dict.fromkeys(linear_fqn(node) for node in nodes))
+        reasons = [self._reason(node, w) for node in nodes]
+        kept = [r for r in reasons if r]
+        if others:
+            kept.append(f"its weight is shared with {', '.join(dict.fromkeys(map(_describe, others)))}, "
+                        "which stays in high precision")
+        recipes = {self.state.config.recipe_for(linear_fqn(node)) for node in nodes} if not kept else set()
+        if len(recipes) > 1 or len({o.transposed for o in operands}) > 1:
+            kept.append(f"layers sharing its weight ask for different schemes ({', '.join(sorted(recipes))})")
+        shape = tuple(w.shape) if isinstance(w, torch.Tensor) else ()
+        before = w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0
+        if kept:
+            self.state.layers.append(LayerRecord(fqn, shape, None, "; ".join(dict.fromkeys(kept)), before, before))
+            return False
+        recipe = recipes.pop()
+        q = quantize_weight(w, recipe)
+        names = _register(gm, fqn, q)
+        for node, ops in zip(nodes, operands, strict=True):
+            with gm.graph.inserting_before(node):
+                consts = [gm.graph.get_attr(n) if n else None for n in names]
+                out = emit_linear(gm.graph, RECIPES[recipe], ops.x, consts, ops.bias, shape,
+                                  node_dtype(node) or w.dtype)
+            out.meta.update(node.meta)
+            node.replace_all_uses_with(out)
+            gm.graph.erase_node(node)
+        w_hat = R.dequantize(q, torch.float32)
+        self.state.layers.append(LayerRecord(fqn, shape, recipe, "", before, q.nbytes, sqnr_db(w_hat, w),
+                                             worst_row_sqnr_db(w_hat, w), source, operands[0].transposed,
+                                             source._version, tuple(names)))
+        return True
+
+    def _reason(self, node: torch.fx.Node, w) -> str | None:
+        if annotation(node).router:
+            return ROUTER_REASON
+        return skip_reason(w, linear_fqn(node), self.state.config, self.state.auto_reasons)
 
 
 def emit_linear(graph, s: LinearScheme, x, consts, bias, shape, out_dtype):
@@ -140,15 +163,6 @@ def emit_linear(graph, s: LinearScheme, x, consts, bias, shape, out_dtype):
         "mxfp4": R.MX_BLOCK, "nvfp4": R.NVFP4_BLOCK}.get(s.weight_fmt, 0)
     return graph.call_function(torch.ops.fxquant.linear_weight_only.default,
                                (x, data, scale, global_scale, zero_point, bias, s.weight_fmt, group, shape[0]))
-
-
-def fetch_attr(gm, node):
-    if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
-        return None
-    value = gm
-    for part in node.target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _register(gm, fqn, q) -> list[str | None]:

@@ -2,7 +2,8 @@
 
 Pre:  detect has run. Post: each annotated reduction with a bf16/fp16 input reads an fp32 copy of it and
 its result is cast back, so the dtypes and shapes the rest of the graph sees do not change. A bf16
-reduction over thousands of elements loses range silently; fp32 costs little here.
+reduction over thousands of elements loses range silently; fp32 costs little here. A hand-written variance is
+edited only when its whole pattern still matches (`patterns.match_rms_variance`); otherwise nothing changes.
 
     %y = softmax(%x_bf16, -1)       ->  %x32 = _to_copy(%x_bf16, fp32); %s = softmax(%x32, -1)
                                         %y = _to_copy(%s, bf16)
@@ -14,8 +15,10 @@ from __future__ import annotations
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from fxquant.passes.annotations import LOW_PRECISION, META_KEY, annotation, aten, node_dtype, target_of
-from fxquant.passes.detect import ADD, MEAN, RSQRT
+from fxquant.passes.annotations import META_KEY, annotation, module_path, node_dtype
+from fxquant.passes.patterns import match_rms_variance
+from fxquant.passes.spellings import LOW_PRECISION, aten
+from fxquant.passes.state import PipelineState
 
 UPCAST_KEY = "fxquant_upcast"  # marks nodes this pass made, so a second run changes nothing
 
@@ -27,9 +30,9 @@ def _cast(graph, node, dtype):
 
 
 class Upcast(PassBase):
-    def __init__(self):
+    def __init__(self, state: PipelineState):
         super().__init__()
-        self.upcast_nodes: list[str] = []  # names, for the lint report
+        self.state = state
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         graph, modified = gm.graph, False
@@ -43,34 +46,27 @@ class Upcast(PassBase):
                 continue
             if found.kind == "softmax" and (node.kwargs.get("dtype") == torch.float32 or len(node.args) > 2):
                 continue  # softmax(x, dim, dtype=...) / aten._softmax(half_to_float) already chose
+            if found.kind == "rms_norm_variance":
+                matched = match_rms_variance(node)
+                if matched is None:
+                    continue  # an earlier edit changed the pattern: leave it whole
+                out = matched.rsqrt
+            else:
+                out = node
             with graph.inserting_before(node):
                 node.replace_input_with(x, _cast(graph, x, torch.float32))
                 for arg in node.args[1:]:  # norm weight / bias follow the input into fp32
                     if isinstance(arg, torch.fx.Node) and node_dtype(arg) in LOW_PRECISION:
                         node.replace_input_with(arg, _cast(graph, arg, torch.float32))
-            out = node if found.kind != "rms_norm_variance" else _variance_end(node)
-            if out is None:
-                continue
             with graph.inserting_after(out):
                 back = _cast(graph, out, dtype)
             out.replace_all_uses_with(back, delete_user_cb=lambda user, back=back: user is not back)
             back.meta.update({k: v for k, v in out.meta.items() if k != META_KEY})
             node.meta[UPCAST_KEY] = True
-            self.upcast_nodes.append(node.name)
+            where = module_path(node)
+            self.state.upcast.append(f"{where} ({found.kind})" if where else f"{node.name} ({found.kind})")
             modified = True
         if modified:
             graph.lint()
             gm.recompile()
         return PassResult(gm, modified)
-
-
-def _variance_end(pow_node):
-    """The rsqrt at the end of pow -> mean -> [add eps] -> rsqrt."""
-    for mean in pow_node.users:
-        if target_of(mean) in MEAN:
-            for user in mean.users:
-                if target_of(user) in RSQRT:
-                    return user
-                if target_of(user) in ADD:
-                    return next((u for u in user.users if target_of(u) in RSQRT), None)
-    return None

@@ -10,10 +10,11 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import fxquant.ops  # noqa: F401
 from fxquant.config import QuantConfig
-from fxquant.passes import prepare
 from fxquant.passes.cleanup import Cleanup
 from fxquant.passes.fuse_norm import FuseNorm
 from fxquant.passes.quantize_linear import QuantizeLinear
+from fxquant.passes.state import PipelineState
+from fxquant.pipeline import prepare
 
 OPS = torch.ops.fxquant
 D = 256
@@ -41,6 +42,10 @@ NORMS = {
 }
 
 
+def state(recipe="fp8_block"):
+    return PipelineState(QuantConfig(recipe=recipe))
+
+
 def captured(model, *inputs):
     """The pipeline's graph after quantize_linear, before any fusion, and the captured inputs."""
     graphs = []
@@ -52,8 +57,8 @@ def captured(model, *inputs):
     torch._dynamo.reset()
     torch.compile(model, backend=backend, fullgraph=True)(*inputs)
     gm, example_inputs = graphs[0]
-    gm, _ = prepare(gm, example_inputs)
-    QuantizeLinear(QuantConfig(recipe="fp8_block"))(gm)
+    gm = prepare(gm, state(), example_inputs)
+    QuantizeLinear(state())(gm)
     return gm, example_inputs
 
 
@@ -78,7 +83,7 @@ def test_norm_and_quantizers_become_one_op_with_the_same_numbers(norm, residual)
     gm, inputs = captured(model, x, r)
     unfused = [t.clone() for t in gm(*inputs)]
     assert count(gm, OPS.quantize_fp8.default) == 2
-    assert FuseNorm()(gm).modified and not FuseNorm()(gm).modified
+    assert FuseNorm(state())(gm).modified and not FuseNorm(state())(gm).modified
     Cleanup()(gm)
     fused_op = OPS.add_norm_quant_fp8.default if residual else OPS.norm_quant_fp8.default
     assert count(gm, fused_op) == 1 and count(gm, OPS.quantize_fp8.default) == 0
@@ -100,7 +105,7 @@ def test_norm_read_by_a_high_precision_consumer_is_left_alone():
     model, x, r = model_and_inputs("rms_norm")
     model.k = nn.Linear(D, 100, bias=False).to(torch.bfloat16)  # N = 100: not fp8_block aligned, stays bf16
     gm, _ = captured(model, x, r)
-    assert not FuseNorm()(gm).modified and count(gm, OPS.quantize_fp8.default) == 1
+    assert not FuseNorm(state())(gm).modified and count(gm, OPS.quantize_fp8.default) == 1
 
 
 def test_per_tensor_quantizers_are_left_alone():
@@ -108,9 +113,9 @@ def test_per_tensor_quantizers_are_left_alone():
     graphs = []
     torch._dynamo.reset()
     torch.compile(model, backend=lambda gm, inputs: graphs.append((gm, inputs)) or gm.forward)(x, r)
-    gm, _ = prepare(*graphs[0])
-    QuantizeLinear(QuantConfig(recipe="fp8_tensor"))(gm)
-    assert not FuseNorm()(gm).modified
+    gm = prepare(graphs[0][0], state(), graphs[0][1])
+    QuantizeLinear(state("fp8_tensor"))(gm)
+    assert not FuseNorm(state())(gm).modified
 
 
 def test_backend_uses_the_fused_op_end_to_end():

@@ -9,9 +9,10 @@ from torch.fx.passes.infra.pass_base import PassResult
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fxquant.config import QuantConfig
-from fxquant.passes import run_pipeline
 from fxquant.passes.annotations import fake_value
 from fxquant.passes.merge_linear import MergeLinear
+from fxquant.passes.state import PipelineState
+from fxquant.pipeline import run_pipeline
 from fxquant.report import format_report
 
 GEMMS = (torch.ops.fxquant.scaled_mm_fp8.default, torch.ops.fxquant.linear_fp8.default,
@@ -89,7 +90,7 @@ def test_merged_gemms_and_their_slices_carry_fake_values(llama):
 def test_a_second_run_changes_nothing(llama):
     model, ids = llama
     result, _ = pipeline(model, ids, "fp8_block")
-    assert not MergeLinear(result.layers)(result.gm).modified
+    assert not MergeLinear(PipelineState(result.config, layers=result.layers))(result.gm).modified
 
 
 @pytest.mark.parametrize("recipe", ["fp8_tensor", "nvfp4_wo"])

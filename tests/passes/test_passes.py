@@ -14,6 +14,7 @@ from fxquant.passes.detect import Detect
 from fxquant.passes.freeze_params import FreezeParams
 from fxquant.passes.fuse_linear import FuseLinear
 from fxquant.passes.quantize_linear import QuantizeLinear
+from fxquant.passes.state import PipelineState
 from fxquant.passes.upcast import Upcast
 
 X = torch.randn(2, 8, 256, dtype=torch.bfloat16)
@@ -77,11 +78,11 @@ def test_upcast_runs_reductions_in_fp32_and_keeps_dtypes():
     model = tiny_block()
     gm, inputs = frozen(model)
     Detect()(gm)
-    result = Upcast()(gm)
+    result = Upcast(PipelineState(QuantConfig()))(gm)
     assert result.modified
     casts = [n for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default]
     assert sum(1 for c in casts if c.kwargs["dtype"] == torch.float32) >= 4  # softmax, 3 norms
-    assert not Upcast()(gm).modified
+    assert not Upcast(PipelineState(QuantConfig()))(gm).modified
     out = gm(*inputs)[0]
     assert out.dtype == torch.bfloat16
     assert rel_err(out, model(X)) < 0.02
@@ -91,13 +92,13 @@ def test_quantize_then_fuse_counts_and_numbers():
     model = tiny_block()
     gm, inputs = frozen(model)
     Detect()(gm)
-    quantize = QuantizeLinear(QuantConfig(recipe="fp8_block"))
-    assert quantize(gm).modified
+    state = PipelineState(QuantConfig(recipe="fp8_block"))
+    assert QuantizeLinear(state)(gm).modified
     assert count(gm, torch.ops.fxquant.quantize_fp8.default) == 3  # lm_head skipped by default
     assert count(gm, torch.ops.fxquant.scaled_mm_fp8.default) == 3
     assert count(gm, torch._C._nn.linear) == 1  # lm_head untouched
-    assert [layer.fqn for layer in quantize.layers if layer.recipe is None] == ["lm_head"]
-    assert not QuantizeLinear(QuantConfig(recipe="fp8_block"))(gm).modified
+    assert [layer.fqn for layer in state.layers if layer.recipe is None] == ["lm_head"]
+    assert not QuantizeLinear(PipelineState(QuantConfig(recipe="fp8_block")))(gm).modified
     assert FuseLinear()(gm).modified
     assert count(gm, torch.ops.fxquant.linear_fp8.default) == 3
     assert count(gm, torch.ops.fxquant.quantize_fp8.default) == 0 and count(gm, operator.getitem) == 0
@@ -109,9 +110,9 @@ def test_quantize_then_fuse_counts_and_numbers():
 def test_skip_and_alignment_leave_layers_in_high_precision():
     gm, _ = frozen(tiny_block())
     Detect()(gm)
-    quantize = QuantizeLinear(QuantConfig(recipe="int4_wo", skip=(r"^up$",)))
-    quantize(gm)
-    reasons = {layer.fqn: layer.reason for layer in quantize.layers}
+    state = PipelineState(QuantConfig(recipe="int4_wo", skip=(r"^up$",)))
+    QuantizeLinear(state)(gm)
+    reasons = {layer.fqn: layer.reason for layer in state.layers}
     assert reasons["up"].startswith("skip option") and reasons["lm_head"].startswith("default exclusion")
     assert reasons["q"] == "" and reasons["down"] == ""
     assert count(gm, torch.ops.fxquant.linear_weight_only.default) == 2
@@ -129,6 +130,6 @@ def test_unaligned_layer_is_skipped_with_a_reason():
     gm, inputs = capture(Odd().to(torch.bfloat16), torch.randn(4, 200, dtype=torch.bfloat16))
     FreezeParams(inputs)(gm)
     Detect()(gm)
-    quantize = QuantizeLinear(QuantConfig(recipe="fp8_block"))
-    assert not quantize(gm).modified
-    assert "alignment" in quantize.layers[0].reason
+    state = PipelineState(QuantConfig(recipe="fp8_block"))
+    assert not QuantizeLinear(state)(gm).modified
+    assert "alignment" in state.layers[0].reason

@@ -1,0 +1,132 @@
+"""Each graph pattern the passes act on, declared once and matched by one function returning a small match object.
+Passes edit only after the whole pattern matched.
+
+- `linear_operands`: y = x @ W.T + b in every spelling: F.linear (W [N, K]), addmm(b, x, W) and mm / matmul / @
+  with a constant W [K, N] on the right (GPT-2's Conv1D, hand-written projections).
+- `match_rms_variance`: a hand-written RMSNorm's pow(x, 2) -> mean(-1, keepdim) -> [add eps] -> rsqrt, whose
+  intermediates nothing else reads (transformers' LlamaRMSNorm).
+- `selects_experts`: a linear whose output reaches a top-k within a few ops: an MoE router.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fxquant.passes.annotations import fake_value, fetch_attr
+from fxquant.passes.spellings import (
+    ADD,
+    ADDMM,
+    LINEAR,
+    MATMUL,
+    MEAN,
+    MM,
+    POW,
+    RSQRT,
+    TOPK,
+    target_of,
+)
+
+# A router's logits reach its top-k through a cast and a softmax or sigmoid, sometimes a bias add and a view
+# (Mixtral, Qwen-MoE: 2-3 ops; DeepSeek-V3's grouped selection: 4).
+ROUTER_DEPTH = 4
+
+
+@dataclass(frozen=True)
+class LinearOperands:
+    """y = x @ W.T + bias; `transposed`: the graph stores W as [K, N] (addmm / mm / matmul), not [N, K]."""
+
+    x: torch.fx.Node
+    weight: object  # a get_attr node for a constant weight
+    bias: object  # a node, or None
+    transposed: bool
+
+    def weight_nk(self, gm) -> torch.Tensor | None:
+        """The constant weight as [N, K] (a transposed view where the graph stores [K, N]), or None."""
+        w = fetch_attr(gm, self.weight)
+        if not isinstance(w, torch.Tensor):
+            return None
+        return w.T if self.transposed else w
+
+
+def _arg(node, index, name, default=None):
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def _is_constant(node) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "get_attr"
+
+
+def _is_2d(node) -> bool:
+    value = fetch_attr(node.graph.owning_module, node)
+    return isinstance(value, torch.Tensor) and value.dim() == 2
+
+
+def linear_operands(node: torch.fx.Node) -> LinearOperands | None:
+    target = target_of(node)
+    if target in LINEAR:
+        return LinearOperands(node.args[0], _arg(node, 1, "weight"), _arg(node, 2, "bias"), False)
+    if target in ADDMM:
+        bias, x, w = node.args[:3]
+        plain = _arg(node, 3, "beta", 1) == 1 and _arg(node, 4, "alpha", 1) == 1
+        bias_is_row = isinstance(fake_value(bias), torch.Tensor) and fake_value(bias).dim() == 1
+        if plain and bias_is_row and _is_constant(w) and _is_2d(w):
+            return LinearOperands(x, w, bias, True)
+        return None
+    if target in MM | MATMUL:
+        x, w = node.args[:2]
+        if _is_constant(w) and _is_2d(w) and not _is_constant(x):
+            return LinearOperands(x, w, None, True)
+    return None
+
+
+@dataclass(frozen=True)
+class RmsVariance:
+    pow: torch.fx.Node
+    mean: torch.fx.Node
+    add: torch.fx.Node | None
+    rsqrt: torch.fx.Node
+    eps: float
+
+
+def _only_user(node):
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _reduces_last_dim(mean) -> bool:
+    dim = _arg(mean, 1, "dim")
+    dims = list(dim) if isinstance(dim, list | tuple) else [dim]
+    value = fake_value(mean.args[0])
+    rank = value.dim() if isinstance(value, torch.Tensor) else None
+    return _arg(mean, 2, "keepdim", False) is True and len(dims) == 1 and dims[0] in (-1, rank and rank - 1)
+
+
+def match_rms_variance(pow_node: torch.fx.Node) -> RmsVariance | None:
+    if target_of(pow_node) not in POW or len(pow_node.args) < 2 or pow_node.args[1] != 2:
+        return None
+    mean = _only_user(pow_node)
+    if mean is None or target_of(mean) not in MEAN or not _reduces_last_dim(mean):
+        return None
+    add, end = None, _only_user(mean)
+    eps = 0.0
+    if end is not None and target_of(end) in ADD:
+        other = [a for a in end.args if a is not mean]
+        if len(end.args) != 2 or len(other) != 1 or not isinstance(other[0], int | float):
+            return None
+        add, eps, end = end, float(other[0]), _only_user(end)
+    if end is None or target_of(end) not in RSQRT:
+        return None
+    return RmsVariance(pow_node, mean, add, end, eps)
+
+
+def selects_experts(linear: torch.fx.Node) -> bool:
+    """Whether the linear's output reaches a top-k within ROUTER_DEPTH ops, without passing another linear."""
+    frontier, seen = [linear], {linear}
+    for _ in range(ROUTER_DEPTH):
+        frontier = [user for node in frontier for user in node.users if user not in seen]
+        seen.update(frontier)
+        if any(target_of(node) in TOPK for node in frontier):
+            return True
+        frontier = [node for node in frontier if linear_operands(node) is None]
+    return False

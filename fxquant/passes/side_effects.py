@@ -1,0 +1,74 @@
+"""Which nodes write memory, decided from op schemas, never from a list of names.
+
+A graph from dynamo or torch.export holds in-place writes whose results nobody reads: a KV cache's
+`index_copy_`, a `copy_`, a setitem, an `out=` argument. Dropping one is silent data loss, and moving a read
+across one changes what the read sees. Every pass asks this module:
+
+- `has_side_effects(node)`: torch's own `Node.is_impure` (mutable aten schemas, effectful and random ops,
+  impure modules), plus what it does not see in torch-level graphs: a Tensor method or torch function whose aten
+  schema writes its first argument (`x.index_copy_(...)` is `aten::index_copy_(Tensor(a!) self, ...)`), an
+  `out=` tensor, and Python's mutating operators (`x[i] = v`, `x += y`).
+- `mutation_epochs(graph)`: per node, how many writes come before it. A rewrite may merge or move computations
+  only within one epoch.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import torch
+
+# Python's data model: setitem/delitem and the augmented assignments (x += y -> operator.iadd, the in-place twin
+# of operator.add; iand of and_) mutate their first operand when the type defines the in-place method, as
+# torch.Tensor does.
+_PYTHON_MUTATORS = {operator.setitem, operator.delitem} | {
+    getattr(operator, name) for name in dir(operator)
+    if name.startswith("i") and (hasattr(operator, name[1:]) or hasattr(operator, name[1:] + "_"))
+    and hasattr(torch.Tensor, f"__{name}__")}
+
+
+def has_side_effects(node: torch.fx.Node) -> bool:
+    """True if running `node` writes memory (or is an input/output, which DCE must keep)."""
+    if node.is_impure():
+        return True
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if isinstance(node.kwargs.get("out"), torch.fx.Node):
+        return True
+    if node.target in _PYTHON_MUTATORS:
+        return True
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
+    return isinstance(name, str) and _aten_writes_self(name)
+
+
+@functools.cache
+def _aten_writes_self(name: str) -> bool:
+    """Whether some overload of aten::<name> writes its first argument (Tensor(a!) self)."""
+    if name in ("__setitem__", "__delitem__"):
+        return True
+    if name.startswith("__i") and name.endswith("__"):  # __iadd__ and friends: in place by the data model
+        return True
+    packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return False
+    for overload in packet.overloads():
+        arguments = getattr(packet, overload)._schema.arguments
+        if arguments and arguments[0].alias_info is not None and arguments[0].alias_info.is_write:
+            return True
+    return False
+
+
+def mutation_epochs(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
+    """Each node's number of memory-writing nodes before it in graph order (placeholders and output excluded)."""
+    epochs, count = {}, 0
+    for node in graph.nodes:
+        epochs[node] = count
+        if node.op in ("call_function", "call_method", "call_module") and has_side_effects(node):
+            count += 1
+    return epochs
+
+
+def eliminate_dead_code(graph: torch.fx.Graph) -> bool:
+    """graph.eliminate_dead_code, keeping every node with side effects."""
+    return graph.eliminate_dead_code(is_impure_node=has_side_effects)

@@ -1,0 +1,43 @@
+"""Every spelling of the ops the passes and the lint look for, in one table: dynamo's torch-level targets
+(functions, Tensor methods resolved by `target_of`, Python operators) and torch.export's aten overloads."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+
+# y = x @ w.T + b with w [N, K]: nn.Linear
+LINEAR = {torch._C._nn.linear, F.linear, aten.linear.default}
+# y = b + x @ w with w [K, N]: GPT-2's Conv1D (addmm), and a bare parameter on the right of mm / matmul / @
+ADDMM = {torch.addmm, torch.Tensor.addmm, aten.addmm.default}
+MM = {torch.mm, torch.Tensor.mm, aten.mm.default}
+MATMUL = {torch.matmul, torch.Tensor.matmul, operator.matmul, aten.matmul.default}
+EMBEDDING = {F.embedding, torch.embedding, aten.embedding.default}
+SOFTMAX = {torch.softmax, F.softmax, torch.Tensor.softmax, aten._softmax.default, aten.softmax.int}
+RMS_NORM = {F.rms_norm, torch.rms_norm, aten.rms_norm.default}
+LAYER_NORM = {F.layer_norm, torch.layer_norm, aten.layer_norm.default}
+TOPK = {torch.topk, torch.Tensor.topk, aten.topk.default}
+CONVOLUTION = {F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
+               aten.convolution.default, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default}
+
+POW = {torch.pow, torch.Tensor.pow, aten.pow.Tensor_Scalar}
+MEAN = {torch.mean, torch.Tensor.mean, aten.mean.dim}
+RSQRT = {torch.rsqrt, torch.Tensor.rsqrt, aten.rsqrt.default}
+ADD = {torch.add, torch.Tensor.add, aten.add.Tensor, operator.add}
+MUL = {torch.mul, torch.Tensor.mul, aten.mul.Tensor, operator.mul}
+DIV = {torch.div, torch.Tensor.div, torch.Tensor.__truediv__, aten.div.Tensor, operator.truediv}
+CASTS = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.type, aten._to_copy.default}
+DTYPE_CASTS = {torch.Tensor.to, torch.Tensor.type, aten._to_copy.default, aten.to.dtype}
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def target_of(node: torch.fx.Node):
+    """The callable a node runs, with Tensor methods resolved (x.softmax -> torch.Tensor.softmax)."""
+    if node.op == "call_method":
+        return getattr(torch.Tensor, node.target, None)
+    return node.target if node.op == "call_function" else None

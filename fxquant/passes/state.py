@@ -1,0 +1,37 @@
+"""What the passes hand each other, in one explicit object the pipeline creates and reads back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fxquant.config import QuantConfig
+
+
+@dataclass
+class LayerRecord:
+    """One weight-bearing layer, for the report and for re-quantizing a weight that changed after compile."""
+
+    fqn: str
+    shape: tuple[int, ...]  # [N, K]
+    recipe: str | None  # None: kept in high precision
+    reason: str  # why kept, or ""
+    bytes_before: int
+    bytes_after: int
+    weight_sqnr: float | None = None  # dB, the quantized weight against the original
+    worst_row_sqnr: float | None = None  # dB, its lowest output channel
+    source: torch.Tensor | None = None  # the user's weight, as the graph stores it
+    transposed: bool = False  # source is [K, N] (Conv1D, x @ W): quantized as source.T
+    version: int = 0
+    buffers: tuple[str | None, ...] = ()
+    rows: tuple[int, int, int] | None = None  # merged with siblings: its rows [first, stop) of `of` in the buffers
+
+
+@dataclass
+class PipelineState:
+    config: QuantConfig
+    layers: list[LayerRecord] = field(default_factory=list)
+    upcast: list[str] = field(default_factory=list)  # reductions moved to fp32, by module path
+    fused_norms: list[str] = field(default_factory=list)  # norms computed with their fp8 quantizers
+    auto_reasons: dict[str, str] = field(default_factory=dict)  # fqn -> why recipe="auto" kept the layer

@@ -1,0 +1,74 @@
+"""The pipeline: freeze_params -> detect -> upcast, the numerics lint (and recipe="auto"'s measurements), then
+quantize_linear -> fuse_norm -> merge_linear -> fuse_linear -> cleanup. It sits above the passes: they never
+import the lint or the measurements, and what they hand each other travels in one `PipelineState`."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch.fx.passes.infra.pass_manager import PassManager
+
+from fxquant.capability import check_config, graph_device, usable_recipes
+from fxquant.config import AUTO, QuantConfig
+from fxquant.lint import Finding, NumericsError, lint_graph, lint_layers
+from fxquant.passes.cleanup import Cleanup
+from fxquant.passes.detect import Detect
+from fxquant.passes.freeze_params import FreezeParams
+from fxquant.passes.fuse_linear import FuseLinear
+from fxquant.passes.fuse_norm import FuseNorm
+from fxquant.passes.merge_linear import MergeLinear
+from fxquant.passes.quantize_linear import QuantizeLinear
+from fxquant.passes.state import LayerRecord, PipelineState
+from fxquant.passes.upcast import Upcast
+from fxquant.weights import WeightEntry, weight_inventory
+
+
+@dataclass
+class PipelineResult:
+    gm: torch.fx.GraphModule
+    layers: list[LayerRecord]
+    upcast: list[str]
+    config: QuantConfig  # with recipe="auto" resolved to per-layer recipes
+    findings: list[Finding]  # the numerics lint's, errors excluded (those refuse the compile)
+    weights: list[WeightEntry]  # every parameter the graph reads, for the report's totals
+
+    def warn(self) -> None:
+        """One warning per compile listing every warning-level finding."""
+        found = [f for f in self.findings if f.severity == "warning"]
+        if found:
+            warnings.warn("fxquant numerics lint:\n" + "\n".join(f"  {f.where}: {f.message}" for f in found),
+                          stacklevel=3)
+
+
+def prepare(gm: torch.fx.GraphModule, state: PipelineState, example_inputs=None) -> torch.fx.GraphModule:
+    """freeze_params -> detect -> upcast: the graph annotated, with its reductions in fp32, not yet quantized."""
+    result = PassManager(passes=[FreezeParams(example_inputs), Detect(), Upcast(state)], steps=1)(gm)
+    return result.graph_module
+
+
+def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=None) -> PipelineResult:
+    """The whole pipeline; recipe="auto" measures each unpinned layer on example_inputs (real tensors) first."""
+    device = graph_device(gm, example_inputs)
+    check_config(config, device)
+    state = PipelineState(config)
+    gm = prepare(gm, state, example_inputs)
+    weights = weight_inventory(gm)
+    findings = lint_graph(gm, example_inputs)
+    if config.recipe == AUTO:
+        from fxquant.measure import measure_graph, resolve_auto
+
+        if example_inputs is None:
+            raise ValueError("fxquant: recipe='auto' needs sample inputs to measure each layer on")
+        measured = measure_graph(gm, example_inputs, config, usable_recipes(device))
+        state.config = config = resolve_auto(config, measured)
+        state.auto_reasons = {m.fqn: m.reason for m in measured if m.chosen_by_auto and m.recipe is None}
+    passes = [QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseLinear(), Cleanup()]
+    gm = PassManager(passes=passes, steps=1)(gm).graph_module
+    findings += lint_layers(state, weights)
+    errors = [f for f in findings if f.severity == "error"]
+    if errors:
+        raise NumericsError("fxquant: refusing to compile, running would produce inf/NaN:\n"
+                            + "\n".join(f"  {f.where}: {f.message}" for f in errors))
+    return PipelineResult(gm, state.layers, state.upcast, config, findings, weights)
