@@ -97,8 +97,7 @@ def _expert_findings(weights) -> list[Finding]:
     held, total = sum(w.nbytes for w in experts), sum(w.nbytes for w in weights)
     owners = ", ".join(dict.fromkeys(w.used_by for w in experts))
     return [Finding("warning", "experts", owners, f"{len(experts)} {ROLES['expert']} hold {held:,} bytes, "
-                    f"{100 * held / total:.0f}% of the model's {total:,} weight bytes, and stay in high precision; "
-                    "the linears around them are quantized")]
+                    f"{100 * held / total:.0f}% of the model's {total:,} weight bytes, and stay in high precision")]
 
 
 def _linear_dtype(node):

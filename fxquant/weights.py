@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from fxquant.passes.annotations import FQN_KEY, PARAMETER_KEY, annotation, fetch_attr, module_path, tensor_identity
+from fxquant.passes.patterns import linear_operands
 from fxquant.passes.spellings import CONVOLUTION, EMBEDDING, target_of
 
 # role -> how the report names it; "linear" weights are accounted by their layer records instead
@@ -29,9 +30,16 @@ class WeightEntry:
     used_by: str  # the module that reads it (for messages)
 
 
-def _role(tensor: torch.Tensor, users: list[torch.fx.Node]) -> str:
+def _multiplies_by(user: torch.fx.Node, reads: list[torch.fx.Node]) -> bool:
+    """Whether `user` is a linear whose weight operand is one of the get_attr nodes `reads`."""
+    found = annotation(user)
+    return found is not None and found.kind == "linear" and linear_operands(user).weight in reads
+
+
+def _role(tensor: torch.Tensor, reads: list[torch.fx.Node]) -> str:
+    users = [user for read in reads for user in read.users]
     targets = {target_of(user) for user in users}
-    if any((found := annotation(user)) is not None and found.kind == "linear" for user in users):
+    if any(_multiplies_by(user, reads) for user in users):
         return "linear"
     if tensor.dim() >= 3 and not targets & CONVOLUTION:
         return "expert"  # [E, N, K] stacks of expert matrices, read by grouped / batched GEMMs or per expert
@@ -42,18 +50,17 @@ def _role(tensor: torch.Tensor, users: list[torch.fx.Node]) -> str:
 
 def weight_inventory(gm: torch.fx.GraphModule) -> list[WeightEntry]:
     """The graph's parameters, each tensor once (tied weights are one entry), in graph order."""
-    found: dict[tuple, tuple[torch.fx.Node, torch.Tensor, list[torch.fx.Node]]] = {}
+    found: dict[tuple, tuple[torch.Tensor, list[torch.fx.Node]]] = {}  # identity -> (tensor, its get_attr nodes)
     for node in gm.graph.nodes:
         if node.op != "get_attr" or not node.meta.get(PARAMETER_KEY):
             continue
         tensor = fetch_attr(gm, node)
-        if not isinstance(tensor, torch.Tensor):
-            continue
-        first = found.setdefault(tensor_identity(tensor), (node, tensor, []))
-        first[2].extend(node.users)
+        if isinstance(tensor, torch.Tensor):
+            found.setdefault(tensor_identity(tensor), (tensor, []))[1].append(node)
     entries = []
-    for node, tensor, users in found.values():
-        used_by = next((path for user in users if (path := module_path(user))), node.meta.get(FQN_KEY, node.name))
-        entries.append(WeightEntry(node.meta.get(FQN_KEY, node.name), tuple(tensor.shape),
-                                   tensor.numel() * tensor.element_size(), _role(tensor, users), used_by))
+    for tensor, reads in found.values():
+        fqn = reads[0].meta.get(FQN_KEY, reads[0].name)
+        used_by = next((path for read in reads for user in read.users if (path := module_path(user))), fqn)
+        entries.append(WeightEntry(fqn, tuple(tensor.shape), tensor.numel() * tensor.element_size(),
+                                   _role(tensor, reads), used_by))
     return entries

@@ -1,0 +1,158 @@
+"""transformers models built from small configs, used as people use them: a static KV cache written in place by the
+compiled graph, generate(), tied embeddings, GPT-2's Conv1D, Gemma2, and MoE routers."""
+
+import re
+
+import pytest
+import torch
+import transformers as T
+from hf_models import ARCHITECTURES, VOCAB, cosine, decoder, fake_quantized, static_decode, within_bound
+
+import fxquant  # noqa: F401  (registers the backend)
+
+GENERATOR = torch.Generator().manual_seed(1)
+PROMPT = torch.randint(0, VOCAB, (2, 8), generator=GENERATOR)
+STEPS = torch.randint(0, VOCAB, (2, 4), generator=GENERATOR)
+
+
+def compiled(model, **options):
+    torch._dynamo.reset()
+    return torch.compile(model, backend="fxquant", options={"inner": "eager", **options})
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_static_cache_decode_with_nothing_quantized_equals_eager(arch):
+    """The cache's index_copy_ has no users; dropping it made every step after the prefill wrong."""
+    model = decoder(arch)
+    eager = static_decode(model, model, PROMPT, STEPS)
+    got = static_decode(model, compiled(model, include=["^nothing$"]), PROMPT, STEPS)
+    torch.testing.assert_close(got, eager, rtol=0, atol=1e-2)  # bf16 logits: a rounding apart at most
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", "int8_wo", "int4_wo"])
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_static_cache_decode_stays_within_the_fake_quantized_bound(arch, recipe):
+    """Bound by independent copies of the model whose linears the reference fake-quantizes in eager PyTorch: an
+    exact one (fp32 products from the dequantized operands) and a plain bf16 one (hf_models.within_bound)."""
+    model = decoder(arch)
+    exact_model, plain_model = fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=False)
+    exact = static_decode(exact_model, exact_model, PROMPT, STEPS)
+    plain = static_decode(plain_model, plain_model, PROMPT, STEPS)
+    eager = static_decode(model, model, PROMPT, STEPS)
+    got = static_decode(model, compiled(model, recipe=recipe), PROMPT, STEPS)
+    assert not within_bound(got, exact, plain, eager)
+
+
+def test_generate_compiles_no_more_graphs_than_inductor():
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(2))
+    graphs, tokens = {}, {}
+    for backend, options in (("inductor", None), ("fxquant", {"recipe": "int8_wo"})):
+        model = decoder("qwen2")
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        model.forward = torch.compile(model.forward, backend=backend, options=options)
+        with torch.no_grad():
+            tokens[backend] = model.generate(ids, max_new_tokens=6, do_sample=False)
+        graphs[backend] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs["fxquant"] <= graphs["inductor"], graphs
+    assert tokens["fxquant"].shape == tokens["inductor"].shape
+
+
+def report_of(model, capsys, *args, **options):
+    with torch.no_grad():
+        out = compiled(model, report=True, **options)(*args)
+    return out, capsys.readouterr().out
+
+
+def row(report: str, layer: str) -> str:
+    return next(line for line in report.splitlines() if line.startswith(layer + " "))
+
+
+@pytest.mark.parametrize("default_skip", [None, ()])
+def test_tied_lm_head_stays_in_high_precision_and_is_named_lm_head(capsys, default_skip):
+    """With tied embeddings the lm_head reads the embedding's weight; it was quantized and named model.embed_tokens.
+    Without the default lm_head exclusion, sharing alone keeps it, naming the embedding."""
+    model = decoder("qwen2", tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    options = {"recipe": "int8_wo"} | ({} if default_skip is None else {"default_skip": default_skip})
+    out, report = report_of(model, capsys, PROMPT, **options)
+    lm_head = row(report, "lm_head")
+    assert "skipped" in lm_head and "model.embed_tokens (embedding)" in lm_head
+    assert not re.search(r"^model\.embed_tokens\b", report, re.M)
+    assert "int8_wo" in row(report, "model.layers.0.mlp.down_proj")
+
+
+class GatedMlp(torch.nn.Module):
+    """A block whose projection is called `gate` but selects nothing: it is no router."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(256, 256, bias=False)
+        self.out = torch.nn.Linear(256, 256, bias=False)
+
+    def forward(self, x):
+        return self.out(torch.sigmoid(self.gate(x)) * x)
+
+
+class Router(torch.nn.Module):
+    """An MoE router under an unremarkable name: its output feeds a top-k."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(256, 128, bias=False)
+        self.block = GatedMlp()
+
+    def forward(self, x):
+        weights, experts = torch.topk(torch.softmax(self.proj(x).float(), -1), 2, dim=-1)
+        return self.block(x), weights, experts
+
+
+def test_routers_are_found_by_structure_not_by_name(capsys):
+    model = Router().to(torch.bfloat16).eval()
+    _, report = report_of(model, capsys, torch.randn(4, 256, dtype=torch.bfloat16), recipe="fp8_row")
+    assert "fp8_row" in row(report, "block.gate") and "fp8_row" in row(report, "block.out")
+    assert "router: its output selects experts" in row(report, "proj")
+
+
+def test_mixtral_router_kept_and_expert_bytes_reported(capsys):
+    model = decoder("mixtral")
+    with pytest.warns(UserWarning, match=r"3-D expert weights .* stay in high precision"):
+        _, report = report_of(model, capsys, PROMPT, recipe="int8_wo")
+    assert "router: its output selects experts" in row(report, "model.layers.0.mlp.gate")
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    assert f"3-D expert weights (not quantized by fxquant yet) {experts:,}" in report
+
+
+def gpt2():
+    torch.manual_seed(0)
+    config = T.GPT2Config(n_embd=256, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64)
+    return T.GPT2LMHeadModel(config).to(torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("recipe", ["fp8_row", "int4_wo"])
+def test_gpt2_conv1d_is_quantized_and_every_weight_byte_counted(capsys, recipe):
+    """Conv1D is addmm(bias, x, W [in, out]): 85% of GPT-2's weights, which were silently left in bf16."""
+    model = gpt2()
+    logits, report = report_of(model, capsys, PROMPT, recipe=recipe)
+    for layer in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+        assert recipe in row(report, f"transformer.h.1.{layer}")
+    assert row(report, "transformer.h.0.mlp.c_fc").split()[1] == "1024x256"  # [N, K] from W [K, N]
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # the tied lm_head once
+    conv = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, T.pytorch_utils.Conv1D))
+    assert f"weights: quantized {conv:,} of {total:,} bytes" in report
+    with torch.no_grad():
+        exact, plain, eager = (m(PROMPT).logits.float() for m in (
+            fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=False), model))
+    assert not within_bound(logits.logits.float()[None], exact[None], plain[None], eager[None])
+
+
+def test_gemma2_compiles_and_runs():
+    """Gemma2's graph holds getitems with slices; merge_linear used them as dict keys and crashed."""
+    torch.manual_seed(0)
+    config = T.Gemma2Config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=64, num_hidden_layers=2, vocab_size=VOCAB, sliding_window=16)
+    model = T.Gemma2ForCausalLM(config).eval()
+    with torch.no_grad():
+        got = compiled(model, recipe="int8_wo")(PROMPT, use_cache=False).logits
+        eager = model(PROMPT, use_cache=False).logits
+    assert cosine(got, eager) > 0.999
