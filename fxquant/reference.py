@@ -1,6 +1,7 @@
 """The oracle: pure-torch quantize / dequantize for every format and granularity, and the scaled GEMM.
 
-Every kernel is tested against these functions. All math is fp32 and follows shared/DESIGN.md's policies:
+Every kernel is tested against these functions. All math is fp32 and follows the numerics policies the README
+states:
 - scale = max(amax, AMAX_FLOOR) / format max, so an all-zero block gives zeros, never NaN;
 - finite values saturate to +-max before the narrowing cast: no wrap, no inf;
 - a block holding NaN or inf gets a NaN scale, so its dequantized values are NaN (never laundered);

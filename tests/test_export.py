@@ -36,7 +36,7 @@ def test_export_round_trip_in_a_fresh_process(tmp_path, case):
     torch.save(args, x_path)
     code = (
         "import torch, fxquant\n"
-        f"ep = torch.export.load({str(path)!r})\n"
+        f"ep = fxquant.load({str(path)!r})\n"
         f"torch.save(ep.module()(*torch.load({str(x_path)!r})), {str(out_path)!r})\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -61,6 +61,15 @@ def test_auto_keeps_a_layer_no_recipe_serves_and_says_why():
     assert report.config.recipe_for("up") == "none"
 
 
+def test_auto_in_the_backend_reports_the_missed_floor_not_layer_recipes(capsys):
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(tiny_block(), backend="fxquant",
+                      options={"recipe": "auto", "min_sqnr_db": 80, "inner": "eager", "report": True})(X)
+    up = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("up "))
+    assert "auto: no recipe reaches 80 dB (best int8_wo at" in up and "layer_recipes" not in up
+
+
 def test_auto_in_the_backend_matches_the_inspected_config():
     model = tiny_block()
     report = fxquant.inspect(model, (X,), {"recipe": "auto", "min_sqnr_db": 25})

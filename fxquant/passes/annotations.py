@@ -58,9 +58,9 @@ def module_path(node: torch.fx.Node) -> str | None:
     if not stack:
         return None
     path = list(stack.values())[-1][0]
+    path = re.sub(r"^L\['\w+'\](\[\d+\])?\.?", "", path)  # the local holding the model: L['self'], L['args'][0]
     path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
-    path = re.sub(r"\[(\d+)\]", r".\1", path)
-    return re.sub(r"^L\['\w+'\](\.\d+)?\.?", "", path)
+    return re.sub(r"\[(\d+)\]", r".\1", path)
 
 
 def linear_fqn(node: torch.fx.Node) -> str:

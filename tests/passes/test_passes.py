@@ -133,3 +133,33 @@ def test_unaligned_layer_is_skipped_with_a_reason():
     state = PipelineState(QuantConfig(recipe="fp8_block"))
     assert not QuantizeLinear(state)(gm).modified
     assert "alignment" in state.layers[0].reason
+
+
+class VarianceReadTwice(torch.nn.Module):
+    """pow -> mean feeds rsqrt and something else: no RMSNorm pattern, so nothing may be half upcast."""
+
+    def forward(self, x):  # x: [B, D] bf16
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return x * torch.rsqrt(variance + 1e-6) + (variance + 1)
+
+
+def test_upcast_leaves_a_partial_variance_pattern_whole():
+    model = VarianceReadTwice()
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    gm, inputs = capture(model, x)
+    FreezeParams(inputs)(gm)
+    Detect()(gm)
+    assert not any(annotation(n) for n in gm.graph.nodes)
+    assert not Upcast(PipelineState(QuantConfig()))(gm).modified
+    out = gm(*inputs)[0]
+    assert out.dtype == torch.bfloat16 and torch.equal(out, model(x))
+
+
+def test_report_names_reductions_by_module_path(capsys):
+    model = torch.nn.Sequential(tiny_block())
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend="fxquant", options={"inner": "eager", "report": True})(X)
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("reductions moved"))
+    names = line.split(": ", 1)[1].split(", ")
+    assert {"0.norm (rms_norm)", "0.hand_norm (rms_norm_variance)", "0.ln (layer_norm)", "0 (softmax)"} == set(names)
