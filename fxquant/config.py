@@ -109,7 +109,7 @@ class QuantConfig:
                 return f"skip option {pattern!r}"
         for pattern in self.default_skip:
             if re.search(pattern, name):
-                return f"default exclusion {pattern!r} (lm_head feeds the softmax over the vocabulary)"
+                return f"default exclusion {pattern} (default_skip)"
         return None
 
 
