@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from models import rel_err, tiny_block
 
-import fxquant.ops  # noqa: F401
+import fxquant
 from fxquant.config import QuantConfig
 from fxquant.passes.annotations import annotation
 from fxquant.passes.cleanup import Cleanup
@@ -163,3 +163,45 @@ def test_report_names_reductions_by_module_path(capsys):
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("reductions moved"))
     names = line.split(": ", 1)[1].split(", ")
     assert {"0.norm (rms_norm)", "0.hand_norm (rms_norm_variance)", "0.ln (layer_norm)", "0 (softmax)"} == set(names)
+
+
+class ParameterProducts(torch.nn.Module):
+    """Weights stored [K, N] and multiplied on the right in every spelling; one activation-by-activation product."""
+
+    def __init__(self, k=256, n=128):
+        super().__init__()
+        self.w_mm, self.w_matmul, self.w_at, self.w_addmm = (torch.nn.Parameter(torch.randn(k, n) / 16)
+                                                              for _ in range(4))
+        self.bias = torch.nn.Parameter(torch.randn(n))
+
+    def forward(self, x):  # x: [B, S, K]
+        rows = x.reshape(-1, x.shape[-1])
+        scores = x @ x.transpose(-1, -2)  # [B, S, S]: no weight, not a linear
+        products = (torch.mm(rows, self.w_mm), torch.matmul(x, self.w_matmul), x @ self.w_at,
+                    torch.addmm(self.bias, rows, self.w_addmm))
+        return *products, scores
+
+
+def test_detect_finds_weights_multiplied_on_the_right():
+    gm, _ = frozen(ParameterProducts().to(torch.bfloat16))
+    Detect()(gm)
+    linears = {a.fqn for n in gm.graph.nodes if (a := annotation(n)) and a.kind == "linear"}
+    assert linears == {"w_mm", "w_matmul", "w_at", "w_addmm"}
+
+
+def test_right_multiplied_weights_are_quantized_as_their_transpose():
+    torch.manual_seed(0)
+    model = ParameterProducts().to(torch.bfloat16)
+    x = torch.randn(2, 8, 256, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(model, backend="fxquant", options={"recipe": "int8_wo", "inner": "eager"})(x)
+        want = model(x)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and rel_err(g, w) < 0.01
+    ep = fxquant.export(model, (x,), config={"recipe": "int8_wo"})  # aten spellings: mm, matmul, addmm
+    state = {**ep.state_dict, **ep.constants}
+    assert not any(v.dtype == torch.bfloat16 and v.dim() == 2 for v in state.values())  # no weight kept in bf16
+    with torch.no_grad():
+        for g, w in zip(ep.module()(x), want, strict=True):
+            assert rel_err(g, w) < 0.01
