@@ -3,6 +3,7 @@ and an independent fake-quantized copy to bound a quantized model's outputs by."
 
 import copy
 import inspect
+import math
 
 import torch
 import transformers as T
@@ -97,21 +98,25 @@ def fake_quantized(model, recipe: str, exact: bool, skip=("lm_head",)):
     return copied
 
 
+def angle(a: torch.Tensor, b: torch.Tensor) -> float:
+    return math.acos(max(-1.0, min(1.0, cosine(a, b))))
+
+
 def within_bound(got, exact, plain, eager) -> list[str]:
-    """Per step, the checks that fail (an empty list passes). The bound: a plain fake-quantized copy's distance
-    from the exact one, the rounding a bf16 implementation of the quantized model may add. The compiled model must
-    be at least that close to the exact copy, and its cosine to eager within that of the exact copy's. A model left
-    unquantized is as far from the exact copy as the whole quantization error, and fails."""
+    """Per step, a message for each failed check (an empty list passes). The bound: the angle between a plain
+    fake-quantized copy's logits and the exact copy's, the rounding a bf16 implementation of the quantized model
+    may add. The compiled model's logits must lie at most that angle from the exact copy's; by the triangle
+    inequality their cosine to eager then lies within that angle of the exact copy's. A model left unquantized is
+    as far from the exact copy as the whole quantization error, and fails."""
     failed = []
     for step in range(len(got)):
-        bound = 1 - cosine(plain[step], exact[step])
-        distance = 1 - cosine(got[step], exact[step])
-        if distance > bound:
-            failed.append(f"step {step}: 1 - cos to the exact copy {distance:.2e} > {bound:.2e}")
-        if abs(cosine(got[step], eager[step]) - cosine(exact[step], eager[step])) > bound:
-            failed.append(f"step {step}: cos to eager {cosine(got[step], eager[step]):.6f}, exact copy's "
-                          f"{cosine(exact[step], eager[step]):.6f}, bound {bound:.2e}")
+        bound = angle(plain[step], exact[step])
+        if angle(got[step], exact[step]) > bound:
+            failed.append(f"step {step}: {angle(got[step], exact[step]):.2e} rad from the exact copy, bound "
+                          f"{bound:.2e}; cos to eager {cosine(got[step], eager[step]):.6f}, the exact copy's "
+                          f"{cosine(exact[step], eager[step]):.6f}")
     return failed
+
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
