@@ -6,10 +6,12 @@ from fxquant.config import RECIPES, QuantConfig, from_options
 from fxquant.export import export, load
 from fxquant.formats import FORMATS, FloatFormat, IntFormat
 from fxquant.granularity import Granularity
+from fxquant.inplace import quantize_
 from fxquant.inspection import InspectReport, inspect
 from fxquant.quantized import Quantized
+from fxquant.quantized_linear import QuantizedLinear
 
 __all__ = [
     "FORMATS", "RECIPES", "FloatFormat", "Granularity", "InspectReport", "IntFormat", "QuantConfig", "Quantized",
-    "backend", "dequantize", "export", "from_options", "inspect", "load", "quantize",
+    "QuantizedLinear", "backend", "dequantize", "export", "from_options", "inspect", "load", "quantize", "quantize_",
 ]

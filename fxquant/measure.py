@@ -15,13 +15,13 @@ import torch.nn.functional as F
 
 from fxquant import reference as R
 from fxquant.config import AUTO, AUTO_LADDER, KEEP, RECIPES, QuantConfig
+from fxquant.linear_ops import emit_linear
 from fxquant.metrics import sqnr_db
 from fxquant.passes.annotations import annotation, linear_fqn, node_dtype
 from fxquant.passes.patterns import linear_operands
 from fxquant.passes.quantize_linear import (
     ROUTER_REASON,
     alignment_reason,
-    emit_linear,
     quantize_weight,
     skip_reason,
     weight_skip_reason,
@@ -76,7 +76,7 @@ def quantized_linear(q, bias: torch.Tensor | None, recipe: str, out_dtype) -> to
         if tensor is not None:
             root.register_buffer(name, tensor)
         consts.append(graph.get_attr(name) if tensor is not None else None)
-    out = emit_linear(graph, RECIPES[recipe], x, consts[:4], consts[4], tuple(q.shape), out_dtype)
+    out = emit_linear(graph.call_function, RECIPES[recipe], x, consts[:4], consts[4], q.shape[0], out_dtype)
     graph.output(out)
     return torch.fx.GraphModule(root, graph)
 

@@ -16,17 +16,20 @@ def format_rows(rows: list[tuple[str, ...]]) -> list[str]:
 def format_totals(layers, weights=()) -> list[str]:
     """Quantized bytes out of all weight bytes, and what stays in high precision, by role."""
     quantized = [layer for layer in layers if layer.recipe]
-    done_before = sum(layer.bytes_before for layer in quantized)
-    done_after = sum(layer.bytes_after for layer in quantized)
+    already = sum(w.nbytes for w in weights if w.role == "quantized")  # their high-precision size is gone
+    done_before = sum(layer.bytes_before for layer in quantized) + already
+    done_after = sum(layer.bytes_after for layer in quantized) + already
     kept = {"linear weights kept (see above)": sum(layer.bytes_before for layer in layers if not layer.recipe)}
     for role, label in ROLES.items():
-        if role != "linear":
+        if role not in ("linear", "quantized"):
             kept[label] = sum(w.nbytes for w in weights if w.role == role)
     total = done_before + sum(kept.values())
     after = total - done_before + done_after
     lines = [f"weights: quantized {done_before:,} of {total:,} bytes ({100 * done_before / max(total, 1):.0f}%); "
              f"{total:,} -> {after:,} bytes" + (f" ({total / after:.2f}x smaller)" if after else "")]
     held = [f"{label} {nbytes:,}" for label, nbytes in kept.items() if nbytes]
+    if already:
+        lines.append(f"{ROLES['quantized']}: {already:,} bytes, counted at their quantized size")
     if held:
         lines.append(f"kept in high precision (bytes): {'; '.join(held)}")
     return lines

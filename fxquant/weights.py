@@ -14,6 +14,7 @@ from fxquant.passes.spellings import CONVOLUTION, EMBEDDING, target_of
 # role -> how the report names it; "linear" weights are accounted by their layer records instead
 ROLES = {
     "linear": "linear weights",
+    "quantized": "weights quantized before compile (quantize_)",
     "expert": "3-D expert weights (not quantized by fxquant yet)",
     "embedding": "embeddings (a gather, kept by design)",
     "norm_or_bias": "norm weights and biases",
@@ -41,6 +42,8 @@ def _role(tensor: torch.Tensor, reads: list[torch.fx.Node]) -> str:
     targets = {target_of(user) for user in users}
     if any(_multiplies_by(user, reads) for user in users):
         return "linear"
+    if any(str(target).startswith("fxquant.") for target in targets if target is not None):
+        return "quantized"  # codes or scales an fxquant op reads: a QuantizedLinear's
     if tensor.dim() >= 3 and not targets & CONVOLUTION:
         return "expert"  # [E, N, K] stacks of expert matrices, read by grouped / batched GEMMs or per expert
     if targets & EMBEDDING:

@@ -55,10 +55,10 @@ def static_decode(model, forward, prompt, steps, max_len=32) -> torch.Tensor:
 
 
 class FakeQuantizedLinear(torch.nn.Module):
-    """nn.Linear with its weight, and for fp8 recipes its input, through the reference's quantize -> dequantize.
-    exact: products and sums in fp32 from the fp32 dequantized operands, one rounding to the input's dtype, as a
-    quantized GEMM computes; else the dequantized operands are rounded to the input's dtype and multiplied there,
-    as a plain fake-quantized copy in that dtype would."""
+    """nn.Linear with its weight, and for fp8 and MXFP8 recipes its input, through the reference's quantize ->
+    dequantize. exact: products and sums in fp32 from the fp32 dequantized operands, one rounding to the input's
+    dtype, as a quantized GEMM computes; else the dequantized operands are rounded to the input's dtype and
+    multiplied there, as a plain fake-quantized copy in that dtype would."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str, exact: bool):
         super().__init__()
@@ -73,6 +73,8 @@ class FakeQuantizedLinear(torch.nn.Module):
             group = self.scheme.act_group
             granularity = "tensor" if group < 0 else "token" if group == 0 else ("group", group)
             x = R.dequantize(R.quantize(x, "fp8_e4m3", granularity), torch.float32)
+        elif self.scheme.kind == "mxfp8":
+            x = R.dequantize(R.quantize(x, "mxfp8"), torch.float32)
         if self.exact:
             return torch.nn.functional.linear(x.float(), self.weight, self.bias).to(dtype)
         bias = None if self.bias is None else self.bias.to(dtype)

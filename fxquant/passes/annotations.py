@@ -11,6 +11,7 @@ import torch
 META_KEY = "fxquant"
 FQN_KEY = "fxquant_fqn"  # on get_attr nodes: the constant's fully qualified name in the user's model
 PARAMETER_KEY = "fxquant_parameter"  # on get_attr nodes: True for the model's parameters (weights), not buffers
+SOURCE_KEY = "fxquant_source"  # on get_attr nodes freeze_params made: the model's nn.Parameter itself
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import re
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from fxquant.passes.annotations import FQN_KEY, PARAMETER_KEY
+from fxquant.passes.annotations import FQN_KEY, PARAMETER_KEY, SOURCE_KEY
 
 
 def placeholder_fqn(node: torch.fx.Node) -> str:
@@ -54,6 +54,7 @@ class FreezeParams(PassBase):
             const.meta.update(node.meta)
             const.meta[FQN_KEY] = fqn
             const.meta[PARAMETER_KEY] = True
+            const.meta[SOURCE_KEY] = value
             node.replace_all_uses_with(const)
             modified = True
         parameters = {name for name, _ in gm.named_parameters()}

@@ -21,7 +21,7 @@ import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
-from fxquant.passes.annotations import fake_value, fetch_attr
+from fxquant.passes.annotations import PARAMETER_KEY, SOURCE_KEY, fake_value, fetch_attr
 from fxquant.passes.side_effects import mutation_epochs
 from fxquant.passes.state import LayerRecord, PipelineState
 
@@ -64,7 +64,9 @@ class MergeLinear(PassBase):
         total = sum(widths)
         new_names = [f"{name}_merged{len(nodes)}" for name in old_names[0]]
         for i, name in enumerate(new_names):
-            gm.register_buffer(name, torch.cat([getattr(gm, names[i]) for names in old_names]))
+            gm.register_buffer(name, _stacked([getattr(gm, names[i]) for names in old_names]))
+        # Sources: the model's own parameters (quantize_'s QuantizedLinear), or None for this graph's buffers.
+        sources = [[n.args[p].meta.get(SOURCE_KEY) for p in positions] for n in nodes]
         args = list(nodes[0].args)
         with graph.inserting_before(nodes[0]):
             for p, name in zip(positions, new_names, strict=True):
@@ -94,22 +96,51 @@ class MergeLinear(PassBase):
             for name in names:
                 delattr(gm, name)
         self._record(renamed, widths)
+        if sources[0][0] is None:
+            return
+        # The shared tensors (the model's quantize_ parameters, or weight_cache's entries) become views of the
+        # stacked ones: one copy of each weight remains, a later load_state_dict reaches this graph, and a later
+        # graph of the same model finds them stacked already.
+        start = 0
+        for width, params in zip(widths, sources, strict=True):
+            for param, name in zip(params, new_names, strict=True):
+                stacked = getattr(gm, name)  # rows in proportion: codes N, block scales N / 128
+                param.data = stacked[start * stacked.shape[0] // total: (start + width) * stacked.shape[0] // total]
+            start += width
 
     def _record(self, renamed: dict[str, str], widths: list[int]) -> None:
         """Point each merged layer's record at the merged buffers and at its rows in them."""
-        start, total = 0, sum(widths)
-        for width, layer in zip(widths, self._layers_of(renamed, len(widths)), strict=True):
+        start, total, layers = 0, sum(widths), self._layers_of(renamed, len(widths))
+        for width, layer in zip(widths, layers or [None] * len(widths), strict=True):
+            if layer is None:
+                continue
             layer.buffers = tuple(renamed.get(name, name) if name else None for name in layer.buffers)
             layer.rows = (start, start + width, total)
             start += width
 
     def _layers_of(self, renamed: dict[str, str], count: int) -> list[LayerRecord]:
+        """The merged layers' records, in merge order; none for weights quantize_ quantized (no record)."""
         layers = [layer for layer in self.state.layers if layer.buffers and layer.buffers[0] in renamed]
         order = list(renamed)
         layers.sort(key=lambda layer: order.index(layer.buffers[0]))
-        if len(layers) != count:
+        if layers and len(layers) != count:
             raise RuntimeError(f"fxquant: merge_linear found {len(layers)} layer records for {count} merged GEMMs")
         return layers
+
+
+def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts concatenated along rows; where they already lie back to back in one storage (stacked by an earlier
+    graph of the same model), a view of that storage instead of a copy."""
+    first, rows = parts[0], sum(part.shape[0] for part in parts)
+    offset = first.storage_offset()
+    adjacent = all(part.is_contiguous() and part.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                   for part in parts)
+    for part in parts:
+        adjacent = adjacent and part.storage_offset() == offset
+        offset += part.numel()
+    if adjacent:
+        return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+    return torch.cat(parts)
 
 
 def _dedupe_quantizers(graph: torch.fx.Graph) -> bool:
@@ -153,8 +184,13 @@ def _sibling_key(gm: torch.fx.GraphModule, node: torch.fx.Node, epoch: int, read
         return None
     if op is WEIGHT_ONLY and node.args[3] is not None:
         return None  # a global scale per tensor
-    if any(readers[node.args[p].target] > 1 for p in WEIGHT_ARGS[op] if p is not None and node.args[p] is not None):
+    weight_nodes = [node.args[p] for p in WEIGHT_ARGS[op] if p is not None and node.args[p] is not None]
+    if any(readers[w.target] > 1 for w in weight_nodes):
         return None  # its weight serves other calls too (one module called twice): keep its buffers whole
+    owners = {"shared" if w.meta.get(SOURCE_KEY) is not None else "graph" if not w.meta.get(PARAMETER_KEY) else None
+              for w in weight_nodes}
+    if len(owners) != 1 or None in owners:
+        return None  # parameters this pass cannot re-point (an exported module's), or a mix of owners
     weights = [fetch_attr(gm, node.args[p]) if p is not None else None for p in WEIGHT_ARGS[op]]
     codes, scale = weights[0], weights[1]
     if codes is None or scale is None or scale.numel() == 1 or codes.shape[0] % scale.shape[0]:
@@ -162,7 +198,7 @@ def _sibling_key(gm: torch.fx.GraphModule, node: torch.fx.Node, epoch: int, read
     layout = tuple((tuple(t.shape[1:]), t.dtype, codes.shape[0] // t.shape[0]) if t is not None else None
                    for t in weights)
     fixed = [_source(arg) for i, arg in enumerate(node.args) if i not in WEIGHT_ARGS[op] and i != WIDTH_ARG.get(op)]
-    return op, layout, tuple(fixed), epoch
+    return op, layout, tuple(fixed), epoch, owners.pop()
 
 
 def _source(arg):

@@ -13,7 +13,6 @@ kept in high precision also reads (a tied lm_head and its embedding keep one hig
 
 from __future__ import annotations
 
-import operator
 import re
 from collections import defaultdict
 
@@ -23,11 +22,21 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant import reference as R
 from fxquant.config import KEEP, RECIPES, LinearScheme, QuantConfig
+from fxquant.linear_ops import emit_linear
 from fxquant.metrics import sqnr_db, worst_row_sqnr_db
-from fxquant.passes.annotations import annotation, fetch_attr, linear_fqn, module_path, node_dtype, tensor_identity
+from fxquant.passes.annotations import (
+    SOURCE_KEY,
+    annotation,
+    fetch_attr,
+    linear_fqn,
+    module_path,
+    node_dtype,
+    tensor_identity,
+)
 from fxquant.passes.patterns import linear_operands
 from fxquant.passes.spellings import EMBEDDING, target_of
 from fxquant.passes.state import LayerRecord, PipelineState
+from fxquant.passes.weight_cache import shared_quantized
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 QUANTIZED_KEY = "fxquant_quantized"
@@ -125,12 +134,16 @@ class QuantizeLinear(PassBase):
             self.state.layers.append(LayerRecord(fqn, shape, None, "; ".join(dict.fromkeys(kept)), before, before))
             return False
         recipe = recipes.pop()
-        q = quantize_weight(w, recipe)
+        owner = operands[0].weight.meta.get(SOURCE_KEY)
+        q = shared_quantized(owner, w, recipe, operands[0].transposed, quantize_weight)
         names = _register(gm, fqn, q)
         for node, ops in zip(nodes, operands, strict=True):
             with gm.graph.inserting_before(node):
                 consts = [gm.graph.get_attr(n) if n else None for n in names]
-                out = emit_linear(gm.graph, RECIPES[recipe], ops.x, consts, ops.bias, shape,
+                for const in consts:
+                    if const is not None and owner is not None:  # merge_linear may re-point the shared tensor
+                        const.meta[SOURCE_KEY] = getattr(gm, const.target)
+                out = emit_linear(gm.graph.call_function, RECIPES[recipe], ops.x, consts, ops.bias, shape[0],
                                   node_dtype(node) or w.dtype)
             out.meta.update(node.meta)
             node.replace_all_uses_with(out)
@@ -145,24 +158,6 @@ class QuantizeLinear(PassBase):
         if annotation(node).router:
             return ROUTER_REASON
         return skip_reason(w, linear_fqn(node), self.state.config, self.state.auto_reasons)
-
-
-def emit_linear(graph, s: LinearScheme, x, consts, bias, shape, out_dtype):
-    """The fxquant ops that compute linear(x, w, bias) from the quantized weight's (data, scale, global scale,
-    zero point) nodes; the one place that says which op serves which scheme."""
-    data, scale, global_scale, zero_point = consts
-    if s.kind == "fp8":
-        q = graph.call_function(torch.ops.fxquant.quantize_fp8.default, (x, s.act_group))
-        a = graph.call_function(operator.getitem, (q, 0))
-        a_scale = graph.call_function(operator.getitem, (q, 1))
-        return graph.call_function(torch.ops.fxquant.scaled_mm_fp8.default,
-                                   (a, a_scale, data, scale, bias, out_dtype))
-    if s.kind == "mxfp8":
-        return graph.call_function(torch.ops.fxquant.linear_mxfp8.default, (x, data, scale, bias))
-    group = s.weight_granularity[1] if isinstance(s.weight_granularity, tuple) else {
-        "mxfp4": R.MX_BLOCK, "nvfp4": R.NVFP4_BLOCK}.get(s.weight_fmt, 0)
-    return graph.call_function(torch.ops.fxquant.linear_weight_only.default,
-                               (x, data, scale, global_scale, zero_point, bias, s.weight_fmt, group, shape[0]))
 
 
 def _register(gm, fqn, q) -> list[str | None]:

@@ -1,0 +1,94 @@
+"""`quantize_(model, config)`: quantize a model's linear layers in place, freeing their high-precision weights."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from fxquant.config import AUTO, QuantConfig, from_options
+from fxquant.passes.annotations import annotation
+from fxquant.passes.quantize_linear import ROUTER_REASON, skip_reason
+from fxquant.passes.state import LayerRecord, PipelineState
+from fxquant.pipeline import prepare
+from fxquant.quantized_linear import QuantizedLinear
+from fxquant.report import format_report
+
+
+def _weight_nk(module: nn.Module) -> torch.Tensor | None:
+    """A linear layer's weight as [N, K]: nn.Linear's own, GPT-2's Conv1D's [K, N] transposed; else None."""
+    if isinstance(module, nn.Linear):
+        return module.weight
+    if type(module).__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), torch.Tensor):
+        return module.weight.T  # transformers' Conv1D: y = x @ W + b with W [in, out]
+    return None
+
+
+def _routers(model: nn.Module, example_inputs) -> set[str]:
+    """Names of the linears whose output selects experts, found in the graphs of one run on example_inputs."""
+    found: set[str] = set()
+
+    def capture(gm, inputs):
+        gm = prepare(gm, PipelineState(QuantConfig()), inputs)
+        found.update(a.fqn for node in gm.graph.nodes if (a := annotation(node)) is not None and a.router)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=capture)(*example_inputs)
+    torch._dynamo.reset()
+    return found
+
+
+def _shared(model: nn.Module) -> dict[int, list[str]]:
+    """Modules reading each parameter, for parameters more than one module reads (a tied lm_head)."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(name)
+    return {key: names for key, names in owners.items() if len(names) > 1}
+
+
+def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, example_inputs=None) -> nn.Module:
+    """Replace each linear layer the config selects (nn.Linear, Conv1D) by a `QuantizedLinear`, in place, one layer
+    at a time on the weight's device, and drop the high-precision weight: peak memory stays near the model's plus
+    one layer's temporaries. Returns the model.
+
+    `config` is a QuantConfig or the backend's options dict. `example_inputs` (a tuple of positional arguments)
+    lets routers be found by structure, as the backend finds them (their output feeds a top-k), and is required
+    by recipe="auto", which measures each layer on them. A weight that another module also reads (a tied
+    lm_head and its embedding) stays in high precision. With report=True the per-layer table is printed.
+    """
+    config = from_options(config)
+    args = tuple(example_inputs) if isinstance(example_inputs, tuple | list) else (
+        () if example_inputs is None else (example_inputs,))
+    if config.recipe == AUTO:
+        if not args:
+            raise ValueError("fxquant: quantize_ with recipe='auto' needs example_inputs to measure each layer on")
+        from fxquant.inspection import inspect
+
+        config = inspect(model, args, config).config
+    routers = _routers(model, args) if args else set()
+    shared = _shared(model)
+    layers = []
+    for fqn, module in list(model.named_modules()):
+        weight = _weight_nk(module)
+        if weight is None or isinstance(module, QuantizedLinear):
+            continue
+        others = [name for name in shared.get(id(module.weight), ()) if name != fqn]
+        reason = ROUTER_REASON if fqn in routers else (
+            f"its weight is shared with {', '.join(others)}, which keeps it in high precision" if others
+            else skip_reason(weight, fqn, config))
+        before = weight.numel() * weight.element_size()
+        if reason:
+            layers.append(LayerRecord(fqn, tuple(weight.shape), None, reason, before, before))
+            continue
+        recipe = config.recipe_for(fqn)
+        with torch.no_grad():
+            quantized = QuantizedLinear.from_weight(weight, module.bias, recipe)
+        parent, _, attr = fqn.rpartition(".")
+        setattr(model.get_submodule(parent), attr, quantized)
+        after = sum(p.numel() * p.element_size() for name, p in quantized.named_parameters() if name != "bias")
+        layers.append(LayerRecord(fqn, tuple(weight.shape), recipe, "", before, after))
+    if config.report:
+        print(format_report(layers))
+    return model

@@ -1,0 +1,79 @@
+"""`QuantizedLinear`: what `quantize_` puts in place of a linear layer (nn.Linear, GPT-2's Conv1D).
+
+The quantized weight is a module swap, not a tensor subclass. Its codes and scales are the module's parameters
+(frozen, requires_grad=False), so they are the model's state: `state_dict()`, `load_state_dict()`, `.to()`,
+`copy.deepcopy`, `torch.compile` (any backend) and `torch.export` treat them as weights, with no subclass support
+needed from torch 2.11 to 2.14; checkpoint formats that store a weight's codes and scales as separate tensors map
+onto them one to one. `forward` runs the same fxquant ops the backend's graph rewrite inserts (`linear_ops`), so
+`backend="fxquant"` finds them already quantized and only fuses around them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from fxquant.config import RECIPES
+from fxquant.linear_ops import emit_linear, run_now
+from fxquant.passes.quantize_linear import quantize_weight
+
+# (name of the parameter, field of Quantized); None fields are registered as None parameters
+PARTS = (("weight", "data"), ("weight_scale", "scale"), ("weight_global_scale", "global_scale"),
+         ("weight_zero_point", "zero_point"))
+SHAPE_ROWS = 128  # rows quantized to learn each part's shape: a multiple of every block's rows (16, 32, 128)
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ W.T + b for W [out_features, in_features] held quantized under `recipe`; b stays in high precision."""
+
+    def __init__(self, in_features: int, out_features: int, recipe: str, parts: dict, bias: torch.Tensor | None):
+        super().__init__()
+        if recipe not in RECIPES:
+            raise ValueError(f"fxquant: unknown recipe {recipe!r}; valid: {', '.join(RECIPES)}")
+        self.in_features, self.out_features, self.recipe = in_features, out_features, recipe
+        for name, _ in PARTS:
+            tensor = parts.get(name)
+            self.register_parameter(name, None if tensor is None else nn.Parameter(tensor, requires_grad=False))
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str) -> QuantizedLinear:
+        """Quantize `weight` [N, K] (on its own device) under `recipe`."""
+        q = quantize_weight(weight, recipe)
+        parts = {name: getattr(q, field) for name, field in PARTS}
+        return cls(weight.shape[1], weight.shape[0], recipe, parts, bias)
+
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, recipe: str, *, bias: bool, dtype: torch.dtype,
+              device=None) -> QuantizedLinear:
+        """A skeleton with uninitialized parts of the right shapes and dtypes (device "meta" allocates nothing),
+        for `load_state_dict(..., assign=True)` or a checkpoint loader to fill."""
+        sample = quantize_weight(torch.zeros(SHAPE_ROWS, in_features, dtype=dtype), recipe)
+        parts = {}
+        for name, field in PARTS:
+            t = getattr(sample, field)
+            if t is not None:
+                shape = (t.shape[0] * out_features // SHAPE_ROWS, *t.shape[1:]) if t.dim() else ()
+                parts[name] = torch.empty(shape, dtype=t.dtype, device=device)
+        return cls(in_features, out_features, recipe, parts,
+                   torch.empty(out_features, dtype=dtype, device=device) if bias else None)
+
+    def _apply(self, fn, recurse=True):
+        """Device moves apply to every part; a dtype change (model.half(), .to(torch.bfloat16)) reaches the bias
+        only: the codes and scales keep their formats, exactly."""
+        kept = {name: getattr(self, name) for name, _ in PARTS if getattr(self, name) is not None}
+        before = {name: (p.data, p.dtype) for name, p in kept.items()}
+        super()._apply(fn, recurse)
+        for name, (data, dtype) in before.items():
+            param = getattr(self, name)
+            if param.dtype != dtype:
+                param.data = data.to(param.device)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features]
+        consts = (self.weight, self.weight_scale, self.weight_global_scale, self.weight_zero_point)
+        return emit_linear(run_now, RECIPES[self.recipe], x, consts, self.bias, self.out_features, x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, recipe={self.recipe}, "
+                f"bias={self.bias is not None}")

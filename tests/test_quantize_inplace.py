@@ -1,0 +1,144 @@
+"""fxquant.quantize_: linears replaced in place by QuantizedLinear, high-precision weights freed; the model runs
+eagerly, compiles under backend="fxquant" (fused, not quantized again) and Inductor, exports, and keeps its state
+through state_dict, deepcopy and dtype/device moves. And the backend keeps one quantized copy per weight for every
+graph of a model."""
+
+import copy
+import re
+
+import pytest
+import torch
+from hf_models import cosine, decoder, fake_quantized, static_decode, within_bound
+from test_real_models import PROMPT, STEPS, Router
+
+import fxquant
+from fxquant.backend import fxquant as fxquant_backend
+from fxquant.config import RECIPES
+
+RECIPE_NAMES = list(RECIPES)
+
+
+def storages(tensors) -> dict[int, int]:
+    """Unique storages among tensors: data pointer -> bytes."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
+def model_storages(model) -> dict[int, int]:
+    return storages([*model.parameters(), *model.buffers()])
+
+
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_quantize_in_place_frees_weights_and_runs_the_quantized_model(recipe):
+    model = decoder("llama")
+    exact = fake_quantized(model, recipe, exact=True)
+    bf16_bytes = sum(model_storages(model).values())
+    returned = fxquant.quantize_(model, {"recipe": recipe})
+    assert returned is model
+    swapped = [name for name, m in model.named_modules() if isinstance(m, fxquant.QuantizedLinear)]
+    assert len(swapped) == 7 * 2 and not isinstance(model.lm_head, fxquant.QuantizedLinear)
+    ideal = sum(p.numel() * p.element_size() for n, p in model.named_parameters())
+    assert sum(model_storages(model).values()) - sum(b.numel() * b.element_size() for b in model.buffers()) == ideal
+    assert ideal < bf16_bytes
+    with torch.no_grad():
+        got, want = model(PROMPT, use_cache=False).logits, exact(PROMPT, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same ops on the reference's dequantized operands
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", "int4_wo"])
+def test_quantized_model_compiles_without_quantizing_again(recipe, capsys):
+    model = decoder("llama")
+    exact_model, plain_model = fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=False)
+    eager = static_decode(model, model, PROMPT, STEPS)
+    fxquant.quantize_(model, {"recipe": recipe})
+    before = model_storages(model)
+    graphs = []
+
+    def backend(gm, inputs):
+        compiled = fxquant_backend(gm, inputs, options={"inner": "eager", "report": True})
+        graphs.append(compiled.result)
+        return compiled
+
+    torch._dynamo.reset()
+    got = static_decode(model, torch.compile(model, backend=backend), PROMPT, STEPS)  # prefill and decode graphs
+    exact = static_decode(exact_model, exact_model, PROMPT, STEPS)
+    plain = static_decode(plain_model, plain_model, PROMPT, STEPS)
+    assert not within_bound(got, exact, plain, eager)
+    assert len(graphs) == 2 and all(not any(layer.recipe for layer in g.layers) for g in graphs)
+    targets = [str(n.target) for n in graphs[0].gm.graph.nodes]
+    if RECIPES[recipe].kind == "fp8":
+        assert targets.count("fxquant.add_norm_quant_fp8.default") == 3  # norms fused around quantize_'s layers
+    gemms = sum(t.startswith(("fxquant.linear", "fxquant.scaled_mm")) for t in targets)
+    assert gemms == 4 * 2  # q/k/v and gate/up merged, in both layers
+    # Merged, the model's parameters are views of the graphs' stacked weights: no weight bytes were added.
+    after = storages([*model.parameters(), *model.buffers(), *(t for g in graphs for t in g.gm.buffers())])
+    assert sum(after.values()) <= sum(before.values())
+    assert "weights quantized before compile (quantize_)" in capsys.readouterr().out
+
+
+def test_quantized_model_compiles_under_inductor_and_exports():
+    model = fxquant.quantize_(decoder("llama"), {"recipe": "int8_wo"})
+    with torch.no_grad():
+        want = model(PROMPT, use_cache=False).logits
+        torch._dynamo.reset()
+        got = torch.compile(model)(PROMPT, use_cache=False).logits
+        assert cosine(got, want) > 0.9999
+        ep = fxquant.export(model, (PROMPT,), {"use_cache": False}, config={"recipe": "int8_wo"})
+        assert cosine(ep.module()(PROMPT, use_cache=False).logits, want) > 0.9999
+
+
+def test_state_dict_deepcopy_and_moves_keep_the_quantized_weights():
+    model = fxquant.quantize_(decoder("llama"), {"recipe": "fp8_row"})
+    with torch.no_grad():
+        want = model(PROMPT, use_cache=False).logits
+        other = fxquant.quantize_(decoder("llama", seed=1), {"recipe": "fp8_row"})
+        other.load_state_dict(model.state_dict())
+        assert torch.equal(other(PROMPT, use_cache=False).logits, want)
+        assert torch.equal(copy.deepcopy(model)(PROMPT, use_cache=False).logits, want)
+        layer = model.model.layers[0].mlp.down_proj
+        codes, scale = layer.weight.clone(), layer.weight_scale.clone()
+        model.float()  # a dtype change reaches activations and biases, never codes and scales
+        assert layer.weight.dtype == torch.float8_e4m3fn and torch.equal(layer.weight_scale, scale)
+        assert torch.equal(layer.weight.view(torch.uint8), codes.view(torch.uint8))
+        assert cosine(model(PROMPT, use_cache=False).logits, want) > 0.999
+
+
+def test_skeleton_on_meta_loads_a_state_dict():
+    model = fxquant.quantize_(decoder("llama"), {"recipe": "int4_wo"})
+    layer = model.model.layers[1].mlp.up_proj
+    skeleton = fxquant.QuantizedLinear.empty(layer.in_features, layer.out_features, "int4_wo", bias=False,
+                                             dtype=torch.bfloat16, device="meta")
+    skeleton.load_state_dict(layer.state_dict(), assign=True)
+    x = torch.randn(3, layer.in_features, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(skeleton(x), layer(x))
+
+
+def test_routers_and_tied_weights_stay_in_high_precision(capsys):
+    router = Router().to(torch.bfloat16).eval()
+    fxquant.quantize_(router, {"recipe": "fp8_row", "report": True},
+                      example_inputs=(torch.randn(4, 256, dtype=torch.bfloat16),))
+    assert isinstance(router.proj, torch.nn.Linear) and isinstance(router.block.gate, fxquant.QuantizedLinear)
+    tied = fxquant.quantize_(decoder("qwen2", tie_word_embeddings=True), {"recipe": "int8_wo", "default_skip": ()})
+    assert isinstance(tied.lm_head, torch.nn.Linear) and tied.lm_head.weight is tied.model.embed_tokens.weight
+    report = capsys.readouterr().out
+    assert "router: its output selects experts" in report
+
+
+def test_every_graph_of_a_model_shares_one_quantized_copy():
+    """Prefill and decode are two graphs; the backend's quantized weights (merged q/k/v and gate/up included) are
+    stored once for both."""
+    model = decoder("llama")
+    graphs = []
+
+    def backend(gm, inputs):
+        compiled = fxquant_backend(gm, inputs, options={"recipe": "int4_wo", "inner": "eager"})
+        graphs.append(compiled.result.gm)
+        return compiled
+
+    torch._dynamo.reset()
+    static_decode(model, torch.compile(model, backend=backend), PROMPT, STEPS)
+    assert len(graphs) == 2
+    first, second = (storages(gm.buffers()) for gm in graphs)
+    assert set(second) <= set(first) | set(model_storages(model))  # the second graph added no weight storage
+    quantized = [b for gm in graphs for name, b in gm.named_buffers() if re.search(r"qdata(_merged\d)?$", name)]
+    assert len(quantized) == 2 * 2 * 4  # each graph reads its 4 GEMMs' codes in each layer
