@@ -1,0 +1,106 @@
+"""Weight memory of an 8-layer Llama (hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 32000, bf16) on CUDA,
+per recipe: the backend, which leaves the model's weights in place, and quantize_, which replaces them.
+
+Run: python -m bench.memory [recipe ...] [--layers N]. GB allocated after each step (peak in parentheses where it
+matters); "ideal" is the quantized linears plus everything else in bf16, measured as the bytes of the quantize_'d
+model's parameters and buffers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+import torch
+import transformers as T
+
+import fxquant
+from bench.common import header, table
+
+GB = 1e9
+
+
+def llama(layers: int):
+    config = T.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                           num_hidden_layers=layers, vocab_size=32000)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the GPU: no fp32 copy is ever made
+    try:
+        with torch.device("cuda"):
+            return T.LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def allocated() -> float:
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() / GB
+
+
+def peak() -> float:
+    return torch.cuda.max_memory_allocated() / GB
+
+
+def fresh():
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def two_graphs(model, recipe: str) -> tuple[float, float, float, int]:
+    """Allocated after the first compiled call, its peak, allocated after a second graph (another batch), graphs."""
+    torch._dynamo.utils.counters.clear()
+    fn = torch.compile(model, backend="fxquant", options={"recipe": recipe})
+    with torch.no_grad():
+        out = fn(torch.randint(0, 32000, (1, 128), device="cuda"), use_cache=False)
+        del out
+        first, first_peak = allocated(), peak()
+        out = fn(torch.randint(0, 32000, (4, 128), device="cuda"), use_cache=False)
+        del out
+    return first, first_peak, allocated(), torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def measure(recipe: str, layers: int) -> dict:
+    fresh()
+    model = llama(layers)
+    bf16 = allocated()
+    backend_first, backend_peak, backend_second, graphs = two_graphs(model, recipe)
+    del model
+    fresh()
+    model = llama(layers)
+    torch.cuda.reset_peak_memory_stats()
+    fxquant.quantize_(model, {"recipe": recipe})
+    gc.collect()
+    after, during = allocated(), peak()
+    ideal = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in
+                                                       [*model.parameters(), *model.buffers()]}.values()) / GB
+    torch.cuda.reset_peak_memory_stats()
+    q_first, q_peak, q_second, q_graphs = two_graphs(model, recipe)
+    del model
+    fresh()
+    return {"recipe": recipe, "bf16 model": f"{bf16:.2f}", "ideal": f"{ideal:.2f}",
+            "backend 1st graph (peak)": f"{backend_first:.2f} ({backend_peak:.2f})",
+            "backend 2nd graph": f"{backend_second:.2f}", "graphs": graphs,
+            "quantize_ (peak during)": f"{after:.2f} ({during:.2f})",
+            "after / ideal": f"{after / ideal:.3f}x", "peak / bf16": f"{during / bf16:.3f}x",
+            "quantize_ + 1st graph (peak)": f"{q_first:.2f} ({q_peak:.2f})", "quantize_ + 2nd graph": f"{q_second:.2f}",
+            "q graphs": q_graphs}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("recipes", nargs="*", default=list(fxquant.RECIPES))
+    parser.add_argument("--layers", type=int, default=8)
+    args = parser.parse_args()
+    print(header())
+    rows = []
+    for recipe in args.recipes:
+        rows.append(measure(recipe, args.layers))
+        print(rows[-1], flush=True)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
