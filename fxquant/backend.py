@@ -20,8 +20,8 @@ class QuantizedCallable:
     buffers, with one warning per compile; stale quantized weights are never used silently.
     """
 
-    def __init__(self, compiled, result: PipelineResult):
-        self.compiled, self.result = compiled, result
+    def __init__(self, compiled, result: PipelineResult, kept: list[int]):
+        self.compiled, self.result, self.kept = compiled, result, kept  # kept: the inputs the compiled graph takes
         self.tracked = [layer for layer in result.layers if layer.source is not None]
         self.warned = False
 
@@ -29,7 +29,7 @@ class QuantizedCallable:
         for layer in self.tracked:
             if layer.source._version != layer.version:
                 self._requantize(layer)
-        return self.compiled(*args)
+        return self.compiled(*[args[i] for i in self.kept])
 
     def _requantize(self, layer):
         if not self.warned:
@@ -61,20 +61,41 @@ def fxquant(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None
     result.warn()
     if config.report:
         print(format_report(result.layers, result.findings, result.weights))
+    lowered, kept = _without_frozen_parameters(result.gm, example_inputs)
+    example_inputs = [example_inputs[i] for i in kept]
     if config.inner == "eager":
-        compiled = result.gm.forward
+        compiled = lowered.forward
     else:
         from torch._inductor.compile_fx import compile_fx
 
         # The pipeline added buffers dynamo never saw. Without dynamo's source map AOT treats every buffer as a
         # static input, which is what these frozen weights are (and what CUDA graphs want).
-        if hasattr(result.gm, "_param_name_to_source"):
-            del result.gm._param_name_to_source
+        if hasattr(lowered, "_param_name_to_source"):
+            del lowered._param_name_to_source
         patches = {"triton.cudagraphs": True} if mode == "reduce-overhead" else {}
         if mode in ("max-autotune", "max-autotune-no-cudagraphs"):
             patches.update({"max_autotune": True})
-        compiled = compile_fx(result.gm, example_inputs, config_patches=patches)
-    return QuantizedCallable(compiled, result)
+        compiled = compile_fx(lowered, example_inputs, config_patches=patches)
+    return QuantizedCallable(compiled, result, kept)
+
+
+def _without_frozen_parameters(gm: torch.fx.GraphModule, example_inputs) -> tuple[torch.fx.GraphModule, list[int]]:
+    """A copy of gm that no longer takes the parameters freeze_params made constants, and the positions of the
+    inputs it still takes. gm keeps dynamo's calling convention; the copy shares its constants.
+
+    A parameter merge_linear re-pointed into a stacked weight is a view at a storage offset, which a
+    dynamic-shape recompile cannot fakify as a graph input; the lowered graph has no use for it anyway."""
+    graph = torch.fx.Graph()
+    graph._codegen = gm.graph._codegen
+    graph.output(graph.graph_copy(gm.graph, {}))
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    kept = []
+    for i, (node, value) in enumerate(zip(placeholders, example_inputs, strict=True)):
+        if isinstance(value, torch.nn.Parameter) and not node.users:
+            graph.erase_node(node)
+        else:
+            kept.append(i)
+    return torch.fx.GraphModule(gm, graph), kept
 
 
 def _refuse_gradients(gm: torch.fx.GraphModule, example_inputs) -> None:

@@ -142,3 +142,15 @@ def test_every_graph_of_a_model_shares_one_quantized_copy():
     assert set(second) <= set(first) | set(model_storages(model))  # the second graph added no weight storage
     quantized = [b for gm in graphs for name, b in gm.named_buffers() if re.search(r"qdata(_merged\d)?$", name)]
     assert len(quantized) == 2 * 2 * 4  # each graph reads its 4 GEMMs' codes in each layer
+
+
+def test_a_recompile_under_inductor_after_merging_into_the_models_parameters():
+    """Merged q/k/v leave the model's parameters as views at storage offsets; a dynamic-shape recompile used to
+    fakify them as graph inputs and fail."""
+    model = fxquant.quantize_(decoder("llama"), {"recipe": "fp8_row"})
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend="fxquant", options={"recipe": "fp8_row"})
+    with torch.no_grad():
+        for batch in (1, 3):  # the second batch size recompiles with dynamic shapes
+            ids = torch.randint(0, 512, (batch, 16), generator=torch.Generator().manual_seed(batch))
+            assert cosine(fn(ids, use_cache=False).logits, model(ids, use_cache=False).logits) > 0.9999
