@@ -146,11 +146,17 @@ def test_every_graph_of_a_model_shares_one_quantized_copy():
 
 def test_a_recompile_under_inductor_after_merging_into_the_models_parameters():
     """Merged q/k/v leave the model's parameters as views at storage offsets; a dynamic-shape recompile used to
-    fakify them as graph inputs and fail."""
-    model = fxquant.quantize_(decoder("llama"), {"recipe": "fp8_row"})
+    fakify them as graph inputs and fail. Inductor rounds the rest of the model its own way, so the outputs are
+    bounded by the fake-quantized copies (hf_models.within_bound)."""
+    model = decoder("llama")
+    exact_model = fake_quantized(model, "fp8_row", exact=True)
+    plain_model = fake_quantized(model, "fp8_row", exact=False)
+    fxquant.quantize_(model, {"recipe": "fp8_row"})
     torch._dynamo.reset()
     fn = torch.compile(model, backend="fxquant", options={"recipe": "fp8_row"})
     with torch.no_grad():
         for batch in (1, 3):  # the second batch size recompiles with dynamic shapes
             ids = torch.randint(0, 512, (batch, 16), generator=torch.Generator().manual_seed(batch))
-            assert cosine(fn(ids, use_cache=False).logits, model(ids, use_cache=False).logits) > 0.9999
+            got, exact, plain, eager = (m(ids, use_cache=False).logits.float()[None]
+                                        for m in (fn, exact_model, plain_model, model))
+            assert not within_bound(got, exact, plain, eager)
