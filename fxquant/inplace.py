@@ -70,10 +70,12 @@ def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, exa
     routers = _routers(model, args) if args else set()
     shared = _shared(model)
     layers = []
-    for fqn, module in list(model.named_modules()):
+    # Names, not modules: a list of the modules would keep every replaced layer's high-precision weight alive
+    # until the end, and the peak would be the whole model twice over.
+    names = [fqn for fqn, module in model.named_modules() if _weight_nk(module) is not None]
+    for fqn in names:
+        module = model.get_submodule(fqn)
         weight = _weight_nk(module)
-        if weight is None or isinstance(module, QuantizedLinear):
-            continue
         others = [name for name in shared.get(id(module.weight), ()) if name != fqn]
         reason = ROUTER_REASON if fqn in routers else (
             f"its weight is shared with {', '.join(others)}, which keeps it in high precision" if others
@@ -87,8 +89,9 @@ def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, exa
             quantized = QuantizedLinear.from_weight(weight, module.bias, recipe)
         parent, _, attr = fqn.rpartition(".")
         setattr(model.get_submodule(parent), attr, quantized)
+        del module, weight  # the last references to the high-precision weight: freed before the next layer
         after = sum(p.numel() * p.element_size() for name, p in quantized.named_parameters() if name != "bias")
-        layers.append(LayerRecord(fqn, tuple(weight.shape), recipe, "", before, after))
+        layers.append(LayerRecord(fqn, (quantized.out_features, quantized.in_features), recipe, "", before, after))
     if config.report:
         print(format_report(layers))
     return model
