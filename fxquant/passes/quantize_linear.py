@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
@@ -43,11 +44,24 @@ QUANTIZED_KEY = "fxquant_quantized"
 ROUTER_REASON = "router: its output selects experts (top-k)"
 
 
+# Rows quantized at a time: the reference's fp32 temporaries stay a few times 2048 rows of a weight, not the whole
+# weight. A multiple of every block's rows (128 for fp8_block), so each block's scale sees its whole block.
+QUANTIZE_ROWS = 2048
+
+
 def quantize_weight(w: torch.Tensor, recipe: str):
-    """The recipe's quantized weight [N, K] (codes, scale, global scale, zero point in one Quantized)."""
+    """The recipe's quantized weight [N, K] (codes, scale, global scale, zero point in one Quantized), in chunks of
+    rows where every scale covers rows of one chunk; whole where one scale covers the tensor (fp8_tensor, NVFP4's
+    global scale). The result is the same either way."""
     scheme = RECIPES[recipe]
-    # contiguous: a [K, N]-stored weight arrives as a transposed view, and the kernels read row-major codes.
-    return R.quantize(w.detach().contiguous(), scheme.weight_fmt, scheme.weight_granularity)
+    per_tensor = scheme.weight_granularity == "tensor" or scheme.weight_fmt == "nvfp4"
+    if per_tensor or w.shape[0] <= QUANTIZE_ROWS:
+        # contiguous: a [K, N]-stored weight arrives as a transposed view, and the kernels read row-major codes.
+        return R.quantize(w.detach().contiguous(), scheme.weight_fmt, scheme.weight_granularity)
+    chunks = [quantize_weight(w[start:start + QUANTIZE_ROWS], recipe) for start in range(0, w.shape[0], QUANTIZE_ROWS)]
+    joined = {field: torch.cat([getattr(c, field) for c in chunks]) if getattr(chunks[0], field) is not None
+              else None for field in ("data", "scale", "zero_point")}
+    return replace(chunks[0], shape=w.shape, **joined)
 
 
 def weight_skip_reason(w) -> str | None:

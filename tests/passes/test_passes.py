@@ -2,12 +2,13 @@
 
 import operator
 
+import pytest
 import torch
 import torch.nn.functional as F
 from models import rel_err, tiny_block
 
 import fxquant
-from fxquant.config import QuantConfig
+from fxquant.config import RECIPES, QuantConfig
 from fxquant.passes.annotations import annotation
 from fxquant.passes.cleanup import Cleanup
 from fxquant.passes.detect import Detect
@@ -205,3 +206,20 @@ def test_right_multiplied_weights_are_quantized_as_their_transpose():
     with torch.no_grad():
         for g, w in zip(ep.module()(x), want, strict=True):
             assert rel_err(g, w) < 0.01
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_weights_quantized_in_row_chunks_equal_the_whole(monkeypatch, recipe):
+    """quantize_weight bounds its temporaries by quantizing rows in chunks: bit for bit the reference's result."""
+    from fxquant import reference as R
+    from fxquant.passes import quantize_linear
+
+    monkeypatch.setattr(quantize_linear, "QUANTIZE_ROWS", 256)
+    w = torch.randn(640, 256, dtype=torch.bfloat16)  # two whole chunks and a part
+    got = quantize_linear.quantize_weight(w, recipe)
+    want = R.quantize(w, RECIPES[recipe].weight_fmt, RECIPES[recipe].weight_granularity)
+    for field in ("data", "scale", "global_scale", "zero_point"):
+        a, b = getattr(got, field), getattr(want, field)
+        same_bits = a is not None and b is not None and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                    b.reshape(-1).view(torch.uint8))
+        assert (a is None and b is None) or (a.shape == b.shape and same_bits)
