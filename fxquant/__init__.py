@@ -2,6 +2,7 @@
 
 from fxquant.api import dequantize, quantize
 from fxquant.backend import fxquant as backend
+from fxquant.checkpoint import load_quantized, save_quantized
 from fxquant.config import RECIPES, QuantConfig, from_options
 from fxquant.export import export, load
 from fxquant.formats import FORMATS, FloatFormat, IntFormat
@@ -13,5 +14,6 @@ from fxquant.quantized_linear import QuantizedLinear
 
 __all__ = [
     "FORMATS", "RECIPES", "FloatFormat", "Granularity", "InspectReport", "IntFormat", "QuantConfig", "Quantized",
-    "QuantizedLinear", "backend", "dequantize", "export", "from_options", "inspect", "load", "quantize", "quantize_",
+    "QuantizedLinear", "backend", "dequantize", "export", "from_options", "inspect", "load", "load_quantized",
+    "quantize", "quantize_", "save_quantized",
 ]

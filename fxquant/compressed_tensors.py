@@ -1,0 +1,117 @@
+"""The compressed-tensors checkpoint format, layer by layer: which quantization scheme each recipe is, and how a
+QuantizedLinear's parts map to the tensors that format stores (layouts and conventions as compressed-tensors'
+compressors write them).
+
+- float-quantized (fp8_row, fp8_block, fp8_tensor): `weight` (e4m3 codes) and `weight_scale`, dequantized as
+  weight * weight_scale.
+- pack-quantized (int8_wo, int4_wo): `weight_packed`, int32 words each holding 32 / bits codes, the first in the
+  low bits, every code offset by 2**(bits - 1) (the signed value q is stored as q + 8 for int4); `weight_scale`;
+  `weight_shape`; for asymmetric int4, `weight_zero_point`, signed like the codes and packed the same way down the
+  rows. Dequantized as (q - zero_point) * weight_scale. fxquant's unsigned int4 codes and zero points are exactly
+  those offset values, so (q - z) is unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_QUANTIZED, PACK_QUANTIZED = "float-quantized", "pack-quantized"
+_FP8_ACTIVATIONS = dict(num_bits=8, type="float", symmetric=True, dynamic=True)
+# recipe -> (format, weights args, input activation args or None)
+SCHEMES = {
+    "fp8_row": (FLOAT_QUANTIZED, dict(num_bits=8, type="float", symmetric=True, strategy="channel", dynamic=False),
+                dict(_FP8_ACTIVATIONS, strategy="token")),
+    "fp8_block": (FLOAT_QUANTIZED, dict(num_bits=8, type="float", symmetric=True, strategy="block",
+                                        block_structure=[128, 128], dynamic=False),
+                  dict(_FP8_ACTIVATIONS, strategy="group", group_size=128)),
+    "fp8_tensor": (FLOAT_QUANTIZED, dict(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False),
+                   dict(_FP8_ACTIVATIONS, strategy="tensor")),
+    "int8_wo": (PACK_QUANTIZED, dict(num_bits=8, type="int", symmetric=True, strategy="channel", dynamic=False), None),
+    "int4_wo": (PACK_QUANTIZED, dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128,
+                                     dynamic=False), None),
+}
+
+
+def group_config(recipe: str, targets: list[str]) -> dict:
+    """One config_groups entry of quantization_config."""
+    if recipe not in SCHEMES:
+        raise ValueError(f"fxquant: recipe {recipe!r} has no compressed-tensors scheme here; checkpoints are written "
+                         f"for {', '.join(SCHEMES)}")
+    fmt, weights, activations = SCHEMES[recipe]
+    return {"targets": targets, "weights": weights, "input_activations": activations, "format": fmt}
+
+
+def recipe_of(group: dict, where: str) -> str:
+    """The recipe that computes what a config_groups entry describes; a clear error where none does."""
+    weights, activations = group.get("weights") or {}, group.get("input_activations")
+    kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
+    recipe = None
+    if kind == "float" and bits == 8 and activations and activations.get("dynamic") is True:
+        act = activations.get("strategy"), activations.get("group_size")
+        if strategy == "channel" and act[0] == "token":
+            recipe = "fp8_row"
+        elif strategy == "block" and list(weights.get("block_structure") or []) == [128, 128] and act == ("group", 128):
+            recipe = "fp8_block"
+        elif strategy == "tensor" and act[0] == "tensor":
+            recipe = "fp8_tensor"
+    elif kind == "int" and activations is None and weights.get("actorder") in (None, "none"):
+        if bits == 8 and strategy == "channel" and weights.get("symmetric", True):
+            recipe = "int8_wo"
+        elif bits == 4 and strategy == "group" and weights.get("group_size") == 128:
+            recipe = "int4_wo"  # a symmetric checkpoint loads with every zero point at the offset, 8
+    if recipe is None:
+        raise NotImplementedError(
+            f"fxquant: {where}: no fxquant recipe computes this compressed-tensors scheme (weights {weights}, "
+            f"input_activations {activations}); loadable: fp8 per channel / 128x128 block / per tensor with dynamic "
+            "activations, int8 per channel and int4 in groups of 128, weight-only")
+    return recipe
+
+
+def _pack_rows(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes (two 4-bit codes a byte, low nibble first, or one 8-bit code) -> int32 words along each row."""
+    return codes.contiguous().view(torch.int32)
+
+
+def _nibbles_down(values: torch.Tensor) -> torch.Tensor:
+    """[N, G] 4-bit values (uint8) packed down the rows: [N / 8, G] int32, the first row in the low bits."""
+    t = values.t().contiguous()  # [G, N]
+    return _pack_rows(t[:, 0::2] | (t[:, 1::2] << 4)).t().contiguous()
+
+
+def _unnibble_down(words: torch.Tensor, rows: int) -> torch.Tensor:
+    """Inverse of _nibbles_down: [rows / 8, G] int32 -> [rows, G] uint8."""
+    packed = words.t().contiguous().view(torch.uint8)  # [G, rows / 2]
+    values = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)[:, :rows]
+    return values.t().contiguous()
+
+
+def to_checkpoint(layer, recipe: str) -> dict[str, torch.Tensor]:
+    """The tensors compressed-tensors stores for a QuantizedLinear (local names: weight, weight_scale, ...)."""
+    n, k = layer.out_features, layer.in_features
+    scale = layer.weight_scale.detach().float()  # fp32: dequantization in compressed-tensors then equals ours
+    if SCHEMES[recipe][0] == FLOAT_QUANTIZED:
+        return {"weight": layer.weight.detach(), "weight_scale": scale.reshape(1) if scale.dim() == 0 else scale}
+    tensors = {"weight_scale": scale, "weight_shape": torch.tensor([n, k])}
+    if recipe == "int8_wo":
+        tensors["weight_packed"] = _pack_rows((layer.weight.detach().to(torch.int16) + 128).to(torch.uint8))
+    else:
+        tensors["weight_packed"] = _pack_rows(layer.weight.detach())
+        tensors["weight_zero_point"] = _nibbles_down(layer.weight_zero_point.detach())
+    return tensors
+
+
+def from_checkpoint(tensors: dict[str, torch.Tensor], recipe: str, out_features: int) -> dict[str, torch.Tensor]:
+    """QuantizedLinear parts from the tensors compressed-tensors stores for one layer. Scales become fp32, exactly."""
+    scale = tensors["weight_scale"].float()
+    if SCHEMES[recipe][0] == FLOAT_QUANTIZED:
+        codes = tensors["weight"]
+        if codes.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"fxquant: float-quantized weight is {codes.dtype}, expected float8_e4m3fn")
+        return {"weight": codes, "weight_scale": scale.reshape(()) if recipe == "fp8_tensor" else scale}
+    packed = tensors["weight_packed"].contiguous().view(torch.uint8)
+    if recipe == "int8_wo":
+        return {"weight": (packed.to(torch.int16) - 128).to(torch.int8), "weight_scale": scale}
+    zero_point = tensors.get("weight_zero_point")
+    zero_point = (_unnibble_down(zero_point, out_features) if zero_point is not None
+                  else torch.full(scale.shape, 8, dtype=torch.uint8, device=scale.device))  # symmetric: q - 8
+    return {"weight": packed, "weight_scale": scale, "weight_zero_point": zero_point}
