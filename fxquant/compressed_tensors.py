@@ -9,13 +9,15 @@ compressors write them).
   `weight_shape`; for asymmetric int4, `weight_zero_point`, signed like the codes and packed the same way down the
   rows. Dequantized as (q - zero_point) * weight_scale. fxquant's unsigned int4 codes and zero points are exactly
   those offset values, so (q - z) is unchanged.
+- mxfp4-pack-quantized (mxfp4_wo): `weight_packed`, two e2m1 codes a byte, low nibble first, sign in bit 3, as
+  fxquant packs them; `weight_scale`, the E8M0 exponent bits as uint8. Dequantized as value * 2**(e - 127).
 """
 
 from __future__ import annotations
 
 import torch
 
-FLOAT_QUANTIZED, PACK_QUANTIZED = "float-quantized", "pack-quantized"
+FLOAT_QUANTIZED, PACK_QUANTIZED, MXFP4_PACKED = "float-quantized", "pack-quantized", "mxfp4-pack-quantized"
 _FP8_ACTIVATIONS = dict(num_bits=8, type="float", symmetric=True, dynamic=True)
 # recipe -> (format, weights args, input activation args or None)
 SCHEMES = {
@@ -29,6 +31,8 @@ SCHEMES = {
     "int8_wo": (PACK_QUANTIZED, dict(num_bits=8, type="int", symmetric=True, strategy="channel", dynamic=False), None),
     "int4_wo": (PACK_QUANTIZED, dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128,
                                      dynamic=False), None),
+    "mxfp4_wo": (MXFP4_PACKED, dict(num_bits=4, type="float", symmetric=True, strategy="group", group_size=32,
+                                    dynamic=False, scale_dtype="torch.uint8"), None),
 }
 
 
@@ -54,6 +58,9 @@ def recipe_of(group: dict, where: str) -> str:
             recipe = "fp8_block"
         elif strategy == "tensor" and act[0] == "tensor":
             recipe = "fp8_tensor"
+    elif (kind == "float" and bits == 4 and strategy == "group" and weights.get("group_size") == 32
+          and activations is None):
+        recipe = "mxfp4_wo"
     elif kind == "int" and activations is None and weights.get("actorder") in (None, "none"):
         if bits == 8 and strategy == "channel" and weights.get("symmetric", True):
             recipe = "int8_wo"
@@ -91,6 +98,8 @@ def to_checkpoint(layer, recipe: str) -> dict[str, torch.Tensor]:
     scale = layer.weight_scale.detach().float()  # fp32: dequantization in compressed-tensors then equals ours
     if SCHEMES[recipe][0] == FLOAT_QUANTIZED:
         return {"weight": layer.weight.detach(), "weight_scale": scale.reshape(1) if scale.dim() == 0 else scale}
+    if recipe == "mxfp4_wo":
+        return {"weight_packed": layer.weight.detach(), "weight_scale": layer.weight_scale.detach().view(torch.uint8)}
     tensors = {"weight_scale": scale, "weight_shape": torch.tensor([n, k])}
     if recipe == "int8_wo":
         tensors["weight_packed"] = _pack_rows((layer.weight.detach().to(torch.int16) + 128).to(torch.uint8))
@@ -101,7 +110,13 @@ def to_checkpoint(layer, recipe: str) -> dict[str, torch.Tensor]:
 
 
 def from_checkpoint(tensors: dict[str, torch.Tensor], recipe: str, out_features: int) -> dict[str, torch.Tensor]:
-    """QuantizedLinear parts from the tensors compressed-tensors stores for one layer. Scales become fp32, exactly."""
+    """QuantizedLinear parts from the tensors compressed-tensors stores for one layer. Scales become fp32, exactly
+    (MX scales stay E8M0)."""
+    if recipe == "mxfp4_wo":
+        exponents = tensors["weight_scale"]
+        if exponents.dtype != torch.uint8:
+            raise ValueError(f"fxquant: mxfp4 weight_scale is {exponents.dtype}, expected uint8 E8M0 exponents")
+        return {"weight": tensors["weight_packed"], "weight_scale": exponents.view(torch.float8_e8m0fnu)}
     scale = tensors["weight_scale"].float()
     if SCHEMES[recipe][0] == FLOAT_QUANTIZED:
         codes = tensors["weight"]

@@ -29,6 +29,7 @@ CT_SCHEMES = {
     "W4A16_ASYM": (PRESET_SCHEMES["W4A16_ASYM"], "pack-quantized", "int4_wo"),
     "W4A16": (PRESET_SCHEMES["W4A16"], "pack-quantized", "int4_wo"),
     "W8A16_CHANNEL": (INT8_CHANNEL, "pack-quantized", "int8_wo"),
+    "MXFP4A16": (PRESET_SCHEMES["MXFP4A16"], "mxfp4-pack-quantized", "mxfp4_wo"),
 }
 ARCHS = ["llama", "qwen2"]
 
@@ -109,7 +110,7 @@ def test_a_checkpoint_compressed_tensors_wrote_loads_bit_identically(tmp_path, a
         assert torch.isfinite(loaded(PROMPT, use_cache=False).logits).all()
 
 
-@pytest.mark.parametrize("recipe", ["fp8_row", "fp8_block", "fp8_tensor", "int8_wo", "int4_wo"])
+@pytest.mark.parametrize("recipe", ["fp8_row", "fp8_block", "fp8_tensor", "int8_wo", "int4_wo", "mxfp4_wo"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_checkpoint_fxquant_wrote_decompresses_in_compressed_tensors(tmp_path, arch, recipe):
     model = fxquant.quantize_(decoder(arch), {"recipe": recipe})
@@ -124,9 +125,9 @@ def test_a_checkpoint_fxquant_wrote_decompresses_in_compressed_tensors(tmp_path,
         compressor = BaseCompressor.get_value_from_registry(group.format)
         for name in group.targets:
             local = {key[len(name) + 1:]: t for key, t in stored.items() if key.startswith(name + ".")}
-            weight = compressor.decompress(local, group)["weight"]
-            want = dequantized(model.get_submodule(name), torch.float32)
-            assert weight.dtype == torch.float32 and torch.equal(weight, want), name
+            weight = compressor.decompress(local, group)["weight"]  # fp32 from fp32 scales; MXFP4 in bf16, exact
+            want = dequantized(model.get_submodule(name), weight.dtype)
+            assert torch.equal(weight, want), name
             checked += 1
     assert checked == 7 * 2
     reloaded = fxquant.load_quantized(skeleton(model), tmp_path)
