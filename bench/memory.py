@@ -3,26 +3,36 @@ per recipe: the backend, which leaves the model's weights in place, and quantize
 
 Run: python -m bench.memory [recipe ...] [--layers N]. GB allocated after each step (peak in parentheses where it
 matters); "ideal" is the quantized linears plus everything else in bf16, measured as the bytes of the quantize_'d
-model's parameters and buffers.
+model's parameters and buffers. For the recipes with a compressed-tensors format, the quantize_'d model is saved
+with save_quantized and loaded with load_quantized into a meta skeleton in a fresh process.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import subprocess
+import sys
+import tempfile
 
 import torch
 import transformers as T
 
 import fxquant
 from bench.common import header, table
+from fxquant.compressed_tensors import SCHEMES
 
 GB = 1e9
 
 
+def llama_config(layers: int):
+    return T.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                         num_hidden_layers=layers, vocab_size=32000)
+
+
 def llama(layers: int):
-    config = T.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                           num_hidden_layers=layers, vocab_size=32000)
+    config = llama_config(layers)
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the GPU: no fp32 copy is ever made
@@ -78,6 +88,14 @@ def measure(recipe: str, layers: int) -> dict:
                                                        [*model.parameters(), *model.buffers()]}.values()) / GB
     torch.cuda.reset_peak_memory_stats()
     q_first, q_peak, q_second, q_graphs = two_graphs(model, recipe)
+    loaded = "-"
+    if recipe in SCHEMES:
+        with tempfile.TemporaryDirectory() as folder:
+            fxquant.save_quantized(model, folder)
+            done = subprocess.run([sys.executable, "-m", "bench.memory", "--load", folder, "--layers", str(layers)],
+                                  capture_output=True, text=True, check=True)
+            after_load, load_peak = json.loads(done.stdout.strip().splitlines()[-1])
+            loaded = f"{after_load:.2f} ({load_peak:.2f}, {load_peak / ideal:.3f}x ideal)"
     del model
     fresh()
     return {"recipe": recipe, "bf16 model": f"{bf16:.2f}", "ideal": f"{ideal:.2f}",
@@ -86,14 +104,30 @@ def measure(recipe: str, layers: int) -> dict:
             "quantize_ (peak during)": f"{after:.2f} ({during:.2f})",
             "after / ideal": f"{after / ideal:.3f}x", "peak / bf16": f"{during / bf16:.3f}x",
             "quantize_ + 1st graph (peak)": f"{q_first:.2f} ({q_peak:.2f})", "quantize_ + 2nd graph": f"{q_second:.2f}",
-            "q graphs": q_graphs}
+            "q graphs": q_graphs, "load_quantized, fresh process (peak)": loaded}
+
+
+def load(folder: str, layers: int) -> None:
+    """In a fresh process: a meta skeleton filled by load_quantized on the GPU; prints [allocated, peak] in GB."""
+    config = llama_config(layers)
+    with torch.device("meta"):
+        model = T.LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.device("cuda"):  # rotary frequencies: a non-persistent buffer, in no checkpoint
+        model.model.rotary_emb = type(model.model.rotary_emb)(config).to(torch.bfloat16)
+    torch.cuda.reset_peak_memory_stats()
+    fxquant.load_quantized(model, folder, device="cuda")
+    print(json.dumps([allocated(), peak()]))
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("recipes", nargs="*", default=list(fxquant.RECIPES))
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--load", help="internal: load the checkpoint in this folder and print the memory")
     args = parser.parse_args()
+    if args.load:
+        load(args.load, args.layers)
+        return
     print(header())
     rows = []
     for recipe in args.recipes:
