@@ -160,3 +160,19 @@ def test_a_recompile_under_inductor_after_merging_into_the_models_parameters():
             got, exact, plain, eager = (m(ids, use_cache=False).logits.float()[None]
                                         for m in (fn, exact_model, plain_model, model))
             assert not within_bound(got, exact, plain, eager)
+
+
+def test_load_state_dict_after_compile_reaches_the_compiled_graph():
+    """After merging, the model's parameters are views of the graph's stacked weights: loading new weights in place
+    updates what the compiled graph reads, with no recompile and no stale weights."""
+    model = fxquant.quantize_(decoder("llama"), {"recipe": "int8_wo"})
+    other = fxquant.quantize_(decoder("llama", seed=1), {"recipe": "int8_wo"})
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend="fxquant", options={"inner": "eager"})
+    with torch.no_grad():
+        before = fn(PROMPT, use_cache=False).logits
+        model.load_state_dict(other.state_dict())
+        after = fn(PROMPT, use_cache=False).logits
+        want = other(PROMPT, use_cache=False).logits
+    assert not torch.equal(before, after)
+    assert cosine(after, want) > 0.99999
