@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import os
 import platform
+import subprocess
 
 import torch
 import triton
@@ -38,9 +40,18 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() / ms / 1e6
 
 
+def commit() -> str:
+    """The code's commit: git's, else FXQUANT_COMMIT (set it where the tree travels without .git)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("FXQUANT_COMMIT", "unknown")
+
+
 def header() -> str:
     props = torch.cuda.get_device_properties(0)
-    return (f"GPU {props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs), "
+    return (f"commit {commit()}; GPU {props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs), "
             f"torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}")
 
 

@@ -2,7 +2,7 @@
 from config, bf16, random weights. Eager, Inductor bf16, torchao fp8 per-row (when torchao imports) and
 fxquant recipes; first-compile time, latency, and the GPU kernel time inside it (profiler).
 
-Run: PYTHONPATH=. python bench/e2e.py [--reduce-overhead] [--no-torchao] [--top-kernels] [recipe ...]
+Run: python -m bench.e2e [--reduce-overhead] [--no-torchao] [--top-kernels] [recipe ...]
 """
 
 from __future__ import annotations

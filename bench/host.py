@@ -4,7 +4,7 @@ Per op: microseconds of CPU per call at a tiny shape, where the GPU finishes eac
 is issued, so wall time per call is the host's cost. End to end: the 4-layer Llama of bench/e2e.py at decode B16,
 default mode, with the kernel launches per forward and the Python functions that take the host's time.
 
-Run: PYTHONPATH=. python bench/host.py [--no-e2e] [recipe ...]
+Run: python -m bench.host [--no-e2e] [recipe ...]
 """
 
 from __future__ import annotations

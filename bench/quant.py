@@ -1,6 +1,6 @@
 """fp8 activation quantizers on the GPU: bit-exactness against the reference, then GB/s against the copy ceiling.
 
-Run: PYTHONPATH=. python bench/quant.py
+Run: python -m bench.quant
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ the specializations a real launch gets (unit strides, 16-divisible sizes and poi
 `cuobjdump` that Triton ships, and the longest loop's instructions are counted by opcode. The registers per thread
 (which cap the programs an SM holds) come from the same cubin.
 
-Run: python bench/sass.py [int8|int4|mxfp4|nvfp4] [--stages N]
+Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N]
 """
 
 from __future__ import annotations

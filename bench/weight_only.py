@@ -1,7 +1,7 @@
 """Weight-only GEMMs and the fused norm -> fp8 on the GPU: correctness first, then time against bf16 torch.mm
 (cuBLAS) and the unfused norm + quantize, measured in the same process.
 
-Run: PYTHONPATH=. python bench/weight_only.py [--sweep | --crossover] [--decode | --medium]
+Run: python -m bench.weight_only [--sweep | --crossover] [--decode | --medium]
 """
 
 from __future__ import annotations

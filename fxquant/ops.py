@@ -5,9 +5,10 @@ CUDA tensors run the Triton kernels where one serves the case, else the same ref
 
 The ops are defined with `torch.library.define` and `torch.library.impl` rather than the `custom_op` decorator,
 whose Python autograd and checking wrappers cost 10-18 us of host time per call on the H200's host against 1-4 us
-this way (bench/host.py, BENCHMARKS.md, sixth round): without CUDA graphs a decode step is host-bound. The ops are
-for inference and have no autograd formula. With grad mode on, the backend refuses, with the fix, a graph whose inputs
-require grad; called directly, an op lets torch's fallback differentiate through the reference, and torch warns.
+this way (bench/host.py; bench/HISTORY.md, "Host cost in default mode (no CUDA graphs)"): without CUDA graphs a
+decode step is host-bound. The ops are for inference and have no autograd formula. With grad mode on, the backend
+refuses, with the fix, a graph whose inputs require grad; called directly, an op lets torch's fallback differentiate
+through the reference, and torch warns.
 """
 
 from __future__ import annotations

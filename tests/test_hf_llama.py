@@ -14,8 +14,8 @@ from fxquant.pipeline import run_pipeline
 
 LAYERS = 2
 # Logits error against eager bf16. A random-weight Llama amplifies quantization noise through its layers (torchao's
-# fp8 per-row path shows the same on the H200, BENCHMARKS.md): measured here 0.016 (int8_wo) to 0.09 for 8-bit recipes,
-# 0.20-0.24 for 4-bit weights.
+# fp8 per-row path shows the same on the H200, bench/HISTORY.md): measured here 0.016 (int8_wo) to 0.09 for 8-bit
+# recipes, 0.20-0.24 for 4-bit weights.
 BOUNDS = {name: 0.45 if scheme.weight_fmt in ("int4", "mxfp4", "nvfp4") else 0.15 for name, scheme in RECIPES.items()}
 
 

@@ -1,7 +1,7 @@
 """FP8 GEMMs on the GPU: correctness, an optional config sweep, then TFLOP/s and weight GB/s against
 cuBLAS (torch._scaled_mm, torch.mm) measured in the same process.
 
-Run: PYTHONPATH=. python bench/kernels.py [--sweep [--block]] [--decode | --medium | --large] [--merged]
+Run: python -m bench.fp8_gemm [--sweep [--block]] [--decode | --medium | --large] [--merged]
 (--medium: M in {64, 128} on the Llama and merged shapes, where the sweep tries split-K;
  --large: M in {1024, 4096} and 8192^3, where the sweep tries the persistent TMA kernel against cuBLAS)
 """
