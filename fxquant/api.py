@@ -19,7 +19,8 @@ def quantize(x: torch.Tensor, fmt: str, granularity=None, *, scale=None, scale_m
     fmt:         "fp8_e4m3", "fp8_e5m2", "int8", "int4", "mxfp8", "mxfp4" or "nvfp4"
     granularity: "tensor", "token", "channel", ("group", g) or ("block", bn, bk); None takes the format's
                  default ("tensor"; int4 groups of 128; MX and NVFP4 fix blocks of 32 and 16)
-    scale:       a static (calibrated) fp32 scale for fp8 / int8; None computes it from the data
+    scale:       a static (calibrated) fp32 scale for fp8 / int8, or NVFP4's global scale; None computes it from
+                 the data
     scale_mode:  MX only: "floor", "even" (mxfp4 default), "ceil" or "rceil"
     symmetric:   int4 only: codes -7..7 and no zero point, instead of 0..15 with one
     impl:        "reference" (pure torch), "triton" (the kernel; on the CPU under TRITON_INTERPRET=1) or

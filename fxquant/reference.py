@@ -63,8 +63,9 @@ def quantize(x, fmt, granularity=None, *, scale=None, scale_mode=None, symmetric
     if fmt not in FORMAT_NAMES:
         raise ValueError(f"fxquant: unknown format {fmt!r}; valid: {', '.join(FORMAT_NAMES)}")
     gran = _resolve_granularity(fmt, granularity)
-    if scale is not None and fmt not in ("fp8_e4m3", "fp8_e5m2", "int8"):
-        raise ValueError(f"fxquant: a static scale is supported for fp8_e4m3, fp8_e5m2 and int8, not {fmt}")
+    if scale is not None and fmt not in ("fp8_e4m3", "fp8_e5m2", "int8", "nvfp4"):
+        raise ValueError(f"fxquant: a static scale is supported for fp8_e4m3, fp8_e5m2, int8 and nvfp4 (its global "
+                         f"scale), not {fmt}")
     if scale_mode is not None and fmt not in MX:
         raise ValueError(f"fxquant: scale_mode applies to mxfp8 / mxfp4 only, not {fmt}")
     if symmetric and fmt != "int4":
@@ -87,7 +88,7 @@ def quantize(x, fmt, granularity=None, *, scale=None, scale_mode=None, symmetric
         data, s = _quantize_mx(xb, MX[fmt], mode)
         data = gran.from_blocks(data, x.shape)
         return Quantized(pack_nibbles(data) if fmt == "mxfp4" else data, s, scale_mode=mode, **meta)
-    codes, s, gs = _quantize_nvfp4(xb)
+    codes, s, gs = _quantize_nvfp4(xb, scale)
     return Quantized(pack_nibbles(gran.from_blocks(codes, x.shape)), s, global_scale=gs, **meta)
 
 
@@ -192,11 +193,20 @@ def _quantize_mx(xb, elem, mode):
     return encode(round_to_format(q, E2M1).nan_to_num(0.0), E2M1), scale
 
 
-def _quantize_nvfp4(xb):
-    """Two-level: fp32 global scale = amax / (448 * 6), e4m3 block scales, e2m1 codes."""
-    finite = torch.where(torch.isfinite(xb), xb.abs(), 0.0)
-    # The global amax skips non-finite values, so NaN poisons its own block only.
-    global_scale = scale_from_amax(finite.amax() if xb.numel() else xb.new_zeros(()), E4M3.max * E2M1.max)
+def nvfp4_global_amax(x: torch.Tensor) -> torch.Tensor:
+    """The amax NVFP4's global scale comes from: over finite values only, so NaN poisons its own block only."""
+    finite = torch.where(torch.isfinite(x), x.float().abs(), 0.0)
+    return finite.amax() if x.numel() else finite.new_zeros(())
+
+
+def _quantize_nvfp4(xb, static_global=None):
+    """Two-level: fp32 global scale = amax / (448 * 6) (or a static one), e4m3 block scales, e2m1 codes."""
+    if static_global is None:
+        global_scale = scale_from_amax(nvfp4_global_amax(xb), E4M3.max * E2M1.max)
+    else:
+        global_scale = torch.as_tensor(static_global, dtype=torch.float32, device=xb.device).reshape(())
+        if not (torch.isfinite(global_scale) & (global_scale > 0)):
+            raise ValueError("fxquant: a static NVFP4 global scale must be finite and > 0; pass scale=None")
     block_scale = fdiv(block_amax(xb), E2M1.max) / global_scale
     # Floor at e4m3's smallest subnormal: zero blocks give zeros and tiny blocks keep their values.
     block_scale = block_scale.clamp(E4M3.min_subnormal, E4M3.max).to(E4M3.torch_dtype)

@@ -23,6 +23,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant import reference as R
 from fxquant.config import KEEP, RECIPES, LinearScheme, QuantConfig
+from fxquant.formats import E2M1, E4M3
 from fxquant.linear_ops import emit_linear
 from fxquant.metrics import sqnr_db, worst_row_sqnr_db
 from fxquant.passes.annotations import (
@@ -40,6 +41,7 @@ from fxquant.passes.state import LayerRecord, PipelineState
 from fxquant.passes.weight_cache import shared_quantized
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP8_FORMATS = R.FP8
 QUANTIZED_KEY = "fxquant_quantized"
 ROUTER_REASON = "router: its output selects experts (top-k)"
 
@@ -51,16 +53,29 @@ QUANTIZE_ROWS = 2048
 
 def quantize_weight(w: torch.Tensor, recipe: str):
     """The recipe's quantized weight [N, K] (codes, scale, global scale, zero point in one Quantized), in chunks of
-    rows where every scale covers rows of one chunk; whole where one scale covers the tensor (fp8_tensor, NVFP4's
-    global scale). The result is the same either way."""
+    QUANTIZE_ROWS rows, bit for bit the whole-tensor result. A per-tensor scale (fp8_tensor, NVFP4's global scale) is
+    computed first from the chunks' maxima and given to every chunk as a static scale; a per-tensor fp8 scale that a
+    non-finite weight poisons is left to the whole-tensor pass, which spreads the poison as documented."""
     scheme = RECIPES[recipe]
-    per_tensor = scheme.weight_granularity == "tensor" or scheme.weight_fmt == "nvfp4"
-    if per_tensor or w.shape[0] <= QUANTIZE_ROWS:
-        # contiguous: a [K, N]-stored weight arrives as a transposed view, and the kernels read row-major codes.
-        return R.quantize(w.detach().contiguous(), scheme.weight_fmt, scheme.weight_granularity)
-    chunks = [quantize_weight(w[start:start + QUANTIZE_ROWS], recipe) for start in range(0, w.shape[0], QUANTIZE_ROWS)]
+    # contiguous: a [K, N]-stored weight arrives as a transposed view, and the kernels read row-major codes.
+    whole = lambda t, scale=None: R.quantize(t.detach().contiguous(), scheme.weight_fmt, scheme.weight_granularity,
+                                             scale=scale)
+    if w.shape[0] <= QUANTIZE_ROWS:
+        return whole(w)
+    starts = range(0, w.shape[0], QUANTIZE_ROWS)
+    scale = None
+    if scheme.weight_fmt == "nvfp4":
+        amax = torch.stack([R.nvfp4_global_amax(w[i:i + QUANTIZE_ROWS]) for i in starts]).amax()
+        scale = R.scale_from_amax(amax, E4M3.max * E2M1.max)
+    elif scheme.weight_granularity == "tensor":
+        amax = torch.stack([R.block_amax(w[i:i + QUANTIZE_ROWS].reshape(1, -1).float())[0] for i in starts]).amax()
+        if not torch.isfinite(amax):
+            return whole(w)
+        scale = R.scale_from_amax(amax, FP8_FORMATS[scheme.weight_fmt].max)
+    chunks = [whole(w[i:i + QUANTIZE_ROWS], scale) for i in starts]
     joined = {field: torch.cat([getattr(c, field) for c in chunks]) if getattr(chunks[0], field) is not None
-              else None for field in ("data", "scale", "zero_point")}
+              and getattr(chunks[0], field).dim() else getattr(chunks[0], field)
+              for field in ("data", "scale", "zero_point")}
     return replace(chunks[0], shape=w.shape, **joined)
 
 

@@ -208,14 +208,18 @@ def test_right_multiplied_weights_are_quantized_as_their_transpose():
             assert rel_err(g, w) < 0.01
 
 
+@pytest.mark.parametrize("poison", [False, True])
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_weights_quantized_in_row_chunks_equal_the_whole(monkeypatch, recipe):
-    """quantize_weight bounds its temporaries by quantizing rows in chunks: bit for bit the reference's result."""
+def test_weights_quantized_in_row_chunks_equal_the_whole(monkeypatch, recipe, poison):
+    """quantize_weight bounds its temporaries by quantizing rows in chunks: bit for bit the reference's result, per
+    tensor scales and NaN poison included."""
     from fxquant import reference as R
     from fxquant.passes import quantize_linear
 
     monkeypatch.setattr(quantize_linear, "QUANTIZE_ROWS", 256)
     w = torch.randn(640, 256, dtype=torch.bfloat16)  # two whole chunks and a part
+    if poison:
+        w[300, 17] = float("nan")  # in the second chunk: a per-tensor scale is poisoned whole, a block one locally
     got = quantize_linear.quantize_weight(w, recipe)
     want = R.quantize(w, RECIPES[recipe].weight_fmt, RECIPES[recipe].weight_granularity)
     for field in ("data", "scale", "global_scale", "zero_point"):
@@ -223,3 +227,15 @@ def test_weights_quantized_in_row_chunks_equal_the_whole(monkeypatch, recipe):
         same_bits = a is not None and b is not None and torch.equal(a.reshape(-1).view(torch.uint8),
                                                                     b.reshape(-1).view(torch.uint8))
         assert (a is None and b is None) or (a.shape == b.shape and same_bits)
+
+
+def test_a_static_nvfp4_global_scale_gives_the_dynamic_result_and_must_be_finite():
+    from fxquant import reference as R
+
+    w = torch.randn(64, 128)
+    dynamic = R.quantize(w, "nvfp4")
+    static = R.quantize(w, "nvfp4", scale=dynamic.global_scale)
+    assert torch.equal(static.data, dynamic.data) and torch.equal(static.scale.view(torch.uint8),
+                                                                    dynamic.scale.view(torch.uint8))
+    with pytest.raises(ValueError, match="global scale must be finite"):
+        R.quantize(w, "nvfp4", scale=float("inf"))
