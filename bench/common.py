@@ -41,12 +41,15 @@ def copy_bandwidth_gbs() -> float:
 
 
 def commit() -> str:
-    """The code's commit: git's, else FXQUANT_COMMIT (set it where the tree travels without .git)."""
+    """The code's commit: FXQUANT_COMMIT where set (a copied tree's .git may name an older commit than the code it
+    holds), else git's, marked -dirty when the tree differs from it."""
+    if os.environ.get("FXQUANT_COMMIT"):
+        return os.environ["FXQUANT_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("FXQUANT_COMMIT", "unknown")
+        return "unknown"
 
 
 def header() -> str:
