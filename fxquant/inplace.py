@@ -12,6 +12,7 @@ from fxquant.passes.state import LayerRecord, PipelineState
 from fxquant.pipeline import prepare
 from fxquant.quantized_linear import QuantizedLinear
 from fxquant.report import format_report
+from fxquant.weights import WeightEntry
 
 
 def _weight_nk(module: nn.Module) -> torch.Tensor | None:
@@ -93,5 +94,22 @@ def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, exa
         after = sum(p.numel() * p.element_size() for name, p in quantized.named_parameters() if name != "bias")
         layers.append(LayerRecord(fqn, (quantized.out_features, quantized.in_features), recipe, "", before, after))
     if config.report:
-        print(format_report(layers))
+        print(format_report(layers, weights=_other_weights(model)))
     return model
+
+
+def _other_weights(model: nn.Module) -> list[WeightEntry]:
+    """The model's parameters other than linear weights, each once, with the role the report totals them by."""
+    # Linear weights (a tied lm_head's too, which its embedding also reads) are in the layer records already.
+    seen = {id(module.weight) for module in model.modules() if _weight_nk(module) is not None}
+    entries = []
+    for name, module in model.named_modules():
+        for key, param in module.named_parameters(recurse=False):
+            if id(param) in seen or (isinstance(module, QuantizedLinear) and key != "bias"):
+                continue
+            seen.add(id(param))
+            role = ("embedding" if isinstance(module, nn.Embedding) else "expert" if param.dim() >= 3
+                    else "norm_or_bias" if param.dim() <= 1 else "other")
+            entries.append(WeightEntry(f"{name}.{key}" if name else key, tuple(param.shape),
+                                       param.numel() * param.element_size(), role, name))
+    return entries

@@ -176,3 +176,14 @@ def test_load_state_dict_after_compile_reaches_the_compiled_graph():
         want = other(PROMPT, use_cache=False).logits
     assert not torch.equal(before, after)
     assert cosine(after, want) > 0.99999
+
+
+def test_quantize_report_totals_every_parameter_once(capsys):
+    """The tied lm_head's weight is its embedding's: counted once, as the kept linear."""
+    model = decoder("qwen2", tie_word_embeddings=True)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() yields a tied one once
+    fxquant.quantize_(model, {"recipe": "int8_wo", "report": True})
+    report = capsys.readouterr().out
+    assert f"of {total:,} bytes" in report
+    after = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert f"{total:,} -> {after:,} bytes" in report
