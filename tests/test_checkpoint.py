@@ -133,3 +133,19 @@ def test_a_checkpoint_fxquant_wrote_decompresses_in_compressed_tensors(tmp_path,
     reloaded = fxquant.load_quantized(skeleton(model), tmp_path)
     with torch.no_grad():
         assert torch.equal(reloaded(PROMPT, use_cache=False).logits, model(PROMPT, use_cache=False).logits)
+
+
+def test_gpt2_conv1d_checkpoint_round_trip_keeps_the_tied_head(tmp_path):
+    """Conv1D layers (W stored [in, out]) save as [out, in] linears and load into a meta skeleton's Conv1D slots; the
+    lm_head stays tied to the embedding."""
+    from test_real_models import gpt2
+
+    model = fxquant.quantize_(gpt2(), {"recipe": "int4_wo"})
+    fxquant.save_quantized(model, tmp_path)
+    with torch.device("meta"):
+        empty = type(model)(model.config).to(torch.bfloat16)
+    loaded = fxquant.load_quantized(empty, tmp_path).eval()
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    assert isinstance(loaded.transformer.h[1].mlp.c_proj, fxquant.QuantizedLinear)
+    with torch.no_grad():
+        assert torch.equal(loaded(PROMPT).logits, model(PROMPT).logits)
