@@ -149,3 +149,23 @@ def test_gpt2_conv1d_checkpoint_round_trip_keeps_the_tied_head(tmp_path):
     assert isinstance(loaded.transformer.h[1].mlp.c_proj, fxquant.QuantizedLinear)
     with torch.no_grad():
         assert torch.equal(loaded(PROMPT).logits, model(PROMPT).logits)
+
+
+def test_loading_leaves_nothing_on_meta_silently(tmp_path):
+    """A non-persistent buffer (rotary frequencies) is in no checkpoint: loading names it and the fix."""
+    model = fxquant.quantize_(decoder("llama"), {"recipe": "int8_wo"})
+    fxquant.save_quantized(model, tmp_path)
+    with torch.device("meta"):
+        empty = type(model)(model.config)
+    with pytest.raises(ValueError, match=r"inv_freq.*still on the meta device.*Fix: build those modules"):
+        fxquant.load_quantized(empty, tmp_path)
+
+
+def test_a_scheme_no_recipe_computes_is_refused_by_name(tmp_path):
+    model = fxquant.quantize_(decoder("llama"), {"recipe": "int8_wo"})
+    fxquant.save_quantized(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match="config group group_0: no fxquant recipe computes"):
+        fxquant.load_quantized(skeleton(model), tmp_path)
