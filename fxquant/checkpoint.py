@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fxquant.compressed_tensors import SCHEMES, from_checkpoint, group_config, recipe_of, to_checkpoint
-from fxquant.inplace import _weight_nk
+from fxquant.inplace import linear_weight
 from fxquant.quantized_linear import QuantizedLinear
 
 SHARD_BYTES = 5 * 2**30  # the file size transformers shards at by default
@@ -39,7 +39,7 @@ def save_quantized(model: nn.Module, path) -> None:
             if module.bias is not None:
                 tensors[prefix + "bias"] = module.bias.detach().contiguous()
             continue
-        if _weight_nk(module) is not None:
+        if linear_weight(module) is not None:
             ignore.append(name)
         persistent = [n for n, _ in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set]
         for key, t in [*module.named_parameters(recurse=False), *((n, getattr(module, n)) for n in persistent)]:
@@ -94,7 +94,7 @@ def _recipes(model: nn.Module, quantization_config: dict) -> dict[str, str]:
     for group_name, group in (quantization_config.get("config_groups") or {}).items():
         recipe = None
         for name, module in model.named_modules():
-            if _weight_nk(module) is None and not isinstance(module, QuantizedLinear):
+            if linear_weight(module) is None and not isinstance(module, QuantizedLinear):
                 continue
             targets = group.get("targets") or []
             if any(_matches(name, module, t) for t in targets) and not any(_matches(name, module, t) for t in ignore):
@@ -118,7 +118,7 @@ def load_quantized(model: nn.Module, path, device=None) -> nn.Module:
         module = model.get_submodule(name)
         if isinstance(module, QuantizedLinear):
             continue
-        weight = _weight_nk(module)
+        weight = linear_weight(module)
         skeleton = QuantizedLinear.empty(weight.shape[1], weight.shape[0], recipe, bias=module.bias is not None,
                                          dtype=weight.dtype, device="meta")
         parent, _, attr = name.rpartition(".")

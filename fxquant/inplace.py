@@ -15,7 +15,7 @@ from fxquant.report import format_report
 from fxquant.weights import WeightEntry
 
 
-def _weight_nk(module: nn.Module) -> torch.Tensor | None:
+def linear_weight(module: nn.Module) -> torch.Tensor | None:
     """A linear layer's weight as [N, K]: nn.Linear's own, GPT-2's Conv1D's [K, N] transposed; else None."""
     if isinstance(module, nn.Linear):
         return module.weight
@@ -73,10 +73,10 @@ def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, exa
     layers = []
     # Names, not modules: a list of the modules would keep every replaced layer's high-precision weight alive
     # until the end, and the peak would be the whole model twice over.
-    names = [fqn for fqn, module in model.named_modules() if _weight_nk(module) is not None]
+    names = [fqn for fqn, module in model.named_modules() if linear_weight(module) is not None]
     for fqn in names:
         module = model.get_submodule(fqn)
-        weight = _weight_nk(module)
+        weight = linear_weight(module)
         others = [name for name in shared.get(id(module.weight), ()) if name != fqn]
         reason = ROUTER_REASON if fqn in routers else (
             f"its weight is shared with {', '.join(others)}, which keeps it in high precision" if others
@@ -101,7 +101,7 @@ def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, exa
 def _other_weights(model: nn.Module) -> list[WeightEntry]:
     """The model's parameters other than linear weights, each once, with the role the report totals them by."""
     # Linear weights (a tied lm_head's too, which its embedding also reads) are in the layer records already.
-    seen = {id(module.weight) for module in model.modules() if _weight_nk(module) is not None}
+    seen = {id(module.weight) for module in model.modules() if linear_weight(module) is not None}
     entries = []
     for name, module in model.named_modules():
         for key, param in module.named_parameters(recurse=False):
