@@ -11,13 +11,18 @@ compressors write them).
   those offset values, so (q - z) is unchanged.
 - mxfp4-pack-quantized (mxfp4_wo): `weight_packed`, two e2m1 codes a byte, low nibble first, sign in bit 3, as
   fxquant packs them; `weight_scale`, the E8M0 exponent bits as uint8. Dequantized as value * 2**(e - 127).
+- nvfp4-pack-quantized (nvfp4_wo): `weight_packed` as for MXFP4; `weight_scale`, e4m3 scales of 16; and
+  `weight_global_scale`, the reciprocal of fxquant's (448 * 6 / amax, not amax / (448 * 6)). compressed-tensors
+  dequantizes as value * (scale / global), fxquant (as vLLM's kernels do) as value * scale * (1 / global): where the
+  division and the multiply by the rounded reciprocal round apart, a weight differs by an ulp.
 """
 
 from __future__ import annotations
 
 import torch
 
-FLOAT_QUANTIZED, PACK_QUANTIZED, MXFP4_PACKED = "float-quantized", "pack-quantized", "mxfp4-pack-quantized"
+FLOAT_QUANTIZED, PACK_QUANTIZED = "float-quantized", "pack-quantized"
+MXFP4_PACKED, NVFP4_PACKED = "mxfp4-pack-quantized", "nvfp4-pack-quantized"
 _FP8_ACTIVATIONS = dict(num_bits=8, type="float", symmetric=True, dynamic=True)
 # recipe -> (format, weights args, input activation args or None)
 SCHEMES = {
@@ -33,6 +38,8 @@ SCHEMES = {
                                      dynamic=False), None),
     "mxfp4_wo": (MXFP4_PACKED, dict(num_bits=4, type="float", symmetric=True, strategy="group", group_size=32,
                                     dynamic=False, scale_dtype="torch.uint8"), None),
+    "nvfp4_wo": (NVFP4_PACKED, dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16,
+                                    dynamic=False, scale_dtype="torch.float8_e4m3fn"), None),
 }
 
 
@@ -61,6 +68,9 @@ def recipe_of(group: dict, where: str) -> str:
     elif (kind == "float" and bits == 4 and strategy == "group" and weights.get("group_size") == 32
           and activations is None):
         recipe = "mxfp4_wo"
+    elif (kind == "float" and bits == 4 and strategy == "tensor_group" and weights.get("group_size") == 16
+          and activations is None):
+        recipe = "nvfp4_wo"
     elif kind == "int" and activations is None and weights.get("actorder") in (None, "none"):
         if bits == 8 and strategy == "channel" and weights.get("symmetric", True):
             recipe = "int8_wo"
@@ -100,6 +110,9 @@ def to_checkpoint(layer, recipe: str) -> dict[str, torch.Tensor]:
         return {"weight": layer.weight.detach(), "weight_scale": scale.reshape(1) if scale.dim() == 0 else scale}
     if recipe == "mxfp4_wo":
         return {"weight_packed": layer.weight.detach(), "weight_scale": layer.weight_scale.detach().view(torch.uint8)}
+    if recipe == "nvfp4_wo":
+        return {"weight_packed": layer.weight.detach(), "weight_scale": layer.weight_scale.detach(),
+                "weight_global_scale": (1.0 / layer.weight_global_scale.detach().float()).reshape(1)}
     tensors = {"weight_scale": scale, "weight_shape": torch.tensor([n, k])}
     if recipe == "int8_wo":
         tensors["weight_packed"] = _pack_rows((layer.weight.detach().to(torch.int16) + 128).to(torch.uint8))
@@ -117,6 +130,12 @@ def from_checkpoint(tensors: dict[str, torch.Tensor], recipe: str, out_features:
         if exponents.dtype != torch.uint8:
             raise ValueError(f"fxquant: mxfp4 weight_scale is {exponents.dtype}, expected uint8 E8M0 exponents")
         return {"weight": tensors["weight_packed"], "weight_scale": exponents.view(torch.float8_e8m0fnu)}
+    if recipe == "nvfp4_wo":
+        block_scale = tensors["weight_scale"]
+        if block_scale.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"fxquant: nvfp4 weight_scale is {block_scale.dtype}, expected float8_e4m3fn")
+        global_scale = (1.0 / tensors["weight_global_scale"].float()).reshape(())  # fxquant multiplies by it
+        return {"weight": tensors["weight_packed"], "weight_scale": block_scale, "weight_global_scale": global_scale}
     scale = tensors["weight_scale"].float()
     if SCHEMES[recipe][0] == FLOAT_QUANTIZED:
         codes = tensors["weight"]

@@ -1,6 +1,7 @@
 """compressed-tensors checkpoints, checked against the compressed-tensors package itself (test extra only): what its
 compressors write loads into fxquant with bit-identical dequantized weights, and what fxquant writes decompresses
-in compressed-tensors to fxquant's values."""
+in compressed-tensors to fxquant's values. NVFP4's global scale is divided by there and multiplied by here (its
+rounded reciprocal), which may round an element apart; on these models no element does."""
 
 import json
 
@@ -10,6 +11,7 @@ from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 from compressed_tensors.quantization.utils import calculate_qparams
+from compressed_tensors.quantization.utils.helpers import generate_gparam
 from hf_models import decoder
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -30,6 +32,7 @@ CT_SCHEMES = {
     "W4A16": (PRESET_SCHEMES["W4A16"], "pack-quantized", "int4_wo"),
     "W8A16_CHANNEL": (INT8_CHANNEL, "pack-quantized", "int8_wo"),
     "MXFP4A16": (PRESET_SCHEMES["MXFP4A16"], "mxfp4-pack-quantized", "mxfp4_wo"),
+    "NVFP4A16": (PRESET_SCHEMES["NVFP4A16"], "nvfp4-pack-quantized", "nvfp4_wo"),
 }
 ARCHS = ["llama", "qwen2"]
 
@@ -41,22 +44,27 @@ def dequantized(layer: fxquant.QuantizedLinear, dtype) -> torch.Tensor:
         Granularity("tensor") if scheme.weight_granularity == "tensor" else R._resolve_granularity(
             scheme.weight_fmt, scheme.weight_granularity))
     q = Quantized(layer.weight, layer.weight_scale, scheme.weight_fmt, granularity,
-                  torch.Size((layer.out_features, layer.in_features)), dtype, zero_point=layer.weight_zero_point)
+                  torch.Size((layer.out_features, layer.in_features)), dtype, zero_point=layer.weight_zero_point,
+                  global_scale=layer.weight_global_scale)
     return R.dequantize(q, dtype)
 
 
-def ct_qparams(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scales and zero points as compressed-tensors computes them from a weight's min and max."""
+def ct_qparams(w: torch.Tensor, args) -> dict[str, torch.Tensor]:
+    """Scales, zero points (and NVFP4's global scale) as compressed-tensors computes them from a weight's minima and
+    maxima."""
     n, k = w.shape
+    global_scale = generate_gparam(w.amin(), w.amax()) if args.strategy == "tensor_group" else None
     if args.strategy == "channel":
         lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
-    elif args.strategy == "group":
+    elif args.strategy in ("group", "tensor_group"):
         groups = w.reshape(n, k // args.group_size, args.group_size)
         lo, hi = groups.amin(-1), groups.amax(-1)
     else:
         blocks = w.reshape(n // 128, 128, k // 128, 128)
         lo, hi = blocks.amin((1, 3)), blocks.amax((1, 3))
-    return calculate_qparams(lo, hi, args)
+    scale, zero_point = calculate_qparams(lo, hi, args, global_scale=global_scale)
+    found = {"weight_scale": scale, "weight_zero_point": zero_point}
+    return found if global_scale is None else {**found, "weight_global_scale": global_scale}
 
 
 def skeleton(model):
@@ -79,9 +87,8 @@ def write_with_compressed_tensors(model, preset: str, path) -> dict:
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or name == "lm_head":
             continue
-        scale, zero_point = ct_qparams(module.weight.detach(), scheme.weights)
-        compressed = compressor.compress({"weight": module.weight.detach(), "weight_scale": scale,
-                                          "weight_zero_point": zero_point}, scheme)
+        compressed = compressor.compress({"weight": module.weight.detach(),
+                                          **ct_qparams(module.weight.detach(), scheme.weights)}, scheme)
         expected[name] = compressor.decompress(dict(compressed), scheme)["weight"]
         del state[f"{name}.weight"]
         tensors.update({f"{name}.{key}": t.contiguous() for key, t in compressed.items()})
@@ -110,7 +117,7 @@ def test_a_checkpoint_compressed_tensors_wrote_loads_bit_identically(tmp_path, a
         assert torch.isfinite(loaded(PROMPT, use_cache=False).logits).all()
 
 
-@pytest.mark.parametrize("recipe", ["fp8_row", "fp8_block", "fp8_tensor", "int8_wo", "int4_wo", "mxfp4_wo"])
+@pytest.mark.parametrize("recipe", ["fp8_row", "fp8_block", "fp8_tensor", "int8_wo", "int4_wo", "mxfp4_wo", "nvfp4_wo"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_checkpoint_fxquant_wrote_decompresses_in_compressed_tensors(tmp_path, arch, recipe):
     model = fxquant.quantize_(decoder(arch), {"recipe": recipe})
