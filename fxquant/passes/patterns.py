@@ -2,7 +2,7 @@
 Passes edit only after the whole pattern matched.
 
 - `linear_operands`: y = x @ W.T + b in every spelling: F.linear (W [N, K]), addmm(b, x, W) and mm / matmul / @
-  with a constant W [K, N] on the right (GPT-2's Conv1D, hand-written projections).
+  with a 2-D parameter W [K, N] on the right (GPT-2's Conv1D, hand-written projections).
 - `match_rms_variance`: a hand-written RMSNorm's pow(x, 2) -> mean(-1, keepdim) -> [add eps] -> rsqrt, whose
   intermediates nothing else reads (transformers' LlamaRMSNorm).
 - `selects_experts`: a linear whose output reaches a top-k within a few ops: an MoE router.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fxquant.passes.annotations import fake_value, fetch_attr
+from fxquant.passes.annotations import PARAMETER_KEY, fake_value, fetch_attr
 from fxquant.passes.spellings import (
     ADD,
     ADDMM,
@@ -58,9 +58,10 @@ def _is_constant(node) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "get_attr"
 
 
-def _is_2d(node) -> bool:
+def _is_2d_parameter(node) -> bool:
+    """A constant 2-D weight: a parameter (freeze_params marks them), not a buffer such as a rotary table."""
     value = fetch_attr(node.graph.owning_module, node)
-    return isinstance(value, torch.Tensor) and value.dim() == 2
+    return node.meta.get(PARAMETER_KEY, False) and isinstance(value, torch.Tensor) and value.dim() == 2
 
 
 def linear_operands(node: torch.fx.Node) -> LinearOperands | None:
@@ -71,12 +72,12 @@ def linear_operands(node: torch.fx.Node) -> LinearOperands | None:
         bias, x, w = node.args[:3]
         plain = _arg(node, 3, "beta", 1) == 1 and _arg(node, 4, "alpha", 1) == 1
         bias_is_row = isinstance(fake_value(bias), torch.Tensor) and fake_value(bias).dim() == 1
-        if plain and bias_is_row and _is_constant(w) and _is_2d(w):
+        if plain and bias_is_row and _is_constant(w) and _is_2d_parameter(w):
             return LinearOperands(x, w, bias, True)
         return None
     if target in MM | MATMUL:
         x, w = node.args[:2]
-        if _is_constant(w) and _is_2d(w) and not _is_constant(x):
+        if _is_constant(w) and _is_2d_parameter(w) and not _is_constant(x):
             return LinearOperands(x, w, None, True)
     return None
 

@@ -239,3 +239,21 @@ def test_a_static_nvfp4_global_scale_gives_the_dynamic_result_and_must_be_finite
                                                                     dynamic.scale.view(torch.uint8))
     with pytest.raises(ValueError, match="global scale must be finite"):
         R.quantize(w, "nvfp4", scale=float("inf"))
+
+
+def test_a_buffer_multiplied_on_the_right_is_no_linear():
+    """In an export graph buffers are get_attr constants too; only a parameter on the right makes a linear."""
+
+    class BufferProduct(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.randn(256, 128))
+            self.w = torch.nn.Parameter(torch.randn(256, 128))
+
+        def forward(self, x):
+            return x @ self.table, x @ self.w
+
+    gm = torch.export.export(BufferProduct(), (torch.randn(4, 256),)).module()
+    FreezeParams(None)(gm)
+    Detect()(gm)
+    assert [a.fqn for n in gm.graph.nodes if (a := annotation(n)) and a.kind == "linear"] == ["w"]
