@@ -65,7 +65,8 @@ class MergeLinear(PassBase):
         new_names = [f"{name}_merged{len(nodes)}" for name in old_names[0]]
         for i, name in enumerate(new_names):
             gm.register_buffer(name, _stacked([getattr(gm, names[i]) for names in old_names]))
-        # Sources: the model's own parameters (quantize_'s QuantizedLinear), or None for this graph's buffers.
+        # Sources: the tensors shared beyond this graph (quantize_'s parameters, weight_cache's entries), or None
+        # where the buffers are this graph's own.
         sources = [[n.args[p].meta.get(SOURCE_KEY) for p in positions] for n in nodes]
         args = list(nodes[0].args)
         with graph.inserting_before(nodes[0]):
@@ -110,10 +111,11 @@ class MergeLinear(PassBase):
 
     def _record(self, renamed: dict[str, str], widths: list[int]) -> None:
         """Point each merged layer's record at the merged buffers and at its rows in them."""
-        start, total, layers = 0, sum(widths), self._layers_of(renamed, len(widths))
-        for width, layer in zip(widths, layers or [None] * len(widths), strict=True):
-            if layer is None:
-                continue
+        layers = self._layers_of(renamed, len(widths))
+        if not layers:
+            return  # quantize_'s layers: their tensors are the model's parameters, which no record tracks
+        start, total = 0, sum(widths)
+        for width, layer in zip(widths, layers, strict=True):
             layer.buffers = tuple(renamed.get(name, name) if name else None for name in layer.buffers)
             layer.rows = (start, start + width, total)
             start += width
