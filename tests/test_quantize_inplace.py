@@ -187,3 +187,15 @@ def test_quantize_report_totals_every_parameter_once(capsys):
     assert f"of {total:,} bytes" in report
     after = sum(p.numel() * p.element_size() for p in model.parameters())
     assert f"{total:,} -> {after:,} bytes" in report
+
+
+def test_quantize_in_place_with_auto_measures_on_the_example_inputs():
+    model = decoder("llama")
+    with pytest.raises(ValueError, match="recipe='auto' needs example_inputs"):
+        fxquant.quantize_(model, {"recipe": "auto"})
+    report = fxquant.inspect(model, (PROMPT,), {"recipe": "auto", "min_sqnr_db": 25})
+    fxquant.quantize_(model, {"recipe": "auto", "min_sqnr_db": 25}, example_inputs=(PROMPT,))
+    for name, module in model.named_modules():
+        if isinstance(module, fxquant.QuantizedLinear):
+            assert module.recipe == report.config.recipe_for(name)
+    assert any(isinstance(m, fxquant.QuantizedLinear) for m in model.modules())
