@@ -151,6 +151,7 @@ def test_a_recompile_under_inductor_after_merging_into_the_models_parameters():
     model = decoder("llama")
     exact_model = fake_quantized(model, "fp8_row", exact=True)
     plain_model = fake_quantized(model, "fp8_row", exact=False)
+    unquantized = copy.deepcopy(model)
     fxquant.quantize_(model, {"recipe": "fp8_row"})
     torch._dynamo.reset()
     fn = torch.compile(model, backend="fxquant", options={"recipe": "fp8_row"})
@@ -158,7 +159,7 @@ def test_a_recompile_under_inductor_after_merging_into_the_models_parameters():
         for batch in (1, 3):  # the second batch size recompiles with dynamic shapes
             ids = torch.randint(0, 512, (batch, 16), generator=torch.Generator().manual_seed(batch))
             got, exact, plain, eager = (m(ids, use_cache=False).logits.float()[None]
-                                        for m in (fn, exact_model, plain_model, model))
+                                        for m in (fn, exact_model, plain_model, unquantized))
             assert not within_bound(got, exact, plain, eager)
 
 

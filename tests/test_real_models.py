@@ -41,6 +41,7 @@ def test_static_cache_decode_stays_within_the_fake_quantized_bound(arch, recipe)
     eager = static_decode(model, model, PROMPT, STEPS)
     got = static_decode(model, compiled(model, recipe=recipe), PROMPT, STEPS)
     assert not within_bound(got, exact, plain, eager)
+    assert within_bound(eager, exact, plain, eager)  # an unquantized model fails it
 
 
 def test_generate_compiles_no_more_graphs_than_inductor():
