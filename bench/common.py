@@ -8,6 +8,7 @@ import platform
 import subprocess
 
 import torch
+import transformers as T
 import triton
 import triton.testing
 
@@ -50,6 +51,24 @@ def commit() -> str:
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def llama_config(layers: int, hidden: int = 4096):
+    """The Llama shapes the benchmarks use: at hidden 4096, intermediate 14336, 32 heads, 8 KV heads."""
+    return T.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 7 // 2, num_attention_heads=hidden // 128,
+                         num_key_value_heads=max(1, hidden // 512), num_hidden_layers=layers, vocab_size=32000)
+
+
+def llama(layers: int, hidden: int = 4096, device: str = "cuda"):
+    """A random-weight Llama built in bf16 where it runs: no fp32 copy is ever made."""
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            return T.LlamaForCausalLM(llama_config(layers, hidden)).eval()
+    finally:
+        torch.set_default_dtype(default)
 
 
 def header() -> str:

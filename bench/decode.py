@@ -23,22 +23,9 @@ import torch
 import transformers as T
 
 import fxquant
-from bench.common import header, table
+from bench.common import header, llama, table
 
 CHECK_STEPS = 4  # decode steps whose logits are compared with eager's before timing
-
-
-def llama(layers: int, hidden: int, device: str):
-    config = T.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 7 // 2, num_attention_heads=hidden // 128,
-                           num_key_value_heads=max(1, hidden // 512), num_hidden_layers=layers, vocab_size=32000)
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # built in bf16 where it runs: no fp32 copy
-    try:
-        with torch.device(device):
-            return T.LlamaForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(default)
 
 
 def compiled_forward(model, path: str, mode: str):

@@ -20,27 +20,10 @@ import torch
 import transformers as T
 
 import fxquant
-from bench.common import header, table
+from bench.common import header, llama, llama_config, table
 from fxquant.compressed_tensors import SCHEMES
 
 GB = 1e9
-
-
-def llama_config(layers: int):
-    return T.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                         num_hidden_layers=layers, vocab_size=32000)
-
-
-def llama(layers: int):
-    config = llama_config(layers)
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the GPU: no fp32 copy is ever made
-    try:
-        with torch.device("cuda"):
-            return T.LlamaForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(default)
 
 
 def allocated() -> float:

@@ -12,7 +12,7 @@ from fxquant.passes.state import LayerRecord, PipelineState
 from fxquant.pipeline import prepare
 from fxquant.quantized_linear import QuantizedLinear
 from fxquant.report import format_report
-from fxquant.weights import WeightEntry
+from fxquant.weights import WeightEntry, weight_role
 
 
 def linear_weight(module: nn.Module) -> torch.Tensor | None:
@@ -108,8 +108,8 @@ def _other_weights(model: nn.Module) -> list[WeightEntry]:
             if id(param) in seen or (isinstance(module, QuantizedLinear) and key != "bias"):
                 continue
             seen.add(id(param))
-            role = ("embedding" if isinstance(module, nn.Embedding) else "expert" if param.dim() >= 3
-                    else "norm_or_bias" if param.dim() <= 1 else "other")
+            role = weight_role(param, embedding=isinstance(module, nn.Embedding),
+                               convolution=isinstance(module, nn.modules.conv._ConvNd))
             entries.append(WeightEntry(f"{name}.{key}" if name else key, tuple(param.shape),
                                        param.numel() * param.element_size(), role, name))
     return entries

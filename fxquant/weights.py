@@ -44,9 +44,14 @@ def _role(tensor: torch.Tensor, reads: list[torch.fx.Node]) -> str:
         return "linear"
     if any(str(target).startswith("fxquant.") for target in targets if target is not None):
         return "quantized"  # codes or scales an fxquant op reads: a QuantizedLinear's
-    if tensor.dim() >= 3 and not targets & CONVOLUTION:
+    return weight_role(tensor, embedding=bool(targets & EMBEDDING), convolution=bool(targets & CONVOLUTION))
+
+
+def weight_role(tensor: torch.Tensor, *, embedding: bool, convolution: bool = False) -> str:
+    """The role of a weight no linear multiplies by, from its rank and what reads it."""
+    if tensor.dim() >= 3 and not convolution:
         return "expert"  # [E, N, K] stacks of expert matrices, read by grouped / batched GEMMs or per expert
-    if targets & EMBEDDING:
+    if embedding:
         return "embedding"
     return "norm_or_bias" if tensor.dim() <= 1 else "other"
 

@@ -20,7 +20,7 @@ from test_real_models import PROMPT
 import fxquant
 from fxquant import reference as R
 from fxquant.config import RECIPES
-from fxquant.granularity import Granularity
+from fxquant.granularity import as_granularity
 from fxquant.quantized import Quantized
 
 INT8_CHANNEL = dict(weights=QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True))
@@ -40,9 +40,8 @@ ARCHS = ["llama", "qwen2"]
 def dequantized(layer: fxquant.QuantizedLinear, dtype) -> torch.Tensor:
     """A QuantizedLinear's weight [N, K] through fxquant's reference."""
     scheme = RECIPES[layer.recipe]
-    granularity = Granularity("channel") if scheme.weight_granularity == "channel" else (
-        Granularity("tensor") if scheme.weight_granularity == "tensor" else R._resolve_granularity(
-            scheme.weight_fmt, scheme.weight_granularity))
+    granularity = (R.default_granularity(scheme.weight_fmt) if scheme.weight_granularity is None
+                   else as_granularity(scheme.weight_granularity))
     q = Quantized(layer.weight, layer.weight_scale, scheme.weight_fmt, granularity,
                   torch.Size((layer.out_features, layer.in_features)), dtype, zero_point=layer.weight_zero_point,
                   global_scale=layer.weight_global_scale)

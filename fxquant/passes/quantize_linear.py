@@ -41,15 +41,13 @@ from fxquant.passes.state import LayerRecord, PipelineState
 from fxquant.passes.weight_cache import shared_quantized
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-FP8_FORMATS = R.FP8
 QUANTIZED_KEY = "fxquant_quantized"
 ROUTER_REASON = "router: its output selects experts (top-k)"
 
 
 # Rows quantized at a time: the reference's fp32 temporaries (a dozen for the FP4 encoders) stay a few MB per
 # chunk, not copies of the whole weight. A multiple of every block's rows (128 for fp8_block), so each block's scale
-# sees its whole block. On the CPU (peak RSS over a 14336x4096 bf16 weight of 112 MB), 512 rows against 2048 took
-# NVFP4 from 453 to 255 MB and fp8_row from 206 to 127 MB.
+# sees its whole block.
 QUANTIZE_ROWS = 512
 
 
@@ -73,12 +71,25 @@ def quantize_weight(w: torch.Tensor, recipe: str):
         amax = torch.stack([R.block_amax(w[i:i + QUANTIZE_ROWS].reshape(1, -1).float())[0] for i in starts]).amax()
         if not torch.isfinite(amax):
             return whole(w)
-        scale = R.scale_from_amax(amax, FP8_FORMATS[scheme.weight_fmt].max)
+        scale = R.scale_from_amax(amax, R.FP8[scheme.weight_fmt].max)
     chunks = [whole(w[i:i + QUANTIZE_ROWS], scale) for i in starts]
-    joined = {field: torch.cat([getattr(c, field) for c in chunks]) if getattr(chunks[0], field) is not None
-              and getattr(chunks[0], field).dim() else getattr(chunks[0], field)
-              for field in ("data", "scale", "zero_point")}
-    return replace(chunks[0], shape=w.shape, **joined)
+
+    def joined(field):
+        first = getattr(chunks[0], field)
+        if first is None or first.dim() == 0:
+            return first  # absent, or the one scale every chunk was given
+        return torch.cat([getattr(chunk, field) for chunk in chunks])
+
+    return replace(chunks[0], shape=w.shape, data=joined("data"), scale=joined("scale"),
+                   zero_point=joined("zero_point"))
+
+
+def _quantize_and_measure(w: torch.Tensor, recipe: str):
+    """(quantized weight, weight SQNR, worst channel's SQNR): what a graph needs of a weight, kept in weight_cache
+    so a later graph of the model neither quantizes nor measures it again."""
+    q = quantize_weight(w, recipe)
+    w_hat = R.dequantize(q, torch.float32)
+    return q, sqnr_db(w_hat, w), worst_row_sqnr_db(w_hat, w)
 
 
 def weight_skip_reason(w) -> str | None:
@@ -166,7 +177,7 @@ class QuantizeLinear(PassBase):
             return False
         recipe = recipes.pop()
         owner = operands[0].weight.meta.get(SOURCE_KEY)
-        q = shared_quantized(owner, w, recipe, operands[0].transposed, quantize_weight)
+        q, w_sqnr, worst_row = shared_quantized(owner, w, recipe, operands[0].transposed, _quantize_and_measure)
         names = _register(gm, fqn, q)
         for node, ops in zip(nodes, operands, strict=True):
             with gm.graph.inserting_before(node):
@@ -179,10 +190,8 @@ class QuantizeLinear(PassBase):
             out.meta.update(node.meta)
             node.replace_all_uses_with(out)
             gm.graph.erase_node(node)
-        w_hat = R.dequantize(q, torch.float32)
-        self.state.layers.append(LayerRecord(fqn, shape, recipe, "", before, q.nbytes, sqnr_db(w_hat, w),
-                                             worst_row_sqnr_db(w_hat, w), source, operands[0].transposed,
-                                             source._version, tuple(names)))
+        self.state.layers.append(LayerRecord(fqn, shape, recipe, "", before, q.nbytes, w_sqnr, worst_row, source,
+                                             operands[0].transposed, source._version, tuple(names)))
         return True
 
     def _reason(self, node: torch.fx.Node, w) -> str | None:

@@ -13,12 +13,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fxquant.quantized import Quantized
 
-_ENTRIES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> {(recipe, transposed): (version, Quantized)}
+# parameter -> {(recipe, transposed): (version, (Quantized, *what quantize measured with it))}
+_ENTRIES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def shared_quantized(owner: torch.Tensor | None, weight: torch.Tensor, recipe: str, transposed: bool, quantize):
-    """quantize(weight, recipe), computed once per (owner, recipe, layout) and owner version; owner None (a
-    graph with no model behind it, as torch.export's) always quantizes afresh."""
+def shared_quantized(owner: torch.Tensor | None, weight: torch.Tensor, recipe: str, transposed: bool,
+                     quantize) -> tuple:
+    """quantize(weight, recipe) -> (Quantized, *extras), computed once per (owner, recipe, layout) and owner
+    version; owner None (a graph with no model behind it, as torch.export's) always quantizes afresh."""
     if owner is None:
         return quantize(weight, recipe)
     entries = _ENTRIES.setdefault(owner, {})
@@ -28,9 +30,9 @@ def shared_quantized(owner: torch.Tensor | None, weight: torch.Tensor, recipe: s
     fresh = quantize(weight, recipe)
     if found is not None:  # same tensors, new values: graphs that hold them see the change
         with torch.no_grad():
-            for old, new in zip(_tensors(found[1]), _tensors(fresh), strict=True):
+            for old, new in zip(_tensors(found[1][0]), _tensors(fresh[0]), strict=True):
                 old.copy_(new)
-        fresh = found[1]
+        fresh = (found[1][0], *fresh[1:])
     entries[(recipe, transposed)] = (owner._version, fresh)
     return fresh
 
