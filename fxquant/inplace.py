@@ -1,4 +1,5 @@
-"""`quantize_(model, config)`: quantize a model's linear layers in place, freeing their high-precision weights."""
+"""`quantize_(model, config)`: quantize a model's linear layers and MoE experts in place, freeing their
+high-precision weights."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from fxquant.passes.annotations import annotation
 from fxquant.passes.quantize_linear import ROUTER_REASON, skip_reason
 from fxquant.passes.state import LayerRecord, PipelineState
 from fxquant.pipeline import prepare
-from fxquant.quantized_linear import QuantizedLinear
+from fxquant.quantized_experts import PROJECTIONS, QuantizedExperts, experts_layout_reason, is_experts
+from fxquant.quantized_linear import FrozenParts, QuantizedLinear
 from fxquant.report import format_report
 from fxquant.weights import WeightEntry, weight_role
 
@@ -50,9 +52,10 @@ def _shared(model: nn.Module) -> dict[int, list[str]]:
 
 
 def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, example_inputs=None) -> nn.Module:
-    """Replace each linear layer the config selects (nn.Linear, Conv1D) by a `QuantizedLinear`, in place, one layer
-    at a time on the weight's device, and drop the high-precision weight: peak memory stays near the model's plus
-    one layer's temporaries. Returns the model.
+    """Replace each linear layer the config selects (nn.Linear, Conv1D) by a `QuantizedLinear`, and each MoE
+    layer's experts (transformers' 3-D gate_up_proj / down_proj) by `QuantizedExperts`, in place, one layer at a
+    time on the weight's device, and drop the high-precision weights: peak memory stays near the model's plus one
+    layer's temporaries. Returns the model.
 
     `config` is a QuantConfig or the backend's options dict. `example_inputs` (a tuple of positional arguments)
     lets routers be found by structure, as the backend finds them (their output feeds a top-k), and is required
@@ -93,19 +96,53 @@ def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, exa
         del module, weight  # the last references to the high-precision weight: freed before the next layer
         after = sum(p.numel() * p.element_size() for name, p in quantized.named_parameters() if name != "bias")
         layers.append(LayerRecord(fqn, (quantized.out_features, quantized.in_features), recipe, "", before, after))
+    for fqn in [fqn for fqn, module in model.named_modules() if is_experts(module)]:
+        layers += _quantize_experts(model, fqn, config)
     if config.report:
-        print(format_report(layers, weights=_other_weights(model)))
+        print(format_report(layers, weights=_other_weights(model, layers)))
     return model
 
 
-def _other_weights(model: nn.Module) -> list[WeightEntry]:
-    """The model's parameters other than linear weights, each once, with the role the report totals them by."""
-    # Linear weights (a tied lm_head's too, which its embedding also reads) are in the layer records already.
+def _quantize_experts(model: nn.Module, fqn: str, config: QuantConfig) -> list[LayerRecord]:
+    """Swap the experts module `fqn` for a QuantizedExperts unless a reason keeps it; a record per projection."""
+    module = model.get_submodule(fqn)
+    weights = {projection: getattr(module, projection) for projection in PROJECTIONS}
+    names = {projection: f"{fqn}.{projection}" for projection in PROJECTIONS}
+    reasons = [experts_layout_reason(module)] + [skip_reason(w, names[p], config, dims=3) for p, w in weights.items()]
+    recipes = set() if any(reasons) else {config.recipe_for(name) for name in names.values()}
+    if len(recipes) > 1:
+        reasons.append(f"its projections ask for different recipes ({', '.join(sorted(recipes))})")
+    reason = "; ".join(dict.fromkeys(r for r in reasons if r))
+    before = {p: w.numel() * w.element_size() for p, w in weights.items()}
+    if reason:
+        return [LayerRecord(names[p], tuple(w.shape), None, reason, before[p], before[p]) for p, w in weights.items()]
+    recipe = recipes.pop()
+    with torch.no_grad():
+        quantized = QuantizedExperts.from_module(module, recipe)
+    parent, _, attr = fqn.rpartition(".")
+    setattr(model.get_submodule(parent), attr, quantized)
+    del module, weights  # the last references to the high-precision experts
+    records = []
+    for projection in PROJECTIONS:
+        parts = [p for name, p in quantized.named_parameters() if name.startswith(projection)]
+        records.append(LayerRecord(names[projection], tuple(getattr(quantized, projection).shape[:2]) + (
+            quantized.hidden_dim if projection == "gate_up_proj" else quantized.intermediate_dim,), recipe, "",
+            before[projection], sum(p.numel() * p.element_size() for p in parts)))
+    return records
+
+
+def _other_weights(model: nn.Module, layers: list[LayerRecord]) -> list[WeightEntry]:
+    """The model's parameters other than linear weights and experts, each once, with the role the report totals
+    them by."""
+    # Linear weights (a tied lm_head's too, which its embedding also reads) and kept experts are in the layer
+    # records already.
     seen = {id(module.weight) for module in model.modules() if linear_weight(module) is not None}
+    recorded = {layer.fqn for layer in layers}
+    seen |= {id(param) for name, param in model.named_parameters() if name in recorded}
     entries = []
     for name, module in model.named_modules():
         for key, param in module.named_parameters(recurse=False):
-            if id(param) in seen or (isinstance(module, QuantizedLinear) and key != "bias"):
+            if id(param) in seen or (isinstance(module, FrozenParts) and key != "bias"):
                 continue
             seen.add(id(param))
             role = weight_role(param, embedding=isinstance(module, nn.Embedding),

@@ -13,7 +13,7 @@ import torch
 from fxquant.config import RECIPES
 from fxquant.formats import FORMATS
 from fxquant.passes.annotations import annotation, fetch_attr, linear_fqn, node_dtype
-from fxquant.passes.patterns import linear_operands
+from fxquant.passes.patterns import weight_operands
 from fxquant.passes.spellings import DIV, DTYPE_CASTS, MUL, target_of
 from fxquant.weights import ROLES
 
@@ -50,9 +50,10 @@ def lint_graph(gm: torch.fx.GraphModule, example_inputs=None) -> list[Finding]:
     values = dict(zip(placeholders, example_inputs or (), strict=False))  # e.g. a scale buffer's real value
     for node in gm.graph.nodes:
         found = annotation(node)
-        if found is not None and found.kind == "linear":
-            findings += _weight_findings(node, fetch_attr(gm, linear_operands(node).weight))
+        if found is not None and found.kind in ("linear", "experts"):
+            findings += _weight_findings(node, fetch_attr(gm, weight_operands(node).weight))
         findings += _fp8_cast_findings(gm, node, values)
+    findings += _routing_findings(gm)
     if example_inputs is not None and any(_linear_dtype(n) == torch.float16 for n in gm.graph.nodes):
         findings += _fp16_activation_findings(gm, example_inputs)
     return findings
@@ -98,6 +99,21 @@ def _expert_findings(weights) -> list[Finding]:
     owners = ", ".join(dict.fromkeys(w.used_by for w in experts))
     return [Finding("warning", "experts", owners, f"{len(experts)} {ROLES['expert']} hold {held:,} bytes, "
                     f"{100 * held / total:.0f}% of the model's {total:,} weight bytes, and stay in high precision")]
+
+
+def _routing_findings(gm: torch.fx.GraphModule) -> list[Finding]:
+    """A router with no expert product in its graph: the experts run outside the compiled graphs (transformers'
+    eager experts loop, or a loop over per-expert modules, breaks the graph on its data-dependent routing), where
+    no pass can quantize them."""
+    routers = [node for node in gm.graph.nodes if getattr(annotation(node), "router", False)]
+    products = any(getattr(annotation(node), "kind", None) == "experts" or str(node.target).startswith(
+        "fxquant.grouped") for node in gm.graph.nodes)
+    if not routers or products:
+        return []
+    return [Finding("warning", "experts", linear_fqn(routers[0]), "its experts run outside the compiled graph "
+                    "(the routing breaks it) and stay in high precision. Fix: run the experts as grouped_mm "
+                    "(transformers: model.set_experts_implementation('grouped_mm')), or quantize the model with "
+                    "fxquant.quantize_ before compiling")]
 
 
 def _linear_dtype(node):

@@ -23,7 +23,26 @@ PARTS = (("weight", "data"), ("weight_scale", "scale"), ("weight_global_scale", 
 SHAPE_ROWS = 128  # rows quantized to learn each part's shape: a multiple of every block's rows (16, 32, 128)
 
 
-class QuantizedLinear(nn.Module):
+class FrozenParts(nn.Module):
+    """A module whose quantized parts (codes and scales, named by `part_names`) keep their formats through dtype
+    changes: device moves apply to every parameter, a dtype change (model.half(), .to(torch.bfloat16)) only to the
+    others (a bias), so the codes and scales stay exact."""
+
+    def part_names(self) -> list[str]:
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):
+        kept = {name: getattr(self, name) for name in self.part_names() if getattr(self, name) is not None}
+        before = {name: (p.data, p.dtype) for name, p in kept.items()}
+        super()._apply(fn, recurse)
+        for name, (data, dtype) in before.items():
+            param = getattr(self, name)
+            if param.dtype != dtype:
+                param.data = data.to(param.device)
+        return self
+
+
+class QuantizedLinear(FrozenParts):
     """y = x @ W.T + b for W [out_features, in_features] held quantized under `recipe`; b stays in high precision."""
 
     def __init__(self, in_features: int, out_features: int, recipe: str, parts: dict, bias: torch.Tensor | None):
@@ -58,17 +77,8 @@ class QuantizedLinear(nn.Module):
         return cls(in_features, out_features, recipe, parts,
                    torch.empty(out_features, dtype=dtype, device=device) if bias else None)
 
-    def _apply(self, fn, recurse=True):
-        """Device moves apply to every part; a dtype change (model.half(), .to(torch.bfloat16)) reaches the bias
-        only: the codes and scales keep their formats, exactly."""
-        kept = {name: getattr(self, name) for name, _ in PARTS if getattr(self, name) is not None}
-        before = {name: (p.data, p.dtype) for name, p in kept.items()}
-        super()._apply(fn, recurse)
-        for name, (data, dtype) in before.items():
-            param = getattr(self, name)
-            if param.dtype != dtype:
-                param.data = data.to(param.device)
-        return self
+    def part_names(self) -> list[str]:
+        return [name for name, _ in PARTS]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features]
         consts = (self.weight, self.weight_scale, self.weight_global_scale, self.weight_zero_point)

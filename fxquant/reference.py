@@ -120,6 +120,42 @@ def scaled_mm(a: Quantized, b: Quantized, *, bias=None, out_dtype=None) -> torch
     return out.to(out_dtype or a.dtype)
 
 
+def quantize_experts(w: torch.Tensor, fmt: str, granularity=None, **kwargs) -> Quantized:
+    """Expert weights [E, N, K], each expert quantized on its own and the results stacked along a leading expert
+    dim: no scale spans two experts, and NVFP4's global scale (global_scale [E]) is per expert, as each expert is
+    a linear layer of its own."""
+    return stack_experts([quantize(w[e], fmt, granularity, **kwargs) for e in range(w.shape[0])])
+
+
+def stack_experts(parts: list[Quantized]) -> Quantized:
+    """The experts' 2-D Quantized weights as one, every tensor field stacked along a new leading dim."""
+    first = parts[0]
+    stacked = lambda field: None if getattr(first, field) is None else torch.stack([getattr(p, field) for p in parts])
+    return Quantized(stacked("data"), stacked("scale"), first.fmt, first.granularity,
+                     torch.Size((len(parts), *first.shape)), first.dtype, global_scale=stacked("global_scale"),
+                     zero_point=stacked("zero_point"), scale_mode=first.scale_mode)
+
+
+def expert(q: Quantized, e: int) -> Quantized:
+    """Expert e's 2-D Quantized weight from stacked experts."""
+    pick = lambda t: None if t is None else t[e]
+    return Quantized(q.data[e], q.scale[e], q.fmt, q.granularity, q.shape[1:], q.dtype,
+                     global_scale=pick(q.global_scale), zero_point=pick(q.zero_point), scale_mode=q.scale_mode)
+
+
+def grouped_linear(x: torch.Tensor, offs: torch.Tensor, w: Quantized, out_dtype=None) -> torch.Tensor:
+    """The grouped GEMM over rows sorted by expert: out[r] = x[r] @ dequantize(w[e]).T for expert e's rows
+    [offs[e-1], offs[e]) (cumulative ends, the grouped_mm contract), in fp32 with one cast; rows past offs[-1]
+    belong to no expert and are zero. x: [M, K], already the values the GEMM multiplies (dequantized
+    activations)."""
+    out = torch.zeros((x.shape[0], w.shape[1]), dtype=torch.float32, device=x.device)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end].float() @ dequantize(expert(w, e), torch.float32).T
+        start = end
+    return out.to(out_dtype or x.dtype)
+
+
 def mx_scale_exponent(amax: torch.Tensor, elem: FloatFormat, mode: str) -> torch.Tensor:
     """Unbiased E8M0 exponent (int32, clamped to [-127, 127]) of a block's fp32 amax; NaN handled by the caller."""
     bits = amax.view(torch.int32)

@@ -37,7 +37,7 @@ def format_totals(layers, weights=()) -> list[str]:
 
 def format_report(layers, findings=(), weights=()) -> str:
     """The report; `weights` (the pipeline's weight inventory) makes the totals count every weight."""
-    rows = [("layer", "shape [N, K]", "scheme", "bytes before", "bytes after", "weight SQNR dB (worst channel)")]
+    rows = [("layer", "shape [E,] N, K", "scheme", "bytes before", "bytes after", "weight SQNR dB (worst channel)")]
     for layer in layers:
         scheme = f"{layer.recipe} ({RECIPES[layer.recipe]})" if layer.recipe else f"skipped: {layer.reason}"
         if layer.rows:

@@ -8,14 +8,15 @@ from dataclasses import dataclass
 import torch
 
 from fxquant.passes.annotations import FQN_KEY, PARAMETER_KEY, annotation, fetch_attr, module_path, tensor_identity
-from fxquant.passes.patterns import linear_operands
+from fxquant.passes.patterns import weight_operands
 from fxquant.passes.spellings import CONVOLUTION, EMBEDDING, target_of
 
-# role -> how the report names it; "linear" weights are accounted by their layer records instead
+# role -> how the report names it; "linear" weights (of linears and of the expert products fxquant finds) are
+# accounted by their layer records instead
 ROLES = {
     "linear": "linear weights",
     "quantized": "weights quantized before compile (quantize_)",
-    "expert": "3-D expert weights (not quantized by fxquant yet)",
+    "expert": "3-D expert weights in no expert product fxquant recognises",
     "embedding": "embeddings (a gather, kept by design)",
     "norm_or_bias": "norm weights and biases",
     "other": "other weights",
@@ -31,16 +32,20 @@ class WeightEntry:
     used_by: str  # the module that reads it (for messages)
 
 
-def _multiplies_by(user: torch.fx.Node, reads: list[torch.fx.Node]) -> bool:
-    """Whether `user` is a linear whose weight operand is one of the get_attr nodes `reads`."""
-    found = annotation(user)
-    return found is not None and found.kind == "linear" and linear_operands(user).weight in reads
+def _multiplied(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The get_attr nodes that a detected linear or expert product takes as its weight."""
+    found = set()
+    for node in gm.graph.nodes:
+        kind = getattr(annotation(node), "kind", None)
+        if kind in ("linear", "experts"):
+            found.add(weight_operands(node).weight)
+    return found
 
 
-def _role(tensor: torch.Tensor, reads: list[torch.fx.Node]) -> str:
+def _role(tensor: torch.Tensor, reads: list[torch.fx.Node], multiplied: set[torch.fx.Node]) -> str:
     users = [user for read in reads for user in read.users]
     targets = {target_of(user) for user in users}
-    if any(_multiplies_by(user, reads) for user in users):
+    if any(read in multiplied for read in reads):
         return "linear"
     if any(str(target).startswith("fxquant.") for target in targets if target is not None):
         return "quantized"  # codes or scales an fxquant op reads: a QuantizedLinear's
@@ -65,10 +70,10 @@ def weight_inventory(gm: torch.fx.GraphModule) -> list[WeightEntry]:
         tensor = fetch_attr(gm, node)
         if isinstance(tensor, torch.Tensor):
             found.setdefault(tensor_identity(tensor), (tensor, []))[1].append(node)
-    entries = []
+    entries, multiplied = [], _multiplied(gm)
     for tensor, reads in found.values():
         fqn = reads[0].meta.get(FQN_KEY, reads[0].name)
         used_by = next((path for read in reads for user in read.users if (path := module_path(user))), fqn)
         entries.append(WeightEntry(fqn, tuple(tensor.shape), tensor.numel() * tensor.element_size(),
-                                   _role(tensor, reads), used_by))
+                                   _role(tensor, reads, multiplied), used_by))
     return entries

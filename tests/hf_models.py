@@ -21,6 +21,11 @@ ARCHITECTURES = {
     "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),
     "mistral": (T.MistralConfig, T.MistralForCausalLM, {}),
     "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": (T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM,
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                       shared_expert_intermediate_size=512)),
+    "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM,
+                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, head_dim=64)),
 }
 
 
@@ -29,6 +34,12 @@ def decoder(arch: str, dtype=torch.bfloat16, seed=0, **overrides):
     torch.manual_seed(seed)
     config = config_cls(**{**DECODER, **extra, **overrides})
     return model_cls(config).to(dtype).eval()
+
+
+def compiled(model, **options):
+    """The model under backend="fxquant" with the eager inner compiler (the passes' graph, run as is)."""
+    torch._dynamo.reset()
+    return torch.compile(model, backend="fxquant", options={"inner": "eager", **options})
 
 
 def _cache_keyword(model) -> str:
@@ -68,35 +79,81 @@ class FakeQuantizedLinear(torch.nn.Module):
         self.bias = None if bias is None else bias.detach().float()
 
     def forward(self, x):
-        dtype = x.dtype
-        if self.scheme.kind == "fp8":
-            group = self.scheme.act_group
-            granularity = "tensor" if group < 0 else "token" if group == 0 else ("group", group)
-            x = R.dequantize(R.quantize(x, "fp8_e4m3", granularity), torch.float32)
-        elif self.scheme.kind == "mxfp8":
-            x = R.dequantize(R.quantize(x, "mxfp8"), torch.float32)
+        return self.multiply(fake_quantized_input(x, self.scheme), x.dtype)
+
+    def multiply(self, x, dtype):
+        """x (already the values the GEMM multiplies) @ W.T + b, rounded to dtype."""
         if self.exact:
             return torch.nn.functional.linear(x.float(), self.weight, self.bias).to(dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
         return torch.nn.functional.linear(x.to(dtype), self.weight.to(dtype), bias)
 
 
+def fake_quantized_input(x, scheme):
+    """The values an fp8 or MXFP8 GEMM multiplies x by (fp32), or x for weight-only schemes."""
+    if scheme.kind == "fp8":
+        group = scheme.act_group
+        granularity = "tensor" if group < 0 else "token" if group == 0 else ("group", group)
+        return R.dequantize(R.quantize(x, "fp8_e4m3", granularity), torch.float32)
+    if scheme.kind == "mxfp8":
+        return R.dequantize(R.quantize(x, "mxfp8"), torch.float32)
+    return x
+
+
+class FakeQuantizedExperts(torch.nn.Module):
+    """transformers' experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) with every expert's weights, and for
+    fp8 and MXFP8 recipes the rows each projection multiplies, through the reference's quantize -> dequantize, in
+    an eager loop over experts; the routing weights applied and summed per token as transformers does it."""
+
+    def __init__(self, experts, recipe: str, exact: bool):
+        super().__init__()
+        self.scheme, self.act_fn = RECIPES[recipe], experts.act_fn
+        linear = lambda w: FakeQuantizedLinear(w, None, recipe, exact)
+        self.gate_up = [linear(w) for w in experts.gate_up_proj]
+        self.down = [linear(w) for w in experts.down_proj]
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        k, dtype = top_k_index.shape[-1], hidden_states.dtype
+        ids = top_k_index.reshape(-1)
+        rows = hidden_states.repeat_interleave(k, dim=0)  # one row per (token, expert) pair
+        h = self.project(self.gate_up, rows, ids, self.gate_up[0].weight.shape[0], dtype)
+        gate, up = h.chunk(2, dim=-1)
+        out = self.project(self.down, self.act_fn(gate) * up, ids, hidden_states.shape[-1], dtype)
+        weighted = out * top_k_weights.reshape(-1, 1)
+        return weighted.view(-1, k, hidden_states.shape[-1]).sum(dim=1).to(dtype)
+
+    def project(self, linears, rows, ids, n, dtype):
+        """Each row times its expert's fake-quantized weight; activations quantized over all rows at once, as one
+        tensor, like the grouped GEMM's input."""
+        x = fake_quantized_input(rows, self.scheme)
+        out = rows.new_zeros((rows.shape[0], n), dtype=dtype)
+        for e, linear in enumerate(linears):
+            picked = (ids == e).nonzero().squeeze(-1)
+            if picked.numel():
+                out[picked] = linear.multiply(x[picked], dtype)
+        return out
+
+
 def fake_quantized(model, recipe: str, exact: bool, skip=("lm_head",)):
-    """A copy of `model` whose nn.Linear and Conv1D (weight [K, N]) layers are FakeQuantizedLinear under `recipe`:
-    the reference's numerics in eager PyTorch, independent of the passes. Skipped: names ending in `skip`, and
-    routers (transformers' routers are not nn.Linear)."""
-    copied = copy.deepcopy(model)
+    """A copy of `model` whose nn.Linear and Conv1D (weight [K, N]) layers are FakeQuantizedLinear, and whose
+    experts are FakeQuantizedExperts, under `recipe`: the reference's numerics in eager PyTorch, independent of
+    the passes. Skipped: names ending in `skip`, routers (transformers' routers are not nn.Linear), and linears
+    whose shape the recipe's blocks do not tile (Qwen2-MoE's [1, H] shared-expert gate)."""
+    copied, scheme = copy.deepcopy(model), RECIPES[recipe]
+    tiles = lambda w: w.shape[-1] % scheme.k_multiple == 0 and w.shape[-2] % scheme.n_multiple == 0
     for name, module in list(copied.named_modules()):
         if name.endswith(skip):
             continue
-        if isinstance(module, torch.nn.Linear):
-            weight = module.weight
-        elif isinstance(module, T.pytorch_utils.Conv1D):
-            weight = module.weight.T
+        if isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):
+            replacement = FakeQuantizedExperts(module, recipe, exact)
+        elif isinstance(module, torch.nn.Linear) and tiles(module.weight):
+            replacement = FakeQuantizedLinear(module.weight, module.bias, recipe, exact)
+        elif isinstance(module, T.pytorch_utils.Conv1D) and tiles(module.weight.T):
+            replacement = FakeQuantizedLinear(module.weight.T, module.bias, recipe, exact)
         else:
             continue
         parent, _, attr = name.rpartition(".")
-        setattr(copied.get_submodule(parent), attr, FakeQuantizedLinear(weight, module.bias, recipe, exact))
+        setattr(copied.get_submodule(parent), attr, replacement)
     return copied
 
 

@@ -110,3 +110,57 @@ def test_norm_quant_fp8_ops(rms, group):
     assert float((scales / ref_scales - 1).abs().max()) <= 2**-8  # at most one bf16 ulp of a group's amax
     assert (codes.float() != ref_codes.float()).float().mean() < 0.01
 
+
+
+def expert_routing(m=9, experts=3):
+    """Rows sorted by expert (one expert empty) and the grouped_mm offsets, plus rows no expert owns."""
+    offs = torch.tensor([4, 4, m - 2], device=DEVICE, dtype=torch.int32)
+    return offs, experts
+
+
+@pytest.mark.parametrize("wgran, group", [("channel", 0), (("block", 128, 128), 128), ("tensor", -1)])
+def test_grouped_scaled_mm_fp8_op(wgran, group):
+    offs, experts = expert_routing()
+    x = randn(9, 256, dtype=torch.bfloat16)
+    a, a_scale = torch.ops.fxquant.quantize_fp8(x, group)
+    qw = R.quantize_experts(randn(experts, 128, 256) * 0.05, "fp8_e4m3", wgran)
+    args = (a, a_scale, offs, qw.data, qw.scale, torch.bfloat16)
+    opcheck(torch.ops.fxquant.grouped_scaled_mm_fp8, args)
+    out = torch.ops.fxquant.grouped_scaled_mm_fp8(*args)
+    ref = R.grouped_linear(R.dequantize(R.quantize(x, "fp8_e4m3", {0: "token", -1: "tensor"}.get(
+        group, ("group", group))), torch.float32), offs, qw, torch.bfloat16)
+    assert torch.equal(out[7:], torch.zeros_like(out[7:]))  # rows past offs[-1]
+    assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 2e-3
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4", "nvfp4"])
+def test_grouped_linear_weight_only_op(fmt):
+    offs, experts = expert_routing()
+    x = randn(9, 256, dtype=torch.bfloat16)
+    qw = R.quantize_experts(randn(experts, 128, 256) * 0.05, fmt, "channel" if fmt == "int8" else None)
+    group = {"int8": 0, "int4": 128, "mxfp4": 32, "nvfp4": 16}[fmt]
+    args = (x, offs, qw.data, qw.scale, qw.global_scale, qw.zero_point, fmt, group, 128)
+    opcheck(torch.ops.fxquant.grouped_linear_weight_only, args)
+    out = torch.ops.fxquant.grouped_linear_weight_only(*args)
+    ref = R.grouped_linear(x, offs, qw)
+    assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 2e-3
+
+
+def test_grouped_linear_mxfp8_op():
+    offs, experts = expert_routing()
+    x = randn(9, 256, dtype=torch.bfloat16)
+    qw = R.quantize_experts(randn(experts, 128, 256) * 0.05, "mxfp8")
+    opcheck(torch.ops.fxquant.grouped_linear_mxfp8, (x, offs, qw.data, qw.scale))
+    out = torch.ops.fxquant.grouped_linear_mxfp8(x, offs, qw.data, qw.scale)
+    ref = R.grouped_linear(R.dequantize(R.quantize(x, "mxfp8"), torch.float32), offs, qw, torch.bfloat16)
+    assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 2e-3
+
+
+def test_sort_by_expert_op():
+    ids = torch.tensor([[2, 0], [0, 3], [2, 2], [5, 0]], device=DEVICE)  # 5: past the last of 4 experts
+    opcheck(torch.ops.fxquant.sort_by_expert, (ids, 4))
+    order, inverse, offs = torch.ops.fxquant.sort_by_expert(ids, 4)
+    flat = ids.reshape(-1)
+    assert offs.dtype == torch.int32 and offs.tolist() == [3, 3, 6, 7]
+    assert flat[order].tolist() == [0, 0, 0, 2, 2, 2, 3, 5]
+    assert torch.equal(flat[order][inverse], flat)

@@ -6,18 +6,13 @@ import re
 import pytest
 import torch
 import transformers as T
-from hf_models import ARCHITECTURES, VOCAB, cosine, decoder, fake_quantized, static_decode, within_bound
+from hf_models import ARCHITECTURES, VOCAB, compiled, cosine, decoder, fake_quantized, static_decode, within_bound
 
 import fxquant  # noqa: F401  (registers the backend)
 
 GENERATOR = torch.Generator().manual_seed(1)
 PROMPT = torch.randint(0, VOCAB, (2, 8), generator=GENERATOR)
 STEPS = torch.randint(0, VOCAB, (2, 4), generator=GENERATOR)
-
-
-def compiled(model, **options):
-    torch._dynamo.reset()
-    return torch.compile(model, backend="fxquant", options={"inner": "eager", **options})
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
@@ -112,15 +107,6 @@ def test_routers_are_found_by_structure_not_by_name(capsys):
     _, report = report_of(model, capsys, torch.randn(4, 256, dtype=torch.bfloat16), recipe="fp8_row")
     assert "fp8_row" in row(report, "block.gate") and "fp8_row" in row(report, "block.out")
     assert "router: its output selects experts" in row(report, "proj")
-
-
-def test_mixtral_router_kept_and_expert_bytes_reported(capsys):
-    model = decoder("mixtral")
-    with pytest.warns(UserWarning, match=r"3-D expert weights .* stay in high precision"):
-        _, report = report_of(model, capsys, PROMPT, recipe="int8_wo")
-    assert "router: its output selects experts" in row(report, "model.layers.0.mlp.gate")
-    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
-    assert f"3-D expert weights (not quantized by fxquant yet) {experts:,}" in report
 
 
 def gpt2():

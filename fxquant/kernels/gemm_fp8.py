@@ -39,28 +39,18 @@ TORCH_TO_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.flo
 
 
 @triton.jit
-def _fp8_gemm_kernel(
-    # pointers
-    a_ptr, b_ptr, c_ptr, ws_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
-    # sizes
-    M, N, K,
-    # strides
-    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-    stride_asm, stride_ask, stride_bsn, stride_bsk,
-    # meta-parameters
-    BLOCK_SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
-    CAST: tl.constexpr, SPLIT_K: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    pid_k = tl.program_id(1)
-    pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+def fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n, M, N, K, first_k, last_k,
+                   stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn, stride_bsk,
+                   BLOCK_SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 tile A[offs_m] @ B[offs_n].T over K steps [first_k, last_k), block scales folded in at each step;
+    row scales are left to `fp8_scale_tile`."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
     mask_m, mask_n = offs_m < M, offs_n < N
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
     a_ptrs += first_k * BLOCK_K * stride_ak
     b_ptrs += first_k * BLOCK_K * stride_bk
     for k in range(first_k, last_k):
@@ -82,11 +72,41 @@ def _fp8_gemm_kernel(
             acc += tl.dot(a, b)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    return acc
 
+
+@triton.jit
+def fp8_scale_tile(acc, a_scale_ptr, b_scale_ptr, offs_m, offs_n, M, N, stride_asm, stride_bsn,
+                   BLOCK_SCALES: tl.constexpr):
+    """Row scales (per tensor, token, channel), constant along K, applied once to the tile."""
     if not BLOCK_SCALES:
-        a_s = tl.load(a_scale_ptr + offs_m * stride_asm, mask=mask_m, other=0.0)
-        b_s = tl.load(b_scale_ptr + offs_n * stride_bsn, mask=mask_n, other=0.0)
+        a_s = tl.load(a_scale_ptr + offs_m * stride_asm, mask=offs_m < M, other=0.0)
+        b_s = tl.load(b_scale_ptr + offs_n * stride_bsn, mask=offs_n < N, other=0.0)
         acc = acc * a_s[:, None] * b_s[None, :]
+    return acc
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    # pointers
+    a_ptr, b_ptr, c_ptr, ws_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    # sizes
+    M, N, K,
+    # strides
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bsn, stride_bsk,
+    # meta-parameters
+    BLOCK_SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
+    CAST: tl.constexpr, SPLIT_K: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_k = tl.program_id(1)
+    pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
+    acc = fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n, M, N, K, first_k, last_k,
+                         stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn, stride_bsk,
+                         BLOCK_SCALES, SCALE_BLOCK, COMPILER_PROMOTES, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = fp8_scale_tile(acc, a_scale_ptr, b_scale_ptr, offs_m, offs_n, M, N, stride_asm, stride_bsn, BLOCK_SCALES)
     store_tile(acc, c_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, pid_k,
                HAS_BIAS, SPLIT_K, OUT, CAST)
 

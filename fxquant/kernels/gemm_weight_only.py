@@ -40,23 +40,14 @@ from fxquant.kernels.tiles import k_steps_of, store_tile, tile_offsets
 
 
 @triton.jit
-def _wo_gemm_kernel(
-    # pointers
-    a_ptr, w_ptr, s_ptr, z_ptr, gs_ptr, c_ptr, ws_ptr, bias_ptr,
-    # sizes
-    M, N, K,
-    # strides (the weight's in its own elements: bytes for int8, int32 words of packed codes for 4-bit)
-    stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk, stride_cm, stride_cn,
-    # meta-parameters
-    FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    pid_k = tl.program_id(1)
-    pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+def wo_accumulate(a_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, M, N, K, first_k, last_k,
+                  stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk,
+                  FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, DOT: tl.constexpr,
+                  EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 tile A[offs_m] @ W[offs_n].T over K steps [first_k, last_k), each code decoded in registers to a
+    value DOT holds exactly; int8's channel scale and NVFP4's global scale are left to `wo_scale_tile`."""
     offs_k = tl.arange(0, BLOCK_K)
     mask_m, mask_n = offs_m < M, offs_n < N
-    first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(first_k, last_k):
         k = step * BLOCK_K + offs_k
@@ -93,10 +84,39 @@ def _wo_gemm_kernel(
             else:
                 packed = packed_words(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
                 acc = tl.dot(a, tl.trans(fp4_values(packed, scale, GROUP, DOT)), acc)
+    return acc
+
+
+@triton.jit
+def wo_scale_tile(acc, s_ptr, gs_ptr, offs_n, N, stride_sn, FMT: tl.constexpr):
+    """The scales constant along K, applied once to the tile: int8's per channel, NVFP4's global."""
     if FMT == 0:
-        acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0)[None, :]
+        acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=offs_n < N, other=0.0)[None, :]
     if FMT == 3:
         acc = acc * tl.load(gs_ptr)
+    return acc
+
+
+@triton.jit
+def _wo_gemm_kernel(
+    # pointers
+    a_ptr, w_ptr, s_ptr, z_ptr, gs_ptr, c_ptr, ws_ptr, bias_ptr,
+    # sizes
+    M, N, K,
+    # strides (the weight's in its own elements: bytes for int8, int32 words of packed codes for 4-bit)
+    stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk, stride_cm, stride_cn,
+    # meta-parameters
+    FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    DOT: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_k = tl.program_id(1)
+    pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
+    acc = wo_accumulate(a_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, M, N, K, first_k, last_k,
+                        stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk,
+                        FMT, GROUP, HAS_ZP, DOT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = wo_scale_tile(acc, s_ptr, gs_ptr, offs_n, N, stride_sn, FMT)
     store_tile(acc, c_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, pid_k,
                HAS_BIAS, SPLIT_K, OUT, CAST)
 
@@ -161,6 +181,30 @@ def _launch_plan(M: int, N: int, K: int, fmt: str, group: int, overrides: tuple 
     return tiles, split, meta
 
 
+def weight_operands(a, w, w_scale, fmt: str, group: int, N: int):
+    """(codes, scales) as the kernels read them, for a weight [..., N, K] (one leading dim per expert): packed 4-bit
+    rows as int32 words of 8 codes, e4m3 codes as bytes, FP4/MX block scales as their raw bytes, scales [..., N, -1].
+    Raises, naming the fix, where the activations or the weight do not fit the format."""
+    K = a.shape[-1]
+    lead = tuple(w.shape[:-2])
+    if fmt not in FORMATS or a.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"fxquant: weight-only GEMM takes bf16/fp16 activations and one of {list(FORMATS)}; got "
+                         f"{a.dtype} and {fmt!r}")
+    if fmt == "mxfp8" and a.dtype != torch.bfloat16:  # fp16 would clip MXFP8 values outside its range
+        raise ValueError("fxquant: an mxfp8 weight multiplies bf16 activations, the 16-bit type with MXFP8's "
+                         f"range; got {a.dtype}: cast the activations to bf16")
+    packed = fmt in PACKED
+    if w.shape[-2:] != (N, K // 2 if packed else K) or (packed and K % 8):
+        raise ValueError(f"fxquant: {fmt} weight codes must be [..., N={N}, K{'/2' if packed else ''}] for a "
+                         f"[M, K={K}]{' with K a multiple of 8' if packed else ''}, got {tuple(w.shape)}")
+    if group and group & (group - 1):
+        raise ValueError(f"fxquant: weight-only groups must be powers of two, got {group}")
+    scale = w_scale.view(torch.uint8) if fmt in ("mxfp4", "nvfp4", "mxfp8") else w_scale
+    # packed 4-bit rows as words of 8 codes; e4m3 codes as bytes
+    codes = w.contiguous().view(torch.int32) if packed else w.view(torch.uint8) if fmt == "mxfp8" else w
+    return codes, scale.reshape(*lead, N, -1)
+
+
 def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=None, global_scale=None,
                    bias=None, config=None):
     """a: [M, K] bf16/fp16 (bf16 for mxfp8); w: the codes as `fxquant.quantize` packs them ([N, K] int8 or e4m3,
@@ -170,22 +214,7 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
     past it, and for int4 groups narrower than a K step, it is dequantized to the activation dtype in chunks of at
     most CHUNK_ELEMENTS, each multiplied by cuBLAS."""
     M, K = a.shape
-    if fmt not in FORMATS or a.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"fxquant: weight-only GEMM takes bf16/fp16 activations and one of {list(FORMATS)}; got "
-                         f"{a.dtype} and {fmt!r}")
-    if fmt == "mxfp8" and a.dtype != torch.bfloat16:  # fp16 would clip MXFP8 values outside its range
-        raise ValueError("fxquant: an mxfp8 weight multiplies bf16 activations, the 16-bit type with MXFP8's "
-                         f"range; got {a.dtype}: cast the activations to bf16")
-    packed = fmt in PACKED
-    if w.shape != (N, K // 2 if packed else K) or (packed and K % 8):
-        raise ValueError(f"fxquant: {fmt} weight codes must be [N={N}, K{'/2' if packed else ''}] for a [M, K={K}]"
-                         f"{' with K a multiple of 8' if packed else ''}, got {tuple(w.shape)}")
-    scale = w_scale.view(torch.uint8) if fmt in ("mxfp4", "nvfp4", "mxfp8") else w_scale
-    scale = scale.reshape(N, -1)
-    # packed 4-bit rows as words of 8 codes; e4m3 codes as bytes
-    codes = w.contiguous().view(torch.int32) if packed else w.view(torch.uint8) if fmt == "mxfp8" else w
-    if group and group & (group - 1):
-        raise ValueError(f"fxquant: weight-only groups must be powers of two, got {group}")
+    codes, scale = weight_operands(a, w, w_scale, fmt, group, N)
     if M == 0 or N == 0:
         return torch.empty((M, N), dtype=a.dtype, device=a.device)
     overrides = tuple(sorted(config.items())) if config is not None else None

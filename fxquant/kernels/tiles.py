@@ -49,3 +49,39 @@ def store_tile(acc, c_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, st
         tl.store(c_ptrs, cast_float(acc, OUT, CAST), mask=mask)
     else:
         tl.store(ws_ptr + pid_k * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc, mask=mask)
+
+
+@triton.jit
+def expert_rows(offs_ptr, num_experts, M, tile_m, BLOCK_M: tl.constexpr):
+    """(expert, first row, end row) of row tile `tile_m` when rows are sorted by expert, expert e's rows ending at
+    offs[e] (cumulative, the grouped_mm contract), and each expert's rows are cut into BLOCK_M tiles of their own.
+    The rows past offs[-1], which no expert owns, come last as expert `num_experts`; a tile past all of them is
+    expert -1, with first row == end row. A scan over the experts' ends, with no host sync: a CUDA graph replays it."""
+    start = tl.full((), 0, tl.int32)
+    tiles_before = tl.full((), 0, tl.int32)
+    expert = tl.full((), -1, tl.int32)
+    first = tl.full((), 0, tl.int32)
+    end_row = tl.full((), 0, tl.int32)
+    for e in range(0, num_experts + 1):
+        end = tl.load(offs_ptr + min(e, num_experts - 1)).to(tl.int32)
+        end = tl.where(e < num_experts, end, M)
+        count = tl.cdiv(end - start, BLOCK_M)
+        hit = (tile_m >= tiles_before) & (tile_m < tiles_before + count)
+        expert = tl.where(hit, e, expert)
+        first = tl.where(hit, start + (tile_m - tiles_before) * BLOCK_M, first)
+        end_row = tl.where(hit, end, end_row)
+        tiles_before += count
+        start = end
+    return expert, first, end_row
+
+
+@triton.jit
+def expert_tile_offsets(offs_ptr, num_experts, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(expert, pid_n, rows, columns) of program 0-axis id's output tile over rows sorted by expert: rows outside
+    the tile's expert are M, which every row mask drops."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    expert, first, end = expert_rows(offs_ptr, num_experts, M, pid // num_n, BLOCK_M)
+    rows = first + tl.arange(0, BLOCK_M)
+    pid_n = pid % num_n
+    return expert, pid_n, tl.where(rows < end, rows, M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -16,8 +16,10 @@ SOURCE_KEY = "fxquant_source"  # on get_attr nodes freeze_params made: the model
 
 @dataclass(frozen=True)
 class Annotation:
-    kind: str  # "linear", "softmax", "rms_norm", "layer_norm", "rms_norm_variance" (hand-written x.pow(2).mean)
-    fqn: str | None = None  # linear: the layer's fully qualified name
+    # "linear", "experts" (an MoE layer's expert product), "softmax", "rms_norm", "layer_norm",
+    # "rms_norm_variance" (hand-written x.pow(2).mean)
+    kind: str
+    fqn: str | None = None  # linear, experts: the layer's fully qualified name
     router: bool = False  # linear: its output selects experts (feeds a top-k)
 
 

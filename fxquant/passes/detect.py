@@ -1,12 +1,13 @@
-"""detect: annotate linear, rms_norm, layer_norm and softmax nodes, in every spelling dynamo and export use.
+"""detect: annotate linear, experts, rms_norm, layer_norm and softmax nodes, in every spelling dynamo and export use.
 
 Pre:  any graph (torch-level from dynamo, aten-level from torch.export), after freeze_params.
 Post: node.meta["fxquant"] = Annotation(kind, fqn, router) on each found node; the graph itself is unchanged.
 
 Spellings are `spellings.py`'s; a linear is any form `patterns.linear_operands` matches (F.linear, and addmm / mm /
-matmul with a constant 2-D weight on the right, as GPT-2's Conv1D); a hand-written RMSNorm's variance is
-annotated on its pow node when `patterns.match_rms_variance` matches. A linear whose output selects experts
-(feeds a top-k) is marked as a router.
+matmul with a constant 2-D weight on the right, as GPT-2's Conv1D); an MoE layer's expert product is any form
+`patterns.expert_operands` matches (grouped_mm over a 3-D parameter, bmm of its rows picked by expert id); a
+hand-written RMSNorm's variance is annotated on its pow node when `patterns.match_rms_variance` matches. A
+linear whose output selects experts (feeds a top-k) is marked as a router.
 
 A linear's name is the weight's owner (q_proj.weight -> q_proj) when the module running it holds the weight;
 a module that reads another's weight (a tied lm_head on the embedding's) is named by its own path.
@@ -18,7 +19,7 @@ import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fxquant.passes.annotations import FQN_KEY, META_KEY, Annotation, module_path
-from fxquant.passes.patterns import linear_operands, match_rms_variance, selects_experts
+from fxquant.passes.patterns import expert_operands, linear_operands, match_rms_variance, selects_experts
 from fxquant.passes.spellings import LAYER_NORM, RMS_NORM, SOFTMAX, target_of
 
 
@@ -40,8 +41,11 @@ class Detect(PassBase):
             if target is None or META_KEY in node.meta:
                 continue
             operands = linear_operands(node)
+            experts = expert_operands(node) if operands is None else None
             if operands is not None:
                 found = Annotation("linear", _linear_fqn(node, operands.weight), router=selects_experts(node))
+            elif experts is not None:
+                found = Annotation("experts", _linear_fqn(node, experts.weight))
             elif target in SOFTMAX:
                 found = Annotation("softmax")
             elif target in RMS_NORM:

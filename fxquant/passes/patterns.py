@@ -5,6 +5,9 @@ Passes edit only after the whole pattern matched.
   with a 2-D parameter W [K, N] on the right (GPT-2's Conv1D, hand-written projections).
 - `match_rms_variance`: a hand-written RMSNorm's pow(x, 2) -> mean(-1, keepdim) -> [add eps] -> rsqrt, whose
   intermediates nothing else reads (transformers' LlamaRMSNorm).
+- `expert_operands`: an MoE layer's expert matmul over a 3-D parameter W [E, N, K] (or [E, K, N]): grouped_mm of
+  rows sorted by expert with offsets (transformers' `grouped_mm` experts, and its fallback op), or bmm of W[ids]
+  with one row per (token, expert) pair (its `batched_mm` experts).
 - `selects_experts`: a linear whose output reaches a top-k within a few ops: an MoE router.
 """
 
@@ -18,6 +21,8 @@ from fxquant.passes.annotations import PARAMETER_KEY, fake_value, fetch_attr
 from fxquant.passes.spellings import (
     ADD,
     ADDMM,
+    BMM,
+    GATHER_ROWS,
     LINEAR,
     MATMUL,
     MEAN,
@@ -25,6 +30,9 @@ from fxquant.passes.spellings import (
     POW,
     RSQRT,
     TOPK,
+    TRANSPOSE,
+    UNSQUEEZE,
+    is_grouped_mm,
     target_of,
 )
 
@@ -58,10 +66,17 @@ def _is_constant(node) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "get_attr"
 
 
-def _is_2d_parameter(node) -> bool:
-    """A constant 2-D weight: a parameter (freeze_params marks them), not a buffer such as a rotary table."""
+def _is_parameter(node, dim: int) -> bool:
+    """A constant weight of `dim` dims: a parameter (freeze_params marks them), not a buffer such as a rotary
+    table."""
+    if not _is_constant(node):
+        return False
     value = fetch_attr(node.graph.owning_module, node)
-    return node.meta.get(PARAMETER_KEY, False) and isinstance(value, torch.Tensor) and value.dim() == 2
+    return node.meta.get(PARAMETER_KEY, False) and isinstance(value, torch.Tensor) and value.dim() == dim
+
+
+def _is_2d_parameter(node) -> bool:
+    return _is_parameter(node, 2)
 
 
 def linear_operands(node: torch.fx.Node) -> LinearOperands | None:
@@ -80,6 +95,60 @@ def linear_operands(node: torch.fx.Node) -> LinearOperands | None:
         if _is_constant(w) and _is_2d_parameter(w) and not _is_constant(x):
             return LinearOperands(x, w, None, True)
     return None
+
+
+@dataclass(frozen=True)
+class ExpertOperands:
+    """out[r] = x[r] @ W[e].T for the experts' weights W; rows sorted by expert with cumulative ends `offs`
+    (grouped_mm), or one expert id per row in `ids` (bmm of W[ids]). `transposed`: the graph stores W as
+    [E, K, N], not [E, N, K]."""
+
+    x: torch.fx.Node
+    weight: torch.fx.Node  # a get_attr node for the 3-D parameter
+    transposed: bool
+    offs: torch.fx.Node | None = None
+    ids: torch.fx.Node | None = None
+
+    def weight_nk(self, gm) -> torch.Tensor:
+        """The experts' weights as [E, N, K] (a transposed view where the graph stores [E, K, N])."""
+        w = fetch_attr(gm, self.weight)
+        return w.transpose(-2, -1) if self.transposed else w
+
+
+def _swaps_last_dims(node) -> bool:
+    if target_of(node) not in TRANSPOSE or len(node.args) != 3:
+        return False
+    return {d % 3 if isinstance(d, int) else d for d in node.args[1:]} == {1, 2}
+
+
+def expert_operands(node: torch.fx.Node) -> ExpertOperands | None:
+    target = target_of(node)
+    if is_grouped_mm(target):
+        x, w = node.args[:2]
+        offs = _arg(node, 2, "offs")
+        if offs is None or _arg(node, 3, "bias") is not None:
+            return None
+        if isinstance(w, torch.fx.Node) and _swaps_last_dims(w) and _is_parameter(w.args[0], 3):
+            return ExpertOperands(x, w.args[0], False, offs=offs)  # transformers' W [E, N, K].transpose(-2, -1)
+        if _is_parameter(w, 3):
+            return ExpertOperands(x, w, True, offs=offs)
+        return None
+    if target in BMM:
+        selected, column = node.args[:2]  # bmm(W[ids] [S, N, K], x.unsqueeze(-1) [S, K, 1])
+        if not (isinstance(selected, torch.fx.Node) and target_of(selected) in GATHER_ROWS):
+            return None
+        w, ids = selected.args[:2]
+        if isinstance(ids, list | tuple) and len(ids) == 1:  # aten.index.Tensor takes a list of index tensors
+            ids = ids[0]
+        unsqueezed = isinstance(column, torch.fx.Node) and target_of(column) in UNSQUEEZE
+        if unsqueezed and column.args[1] in (-1, 2) and _is_parameter(w, 3) and isinstance(ids, torch.fx.Node):
+            return ExpertOperands(column.args[0], w, False, ids=ids)
+    return None
+
+
+def weight_operands(node: torch.fx.Node) -> LinearOperands | ExpertOperands | None:
+    """The operands of a linear or of an MoE expert product."""
+    return linear_operands(node) or expert_operands(node)
 
 
 @dataclass(frozen=True)

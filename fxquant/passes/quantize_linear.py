@@ -1,4 +1,5 @@
-"""quantize_linear: each annotated linear with a constant weight becomes fxquant ops per the recipe.
+"""quantize_linear: each annotated linear with a constant weight, and each MoE expert product over a 3-D parameter,
+becomes fxquant ops per the recipe.
 
 Pre:  freeze_params and detect have run. Post: each weight is quantized once, now, into buffers of the graph
 module that every linear reading it shares; activations are quantized at run time by an op; the GEMM is an
@@ -9,6 +10,10 @@ kept in high precision also reads (a tied lm_head and its embedding keep one hig
     %y = linear(%x, %w, %b)   ->  %q = fxquant.quantize_fp8(%x, 128); %a = getitem(%q, 0); %s = getitem(%q, 1)
     %y = addmm(%b, %x, %w_kn)     %y = fxquant.scaled_mm_fp8(%a, %s, %w_q, %w_scale, %b, bf16)      (fp8)
                               ->  %y = fxquant.linear_weight_only(%x, %w_q, %w_scale, ..., "int4", 128, N)
+    %y = _grouped_mm(%x, %W.transpose(-2, -1), offs=%offs)  ->  the grouped ops (fxquant.grouped_*) on %x, %offs
+    %y = bmm(%W[%ids], %x.unsqueeze(-1))   ->  rows sorted by expert (fxquant.sort_by_expert), grouped, put back
+
+Expert weights [E, N, K] are quantized expert by expert (`reference.quantize_experts`): no scale spans two experts.
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant import reference as R
-from fxquant.config import KEEP, RECIPES, LinearScheme, QuantConfig
+from fxquant.config import AUTO, KEEP, RECIPES, LinearScheme, QuantConfig
 from fxquant.formats import E2M1, E4M3
-from fxquant.linear_ops import emit_linear
+from fxquant.linear_ops import emit_linear, emit_routed_linear
 from fxquant.metrics import sqnr_db, worst_row_sqnr_db
 from fxquant.passes.annotations import (
     SOURCE_KEY,
@@ -35,7 +40,7 @@ from fxquant.passes.annotations import (
     node_dtype,
     tensor_identity,
 )
-from fxquant.passes.patterns import linear_operands
+from fxquant.passes.patterns import ExpertOperands, weight_operands
 from fxquant.passes.spellings import EMBEDDING, target_of
 from fxquant.passes.state import LayerRecord, PipelineState
 from fxquant.passes.weight_cache import shared_quantized
@@ -52,10 +57,13 @@ QUANTIZE_ROWS = 512
 
 
 def quantize_weight(w: torch.Tensor, recipe: str):
-    """The recipe's quantized weight [N, K] (codes, scale, global scale, zero point in one Quantized), in chunks of
+    """The recipe's quantized weight [N, K], or experts' [E, N, K] stacked expert by expert (codes, scale, global
+    scale, zero point in one Quantized), in chunks of
     QUANTIZE_ROWS rows, bit for bit the whole-tensor result. A per-tensor scale (fp8_tensor, NVFP4's global scale) is
     computed first from the chunks' maxima and given to every chunk as a static scale; a per-tensor fp8 scale that a
     non-finite weight poisons is left to the whole-tensor pass, which spreads the poison as documented."""
+    if w.dim() == 3:
+        return R.stack_experts([quantize_weight(w[e], recipe) for e in range(w.shape[0])])
     scheme = RECIPES[recipe]
     # contiguous: a [K, N]-stored weight arrives as a transposed view, and the kernels read row-major codes.
     whole = lambda t, scale=None: R.quantize(t.detach().contiguous(), scheme.weight_fmt, scheme.weight_granularity,
@@ -88,32 +96,36 @@ def _quantize_and_measure(w: torch.Tensor, recipe: str):
     """(quantized weight, weight SQNR, worst channel's SQNR): what a graph needs of a weight, kept in weight_cache
     so a later graph of the model neither quantizes nor measures it again."""
     q = quantize_weight(w, recipe)
-    w_hat = R.dequantize(q, torch.float32)
-    return q, sqnr_db(w_hat, w), worst_row_sqnr_db(w_hat, w)
+    w_hat = R.dequantize(q, torch.float32) if w.dim() == 2 else torch.stack(
+        [R.dequantize(R.expert(q, e), torch.float32) for e in range(w.shape[0])])
+    rows = lambda t: t.reshape(-1, t.shape[-1])  # an expert's output channels are rows too
+    return q, sqnr_db(w_hat, w), worst_row_sqnr_db(rows(w_hat), rows(w))
 
 
-def weight_skip_reason(w) -> str | None:
-    """Why no recipe can take this weight, or None."""
-    if not isinstance(w, torch.Tensor) or w.dim() != 2:
-        return "weight is not a constant 2-D tensor"
+def weight_skip_reason(w, dims: int = 2) -> str | None:
+    """Why no recipe can take this weight (`dims` dims: 2 for a linear's, 3 for experts'), or None."""
+    if not isinstance(w, torch.Tensor) or w.dim() != dims:
+        return f"weight is not a constant {dims}-D tensor"
     if w.dtype not in FLOAT_DTYPES:
         return f"weight dtype {w.dtype} is not a float"
     return None
 
 
 def alignment_reason(shape, scheme: LinearScheme) -> str | None:
-    n, k = shape
+    n, k = shape[-2:]
     if k % scheme.k_multiple or n % scheme.n_multiple:
         return (f"alignment: needs K % {scheme.k_multiple} == 0 and N % {scheme.n_multiple} == 0, "
                 f"has [N={n}, K={k}]")
     return None
 
 
-def skip_reason(w, fqn, config: QuantConfig, auto_reasons=None) -> str | None:
-    """Why layer fqn (weight w as [N, K]) stays in high precision under config, or None."""
-    reason = weight_skip_reason(w) or config.skip_reason(fqn)
+def skip_reason(w, fqn, config: QuantConfig, auto_reasons=None, dims: int = 2) -> str | None:
+    """Why layer fqn (weight w as [N, K], or experts' [E, N, K]) stays in high precision under config, or None."""
+    reason = weight_skip_reason(w, dims) or config.skip_reason(fqn)
     if reason:
         return reason
+    if dims == 3 and config.recipe == AUTO and config.layer_recipe(fqn) is None:
+        return "recipe='auto' measures linear layers: name a recipe for experts in layer_recipes"
     recipe = config.recipe_for(fqn)
     if recipe == KEEP:
         return (auto_reasons or {}).get(fqn, "layer_recipes keeps it in high precision")
@@ -143,14 +155,17 @@ class QuantizeLinear(PassBase):
         groups = defaultdict(list)  # weight identity -> the linears that multiply by it
         for node in gm.graph.nodes:
             found = annotation(node)
-            if found is None or found.kind != "linear" or node.meta.get(QUANTIZED_KEY):
+            if found is None or found.kind not in ("linear", "experts") or node.meta.get(QUANTIZED_KEY):
                 continue
             node.meta[QUANTIZED_KEY] = True
-            w = fetch_attr(gm, linear_operands(node).weight)
+            w = fetch_attr(gm, weight_operands(node).weight)
             groups[tensor_identity(w) if isinstance(w, torch.Tensor) else node].append(node)
         modified = False
         for key, nodes in groups.items():
-            modified |= self._quantize_group(gm, nodes, [r for r in readers.get(key, ()) if r not in nodes])
+            # A weight's readers besides its products; an expert product reads it through a transpose or a row
+            # gather, its own input.
+            own = set(nodes) | {n for node in nodes for n in node.all_input_nodes}
+            modified |= self._quantize_group(gm, nodes, [r for r in readers.get(key, ()) if r not in own])
         if modified:
             gm.graph.lint()
             gm.recompile()
@@ -158,7 +173,7 @@ class QuantizeLinear(PassBase):
 
     def _quantize_group(self, gm, nodes: list[torch.fx.Node], others: list[torch.fx.Node]) -> bool:
         """Quantize the weight `nodes` share, once, unless a reason keeps it in high precision."""
-        operands = [linear_operands(node) for node in nodes]
+        operands = [weight_operands(node) for node in nodes]
         source = fetch_attr(gm, operands[0].weight)
         w = operands[0].weight_nk(gm)
         fqn = ", ".join(dict.fromkeys(linear_fqn(node) for node in nodes))
@@ -185,8 +200,7 @@ class QuantizeLinear(PassBase):
                 for const in consts:
                     if const is not None and owner is not None:  # merge_linear may re-point the shared tensor
                         const.meta[SOURCE_KEY] = getattr(gm, const.target)
-                out = emit_linear(gm.graph.call_function, RECIPES[recipe], ops.x, consts, ops.bias, shape[0],
-                                  node_dtype(node) or w.dtype)
+                out = _emit(gm.graph.call_function, RECIPES[recipe], ops, consts, shape, node_dtype(node) or w.dtype)
             out.meta.update(node.meta)
             node.replace_all_uses_with(out)
             gm.graph.erase_node(node)
@@ -197,7 +211,18 @@ class QuantizeLinear(PassBase):
     def _reason(self, node: torch.fx.Node, w) -> str | None:
         if annotation(node).router:
             return ROUTER_REASON
-        return skip_reason(w, linear_fqn(node), self.state.config, self.state.auto_reasons)
+        dims = 3 if annotation(node).kind == "experts" else 2
+        return skip_reason(w, linear_fqn(node), self.state.config, self.state.auto_reasons, dims)
+
+
+def _emit(call, scheme: LinearScheme, ops, consts, shape, out_dtype):
+    """The fxquant ops computing a linear's or an expert product's node, from the quantized weight's tensors."""
+    if not isinstance(ops, ExpertOperands):
+        return emit_linear(call, scheme, ops.x, consts, ops.bias, shape[0], out_dtype)
+    if ops.offs is not None:
+        return emit_linear(call, scheme, ops.x, consts, None, shape[1], out_dtype, ops.offs)
+    out = emit_routed_linear(call, scheme, ops.x, ops.ids, shape[0], consts, shape[1], out_dtype)
+    return call(torch.unsqueeze, (out, -1))  # bmm's [S, N, 1]
 
 
 def _register(gm, fqn, q) -> list[str | None]:

@@ -16,6 +16,13 @@ LINEAR = {torch._C._nn.linear, F.linear, aten.linear.default}
 ADDMM = {torch.addmm, torch.Tensor.addmm, aten.addmm.default}
 MM = {torch.mm, torch.Tensor.mm, aten.mm.default}
 MATMUL = {torch.matmul, torch.Tensor.matmul, operator.matmul, aten.matmul.default}
+# MoE experts: y = x @ w[e] over rows sorted by expert, with offsets (x [S, K], w [E, K, N], offs [E]); and the
+# per-row form, bmm of w[expert_ids] and x
+GROUPED_MM = {torch._grouped_mm, aten._grouped_mm.default} | ({F.grouped_mm} if hasattr(F, "grouped_mm") else set())
+BMM = {torch.bmm, torch.Tensor.bmm, aten.bmm.default}
+TRANSPOSE = {torch.transpose, torch.Tensor.transpose, aten.transpose.int}
+UNSQUEEZE = {torch.unsqueeze, torch.Tensor.unsqueeze, aten.unsqueeze.default}
+GATHER_ROWS = {operator.getitem, aten.index.Tensor}
 EMBEDDING = {F.embedding, torch.embedding, aten.embedding.default}
 SOFTMAX = {torch.softmax, F.softmax, torch.Tensor.softmax, aten._softmax.default, aten.softmax.int}
 RMS_NORM = {F.rms_norm, torch.rms_norm, aten.rms_norm.default}
@@ -34,6 +41,11 @@ CASTS = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.type, aten._to_copy.d
 DTYPE_CASTS = {torch.Tensor.to, torch.Tensor.type, aten._to_copy.default, aten.to.dtype}
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def is_grouped_mm(target) -> bool:
+    """torch's grouped_mm, or transformers' custom-op fallback for dtypes and devices it does not serve."""
+    return target in GROUPED_MM or str(target).startswith("transformers.grouped_mm_fallback")
 
 
 def target_of(node: torch.fx.Node):

@@ -38,7 +38,7 @@ class Upcast(PassBase):
         graph, modified = gm.graph, False
         for node in list(graph.nodes):
             found = annotation(node)
-            if found is None or node.meta.get(UPCAST_KEY) or found.kind == "linear":
+            if found is None or node.meta.get(UPCAST_KEY) or found.kind in ("linear", "experts"):
                 continue
             x = node.args[0]
             dtype = node_dtype(x)

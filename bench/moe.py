@@ -1,0 +1,98 @@
+"""An MoE layer's experts, Mixtral-8x7B-shaped (8 experts, top-2, hidden 4096, intermediate 14336), at 1 to 4096
+tokens: each path's whole experts forward (tokens sorted by expert, rows gathered, both projections, the routing
+weights and the per-token sum), in one process on the same routing.
+
+Paths: transformers' experts in bf16 as `grouped_mm` (torch._grouped_mm) and as its eager loop over experts, and
+`fxquant.quantize_`'s QuantizedExperts under each recipe. Every output is checked against the bf16 grouped_mm's
+before anything is timed. The graph-capturable paths are timed replaying a CUDA graph (GPU time, as decode runs
+under reduce-overhead); the eager loop syncs with the host on its routing and is timed as it runs.
+
+    python -m bench.moe [--tokens 1 16 64 512 4096] [--recipes fp8_block int4_wo ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import transformers as T
+
+from bench.common import graph_time_ms, header, table, time_ms
+from fxquant.config import RECIPES
+from fxquant.quantized_experts import QuantizedExperts
+
+HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 4096, 14336, 8, 2
+# Relative error of the layer's output against bf16 that each weight format stays under on random weights (fp8:
+# about 4%, int8: 1%, 4-bit: 10-13%); more means a wrong product, not rounding.
+ERROR_CEILING = {"fp8_e4m3": 0.08, "mxfp8": 0.08, "int8": 0.03, "int4": 0.2, "mxfp4": 0.25, "nvfp4": 0.2}
+
+
+def experts_module(implementation: str):
+    """transformers' MixtralExperts at Mixtral-8x7B's shapes, random bf16 weights on the GPU."""
+    config = T.MixtralConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_local_experts=EXPERTS,
+                             num_experts_per_tok=TOP_K)
+    config._experts_implementation = implementation
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        experts = T.models.mixtral.modeling_mixtral.MixtralExperts(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.normal_(std=0.02)
+    return experts
+
+
+def routed(tokens: int, seed: int):
+    """(hidden states, top-k expert ids, top-k weights) as Mixtral's router makes them."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
+    logits = torch.randn(tokens, EXPERTS, device="cuda", generator=g)
+    weights, ids = torch.softmax(logits, dim=-1).topk(TOP_K, dim=-1)
+    return x, ids, (weights / weights.sum(-1, keepdim=True)).to(torch.bfloat16)
+
+
+def rel_error(got, want) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 512, 4096])
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPES))
+    args = parser.parse_args()
+    print(header())
+    baseline = experts_module("grouped_mm")
+    paths = {"bf16 grouped_mm": baseline}
+    for recipe in args.recipes:
+        with torch.no_grad():
+            paths[f"fxquant {recipe}"] = QuantizedExperts.from_module(baseline, recipe)
+    eager = experts_module("eager")
+    eager.load_state_dict(baseline.state_dict())
+    paths["bf16 eager loop"] = eager
+    weight_bytes = {name: sum(p.numel() * p.element_size() for p in module.parameters())
+                    for name, module in paths.items()}
+
+    rows = []
+    with torch.no_grad():
+        for tokens in args.tokens:
+            sets = [routed(tokens, seed) for seed in range(4)]
+            want = baseline(*sets[0])
+            base_ms = None
+            for name, module in paths.items():
+                got = module(*sets[0])
+                error = rel_error(got, want)
+                fmt = RECIPES[name.split()[-1]].weight_fmt if name.startswith("fxquant") else None
+                if not torch.isfinite(got).all() or (fmt and error > ERROR_CEILING[fmt]):
+                    raise SystemExit(f"{name} at {tokens} tokens: relative error {error:.3g} against bf16")
+                timer = time_ms if "eager" in name else graph_time_ms
+                ms = timer(module, sets)
+                base_ms = base_ms or ms
+                rows.append({"tokens": tokens, "path": name, "ms": f"{ms:.3f}", "vs bf16 grouped_mm":
+                             f"{base_ms / ms:.2f}x", "rel err vs bf16": f"{error:.4f}",
+                             "expert GB": f"{weight_bytes[name] / 1e9:.2f}"})
+            print(table(rows[-len(paths):]), flush=True)
+    print("\nMoE layer, Mixtral-8x7B experts (8 x [28672, 4096] + 8 x [4096, 14336]), top-2")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""Grouped GEMMs for mixture-of-experts layers: rows sorted by expert, expert e's rows ending at offs[e]
+(cumulative int32 ends, the `torch._grouped_mm` contract), out[r] = A[r] @ W[e].T for each of them.
+
+Each expert's rows are cut into row tiles of their own, so a tile never mixes experts; a program finds its tile's
+expert by scanning `offs` on the device (`tiles.expert_rows`), with no host sync, so a CUDA graph replays the launch
+whatever the routing. The grid covers the worst case, cdiv(M, BLOCK_M) + E + 1 row tiles, and programs past the
+last tile only scan. Rows past offs[-1] belong to no expert and come out zero; an expert with no rows has no tile.
+
+The K loops are the dense kernels' (`fp8_accumulate`, `wo_accumulate`), on the expert's slice of the weight and its
+scales: fp8 with row or 1x128 / 128x128 block scales, fp32 accumulation, scales folded in the K loop; weight-only
+int8, int4, MXFP4, NVFP4 and MXFP8 codes decoded in registers. Tiles are the dense tables' at the average rows per
+active expert; where the active tiles are too few for the SMs, K is split (`splitk.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from fxquant.kernels.cast import float_cast_mode, interpreting
+from fxquant.kernels.codes import FORMATS
+from fxquant.kernels.gemm_configs import fp8_gemm_config
+from fxquant.kernels.gemm_fp8 import SCALE_BLOCK, TORCH_TO_TL, fp8_accumulate, fp8_scale_tile
+from fxquant.kernels.gemm_weight_only import weight_operands, wo_accumulate, wo_gemm_config, wo_scale_tile
+from fxquant.kernels.launch import cdiv
+from fxquant.kernels.splitk import reduce_partials, split_k
+from fxquant.kernels.tiles import expert_tile_offsets, k_steps_of, store_tile
+
+
+@triton.jit
+def _expert_k_steps(expert, E, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """(owned, clamped expert, K steps): tiles of the ownerless tail rows run no K step and store zeros."""
+    first_k, last_k = k_steps_of(tl.program_id(1), K, BLOCK_K, SPLIT_K)
+    owned = (expert >= 0) & (expert < E)
+    return owned, tl.minimum(tl.maximum(expert, 0), E - 1).to(tl.int64), first_k, tl.where(owned, last_k, first_k)
+
+
+@triton.jit
+def _grouped_fp8_kernel(
+    # pointers
+    a_ptr, offs_ptr, b_ptr, c_ptr, ws_ptr, a_scale_ptr, b_scale_ptr,
+    # sizes
+    M, N, K, E,
+    # strides
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+    # meta-parameters
+    BLOCK_SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
+    SPLIT_K: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    expert, pid_n, offs_m, offs_n = expert_tile_offsets(offs_ptr, E, M, N, BLOCK_M, BLOCK_N)
+    owned, e, first_k, last_k = _expert_k_steps(expert, E, K, BLOCK_K, SPLIT_K)
+    b_ptr += e * stride_be
+    b_scale_ptr += e * stride_bse
+    acc = fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n, M, N, K, first_k, last_k,
+                         stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn, stride_bsk,
+                         BLOCK_SCALES, SCALE_BLOCK, COMPILER_PROMOTES, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = fp8_scale_tile(acc, a_scale_ptr, b_scale_ptr, offs_m, offs_n, M, N, stride_asm, stride_bsn, BLOCK_SCALES)
+    acc = tl.where(owned, acc, 0.0)  # a non-finite scale of the clamped expert must not reach the zero rows
+    store_tile(acc, c_ptr, ws_ptr, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, tl.program_id(1),
+               False, SPLIT_K, OUT, CAST)
+
+
+@triton.jit
+def _grouped_wo_kernel(
+    # pointers
+    a_ptr, offs_ptr, w_ptr, s_ptr, z_ptr, gs_ptr, c_ptr, ws_ptr,
+    # sizes
+    M, N, K, E,
+    # strides (the weight's in its own elements: bytes, or int32 words of packed 4-bit codes); zero points share
+    # the scales' layout
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_cm, stride_cn,
+    # meta-parameters
+    FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, SPLIT_K: tl.constexpr,
+    DOT: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    expert, pid_n, offs_m, offs_n = expert_tile_offsets(offs_ptr, E, M, N, BLOCK_M, BLOCK_N)
+    owned, e, first_k, last_k = _expert_k_steps(expert, E, K, BLOCK_K, SPLIT_K)
+    w_ptr += e * stride_we
+    s_ptr += e * stride_se
+    z_ptr += e * stride_se
+    gs_ptr += e
+    acc = wo_accumulate(a_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, M, N, K, first_k, last_k,
+                        stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk,
+                        FMT, GROUP, HAS_ZP, DOT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = wo_scale_tile(acc, s_ptr, gs_ptr, offs_n, N, stride_sn, FMT)
+    acc = tl.where(owned, acc, 0.0)  # a non-finite scale of the clamped expert must not reach the zero rows
+    store_tile(acc, c_ptr, ws_ptr, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, tl.program_id(1),
+               False, SPLIT_K, OUT, CAST)
+
+
+def _grid_and_split(M: int, N: int, K: int, E: int, cfg: dict) -> tuple[tuple[int, int], int]:
+    """The launch grid (worst-case row tiles x column tiles, K slices) and its K split. The split aims the tiles
+    that hold rows, about min(M, E) experts' worth, at the config's program target."""
+    per_expert = cdiv(M, min(M, E))
+    active = min(M, E) * cdiv(per_expert, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
+    split = split_k(active, cdiv(K, cfg["BLOCK_K"]), cfg["programs"]) if cfg.get("programs") else 1
+    return ((cdiv(M, cfg["BLOCK_M"]) + E + 1) * cdiv(N, cfg["BLOCK_N"]), split), split
+
+
+def _check_offs(offs: torch.Tensor, E: int):
+    if offs.dtype != torch.int32 or offs.shape != (E,):
+        raise ValueError(f"fxquant: grouped GEMM offsets must be int32 [E={E}] cumulative row ends, got "
+                         f"{offs.dtype} {tuple(offs.shape)}")
+
+
+def _finish(ws, out, split, out_dtype):
+    if split > 1:
+        reduce_partials(ws, out, None, TORCH_TO_TL[out_dtype])
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _fp8_plan(M: int, N: int, K: int, E: int, block_scales: bool, overrides: tuple):
+    cfg = {**fp8_gemm_config(cdiv(M, min(M, E)), N, K, block_scales, tma=False), **dict(overrides)}
+    if block_scales and (cfg["BLOCK_K"] != SCALE_BLOCK or SCALE_BLOCK % cfg["BLOCK_N"]):
+        raise ValueError(f"fxquant: block-scaled fp8 GEMM needs BLOCK_K == {SCALE_BLOCK} and BLOCK_N dividing "
+                         f"{SCALE_BLOCK}, got BLOCK_K={cfg['BLOCK_K']} BLOCK_N={cfg['BLOCK_N']}")
+    grid, split = _grid_and_split(M, N, K, E, cfg)
+    meta = dict(COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", not block_scales), BLOCK_M=cfg["BLOCK_M"],
+                BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"])
+    return grid, split, meta
+
+
+def grouped_fp8_mm(a, a_scale, offs, b, b_scale, out_dtype=torch.bfloat16, config=None):
+    """a: [M, K] e4m3, rows sorted by expert; a_scale: [M, 1] per token, one element per tensor, or [M, K/128];
+    offs: int32 [E]; b: [E, N, K] e4m3; b_scale: [E] per expert tensor, [E, N, 1] per channel or
+    [E, N/128, K/128] blocks. Returns [M, N] in out_dtype."""
+    M, K = a.shape
+    E, N = b.shape[:2]
+    _check_offs(offs, E)
+    if b.shape[2] != K or a.dtype != b.dtype:
+        raise ValueError(f"fxquant: grouped fp8 GEMM needs a [M, K] and b [E, N, K] of one fp8 dtype; got "
+                         f"{tuple(a.shape)} {a.dtype} and {tuple(b.shape)} {b.dtype}")
+    per_tensor = b_scale.numel() == E
+    block_scales = not per_tensor and b_scale.shape[1] != N
+    if block_scales:
+        kb = cdiv(K, SCALE_BLOCK)
+        if a_scale.shape != (M, kb) or b_scale.shape != (E, cdiv(N, SCALE_BLOCK), kb):
+            raise ValueError(f"fxquant: 128x128 weight blocks [E, {cdiv(N, 128)}, {cdiv(K, 128)}] take 1x128 "
+                             f"activation scales [M, {cdiv(K, 128)}], got {tuple(b_scale.shape)} and "
+                             f"{tuple(a_scale.shape)}")
+        asm, ask = a_scale.stride()
+        bse, bsn, bsk = b_scale.stride()
+    else:
+        asm, ask = (0 if a_scale.numel() == 1 else a_scale.reshape(-1).stride(0)), 0
+        b_scale = b_scale.reshape(E, -1)
+        bse, bsn, bsk = b_scale.stride(0), (0 if per_tensor else b_scale.stride(1)), 0
+    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    grid, split, meta = _fp8_plan(M, N, K, E, block_scales, tuple(sorted((config or {}).items())))
+    ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
+    _grouped_fp8_kernel[grid](
+        a, offs, b, out, ws, a_scale, b_scale,
+        M, N, K, E,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+        asm, ask, bse, bsn, bsk,
+        BLOCK_SCALES=block_scales, SCALE_BLOCK=SCALE_BLOCK, OUT=TORCH_TO_TL[out_dtype],
+        CAST=float_cast_mode(_grouped_fp8_kernel), SPLIT_K=split, **meta,
+    )
+    return _finish(ws, out, split, out_dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _wo_plan(M: int, N: int, K: int, E: int, fmt: str, group: int, overrides: tuple):
+    cfg = {**wo_gemm_config(cdiv(M, min(M, E)), K, fmt), **dict(overrides)}
+    if fmt == "int4" and group % cfg["BLOCK_K"]:
+        cfg["BLOCK_K"] = group  # one int4 group per K step, at least
+    grid, split = _grid_and_split(M, N, K, E, cfg)
+    meta = dict(EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return grid, split, meta
+
+
+def grouped_weight_only_mm(a, offs, w, w_scale, fmt: str, group: int, N: int, *, zero_point=None,
+                           global_scale=None, config=None):
+    """a: [M, K] bf16/fp16 (bf16 for mxfp8), rows sorted by expert; offs: int32 [E]; w: [E, N, K] int8 / e4m3 or
+    [E, N, K/2] packed 4-bit codes; w_scale: [E, N, ...] as `weight_only_mm` takes each expert's; zero_point: like
+    w_scale; global_scale: NVFP4's fp32 [E]. Returns [M, N] in a's dtype, every expert's codes decoded in
+    registers."""
+    M, K = a.shape
+    E = w.shape[0]
+    _check_offs(offs, E)
+    codes, scale = weight_operands(a, w, w_scale, fmt, group, N)
+    if zero_point is not None and zero_point.stride() != scale.stride():
+        raise ValueError("fxquant: int4 zero points must share the scales' layout [E, N, K/group]")
+    out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    grid, split, meta = _wo_plan(M, N, K, E, fmt, group, tuple(sorted((config or {}).items())))
+    ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
+    _grouped_wo_kernel[grid](
+        a, offs, codes, scale, zero_point if zero_point is not None else scale,
+        global_scale if global_scale is not None else scale, out, ws,
+        M, N, K, E,
+        a.stride(0), a.stride(1), codes.stride(0), codes.stride(1), codes.stride(2), scale.stride(0),
+        scale.stride(1), scale.stride(2), out.stride(0), out.stride(1),
+        FMT=FORMATS[fmt], GROUP=group or 1, HAS_ZP=zero_point is not None, SPLIT_K=split,
+        DOT=tl.float32 if interpreting(_grouped_wo_kernel) else TORCH_TO_TL[a.dtype], OUT=TORCH_TO_TL[a.dtype],
+        CAST=float_cast_mode(_grouped_wo_kernel), **meta,
+    )
+    return _finish(ws, out, split, a.dtype)
+

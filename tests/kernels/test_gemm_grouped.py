@@ -1,0 +1,105 @@
+"""The grouped GEMMs over rows sorted by expert, against the reference grouped product (TRITON_INTERPRET=1 on the
+CPU): empty experts, one row, uneven groups, rows past the last expert, split K; every weight scheme."""
+
+import pytest
+import torch
+
+from fxquant import reference as R
+from fxquant.kernels.gemm_grouped import grouped_fp8_mm, grouped_weight_only_mm
+from fxquant.ops import quantize_fp8
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+E, N, K = 4, 256, 256
+# rows per expert, then rows that belong to no expert (past offs[-1])
+ROUTINGS = {
+    "uneven with an empty expert": ([5, 0, 19, 2], 0),
+    "one row": ([0, 1, 0, 0], 0),
+    "no expert has rows": ([0, 0, 0, 0], 3),
+    "rows past the last expert": ([3, 4, 0, 6], 5),
+    "a long group (several row tiles)": ([40, 1, 0, 2], 0),
+}
+WEIGHT_ONLY = {"int8": ("channel", 0), "int4": (None, 128), "mxfp4": (None, 32), "nvfp4": (None, 16),
+               "mxfp8": (None, 32)}
+FP8 = {"per channel, per token": ("channel", 0), "128x128 blocks, 1x128 groups": (("block", 128, 128), 128),
+       "per tensor": ("tensor", -1)}
+# The kernels multiply the reference's operands exactly and accumulate in fp32 in another order, then round once
+# to bf16: a few bf16 ulps on a few elements at most.
+REL_ERROR = 2e-3
+
+
+def routing(name):
+    counts, tail = ROUTINGS[name]
+    offs = torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
+    return offs, sum(counts) + tail
+
+
+def rel_error(got, ref):
+    return float((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def check(got, ref, offs):
+    end = int(offs[-1])
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    assert torch.equal(got[end:], torch.zeros_like(got[end:]))  # rows no expert owns
+    if end:
+        assert rel_error(got[:end], ref[:end]) < REL_ERROR
+
+
+@pytest.mark.parametrize("name", list(ROUTINGS))
+@pytest.mark.parametrize("fmt", list(WEIGHT_ONLY))
+def test_grouped_weight_only(fmt, name):
+    torch.manual_seed(0)
+    offs, m = routing(name)
+    granularity, group = WEIGHT_ONLY[fmt]
+    x = torch.randn(m, K, device=DEVICE, dtype=torch.bfloat16)
+    if fmt == "mxfp8":  # the op hands the kernel activations already rounded to their MXFP8 values
+        x = R.dequantize(R.quantize(x, "mxfp8"), torch.bfloat16)
+    q = R.quantize_experts(torch.randn(E, N, K, device=DEVICE), fmt, granularity)
+    got = grouped_weight_only_mm(x, offs, q.data, q.scale, fmt, group, N, zero_point=q.zero_point,
+                                 global_scale=q.global_scale)
+    check(got, R.grouped_linear(x, offs, q), offs)
+
+
+@pytest.mark.parametrize("name", list(ROUTINGS))
+@pytest.mark.parametrize("scheme", list(FP8))
+def test_grouped_fp8(scheme, name):
+    torch.manual_seed(0)
+    offs, m = routing(name)
+    granularity, group = FP8[scheme]
+    x = torch.randn(m, K, device=DEVICE, dtype=torch.bfloat16)
+    a, a_scale = quantize_fp8(x, group)
+    q = R.quantize_experts(torch.randn(E, N, K, device=DEVICE), "fp8_e4m3", granularity)
+    got = grouped_fp8_mm(a, a_scale, offs, q.data, q.scale, torch.bfloat16)
+    qa = R.quantize(x, "fp8_e4m3", {0: "token", -1: "tensor"}.get(group, ("group", group)))
+    check(got, R.grouped_linear(R.dequantize(qa, torch.float32), offs, q, torch.bfloat16), offs)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
+def test_grouped_weight_only_split_k(fmt):
+    """Few rows and a long K: K is split across programs and the partials reduced."""
+    torch.manual_seed(0)
+    offs = torch.tensor([1, 1, 2, 2], device=DEVICE, dtype=torch.int32)
+    x = torch.randn(3, 2048, device=DEVICE, dtype=torch.bfloat16)
+    q = R.quantize_experts(torch.randn(E, 64, 2048, device=DEVICE), fmt)
+    group = {"int4": 128, "nvfp4": 16}[fmt]
+    got = grouped_weight_only_mm(x, offs, q.data, q.scale, fmt, group, 64, zero_point=q.zero_point,
+                                 global_scale=q.global_scale, config=dict(programs=64))
+    check(got, R.grouped_linear(x, offs, q), offs)
+
+
+def test_grouped_fp8_split_k():
+    torch.manual_seed(0)
+    offs = torch.tensor([1, 1, 2, 2], device=DEVICE, dtype=torch.int32)
+    x = torch.randn(3, 2048, device=DEVICE, dtype=torch.bfloat16)
+    a, a_scale = quantize_fp8(x, 128)
+    q = R.quantize_experts(torch.randn(E, 128, 2048, device=DEVICE), "fp8_e4m3", ("block", 128, 128))
+    got = grouped_fp8_mm(a, a_scale, offs, q.data, q.scale, torch.bfloat16, config=dict(programs=64))
+    qa = R.dequantize(R.quantize(x, "fp8_e4m3", ("group", 128)), torch.float32)
+    check(got, R.grouped_linear(qa, offs, q, torch.bfloat16), offs)
+
+
+def test_grouped_gemm_refuses_bad_offsets():
+    x = torch.randn(4, K, device=DEVICE, dtype=torch.bfloat16)
+    q = R.quantize_experts(torch.randn(E, N, K, device=DEVICE), "int8", "channel")
+    with pytest.raises(ValueError, match=r"offsets must be int32 \[E=4\]"):
+        grouped_weight_only_mm(x, torch.tensor([1, 2, 3, 4], device=DEVICE), q.data, q.scale, "int8", 0, N)

@@ -1,0 +1,122 @@
+"""Mixture-of-experts models built from small configs (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE): expert
+weights found in every form transformers 5.x runs them, quantized expert by expert, reported, and bounded by an
+independent fake-quantized copy of the model."""
+
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+from hf_models import VOCAB, angle, compiled, decoder, fake_quantized, static_decode, within_bound
+
+import fxquant
+from fxquant import reference as R
+from fxquant.passes.quantize_linear import quantize_weight
+from fxquant.quantized_experts import QuantizedExperts
+
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
+GENERATOR = torch.Generator().manual_seed(3)
+PROMPT = torch.randint(0, VOCAB, (2, 8), generator=GENERATOR)
+STEPS = torch.randint(0, VOCAB, (2, 4), generator=GENERATOR)
+
+
+def expert_parameters(model):
+    return {name: p for name, p in model.named_parameters() if name.endswith(("gate_up_proj", "down_proj"))}
+
+
+def bounds(model, recipe, forward):
+    """(got, exact, plain, eager) static-cache decode logits for hf_models.within_bound."""
+    exact_model, plain_model = fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=False)
+    return (static_decode(model, forward, PROMPT, STEPS), static_decode(exact_model, exact_model, PROMPT, STEPS),
+            static_decode(plain_model, plain_model, PROMPT, STEPS), static_decode(model, model, PROMPT, STEPS))
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", "mxfp4_wo", "int4_wo"])
+@pytest.mark.parametrize("arch", MOE)
+def test_experts_are_quantized_reported_and_within_the_bound(arch, recipe, capsys):
+    model = decoder(arch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, exact, plain, eager = bounds(model, recipe, compiled(model, recipe=recipe, report=True))
+    assert not [w for w in caught if re.search(r"3-D expert weights|experts run outside", str(w.message))]
+    assert not within_bound(got, exact, plain, eager)
+    report = capsys.readouterr().out
+    for name, param in expert_parameters(model).items():
+        row = next(line for line in report.splitlines() if line.startswith(name.removesuffix(".weight") + " "))
+        assert recipe in row and "x".join(map(str, param.shape)) in row
+    assert "3-D expert weights" not in report
+    assert "router: its output selects experts" in report
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_every_experts_implementation_in_a_graph_is_quantized(implementation, dtype):
+    """grouped_mm (torch's in bf16, transformers' fallback op in fp32) and batched_mm (bmm of W[ids]) are
+    quantized. In fp32 the plain and exact copies coincide, so the bound is fp32 rounding: 1e-5 rad."""
+    model = decoder("mixtral", dtype)
+    model.set_experts_implementation(implementation)
+    got, exact, plain, eager = bounds(model, "int4_wo", compiled(model, recipe="int4_wo"))
+    if dtype == torch.bfloat16:
+        assert not within_bound(got, exact, plain, eager)
+    else:
+        for step in range(len(got)):
+            assert angle(got[step], exact[step]) < min(1e-5, angle(eager[step], exact[step]))
+
+
+def test_experts_outside_the_graph_are_named_with_the_fix():
+    """transformers' eager experts loop breaks the graph on its routing: nothing can quantize them there."""
+    model = decoder("mixtral", num_hidden_layers=1)
+    model.set_experts_implementation("eager")
+    with pytest.warns(UserWarning, match=r"experts run outside the compiled graph.*fxquant.quantize_"), torch.no_grad():
+        compiled(model, recipe="int4_wo")(PROMPT)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", "mxfp4_wo", "int4_wo"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_quantize_in_place_swaps_experts_and_every_implementation_runs_them(arch, recipe):
+    model = decoder(arch)
+    quantized = fxquant.quantize_(copy.deepcopy(model), {"recipe": recipe}, example_inputs=(PROMPT,))
+    experts = [m for m in quantized.modules() if isinstance(m, QuantizedExperts)]
+    assert len(experts) == model.config.num_hidden_layers
+    codes = expert_parameters(quantized).values()  # the codes keep the projections' names
+    assert codes and all(p.dtype in (torch.float8_e4m3fn, torch.uint8) for p in codes)
+    got, exact, plain, eager = bounds(model, recipe, quantized)
+    assert not within_bound(got, exact, plain, eager)
+    for implementation in ("eager", "batched_mm"):  # the quantized module ignores the setting
+        quantized.set_experts_implementation(implementation)
+        torch.testing.assert_close(static_decode(quantized, quantized, PROMPT, STEPS), got, rtol=0, atol=0)
+    recompiled = static_decode(quantized, compiled(quantized, recipe=recipe), PROMPT, STEPS)
+    assert not within_bound(recompiled, exact, plain, eager)
+
+
+def test_quantized_experts_state_dict_round_trip():
+    model = fxquant.quantize_(decoder("mixtral"), {"recipe": "nvfp4_wo"})
+    skeleton = copy.deepcopy(model)
+    for param in skeleton.parameters():
+        param.data.zero_()
+    skeleton.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(skeleton(PROMPT).logits, model(PROMPT).logits, rtol=0, atol=0)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.uint8 and experts.gate_up_proj_global_scale.shape == (4,)
+
+
+def test_skipped_experts_stay_whole_and_say_why(capsys):
+    model = fxquant.quantize_(decoder("mixtral"), {"recipe": "int4_wo", "skip": [r"experts\.down_proj$"],
+                                                   "report": True})
+    assert not any(isinstance(m, QuantizedExperts) for m in model.modules())
+    report = capsys.readouterr().out
+    assert "model.layers.0.mlp.experts.gate_up_proj" in report and "skip option" in report
+
+
+@pytest.mark.parametrize("amax, scale", [(2.7, 0.5), (5.5, 1.0), (1.2, 0.25)])
+def test_mxfp4_expert_scales_follow_the_even_mode(amax, scale):
+    """E8M0 scales round the amax's mantissa at 0.75 (compressed-tensors' rule) before taking the exponent:
+    2.7 = 1.35 * 2 keeps 2^1 / 4 = 0.5; 5.5 = 1.375 * 4 gives 1.0; 1.2 = 1.2 * 1 gives 0.25."""
+    w = torch.full((3, 16, 64), 0.01)
+    w[1, 5, 32:64] = torch.linspace(-amax, amax / 2, 32)  # expert 1, row 5, second block of 32
+    q = quantize_weight(w, "mxfp4_wo")
+    scales = q.scale.float()
+    assert scales.shape == (3, 16, 2) and float(scales[1, 5, 1]) == scale
+    assert float(R.dequantize(R.expert(q, 1), torch.float32)[5, 32:].abs().max()) <= 6 * scale  # e2m1's max
