@@ -1,8 +1,10 @@
 """End to end on the GPU: a 4-layer Llama (hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 32000)
-from config, bf16, random weights. Eager, Inductor bf16, torchao fp8 per-row (when torchao imports) and
-fxquant recipes; first-compile time, latency, and the GPU kernel time inside it (profiler).
+from config, bf16, random weights; with --mixtral, a 4-layer Mixtral of the same attention whose MLPs are Mixtral-8x7B's
+experts (8 experts of intermediate 14336, top-2, transformers' grouped_mm experts). Eager, Inductor bf16, torchao fp8
+per-row (when torchao imports) and fxquant recipes; first-compile time, latency, and the GPU kernel time inside it
+(profiler).
 
-Run: python -m bench.e2e [--reduce-overhead] [--no-torchao] [--top-kernels] [recipe ...]
+Run: python -m bench.e2e [--mixtral] [--reduce-overhead] [--no-torchao] [--top-kernels] [recipe ...]
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 
 import torch
 import triton.testing
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 import fxquant  # noqa: F401  (registers the backend)
 from bench.common import header, table
@@ -21,12 +23,23 @@ from bench.common import header, table
 SHAPES = {"prefill 1x2048": (1, 2048), "decode B16x1": (16, 1), "decode B64x1": (64, 1)}
 
 
-def build():
-    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                         num_hidden_layers=4, vocab_size=32000)
+def build(mixtral: bool):
+    shapes = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                  num_hidden_layers=4, vocab_size=32000)
+    config = MixtralConfig(**shapes, num_local_experts=8, num_experts_per_tok=2) if mixtral else LlamaConfig(**shapes)
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16 where it runs: no fp32 copy of the experts
+    try:
+        with torch.device("cuda"):
+            model = (MixtralForCausalLM if mixtral else LlamaForCausalLM)(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():  # experts are created empty; random weights of a trained model's scale
+        for name, param in model.named_parameters():
+            if name.endswith(("gate_up_proj", "down_proj")):
+                param.normal_(std=0.02)
+    return model
 
 
 def torchao_fp8_row(model):
@@ -56,7 +69,8 @@ def gpu_ms(fn, ids, label: str, calls: int = 10) -> float:
 
 def main():
     print(header())
-    model = build()
+    model = build("--mixtral" in sys.argv)
+    print("model:", type(model).__name__)
     mode = "reduce-overhead" if "--reduce-overhead" in sys.argv else None
     recipes = [a for a in sys.argv[1:] if not a.startswith("--")] or ["fp8_block", "fp8_row", "int4_wo"]
     print("mode:", mode or "default")
