@@ -95,7 +95,11 @@ def _without_frozen_parameters(gm: torch.fx.GraphModule, example_inputs) -> tupl
             graph.erase_node(node)
         else:
             kept.append(i)
-    return torch.fx.GraphModule(gm, graph), kept
+    lowered = torch.fx.GraphModule(gm, graph)
+    # dynamo's meta (its compile id) tells AOT the graph came from dynamo, so that it counts the constants as
+    # static inputs; without it, CUDA graphs copied every quantized weight into place on each replay.
+    lowered.meta.update(gm.meta)
+    return lowered, kept
 
 
 def _refuse_gradients(gm: torch.fx.GraphModule, example_inputs) -> None:

@@ -143,3 +143,20 @@ def test_grad_mode_with_inputs_that_need_no_grad_runs():
     model = tiny_block()  # its parameters require grad; the compiled graph holds them frozen
     out = compiled(model)(X)
     assert not out.requires_grad and rel_err(out, model(X)) < 0.03
+
+
+def test_lowered_graph_keeps_dynamo_meta_so_cuda_graphs_take_weights_as_static():
+    """AOT counts a graph's constants as static inputs only for a graph it knows came from dynamo (its compile id in
+    meta); the lowered copy lost it, and under reduce-overhead every quantized weight was copied on each replay."""
+    from fxquant.backend import _without_frozen_parameters
+
+    seen = {}
+
+    def capture(gm, inputs):
+        lowered, _ = _without_frozen_parameters(gm, inputs)
+        seen["ids"] = gm.meta.get("dynamo_compile_id"), lowered.meta.get("dynamo_compile_id")
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(torch.nn.Linear(16, 16), backend=capture)(torch.randn(2, 16))
+    assert seen["ids"][0] is not None and seen["ids"][1] == seen["ids"][0]
