@@ -88,8 +88,11 @@ def one(path: str, batch: int, args) -> dict:
 
 def generate_rate(model, path: str, prompt, args) -> str:
     """transformers' generate() with a static cache and the path as its compile_config."""
-    backend, options = ("inductor", None) if path == "inductor" else ("fxquant", {"recipe": path.split(":", 1)[1]})
-    config = T.CompileConfig(backend=backend, mode=args.mode, options=options)
+    if path == "inductor":
+        config = T.CompileConfig(backend="inductor", mode=args.mode)
+    else:  # torch.compile takes mode= or options=, not both: fxquant's options carry the mode
+        config = T.CompileConfig(backend="fxquant", mode=None,
+                                 options={"recipe": path.split(":", 1)[1], "mode": args.mode})
     kwargs = dict(max_new_tokens=args.steps, min_new_tokens=args.steps, do_sample=False,
                   cache_implementation="static", compile_config=config)
     with torch.no_grad():
