@@ -10,10 +10,11 @@ from fxquant.granularity import Granularity
 from fxquant.inplace import quantize_
 from fxquant.inspection import InspectReport, inspect
 from fxquant.quantized import Quantized
+from fxquant.quantized_experts import QuantizedExperts
 from fxquant.quantized_linear import QuantizedLinear
 
 __all__ = [
     "FORMATS", "RECIPES", "FloatFormat", "Granularity", "InspectReport", "IntFormat", "QuantConfig", "Quantized",
-    "QuantizedLinear", "backend", "dequantize", "export", "from_options", "inspect", "load", "load_quantized",
-    "quantize", "quantize_", "save_quantized",
+    "QuantizedExperts", "QuantizedLinear", "backend", "dequantize", "export", "from_options", "inspect", "load",
+    "load_quantized", "quantize", "quantize_", "save_quantized",
 ]

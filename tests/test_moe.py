@@ -120,3 +120,24 @@ def test_mxfp4_expert_scales_follow_the_even_mode(amax, scale):
     scales = q.scale.float()
     assert scales.shape == (3, 16, 2) and float(scales[1, 5, 1]) == scale
     assert float(R.dequantize(R.expert(q, 1), torch.float32)[5, 32:].abs().max()) <= 6 * scale  # e2m1's max
+
+
+def test_export_carries_the_grouped_experts_through_save_and_load(tmp_path):
+    """torch.export's aten graph spells the experts' product aten._grouped_mm; the exported program runs the grouped
+    ops, and saves and loads with them."""
+    model = decoder("mixtral", num_hidden_layers=1)
+    with torch.no_grad():
+        ep = fxquant.export(model, (PROMPT,), kwargs={"use_cache": False}, config={"recipe": "int4_wo"})
+        want = compiled(model, recipe="int4_wo")(PROMPT, use_cache=False).logits
+        torch.export.save(ep, tmp_path / "moe.pt2")
+        got = fxquant.load(tmp_path / "moe.pt2").module()(PROMPT, use_cache=False).logits
+    targets = [str(node.target) for node in ep.graph.nodes]
+    assert targets.count("fxquant.grouped_linear_weight_only.default") == 2
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-2)  # bf16 logits: a rounding apart at most
+
+
+def test_save_quantized_refuses_quantized_experts_with_the_fix(tmp_path):
+    model = fxquant.quantize_(decoder("mixtral", num_hidden_layers=1), {"recipe": "int4_wo"})
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts holds quantized experts.*skip="):
+        fxquant.save_quantized(model, tmp_path)
+    assert not list(tmp_path.iterdir())  # nothing half-written
