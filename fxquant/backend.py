@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 from torch._dynamo import list_backends, register_backend
@@ -13,36 +16,78 @@ from fxquant.pipeline import PipelineResult, run_pipeline
 from fxquant.report import format_report
 
 
-class QuantizedCallable:
-    """The compiled graph, plus a cheap check of each source weight's version on every call.
+@dataclass
+class Variant:
+    """The graph compiled for one set of parameters: the compiled callable, the pipeline's result, the inputs the
+    compiled graph takes, and the parameters frozen into it (in the graph's input order)."""
 
-    A weight changed after compile (an optimizer step, a load_state_dict) is re-quantized into the same
-    buffers, with one warning per compile; stale quantized weights are never used silently.
+    compiled: object
+    result: PipelineResult
+    kept: list[int]
+    params: list[torch.Tensor]
+    tracked: list = field(default_factory=list)  # layers whose source weight's version is checked on each call
+
+    def __post_init__(self):
+        self.tracked = [layer for layer in self.result.layers if layer.source is not None]
+
+
+class QuantizedCallable:
+    """The compiled graph, plus two cheap checks on every call.
+
+    - The parameters must be those the graph froze and quantized. Dynamo takes a module's parameters as graph
+      inputs and may reuse one graph for another module of the same class (a layer compiled on its own, a graph
+      break inside a loop over experts); frozen weights cannot serve it, so each set of parameters gets a variant
+      compiled from a pristine copy of the graph, once, with one warning per compile.
+    - A weight changed after compile (an optimizer step, a load_state_dict) is re-quantized into the same
+      buffers, with one warning per compile; stale quantized weights are never used silently.
     """
 
-    def __init__(self, compiled, result: PipelineResult, kept: list[int]):
-        self.compiled, self.result, self.kept = compiled, result, kept  # kept: the inputs the compiled graph takes
-        self.tracked = [layer for layer in result.layers if layer.source is not None]
-        self.warned = False
+    def __init__(self, original: torch.fx.GraphModule, frozen: list[int], compile_variant, example_inputs):
+        self.original, self.frozen, self.compile_variant = original, frozen, compile_variant
+        self.variant = compile_variant(_graph_copy(original) if frozen else original, example_inputs)
+        self.variants = {self._key(example_inputs): self.variant}
+        self.warned = set()
+
+    @property
+    def result(self) -> PipelineResult:
+        return self.variant.result
+
+    def _key(self, args) -> tuple[int, ...]:
+        return tuple(id(args[i]) for i in self.frozen)
 
     def __call__(self, *args):
-        for layer in self.tracked:
+        variant = self.variant
+        if self.frozen and not all(map(operator.is_, map(args.__getitem__, self.frozen), variant.params)):
+            variant = self.variant = self._variant_for(args)
+        for layer in variant.tracked:
             if layer.source._version != layer.version:
-                self._requantize(layer)
-        return self.compiled(*[args[i] for i in self.kept])
+                self._requantize(variant, layer)
+        return variant.compiled(*[args[i] for i in variant.kept])
 
-    def _requantize(self, layer):
-        if not self.warned:
+    def _variant_for(self, args) -> Variant:
+        found = self.variants.get(self._key(args))
+        if found is not None and all(map(operator.is_, map(args.__getitem__, self.frozen), found.params)):
+            return found
+        if "variant" not in self.warned:
+            warnings.warn("fxquant: dynamo reuses this compiled graph for another module's parameters; compiling a "
+                          "variant with them quantized (once per set of parameters; this warning shows once per "
+                          "compile)", stacklevel=3)
+            self.warned.add("variant")
+        found = self.variants[self._key(args)] = self.compile_variant(_graph_copy(self.original), args)
+        return found
+
+    def _requantize(self, variant: Variant, layer):
+        if "requantize" not in self.warned:
             warnings.warn(f"fxquant: weight of {layer.fqn} changed after compile; re-quantizing it "
                           "(this warning shows once per compile)", stacklevel=3)
-            self.warned = True
-        q = quantize_weight(layer.source.T if layer.transposed else layer.source, layer.recipe)
+            self.warned.add("requantize")
+        q = quantize_weight(layer.source.transpose(-2, -1) if layer.transposed else layer.source, layer.recipe)
         fresh = (q.data, q.scale, q.global_scale, q.zero_point)
         with torch.no_grad():
             for name, tensor in zip(layer.buffers, fresh, strict=True):
                 if name is None:
                     continue
-                buffer = getattr(self.result.gm, name)
+                buffer = getattr(variant.result.gm, name)
                 if layer.rows is not None:  # merged with its siblings: its share of the stacked rows
                     first, stop, of = layer.rows
                     buffer = buffer[first * buffer.shape[0] // of: stop * buffer.shape[0] // of]
@@ -56,13 +101,22 @@ def fxquant(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None
     mode = mode or config.mode  # torch.compile(mode=...) or options={"mode": ...}
     if mode not in MODES:
         raise ValueError(f"fxquant: unknown mode {mode!r}; valid: {', '.join(map(str, MODES))}")
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    frozen = [i for i, (node, value) in enumerate(zip(placeholders, example_inputs, strict=False))
+              if isinstance(value, torch.nn.Parameter) and node.users]
+    return QuantizedCallable(gm, frozen, functools.partial(_compile, config=config, mode=mode, frozen=frozen),
+                             example_inputs)
+
+
+def _compile(gm: torch.fx.GraphModule, example_inputs, *, config, mode, frozen) -> Variant:
+    """The pipeline, then the inner compiler, on gm (which the pipeline rewrites) for these inputs."""
     result = run_pipeline(gm, config, example_inputs)
     _refuse_gradients(result.gm, example_inputs)
     result.warn()
     if config.report:
         print(format_report(result.layers, result.findings, result.weights))
     lowered, kept = _without_frozen_parameters(result.gm, example_inputs)
-    example_inputs = [example_inputs[i] for i in kept]
+    inputs = [example_inputs[i] for i in kept]
     if config.inner == "eager":
         compiled = lowered.forward
     else:
@@ -75,8 +129,21 @@ def fxquant(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None
         patches = {"triton.cudagraphs": True} if mode == "reduce-overhead" else {}
         if mode in ("max-autotune", "max-autotune-no-cudagraphs"):
             patches.update({"max_autotune": True})
-        compiled = compile_fx(lowered, example_inputs, config_patches=patches)
-    return QuantizedCallable(compiled, result, kept)
+        compiled = compile_fx(lowered, inputs, config_patches=patches)
+    return Variant(compiled, result, kept, [example_inputs[i] for i in frozen])
+
+
+def _graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of gm's graph (its nodes, each with a shallow copy of its meta) over gm's attributes, with gm's meta:
+    for the pipeline to rewrite while gm stays as dynamo gave it."""
+    graph = torch.fx.Graph()
+    graph._codegen = gm.graph._codegen
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copied = torch.fx.GraphModule(gm, graph)
+    copied.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        copied._param_name_to_source = gm._param_name_to_source
+    return copied
 
 
 def _without_frozen_parameters(gm: torch.fx.GraphModule, example_inputs) -> tuple[torch.fx.GraphModule, list[int]]:
@@ -85,20 +152,16 @@ def _without_frozen_parameters(gm: torch.fx.GraphModule, example_inputs) -> tupl
 
     A parameter merge_linear re-pointed into a stacked weight is a view at a storage offset, which a
     dynamic-shape recompile cannot fakify as a graph input; the lowered graph has no use for it anyway."""
-    graph = torch.fx.Graph()
-    graph._codegen = gm.graph._codegen
-    graph.output(graph.graph_copy(gm.graph, {}))
-    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    lowered = _graph_copy(gm)  # with dynamo's meta, so that AOT counts the constants as static inputs (CUDA graphs
+    # copied every quantized weight into place on each replay without it)
     kept = []
+    placeholders = [node for node in lowered.graph.nodes if node.op == "placeholder"]
     for i, (node, value) in enumerate(zip(placeholders, example_inputs, strict=True)):
         if isinstance(value, torch.nn.Parameter) and not node.users:
-            graph.erase_node(node)
+            lowered.graph.erase_node(node)
         else:
             kept.append(i)
-    lowered = torch.fx.GraphModule(gm, graph)
-    # dynamo's meta (its compile id) tells AOT the graph came from dynamo, so that it counts the constants as
-    # static inputs; without it, CUDA graphs copied every quantized weight into place on each replay.
-    lowered.meta.update(gm.meta)
+    lowered.recompile()
     return lowered, kept
 
 

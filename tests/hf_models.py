@@ -42,6 +42,15 @@ def compiled(model, **options):
     return torch.compile(model, backend="fxquant", options={"inner": "eager", **options})
 
 
+def skeleton(model):
+    """The same architecture on the meta device; the rotary frequencies (a non-persistent buffer, in no checkpoint)
+    are built for real, as a loader must."""
+    with torch.device("meta"):
+        empty = type(model)(model.config).to(torch.bfloat16)
+    empty.model.rotary_emb = type(model.model.rotary_emb)(model.config).to(torch.bfloat16)
+    return empty
+
+
 def _cache_keyword(model) -> str:
     """transformers renamed past_key_values to cache; take whichever this version's forward has."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

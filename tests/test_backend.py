@@ -160,3 +160,18 @@ def test_lowered_graph_keeps_dynamo_meta_so_cuda_graphs_take_weights_as_static()
     torch._dynamo.reset()
     torch.compile(torch.nn.Linear(16, 16), backend=capture)(torch.randn(2, 16))
     assert seen["ids"][0] is not None and seen["ids"][1] == seen["ids"][0]
+
+
+def test_a_graph_dynamo_reuses_for_another_module_runs_with_that_modules_weights():
+    """Dynamo takes parameters as graph inputs and reused one graph for every nn.Linear of the same shape, which ran
+    with the first module's frozen, quantized weights: silently wrong outputs (cosine -0.02). Each module's
+    parameters now get their own compiled variant, with one warning."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(256, 256).to(torch.bfloat16) for _ in range(3)]
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    run = torch.compile(lambda layer, x: layer(x), backend="fxquant", options={"recipe": "int8_wo", "inner": "eager"})
+    with torch.no_grad(), pytest.warns(UserWarning, match="reuses this compiled graph for another module"):
+        outs = [run(layer, x) for layer in layers] + [run(layers[0], x)]
+    for layer, out in zip([*layers, layers[0]], outs, strict=True):
+        assert rel_err(out, layer(x)) < 0.01  # int8 per channel

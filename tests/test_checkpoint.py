@@ -12,7 +12,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 from compressed_tensors.quantization.utils import calculate_qparams
 from compressed_tensors.quantization.utils.helpers import generate_gparam
-from hf_models import decoder
+from hf_models import decoder, skeleton
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_real_models import PROMPT
@@ -64,15 +64,6 @@ def ct_qparams(w: torch.Tensor, args) -> dict[str, torch.Tensor]:
     scale, zero_point = calculate_qparams(lo, hi, args, global_scale=global_scale)
     found = {"weight_scale": scale, "weight_zero_point": zero_point}
     return found if global_scale is None else {**found, "weight_global_scale": global_scale}
-
-
-def skeleton(model):
-    """The same architecture on the meta device; the rotary frequencies (a non-persistent buffer, in no checkpoint)
-    are built for real, as a loader must."""
-    with torch.device("meta"):
-        empty = type(model)(model.config).to(torch.bfloat16)
-    empty.model.rotary_emb = type(model.model.rotary_emb)(model.config).to(torch.bfloat16)
-    return empty
 
 
 def write_with_compressed_tensors(model, preset: str, path) -> dict:

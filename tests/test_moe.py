@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from hf_models import VOCAB, angle, compiled, decoder, fake_quantized, static_decode, within_bound
+from hf_models import VOCAB, angle, compiled, decoder, fake_quantized, skeleton, static_decode, within_bound
 
 import fxquant
 from fxquant import reference as R
@@ -16,6 +16,38 @@ from fxquant.passes.quantize_linear import quantize_weight
 from fxquant.quantized_experts import QuantizedExperts
 
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
+
+
+class ExpertMlp(torch.nn.Module):
+    def __init__(self, hidden, intermediate):
+        super().__init__()
+        self.w1 = torch.nn.Linear(hidden, intermediate, bias=False)
+        self.w3 = torch.nn.Linear(hidden, intermediate, bias=False)
+        self.w2 = torch.nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class ModuleListMoe(torch.nn.Module):
+    """Older Mixtral code and many community models: a ModuleList of per-expert linears, a loop over experts with
+    data-dependent token selection (torch.where), which breaks dynamo's graph inside the loop."""
+
+    def __init__(self, hidden=256, intermediate=512, experts=4, top_k=2):
+        super().__init__()
+        self.gate = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = torch.nn.ModuleList(ExpertMlp(hidden, intermediate) for _ in range(experts))
+        self.top_k = top_k
+
+    def forward(self, x):
+        weights, chosen = torch.softmax(self.gate(x), -1, dtype=torch.float).topk(self.top_k, -1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        mask = torch.nn.functional.one_hot(chosen, len(self.experts)).permute(2, 1, 0)
+        for e, expert in enumerate(self.experts):
+            slot, token = torch.where(mask[e])
+            out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        return out
 GENERATOR = torch.Generator().manual_seed(3)
 PROMPT = torch.randint(0, VOCAB, (2, 8), generator=GENERATOR)
 STEPS = torch.randint(0, VOCAB, (2, 4), generator=GENERATOR)
@@ -141,3 +173,28 @@ def test_save_quantized_refuses_quantized_experts_with_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts holds quantized experts.*skip="):
         fxquant.save_quantized(model, tmp_path)
     assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_mixtral_checkpoint_with_experts_kept_round_trips(tmp_path):
+    """save_quantized's fix for experts: quantize the rest, keep the experts; a meta skeleton loads it exactly."""
+    model = fxquant.quantize_(decoder("mixtral", num_hidden_layers=1), {"recipe": "fp8_block", "skip": [r"experts\."]})
+    fxquant.save_quantized(model, tmp_path)
+    loaded = fxquant.load_quantized(skeleton(model), tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(PROMPT).logits, model(PROMPT).logits, rtol=0, atol=0)
+    assert isinstance(loaded.model.layers[0].self_attn.q_proj, fxquant.QuantizedLinear)
+
+
+def test_per_expert_linears_in_a_module_list_are_quantized_with_each_experts_weights():
+    """Each expert's MLP compiles as a graph dynamo reuses for the next expert; each runs with its own quantized
+    weights, within the bound of an independent fake-quantized copy."""
+    torch.manual_seed(0)
+    model = ModuleListMoe().to(torch.bfloat16)
+    x = torch.randn(1, 12, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = model(x[0])
+        exact = fake_quantized(model, "int4_wo", exact=True)(x[0])
+        plain = fake_quantized(model, "int4_wo", exact=False)(x[0])
+        with pytest.warns(UserWarning, match="reuses this compiled graph"):
+            got = compiled(model, recipe="int4_wo")(x[0])
+    assert not within_bound(got[None].float(), exact[None].float(), plain[None].float(), eager[None].float())
