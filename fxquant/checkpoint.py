@@ -13,9 +13,10 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from fxquant.checkpoint_experts import expert_linear_names, split_experts, stack_experts
 from fxquant.compressed_tensors import SCHEMES, from_checkpoint, group_config, recipe_of, to_checkpoint
 from fxquant.inplace import linear_weight
-from fxquant.quantized_experts import QuantizedExperts
+from fxquant.quantized_experts import QuantizedExperts, is_experts
 from fxquant.quantized_linear import QuantizedLinear
 
 SHARD_BYTES = 5 * 2**30  # the file size transformers shards at by default
@@ -24,18 +25,23 @@ INDEX = "model.safetensors.index.json"
 
 def save_quantized(model: nn.Module, path) -> None:
     """Write `model` (quantized by quantize_) to the folder `path`: its QuantizedLinear layers in their
-    compressed-tensors layout, every other parameter and persistent buffer as it is (a tied weight once), and
-    config.json with the model's config (a transformers model's) and `quantization_config`."""
+    compressed-tensors layout, its QuantizedExperts as the checkpoint's per-expert linears (`checkpoint_experts`),
+    every other parameter and persistent buffer as it is (a tied weight once), and config.json with the model's
+    config (a transformers model's) and `quantization_config`."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors, seen, groups, ignore = {}, set(), defaultdict(list), []
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
-        if isinstance(module, QuantizedExperts):
-            raise ValueError(f"fxquant: {name} holds quantized experts, and compressed-tensors checkpoints store "
-                             "experts as per-expert linears (experts.0.w1, ...), a layout save_quantized does not "
-                             "write yet. Fix: quantize_ with skip=[r'experts\\.'] to keep the experts in high "
-                             "precision for the checkpoint, or save model.state_dict() for fxquant's own reload")
+        if isinstance(module, QuantizedExperts):  # as the checkpoint's per-expert linears
+            if module.recipe not in SCHEMES:
+                raise ValueError(f"fxquant: {name} is quantized with {module.recipe}, which has no compressed-tensors "
+                                 f"scheme here; save_quantized writes {', '.join(SCHEMES)}")
+            for linear, part in split_experts(model, name, module).items():
+                groups[module.recipe].append(linear)
+                stored = to_checkpoint(part, module.recipe)  # views into the stacked experts: safetensors
+                tensors.update({f"{linear}.{key}": t.clone() for key, t in stored.items()})  # wants their own
+            continue
         if isinstance(module, QuantizedLinear):
             if module.recipe not in SCHEMES:
                 raise ValueError(f"fxquant: {name} is quantized with {module.recipe}, which has no compressed-tensors "
@@ -86,26 +92,51 @@ def _write_shards(tensors: dict[str, torch.Tensor], path: Path) -> None:
     (path / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
 
 
-def _matches(name: str, module: nn.Module, target: str) -> bool:
-    """compressed-tensors' targets: "re:<regex>" on the name, the exact name, or a class name in the module's MRO."""
+def _matches(name: str, module: nn.Module | None, target: str) -> bool:
+    """compressed-tensors' targets: "re:<regex>" on the name, the exact name, or a class name in the module's MRO
+    (a checkpoint's per-expert linear, which has no module here, is a Linear)."""
     if target.startswith("re:"):
         return re.match(target[3:], name) is not None
-    return target == name or any(cls.__name__ == target for cls in type(module).__mro__)
+    classes = [cls.__name__ for cls in type(module).__mro__] if module is not None else ["Linear"]
+    return target == name or target in classes
+
+
+def _recipe_of_layer(name: str, module: nn.Module | None, quantization_config: dict) -> str | None:
+    """The recipe of the config group that targets the layer `name` and `ignore` does not name, or None."""
+    if any(_matches(name, module, t) for t in quantization_config.get("ignore") or []):
+        return None
+    for group_name, group in (quantization_config.get("config_groups") or {}).items():
+        if any(_matches(name, module, t) for t in group.get("targets") or []):
+            return recipe_of(group, f"config group {group_name}")
+    return None
 
 
 def _recipes(model: nn.Module, quantization_config: dict) -> dict[str, str]:
     """Layer name -> recipe, for every linear layer a config group targets and `ignore` does not."""
-    ignore = quantization_config.get("ignore") or []
     found = {}
-    for group_name, group in (quantization_config.get("config_groups") or {}).items():
-        recipe = None
-        for name, module in model.named_modules():
-            if linear_weight(module) is None and not isinstance(module, QuantizedLinear):
-                continue
-            targets = group.get("targets") or []
-            if any(_matches(name, module, t) for t in targets) and not any(_matches(name, module, t) for t in ignore):
-                recipe = recipe or recipe_of(group, f"config group {group_name}")
+    for name, module in model.named_modules():
+        if linear_weight(module) is not None or isinstance(module, QuantizedLinear):
+            recipe = _recipe_of_layer(name, module, quantization_config)
+            if recipe is not None:
                 found[name] = recipe
+    return found
+
+
+def _expert_recipes(model: nn.Module, quantization_config: dict) -> dict[str, tuple[str, dict[str, str]]]:
+    """Experts module name -> (recipe, checkpoint linear name -> the module), for each experts module whose
+    per-expert linears the config quantizes, all under one recipe (else a clear error)."""
+    found = {}
+    for name, module in model.named_modules():
+        if not is_experts(module):
+            continue
+        linears = [n for names in expert_linear_names(model, name, module.gate_up_proj.shape[0]) for n in names]
+        recipes = {_recipe_of_layer(linear, None, quantization_config) for linear in linears}
+        if recipes == {None}:
+            continue
+        if len(recipes) > 1:
+            raise ValueError(f"fxquant: the checkpoint quantizes {name}'s per-expert linears under different schemes "
+                             f"({', '.join(sorted(map(str, recipes)))}); fxquant's experts take one per module")
+        found[name] = (recipes.pop(), dict.fromkeys(linears, name))
     return found
 
 
@@ -120,6 +151,8 @@ def load_quantized(model: nn.Module, path, device=None) -> nn.Module:
     if not config or config.get("quant_method") != "compressed-tensors":
         raise ValueError(f"fxquant: {path / 'config.json'} holds no compressed-tensors quantization_config")
     recipes = _recipes(model, config)
+    experts = _expert_recipes(model, config)
+    expert_of = {linear: name for _, linears in experts.values() for linear, name in linears.items()}
     for name, recipe in recipes.items():
         module = model.get_submodule(name)
         if isinstance(module, QuantizedLinear):
@@ -139,14 +172,24 @@ def load_quantized(model: nn.Module, path, device=None) -> nn.Module:
         with safe_open(str(file), framework="pt", device=str(device)) as f:
             for key in f.keys():  # noqa: SIM118  (safe_open handles have keys(), not iteration)
                 name, _, local = key.rpartition(".")
-                if name in recipes and local != "bias":
+                if name in recipes and local != "bias" or name in expert_of:
                     pending[name][local] = f.get_tensor(key)
                     continue
                 _assign(model, key, f.get_tensor(key), owners)
     for name, tensors in pending.items():
+        if name in expert_of:
+            continue
         module = model.get_submodule(name)
         for key, t in from_checkpoint(tensors, recipes[name], module.out_features).items():
             setattr(module, key, nn.Parameter(t, requires_grad=False))
+    for name, (recipe, linears) in experts.items():
+        missing = [linear for linear in linears if linear not in pending]
+        if missing:
+            raise ValueError(f"fxquant: the checkpoint in {path} holds no tensors for {missing[:4]}, experts of {name}")
+        parent, _, attr = name.rpartition(".")
+        parts_of = lambda linear, rows, recipe=recipe: from_checkpoint(pending[linear], recipe, rows)
+        setattr(model.get_submodule(parent), attr,
+                stack_experts(model, name, model.get_submodule(name), recipe, parts_of))
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if left:
         raise ValueError(f"fxquant: the checkpoint in {path} holds no values for {left[:8]}"

@@ -4,6 +4,7 @@ in compressed-tensors to fxquant's values. NVFP4's global scale is divided by th
 rounded reciprocal), which may round an element apart; on these models no element does."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -66,6 +67,15 @@ def ct_qparams(w: torch.Tensor, args) -> dict[str, torch.Tensor]:
     return found if global_scale is None else {**found, "weight_global_scale": global_scale}
 
 
+def save_with_config(model, tensors: dict, scheme, fmt: str, path) -> None:
+    """`tensors` as the checkpoint, with config.json holding compressed-tensors' own quantization_config."""
+    save_file(tensors, path / "model.safetensors")
+    config = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, ignore=["lm_head"])
+    (path / "config.json").write_text(json.dumps(
+        {**model.config.to_dict(), "quantization_config": config.model_dump(mode="json", exclude_none=True)},
+        default=str))
+
+
 def write_with_compressed_tensors(model, preset: str, path) -> dict:
     """A checkpoint compressed-tensors' compressors write: every linear but lm_head; layer -> decompressed weight."""
     scheme_args, fmt, _ = CT_SCHEMES[preset]
@@ -82,12 +92,7 @@ def write_with_compressed_tensors(model, preset: str, path) -> dict:
         expected[name] = compressor.decompress(dict(compressed), scheme)["weight"]
         del state[f"{name}.weight"]
         tensors.update({f"{name}.{key}": t.contiguous() for key, t in compressed.items()})
-    tensors.update({k: v.contiguous() for k, v in state.items()})
-    save_file(tensors, path / "model.safetensors")
-    config = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, ignore=["lm_head"])
-    (path / "config.json").write_text(json.dumps(
-        {**model.config.to_dict(), "quantization_config": config.model_dump(mode="json", exclude_none=True)},
-        default=str))
+    save_with_config(model, {**tensors, **{k: v.contiguous() for k, v in state.items()}}, scheme, fmt, path)
     return expected
 
 
@@ -165,4 +170,130 @@ def test_a_scheme_no_recipe_computes_is_refused_by_name(tmp_path):
     config["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(NotImplementedError, match="config group group_0: no fxquant recipe computes"):
+        fxquant.load_quantized(skeleton(model), tmp_path)
+
+
+def expert_weights(experts: fxquant.QuantizedExperts, e: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert e's gate_up [2I, H] and down [H, I] weights through fxquant's reference."""
+    def projection(name, out_features, in_features):
+        part = lambda suffix: getattr(experts, name + suffix)
+        parts = [None if part(s) is None else part(s)[e] for s in ("", "_scale", "_global_scale", "_zero_point")]
+        return dequantized(SimpleNamespace(recipe=experts.recipe, weight=parts[0], weight_scale=parts[1],
+                                           weight_global_scale=parts[2], weight_zero_point=parts[3],
+                                           out_features=out_features, in_features=in_features), dtype)
+
+    hidden, inter = experts.hidden_dim, experts.intermediate_dim
+    return projection("gate_up_proj", 2 * inter, hidden), projection("down_proj", hidden, inter)
+
+
+def mixtral_expert_linears(name: str, e: int) -> tuple[str, str, str]:
+    """Mixtral checkpoints' per-expert linears: w1 (gate), w3 (up), w2 (down) under block_sparse_moe."""
+    path = name.replace(".mlp.experts", ".block_sparse_moe.experts")
+    return f"{path}.{e}.w1", f"{path}.{e}.w3", f"{path}.{e}.w2"
+
+
+def write_mixtral_with_compressed_tensors(model, preset: str, path) -> dict:
+    """A Mixtral checkpoint as compressed-tensors' compressors write one: the attention linears and each expert's
+    w1, w3 and w2, gate and up computed together so that they share NVFP4's global scale (llm-compressor fuses
+    it, as vLLM needs); linear name -> decompressed weight."""
+    scheme_args, fmt, _ = CT_SCHEMES[preset]
+    scheme = QuantizationScheme(targets=["Linear"], **scheme_args)
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    state, groups = dict(model.state_dict()), []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head" and module.weight.shape[0] % 16 == 0:
+            groups.append([(name, state.pop(f"{name}.weight"))])
+        elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):
+            gate_up, down = state.pop(f"{name}.gate_up_proj"), state.pop(f"{name}.down_proj")
+            inter = gate_up.shape[1] // 2
+            for e in range(gate_up.shape[0]):
+                w1, w3, w2 = mixtral_expert_linears(name, e)
+                groups += [[(w1, gate_up[e, :inter]), (w3, gate_up[e, inter:])], [(w2, down[e])]]
+    tensors, expected = {}, {}
+    for group in groups:
+        whole = torch.cat([w for _, w in group])
+        qparams, first = ct_qparams(whole, scheme.weights), 0
+        for name, w in group:
+            rows = lambda t, first=first, n=w.shape[0], total=whole.shape[0]: t if t.numel() == 1 else t[
+                first * t.shape[0] // total:(first + n) * t.shape[0] // total]
+            compressed = compressor.compress({"weight": w, **{k: rows(v) for k, v in qparams.items()}}, scheme)
+            expected[name] = compressor.decompress(dict(compressed), scheme)["weight"]
+            tensors.update({f"{name}.{key}": t.clone() for key, t in compressed.items()})  # gate, up: own copies
+            first += w.shape[0]
+    save_with_config(model, {**tensors, **{k: v.contiguous() for k, v in state.items()}}, scheme, fmt, path)
+    return expected
+
+
+@pytest.mark.parametrize("preset", list(CT_SCHEMES))
+def test_a_mixtral_checkpoint_compressed_tensors_wrote_loads_its_experts_bit_identically(tmp_path, preset):
+    model = decoder("mixtral")
+    expected = write_mixtral_with_compressed_tensors(model, preset, tmp_path)
+    loaded = fxquant.load_quantized(skeleton(model), tmp_path)
+    for i, layer in enumerate(loaded.model.layers):
+        experts = layer.mlp.experts
+        assert isinstance(experts, fxquant.QuantizedExperts) and experts.recipe == CT_SCHEMES[preset][2]
+        for e in range(experts.num_experts):
+            w1, w3, w2 = mixtral_expert_linears(f"model.layers.{i}.mlp.experts", e)
+            gate_up, down = expert_weights(experts, e, expected[w1].dtype)
+            want = torch.cat([expected[w1], expected[w3]])
+            assert torch.equal(gate_up.view(torch.int16), want.view(torch.int16)), (w1, w3)
+            assert torch.equal(down.view(torch.int16), expected[w2].view(torch.int16)), w2
+    with torch.no_grad():
+        assert torch.isfinite(loaded(PROMPT, use_cache=False).logits).all()
+
+
+@pytest.mark.parametrize("recipe", ["fp8_row", "fp8_block", "fp8_tensor", "int8_wo", "int4_wo", "mxfp4_wo", "nvfp4_wo"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_quantized_experts_fxquant_wrote_decompress_in_compressed_tensors(tmp_path, arch, recipe):
+    """Experts are written as the per-expert linears transformers' checkpoints hold (Mixtral: w1 / w3 / w2 under
+    block_sparse_moe; Qwen2-MoE: gate_proj / up_proj / down_proj), and read back bit for bit."""
+    model = fxquant.quantize_(decoder(arch), {"recipe": recipe})
+    fxquant.save_quantized(model, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    config = QuantizationConfig.model_validate(written)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        stored = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+    qwen = ("mlp", "gate_proj", "up_proj", "down_proj")
+    names = ("block_sparse_moe", "w1", "w3", "w2") if arch == "mixtral" else qwen
+    group = next(iter(config.config_groups.values()))
+    compressor = BaseCompressor.get_value_from_registry(group.format)
+    for i, layer in enumerate(model.model.layers):
+        experts = layer.mlp.experts
+        for e in range(experts.num_experts):
+            gate, up, down = (f"model.layers.{i}.{names[0]}.experts.{e}.{n}" for n in names[1:])
+            got = {}
+            for linear in (gate, up, down):
+                assert linear in group.targets
+                local = {key[len(linear) + 1:]: t for key, t in stored.items() if key.startswith(linear + ".")}
+                got[linear] = compressor.decompress(local, group)["weight"]
+            gate_up, down_w = expert_weights(experts, e, got[gate].dtype)
+            assert torch.equal(torch.cat([got[gate], got[up]]), gate_up) and torch.equal(got[down], down_w), (i, e)
+    reloaded = fxquant.load_quantized(skeleton(model), tmp_path)
+    with torch.no_grad():
+        assert torch.equal(reloaded(PROMPT, use_cache=False).logits, model(PROMPT, use_cache=False).logits)
+
+
+def rewrite(path, change) -> None:
+    """Apply change(tensors) to the checkpoint's one safetensors file."""
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+    change(tensors)
+    save_file(tensors, path / "model.safetensors")
+
+
+def test_experts_whose_gate_and_up_disagree_on_a_global_scale_are_refused_by_name(tmp_path):
+    model = fxquant.quantize_(decoder("mixtral", num_hidden_layers=1), {"recipe": "nvfp4_wo"})
+    fxquant.save_quantized(model, tmp_path)
+    key = "model.layers.0.block_sparse_moe.experts.2.w3.weight_global_scale"
+    rewrite(tmp_path, lambda tensors: tensors.__setitem__(key, tensors[key] * 2))
+    with pytest.raises(ValueError, match=r"experts\.2\.w1 and .*experts\.2\.w3 have different weight_global_scale"):
+        fxquant.load_quantized(skeleton(model), tmp_path)
+
+
+def test_a_checkpoint_missing_an_experts_tensors_is_refused_by_name(tmp_path):
+    model = fxquant.quantize_(decoder("mixtral", num_hidden_layers=1), {"recipe": "int4_wo"})
+    fxquant.save_quantized(model, tmp_path)
+    gone = "model.layers.0.block_sparse_moe.experts.3.w2."
+    rewrite(tmp_path, lambda tensors: [tensors.pop(k) for k in list(tensors) if k.startswith(gone)])
+    with pytest.raises(ValueError, match=r"no tensors for \['model\.layers\.0\.block_sparse_moe\.experts\.3\.w2'\]"):
         fxquant.load_quantized(skeleton(model), tmp_path)
