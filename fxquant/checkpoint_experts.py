@@ -1,7 +1,7 @@
 """MoE experts in compressed-tensors checkpoints: per-expert linears, as transformers' checkpoints hold them.
 
 transformers 5 keeps a model's experts as 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I], and merges the
-checkpoint's per-expert linears into them when it loads one (its conversion_mapping.py): Mixtral's
+checkpoint's per-expert linears into them when it loads one (its checkpoint conversion mapping): Mixtral's
 `block_sparse_moe.experts.{e}.w1` (gate), `.w3` (up) and `.w2` (down); Qwen2-MoE's and its family's
 `mlp.experts.{e}.gate_proj`, `.up_proj` and `.down_proj`. compressed-tensors' compressors and vLLM's loaders read
 those per-expert linears, so save_quantized splits a QuantizedExperts into them, and load_quantized stacks them back,
