@@ -156,3 +156,16 @@ def test_outlier_that_coarsens_a_per_tensor_scale_warns_and_the_report_shows_it(
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # per-channel scales confine the outlier to its own row
         compile_and_run(model, X, recipe="fp8_row")
+
+
+def test_a_gate_of_one_output_is_reported_not_warned_about(capsys):
+    """Qwen2-MoE's shared-expert gate is [1, H]: no recipe tiles it, and it holds no bytes worth a warning."""
+    gate = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 1)).to(torch.bfloat16)
+    torch._dynamo.reset()
+    fn = torch.compile(gate, backend="fxquant", options={"inner": "eager", "recipe": "fp8_row", "report": True})
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        fn(torch.randn(4, 256, dtype=torch.bfloat16))
+    assert not [w for w in caught if "numerics lint" in str(w.message)]
+    report = capsys.readouterr().out
+    assert next(line for line in report.splitlines() if line.startswith("1 ")).split()[2] == "skipped:"
