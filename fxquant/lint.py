@@ -185,14 +185,17 @@ def _fp16_activation_findings(gm, example_inputs) -> list[Finding]:
 
     findings = []
 
-    def check(node, x, w, bias):
+    def check(node, x, w, bias, routing):
         if node_dtype(node) != torch.float16:
             return
-        rows = x.reshape(-1, x.shape[-1])
-        rows = rows[torch.isfinite(rows).all(-1)].float()  # rows already poisoned propagate, as documented
+        finite = lambda rows: rows[torch.isfinite(rows).all(-1)].float()  # poisoned rows propagate, as documented
         # fp32 accumulation, as every fxquant GEMM: only the final cast to fp16 can overflow.
-        out = torch.nn.functional.linear(rows, w.float(), None if bias is None else bias.float())
-        amax = float(out.abs().max()) if out.numel() else 0.0
+        if routing is None:
+            outs = [torch.nn.functional.linear(finite(x.reshape(-1, x.shape[-1])), w.float(),
+                                               None if bias is None else bias.float())]
+        else:  # each expert's rows by its own weights
+            outs = [finite(x[rows]) @ w[e].float().T for e, rows in routing.groups()]
+        amax = max((float(out.abs().max()) for out in outs if out.numel()), default=0.0)
         if amax > FP16_MAX:
             findings.append(Finding("error", "fp16_overflow", linear_fqn(node), f"output reaches {amax:.4g} on the "
                                     f"sample inputs, past fp16's {FP16_MAX:g}: it would be inf. Fix: run the model in "

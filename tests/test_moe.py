@@ -191,3 +191,23 @@ def test_per_expert_linears_in_a_module_list_are_quantized_with_each_experts_wei
         with pytest.warns(UserWarning, match="reuses this compiled graph"):
             got = compiled(model, recipe="int4_wo")(x[0])
     assert not within_bound(got[None].float(), exact[None].float(), plain[None].float(), eager[None].float())
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_inspect_and_auto_measure_experts_and_pick_a_recipe_for_them(implementation, capsys):
+    """recipe="auto" kept experts, most of an MoE model's bytes, in high precision; each expert product is now
+    measured against its fp32 shadow on the sample routing and gets the cheapest recipe that meets the floor."""
+    model = decoder("mixtral", num_hidden_layers=1)
+    model.set_experts_implementation(implementation)
+    report = fxquant.inspect(model, (PROMPT,), {"recipe": "auto", "min_sqnr_db": 25})
+    experts = [m for m in report.layers if ".experts." in m.fqn]
+    assert [m.fqn for m in experts] == ["model.layers.0.mlp.experts.gate_up_proj",
+                                        "model.layers.0.mlp.experts.down_proj"]
+    for m in experts:  # random weights: 4-bit schemes reach about 20 dB, fp8 about 31
+        assert m.chosen_by_auto and m.recipe in ("fp8_row", "fp8_block", "fp8_tensor")
+        assert m.out_sqnr >= 25 and m.weight_sqnr > 25
+    with torch.no_grad():
+        compiled(model, report=True, recipe="auto", layer_recipes=report.config.layer_recipes)(PROMPT)
+    rows = capsys.readouterr().out.splitlines()
+    for m in experts:  # the backend quantizes each as inspect chose
+        assert m.recipe in next(line for line in rows if line.startswith(m.fqn + " "))
