@@ -29,9 +29,10 @@ def linear_weight(module: nn.Module) -> torch.Tensor | None:
 def _routers(model: nn.Module, example_inputs) -> set[str]:
     """Names of the linears whose output selects experts, found in the graphs of one run on example_inputs."""
     found: set[str] = set()
+    names = {id(param): name for name, param in model.named_parameters()}  # as quantize_ names the layers
 
     def capture(gm, inputs):
-        gm = prepare(gm, PipelineState(QuantConfig()), inputs)
+        gm = prepare(gm, PipelineState(QuantConfig()), inputs, names)
         found.update(a.fqn for node in gm.graph.nodes if (a := annotation(node)) is not None and a.router)
         return gm.forward
 

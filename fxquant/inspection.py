@@ -50,11 +50,12 @@ def inspect(model: torch.nn.Module, example_inputs, config: QuantConfig | dict |
     """
     config = from_options(config)
     layers: list[LayerError] = []
+    names = {id(param): name for name, param in model.named_parameters()}  # layers named from the model's root
 
     def capture(gm, inputs):
         device = graph_device(gm, inputs)
         check_config(config, device)
-        gm = prepare(gm, PipelineState(config), inputs)
+        gm = prepare(gm, PipelineState(config), inputs, names)
         layers.extend(measure_graph(gm, inputs, config, usable_recipes(device)))
         return gm.forward
 

@@ -42,9 +42,13 @@ class PipelineResult:
                           stacklevel=3)
 
 
-def prepare(gm: torch.fx.GraphModule, state: PipelineState, example_inputs=None) -> torch.fx.GraphModule:
-    """freeze_params -> detect -> upcast: the graph annotated, with its reductions in fp32, not yet quantized."""
-    result = PassManager(passes=[FreezeParams(example_inputs), Detect(), Upcast(state)], steps=1)(gm)
+def prepare(gm: torch.fx.GraphModule, state: PipelineState, example_inputs=None,
+            parameter_names: dict[int, str] | None = None) -> torch.fx.GraphModule:
+    """freeze_params -> detect -> upcast: the graph annotated, with its reductions in fp32, not yet quantized.
+    parameter_names (id of a parameter -> its name in the model) names layers from the model's root where the
+    caller holds the model: dynamo names them from the compiled frame's module, a submodule after a graph break."""
+    passes = [FreezeParams(example_inputs, parameter_names), Detect(), Upcast(state)]
+    result = PassManager(passes=passes, steps=1)(gm)
     return result.graph_module
 
 

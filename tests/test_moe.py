@@ -211,3 +211,15 @@ def test_inspect_and_auto_measure_experts_and_pick_a_recipe_for_them(implementat
     rows = capsys.readouterr().out.splitlines()
     for m in experts:  # the backend quantizes each as inspect chose
         assert m.recipe in next(line for line in rows if line.startswith(m.fqn + " "))
+
+
+def test_auto_keeps_experts_it_could_not_measure_and_says_why(capsys):
+    """transformers' eager experts loop runs outside the graphs recipe='auto' measures: quantize_ keeps those
+    experts, naming the fix, instead of guessing a recipe."""
+    model = decoder("mixtral", num_hidden_layers=1)
+    model.set_experts_implementation("eager")
+    fxquant.quantize_(model, {"recipe": "auto", "report": True}, example_inputs=(PROMPT,))
+    assert not any(isinstance(m, QuantizedExperts) for m in model.modules())
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("model.layers.0.mlp.experts.gate_up_proj "))
+    assert "auto' measured no recipe for these experts" in row and "layer_recipes" in row

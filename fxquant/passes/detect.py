@@ -27,7 +27,9 @@ def _linear_fqn(node: torch.fx.Node, weight) -> str | None:
     weight_fqn = weight.meta.get(FQN_KEY) if isinstance(weight, torch.fx.Node) else None
     owner = weight_fqn.rpartition(".")[0] if weight_fqn and "." in weight_fqn else None
     path = module_path(node)
-    if path and (owner is None or not (owner == path or owner.startswith(path + "."))):
+    # The module running it owns the weight when its path (relative to the compiled frame's module, after a graph
+    # break) runs along the owner's: layers.0.mlp in model.layers.0.mlp.experts.
+    if path and (owner is None or f".{path}." not in f".{owner}."):
         return path  # the weight belongs to another module (tied): name the layer that runs it
     if weight_fqn and weight_fqn.endswith(".weight"):
         return weight_fqn[: -len(".weight")]

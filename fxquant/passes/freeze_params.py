@@ -35,9 +35,10 @@ def placeholder_fqn(node: torch.fx.Node) -> str:
 
 
 class FreezeParams(PassBase):
-    def __init__(self, example_inputs):
+    def __init__(self, example_inputs, parameter_names: dict[int, str] | None = None):
         super().__init__()
         self.example_inputs = list(example_inputs or [])
+        self.parameter_names = parameter_names or {}  # id(parameter) -> its name in the model, where known
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         modified = False
@@ -45,7 +46,7 @@ class FreezeParams(PassBase):
         for node, value in zip(placeholders, self.example_inputs, strict=False):
             if not isinstance(value, torch.nn.Parameter) or not node.users:
                 continue
-            fqn = placeholder_fqn(node)
+            fqn = self.parameter_names.get(id(value)) or placeholder_fqn(node)
             attr = "_fxq_param_" + re.sub(r"\W", "_", fqn)
             # A detached alias: same storage and version counter, but the inference graph tracks no grad.
             gm.register_buffer(attr, value.detach())

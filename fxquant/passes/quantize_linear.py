@@ -125,7 +125,8 @@ def skip_reason(w, fqn, config: QuantConfig, auto_reasons=None, dims: int = 2) -
     if reason:
         return reason
     if dims == 3 and config.recipe == AUTO and config.layer_recipe(fqn) is None:
-        return "recipe='auto' measures linear layers: name a recipe for experts in layer_recipes"
+        return ("recipe='auto' measured no recipe for these experts (they ran outside the graphs it measures): name "
+                "one in layer_recipes")
     recipe = config.recipe_for(fqn)
     if recipe == KEEP:
         return (auto_reasons or {}).get(fqn, "layer_recipes keeps it in high precision")
