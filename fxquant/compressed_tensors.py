@@ -86,7 +86,8 @@ def recipe_of(group: dict, where: str) -> str:
 
 def _pack_rows(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes (two 4-bit codes a byte, low nibble first, or one 8-bit code) -> int32 words along each row."""
-    return codes.contiguous().view(torch.int32)
+    # Through 1-D: a size-1 leading dim may carry any stride, which view() to a wider dtype refuses.
+    return codes.contiguous().reshape(-1).view(torch.int32).reshape(*codes.shape[:-1], -1)
 
 
 def _nibbles_down(values: torch.Tensor) -> torch.Tensor:

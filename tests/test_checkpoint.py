@@ -243,7 +243,7 @@ def test_a_mixtral_checkpoint_compressed_tensors_wrote_loads_its_experts_bit_ide
 
 
 @pytest.mark.parametrize("recipe", ["fp8_row", "fp8_block", "fp8_tensor", "int8_wo", "int4_wo", "mxfp4_wo", "nvfp4_wo"])
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_quantized_experts_fxquant_wrote_decompress_in_compressed_tensors(tmp_path, arch, recipe):
     """Experts are written as the per-expert linears transformers' checkpoints hold (Mixtral: w1 / w3 / w2 under
     block_sparse_moe; Qwen2-MoE: gate_proj / up_proj / down_proj), and read back bit for bit."""

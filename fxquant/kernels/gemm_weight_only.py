@@ -201,7 +201,9 @@ def weight_operands(a, w, w_scale, fmt: str, group: int, N: int):
         raise ValueError(f"fxquant: weight-only groups must be powers of two, got {group}")
     scale = w_scale.view(torch.uint8) if fmt in ("mxfp4", "nvfp4", "mxfp8") else w_scale
     # packed 4-bit rows as words of 8 codes; e4m3 codes as bytes
-    codes = w.contiguous().view(torch.int32) if packed else w.view(torch.uint8) if fmt == "mxfp8" else w
+    # (packed words through 1-D: a size-1 leading dim may carry any stride, which view() to int32 refuses)
+    words = lambda t: t.contiguous().reshape(-1).view(torch.int32).reshape(*t.shape[:-1], -1)
+    codes = words(w) if packed else w.view(torch.uint8) if fmt == "mxfp8" else w
     return codes, scale.reshape(*lead, N, -1)
 
 
