@@ -39,8 +39,8 @@ def save_quantized(model: nn.Module, path) -> None:
                                  f"scheme here; save_quantized writes {', '.join(SCHEMES)}")
             for linear, part in split_experts(model, name, module).items():
                 groups[module.recipe].append(linear)
-                stored = to_checkpoint(part, module.recipe)  # views into the stacked experts: safetensors
-                tensors.update({f"{linear}.{key}": t.clone() for key, t in stored.items()})  # wants their own
+                stored = to_checkpoint(part, module.recipe)
+                tensors.update({f"{linear}.{key}": t.contiguous() for key, t in stored.items()})
             continue
         if isinstance(module, QuantizedLinear):
             if module.recipe not in SCHEMES:
@@ -82,14 +82,21 @@ def _write_shards(tensors: dict[str, torch.Tensor], path: Path) -> None:
         shards[-1][key] = t
         size += nbytes
     if len(shards) == 1:
-        save_file(shards[0], path / "model.safetensors", metadata={"format": "pt"})
+        save_file(_owning(shards[0]), path / "model.safetensors", metadata={"format": "pt"})
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, path / name, metadata={"format": "pt"})
+        save_file(_owning(shard), path / name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, name))
     (path / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+
+
+def _owning(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The shard with each tensor that is a view into a larger storage (an expert's rows of the stacked experts)
+    copied, since safetensors refuses tensors that share memory; one shard's copies at a time."""
+    whole = lambda t: t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return {key: t if whole(t) else t.clone() for key, t in shard.items()}
 
 
 def _matches(name: str, module: nn.Module | None, target: str) -> bool:

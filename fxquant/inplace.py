@@ -115,8 +115,9 @@ def _quantize_experts(model: nn.Module, fqn: str, config: QuantConfig) -> list[L
         reasons.append(f"its projections ask for different recipes ({', '.join(sorted(recipes))})")
     reason = "; ".join(dict.fromkeys(r for r in reasons if r))
     before = {p: w.numel() * w.element_size() for p, w in weights.items()}
+    shapes = {p: tuple(w.shape) for p, w in weights.items()}
     if reason:
-        return [LayerRecord(names[p], tuple(w.shape), None, reason, before[p], before[p]) for p, w in weights.items()]
+        return [LayerRecord(names[p], shapes[p], None, reason, before[p], before[p]) for p in PROJECTIONS]
     recipe = recipes.pop()
     with torch.no_grad():
         quantized = QuantizedExperts.from_module(module, recipe)
@@ -126,9 +127,8 @@ def _quantize_experts(model: nn.Module, fqn: str, config: QuantConfig) -> list[L
     records = []
     for projection in PROJECTIONS:
         parts = [p for name, p in quantized.named_parameters() if name.startswith(projection)]
-        records.append(LayerRecord(names[projection], tuple(getattr(quantized, projection).shape[:2]) + (
-            quantized.hidden_dim if projection == "gate_up_proj" else quantized.intermediate_dim,), recipe, "",
-            before[projection], sum(p.numel() * p.element_size() for p in parts)))
+        records.append(LayerRecord(names[projection], shapes[projection], recipe, "", before[projection],
+                                   sum(p.numel() * p.element_size() for p in parts)))
     return records
 
 

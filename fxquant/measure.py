@@ -54,13 +54,9 @@ class Routing:
     ids: torch.Tensor | None = None
 
     def groups(self):
-        """(expert, row index) for each expert with rows."""
+        """(expert, its rows: a slice or an index) for each expert with rows."""
         if self.offs is not None:
-            start = 0
-            for e, end in enumerate(self.offs.tolist()):
-                if end > start:
-                    yield e, torch.arange(start, end, device=self.offs.device)
-                start = end
+            yield from R.expert_rows(self.offs)
             return
         for e in self.ids.unique().tolist():
             yield e, (self.ids == e).nonzero().squeeze(-1)
@@ -138,7 +134,7 @@ def measure(fqn: str, x: torch.Tensor, w: torch.Tensor, bias, recipe: str, out_d
         shadow = F.linear(x.float(), w.float(), None if bias is None else bias.float())
         out = quantized_linear(q, bias, recipe, out_dtype)(x)
         return LayerError(fqn, tuple(w.shape), recipe, "", w_sqnr, _act_sqnr(x, recipe), sqnr_db(out, shadow))
-    w_sqnr = sqnr_db(torch.stack([R.dequantize(R.expert(q, e), torch.float32) for e in range(w.shape[0])]), w)
+    w_sqnr = sqnr_db(R.dequantize_experts(q, torch.float32), w)
     shadow = x.new_zeros((x.shape[0], w.shape[1]), dtype=torch.float32)
     for e, rows in routing.groups():
         shadow[rows] = x[rows].float() @ w[e].float().T

@@ -223,16 +223,12 @@ def _(x, w, w_scale, bias):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
-def _per_expert(like: Tensor, m: int, offs: Tensor, out_features: int, expert_linear) -> Tensor:
-    """The grouped GEMM by its definition, for devices and dtypes no kernel serves: [m, out_features] in like's
-    dtype, expert_linear(e, rows), a slice of rows, on each expert's rows [offs[e-1], offs[e]); the rows past
-    offs[-1] belong to no expert and are zero."""
-    out = like.new_zeros((m, out_features))
-    start = 0
-    for e, end in enumerate(offs.tolist()):  # one host sync: fine where no kernel runs
-        if end > start:
-            out[start:end] = expert_linear(e, slice(start, end))
-        start = end
+def _per_expert(x: Tensor, offs: Tensor, out_features: int, out_dtype: torch.dtype, expert_linear) -> Tensor:
+    """The grouped GEMM by its definition, for devices and dtypes no kernel serves: expert_linear(e, rows), a slice
+    of x's rows, on each expert's rows; the rows past offs[-1] belong to no expert and are zero."""
+    out = x.new_zeros((x.shape[0], out_features), dtype=out_dtype)
+    for e, rows in R.expert_rows(offs):  # one host sync: fine where no kernel runs
+        out[rows] = expert_linear(e, rows)
     return out
 
 
@@ -251,7 +247,7 @@ def _grouped_scaled_mm_fp8(a: Tensor, a_scale: Tensor, offs: Tensor, w: Tensor, 
     if a.is_cuda and capability(a.device) >= (8, 9):
         return grouped_fp8_mm(a, a_scale, offs.int(), w, w_scale, out_dtype)
     per_tensor = a_scale.numel() == 1
-    return _per_expert(a.new_empty(0, dtype=out_dtype), a.shape[0], offs, w.shape[1], lambda e, rows: _scaled_mm_fp8(
+    return _per_expert(a, offs, w.shape[1], out_dtype, lambda e, rows: _scaled_mm_fp8(
         a[rows], a_scale if per_tensor else a_scale[rows], w[e], w_scale[e], None, out_dtype))
 
 
@@ -273,7 +269,7 @@ def _grouped_linear_weight_only(x: Tensor, offs: Tensor, w: Tensor, w_scale: Ten
         return grouped_weight_only_mm(x, offs.int(), w, w_scale, fmt, group_size, out_features,
                                       zero_point=w_zero_point, global_scale=w_global_scale)
     pick = lambda t, e: None if t is None else t[e]
-    return _per_expert(x, x.shape[0], offs, out_features, lambda e, rows: _linear_weight_only(
+    return _per_expert(x, offs, out_features, x.dtype, lambda e, rows: _linear_weight_only(
         x[rows], w[e], w_scale[e], pick(w_global_scale, e), pick(w_zero_point, e), None, fmt, group_size, out_features))
 
 
@@ -293,7 +289,7 @@ def _grouped_linear_mxfp8(x: Tensor, offs: Tensor, w: Tensor, w_scale: Tensor) -
     _check_grouped(x, offs, w)
     if x.is_cuda and x.dtype == torch.bfloat16 and capability(x.device) >= (8, 9):
         return grouped_weight_only_mm(mxfp8_values(x), offs.int(), w, w_scale, "mxfp8", R.MX_BLOCK, w.shape[1])
-    return _per_expert(x, x.shape[0], offs, w.shape[1], lambda e, rows: _linear_mxfp8(x[rows], w[e], w_scale[e], None))
+    return _per_expert(x, offs, w.shape[1], x.dtype, lambda e, rows: _linear_mxfp8(x[rows], w[e], w_scale[e], None))
 
 
 grouped_linear_mxfp8 = _op("grouped_linear_mxfp8(Tensor x, Tensor offs, Tensor w, Tensor w_scale) -> Tensor",

@@ -143,16 +143,29 @@ def expert(q: Quantized, e: int) -> Quantized:
                      global_scale=pick(q.global_scale), zero_point=pick(q.zero_point), scale_mode=q.scale_mode)
 
 
+def dequantize_experts(q: Quantized, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Stacked experts [E, N, K], each expert dequantized with its own scales."""
+    return torch.stack([dequantize(expert(q, e), dtype) for e in range(q.shape[0])])
+
+
+def expert_rows(offs: torch.Tensor):
+    """(expert, its rows as a slice) for each expert with rows, rows sorted by expert with cumulative ends `offs`
+    (the grouped_mm contract). One host sync."""
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            yield e, slice(start, end)
+        start = end
+
+
 def grouped_linear(x: torch.Tensor, offs: torch.Tensor, w: Quantized, out_dtype=None) -> torch.Tensor:
     """The grouped GEMM over rows sorted by expert: out[r] = x[r] @ dequantize(w[e]).T for expert e's rows
     [offs[e-1], offs[e]) (cumulative ends, the grouped_mm contract), in fp32 with one cast; rows past offs[-1]
     belong to no expert and are zero. x: [M, K], already the values the GEMM multiplies (dequantized
     activations)."""
     out = torch.zeros((x.shape[0], w.shape[1]), dtype=torch.float32, device=x.device)
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        out[start:end] = x[start:end].float() @ dequantize(expert(w, e), torch.float32).T
-        start = end
+    for e, rows in expert_rows(offs):
+        out[rows] = x[rows].float() @ dequantize(expert(w, e), torch.float32).T
     return out.to(out_dtype or x.dtype)
 
 

@@ -87,12 +87,12 @@ def linear_operands(node: torch.fx.Node) -> LinearOperands | None:
         bias, x, w = node.args[:3]
         plain = _arg(node, 3, "beta", 1) == 1 and _arg(node, 4, "alpha", 1) == 1
         bias_is_row = isinstance(fake_value(bias), torch.Tensor) and fake_value(bias).dim() == 1
-        if plain and bias_is_row and _is_constant(w) and _is_2d_parameter(w):
+        if plain and bias_is_row and _is_2d_parameter(w):
             return LinearOperands(x, w, bias, True)
         return None
     if target in MM | MATMUL:
         x, w = node.args[:2]
-        if _is_constant(w) and _is_2d_parameter(w) and not _is_constant(x):
+        if _is_2d_parameter(w) and not _is_constant(x):
             return LinearOperands(x, w, None, True)
     return None
 

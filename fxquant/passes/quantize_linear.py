@@ -58,10 +58,10 @@ QUANTIZE_ROWS = 512
 
 def quantize_weight(w: torch.Tensor, recipe: str):
     """The recipe's quantized weight [N, K], or experts' [E, N, K] stacked expert by expert (codes, scale, global
-    scale, zero point in one Quantized), in chunks of
-    QUANTIZE_ROWS rows, bit for bit the whole-tensor result. A per-tensor scale (fp8_tensor, NVFP4's global scale) is
-    computed first from the chunks' maxima and given to every chunk as a static scale; a per-tensor fp8 scale that a
-    non-finite weight poisons is left to the whole-tensor pass, which spreads the poison as documented."""
+    scale, zero point in one Quantized), in chunks of QUANTIZE_ROWS rows, bit for bit the whole-tensor result. A
+    per-tensor scale (fp8_tensor, NVFP4's global scale) is computed first from the chunks' maxima and given to every
+    chunk as a static scale; a per-tensor fp8 scale that a non-finite weight poisons is left to the whole-tensor
+    pass, which spreads the poison as documented."""
     if w.dim() == 3:
         return R.stack_experts([quantize_weight(w[e], recipe) for e in range(w.shape[0])])
     scheme = RECIPES[recipe]
@@ -96,8 +96,7 @@ def _quantize_and_measure(w: torch.Tensor, recipe: str):
     """(quantized weight, weight SQNR, worst channel's SQNR): what a graph needs of a weight, kept in weight_cache
     so a later graph of the model neither quantizes nor measures it again."""
     q = quantize_weight(w, recipe)
-    w_hat = R.dequantize(q, torch.float32) if w.dim() == 2 else torch.stack(
-        [R.dequantize(R.expert(q, e), torch.float32) for e in range(w.shape[0])])
+    w_hat = R.dequantize(q, torch.float32) if w.dim() == 2 else R.dequantize_experts(q, torch.float32)
     rows = lambda t: t.reshape(-1, t.shape[-1])  # an expert's output channels are rows too
     return q, sqnr_db(w_hat, w), worst_row_sqnr_db(rows(w_hat), rows(w))
 
