@@ -78,8 +78,10 @@ def header() -> str:
 
 
 def table(rows: list[dict]) -> str:
-    cols = list(rows[0])
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
-    line = lambda vals: "| " + " | ".join(str(v).rjust(w) for v, w in zip(vals, widths, strict=True)) + " |"
+    """A markdown table of the rows' columns in first-seen order; a row without a column shows '-'."""
+    cols = list(dict.fromkeys(c for r in rows for c in r))
+    cells = [[str(r.get(c, "-")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    line = lambda vals: "| " + " | ".join(v.rjust(w) for v, w in zip(vals, widths, strict=True)) + " |"
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(cols), rule] + [line(r.values()) for r in rows])
+    return "\n".join([line(cols), rule] + [line(row) for row in cells])

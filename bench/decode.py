@@ -1,17 +1,27 @@
 """Decode as users run it: a Llama built from a config (8 layers, hidden 4096, intermediate 14336, 32 heads, 8 KV
 heads, vocab 32000, bf16) prefills a prompt into a transformers StaticCache, then decodes one token per step with
-its forward compiled per path. Before anything is timed, each path's logits over the first steps are checked
-against eager's on the same tokens (teacher-forced); then decode steps are timed (median ms per step, tokens/s).
-transformers' generate() with cache_implementation="static" and compile_config naming the path is timed beside it.
+its forward compiled per path (dynamic=False: one graph per shape, as a served model has).
+
+Per path, in one process:
+- check: the first decode steps' logits (teacher-forced, the same tokens as eager's) against eager bf16's, before
+  anything is timed; non-finite logits fail the path;
+- decode: median ms per step over a loop on a static cache, and tokens/s;
+- prefill: median ms of a compiled prefill of the whole prompt into an emptied cache (batch 1 only);
+- generate(): transformers' generate() with cache_implementation="static" and compile_config naming the path.
+
+The prefill that fills the cache before decoding runs eagerly, as generate() runs it: the cache's tensors are then
+allocated outside dynamo and marked static, which CUDA graphs over a cache written in place require.
 
 Run: python -m bench.decode [path ...] [--batches 1 16 64] [--prefill 1024] [--steps 32] [--mode reduce-overhead]
-paths: inductor, fxquant:<recipe> (default: inductor and every recipe). Each (path, batch) runs in its own process,
-so one that fails or crashes leaves the others' rows.
+paths: inductor, fxquant:<recipe>, torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all).
+All paths run in one worker process; a worker that dies has its (path, batch) marked failed, and a fresh worker goes
+on with the rest.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import statistics
@@ -23,16 +33,12 @@ import torch
 import transformers as T
 
 import fxquant
+from bench import peers
 from bench.common import header, llama, table
 
 CHECK_STEPS = 4  # decode steps whose logits are compared with eager's before timing
-
-
-def compiled_forward(model, path: str, mode: str):
-    if path == "inductor":
-        return torch.compile(model.forward, mode=mode)
-    recipe = path.split(":", 1)[1]
-    return torch.compile(model.forward, backend="fxquant", options={"recipe": recipe, "mode": mode})
+PREFILL_REPEATS = 5
+ROW = "ROW "  # prefix of a worker's result lines
 
 
 def cache_keyword(model) -> str:
@@ -45,97 +51,184 @@ def sync(device: str):
         torch.cuda.synchronize()
 
 
-def decode(model, forward, prompt, steps, device: str, timed: int) -> tuple[torch.Tensor, list[float]]:
-    """Prefill, then one step per column of `steps`: the first CHECK_STEPS logits, and ms of the last `timed` steps."""
-    cache = T.StaticCache(config=model.config, max_cache_len=prompt.shape[1] + steps.shape[1])
-    keyword, length = cache_keyword(model), prompt.shape[1]
-    logits, times = [], []
-    with torch.no_grad():
-        forward(input_ids=prompt, cache_position=torch.arange(length, device=device), use_cache=True,
-                **{keyword: cache})
-        for i in range(steps.shape[1]):
-            sync(device)
+class Decoder:
+    """One path's model and compiled forward, over static caches of max_len tokens (prompt and decode steps)."""
+
+    def __init__(self, model, forward, device: str, max_len: int):
+        self.model, self.forward, self.device, self.max_len = model, forward, device, max_len
+        self.keyword, self.caches = cache_keyword(model), {}
+
+    def _call(self, forward, ids, cache, start: int):
+        positions = torch.arange(start, start + ids.shape[1], device=self.device)
+        return forward(input_ids=ids, cache_position=positions, use_cache=True, **{self.keyword: cache}).logits
+
+    def prefilled(self, prompt):
+        """The batch's cache, emptied, then holding the prompt, prefilled eagerly. One cache per batch size, made
+        once: its tensors keep their static addresses, so CUDA graphs replay rather than record again."""
+        batch = prompt.shape[0]
+        if batch not in self.caches:
+            self.caches[batch] = T.StaticCache(config=self.model.config, max_cache_len=self.max_len)
+        cache = self.caches[batch]
+        cache.reset()
+        self._call(self.model, prompt, cache, 0)
+        return cache
+
+    def steps(self, prompt, tokens, forward=None) -> tuple[torch.Tensor, list[float]]:
+        """Last-position logits and ms of each decode step, one step per column of `tokens`, teacher-forced."""
+        cache, logits, times = self.prefilled(prompt), [], []
+        for i in range(tokens.shape[1]):
+            sync(self.device)
             start = time.perf_counter()
-            out = forward(input_ids=steps[:, i:i + 1], cache_position=torch.tensor([length + i], device=device),
-                          use_cache=True, **{keyword: cache}).logits
-            sync(device)
+            out = self._call(forward or self.forward, tokens[:, i:i + 1], cache, prompt.shape[1] + i)
+            sync(self.device)
             times.append((time.perf_counter() - start) * 1e3)
-            if i < CHECK_STEPS:
-                logits.append(out[:, -1].float())
-    return torch.stack(logits), times[-timed:]
+            logits.append(out[:, -1].float())
+        return torch.stack(logits), times
+
+    def prefill_ms(self, prompt) -> float:
+        """Median ms of a compiled prefill of the prompt into a cache emptied before each (outside the timing)."""
+        cache, times = self.prefilled(prompt), []
+        for _ in range(PREFILL_REPEATS + 2):  # the first two compile and record
+            cache.reset()
+            sync(self.device)
+            start = time.perf_counter()
+            self._call(self.forward, prompt, cache, 0)
+            sync(self.device)
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times[2:])
 
 
-def one(path: str, batch: int, args) -> dict:
-    model = llama(args.layers, args.hidden, args.device)
-    generator = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, 32000, (batch, args.prefill), generator=generator).to(args.device)
-    steps = torch.randint(0, 32000, (batch, args.steps + CHECK_STEPS), generator=generator).to(args.device)
-    eager, _ = decode(model, model.forward, prompt, steps[:, :CHECK_STEPS], args.device, 0)
-    forward = compiled_forward(model, path, args.mode)
-    start = time.perf_counter()
-    got, times = decode(model, forward, prompt, steps, args.device, args.steps)
-    first = time.perf_counter() - start
-    cos = min(float(torch.nn.functional.cosine_similarity(g.flatten(), e.flatten(), dim=0))
-              for g, e in zip(got, eager, strict=True))
-    if not torch.isfinite(got).all():
-        raise RuntimeError(f"{path}: non-finite logits")
-    ms = statistics.median(times)
-    row = {"path": path, "batch": batch, "min logit cosine to eager": f"{cos:.4f}", "ms / step": f"{ms:.3f}",
-           "tokens/s": f"{batch * 1e3 / ms:.0f}", "first loop s": f"{first:.1f}"}
-    row["generate() tokens/s"] = generate_rate(model, path, prompt, args)
-    return row
+def compiled_forward(model, path: str, mode: str):
+    """The path's model (a quantized copy for peers) and its compiled forward, or (None, reason)."""
+    if path == "inductor":
+        return model, torch.compile(model.forward, mode=mode, dynamic=False)
+    if path.startswith("fxquant:"):
+        return model, torch.compile(model.forward, backend="fxquant", dynamic=False,
+                                    options={"recipe": path.split(":", 1)[1], "mode": mode})
+    quantized = peers.quantized(model, path)
+    if quantized is None:
+        return None, f"{path.split(':')[0]} does not import here"
+    return quantized, torch.compile(quantized.forward, mode=mode, dynamic=False)
 
 
 def generate_rate(model, path: str, prompt, args) -> str:
-    """transformers' generate() with a static cache and the path as its compile_config."""
-    if path == "inductor":
-        config = T.CompileConfig(backend="inductor", mode=args.mode)
-    else:  # torch.compile takes mode= or options=, not both: fxquant's options carry the mode
-        config = T.CompileConfig(backend="fxquant", mode=None,
+    """Tokens/s of transformers' generate() with a static cache and the path as its compile_config."""
+    if path.startswith("fxquant:"):  # torch.compile takes mode= or options=, not both: fxquant's options carry it
+        config = T.CompileConfig(backend="fxquant", mode=None, dynamic=False,
                                  options={"recipe": path.split(":", 1)[1], "mode": args.mode})
+    else:
+        config = T.CompileConfig(backend="inductor", mode=args.mode, dynamic=False)
     kwargs = dict(max_new_tokens=args.steps, min_new_tokens=args.steps, do_sample=False,
                   cache_implementation="static", compile_config=config)
-    with torch.no_grad():
-        model.generate(prompt, **kwargs)  # compiles
-        sync(args.device)
-        start = time.perf_counter()
-        model.generate(prompt, **kwargs)
-        sync(args.device)
+    model.generate(prompt, **kwargs)  # compiles
+    sync(args.device)
+    start = time.perf_counter()
+    model.generate(prompt, **kwargs)
+    sync(args.device)
     return f"{prompt.shape[0] * args.steps / (time.perf_counter() - start):.0f}"
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
+
+
+def work(items: list[tuple[str, int]], args):
+    """The worker: every (path, batch) in order, paths compiled once, a row printed as each finishes."""
+    model = llama(args.layers, args.hidden, args.device)
+    generator = torch.Generator().manual_seed(1)
+    inputs, eager, max_len = {}, {}, args.prefill + args.steps
+    with torch.no_grad():
+        for _, batch in items:
+            if batch not in inputs:
+                prompt = torch.randint(0, 32000, (batch, args.prefill), generator=generator).to(args.device)
+                tokens = torch.randint(0, 32000, (batch, args.steps), generator=generator).to(args.device)
+                inputs[batch] = prompt, tokens
+                eager[batch] = Decoder(model, model, args.device, max_len).steps(prompt, tokens[:, :CHECK_STEPS])[0]
+        current = None
+        for path, batch in items:
+            if path != current:
+                current, decoder = path, None
+                torch._dynamo.reset()
+                gc.collect()
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+                start = time.perf_counter()
+                runner, forward = compiled_forward(model, path, args.mode)
+                quantize_s = time.perf_counter() - start
+                if runner is not None:
+                    decoder = Decoder(runner, forward, args.device, max_len)
+            if decoder is None:
+                print(ROW + json.dumps({"path": path, "batch": batch, "check": forward}), flush=True)
+                continue
+            print(ROW + json.dumps(one(decoder, path, batch, inputs[batch], eager[batch], quantize_s, args)),
+                  flush=True)
+
+
+def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: float, args) -> dict:
+    prompt, tokens = inputs
+    start = time.perf_counter()
+    got, _ = decoder.steps(prompt, tokens[:, :CHECK_STEPS])
+    first = time.perf_counter() - start
+    if not torch.isfinite(got).all():
+        raise RuntimeError(f"{path}, batch {batch}: non-finite logits")
+    row = {"path": path, "batch": batch,
+           "check": f"min cos {min(cosine(g, e) for g, e in zip(got, eager, strict=True)):.4f}",
+           "first steps s": f"{quantize_s + first:.1f}"}
+    _, times = decoder.steps(prompt, tokens)
+    ms = statistics.median(times[CHECK_STEPS:])
+    row |= {"decode ms": f"{ms:.3f}", "tokens/s": f"{batch * 1e3 / ms:.0f}"}
+    row["prefill ms"] = f"{decoder.prefill_ms(prompt):.2f}" if batch in args.prefill_batches else "-"
+    row["generate() tokens/s"] = (generate_rate(decoder.model, path, prompt, args)
+                                  if batch in args.generate_batches else "-")
+    return row
+
+
+def run_workers(items: list[tuple[str, int]], args) -> list[dict]:
+    """Workers over the items until all have a row; a worker's death marks its current item failed."""
+    rows = []
+    passed = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in ("layers", "hidden", "prefill",
+                                                                                    "steps", "mode", "device")]
+    passed += ["--prefill-batches", *map(str, args.prefill_batches), "--generate-batches",
+               *map(str, args.generate_batches)]
+    while items:
+        spec = json.dumps(items)
+        worker = subprocess.Popen([sys.executable, "-m", "bench.decode", "--worker", spec, *passed],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for line in worker.stdout:
+            if line.startswith(ROW):
+                rows.append(json.loads(line[len(ROW):]))
+                items = items[1:]
+                print(rows[-1], flush=True)
+        error = worker.stderr.read()
+        if worker.wait() and items:
+            last = (error.strip().splitlines() or ["no output"])[-1][:160]
+            path, batch = items.pop(0)
+            rows.append({"path": path, "batch": batch, "check": f"failed (rc {worker.returncode}): {last}"})
+            print(rows[-1], error[-3000:], sep="\n", flush=True)
+    return rows
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("paths", nargs="*", default=["inductor", *(f"fxquant:{r}" for r in fxquant.RECIPES)])
+    parser.add_argument("paths", nargs="*", default=["inductor", *(f"fxquant:{r}" for r in fxquant.RECIPES),
+                                                      *peers.PATHS])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--prefill-batches", type=int, nargs="*", default=[1])
+    parser.add_argument("--generate-batches", type=int, nargs="*", default=[1])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--prefill", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--mode", default="reduce-overhead", choices=["default", "reduce-overhead"])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--one", help="internal: run one path at --batches[0] and print its row as JSON")
+    parser.add_argument("--worker", help="internal: the JSON list of (path, batch) a worker runs")
     args = parser.parse_args()
-    if args.one:
-        print(json.dumps(one(args.one, args.batches[0], args)))
+    if args.worker:
+        work([tuple(item) for item in json.loads(args.worker)], args)
         return
     if args.device == "cuda":
         print(header())
-    rows = []
-    for path in args.paths:
-        for batch in args.batches:
-            command = [sys.executable, "-m", "bench.decode", "--one", path, "--batches", str(batch),
-                       *(f"--{k}={v}" for k, v in vars(args).items() if k in ("layers", "hidden", "prefill", "steps",
-                                                                            "mode", "device"))]
-            done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode:
-                last = (done.stderr.strip().splitlines() or ["no output"])[-1][:120]
-                rows.append({"path": path, "batch": batch, "min logit cosine to eager": f"failed (rc "
-                             f"{done.returncode}): {last}", "ms / step": "-", "tokens/s": "-", "first loop s": "-",
-                             "generate() tokens/s": "-"})
-            else:
-                rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(rows[-1], flush=True)
+    rows = run_workers([(path, batch) for path in args.paths for batch in args.batches], args)
     print(table(rows))
 
 

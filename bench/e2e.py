@@ -9,7 +9,6 @@ Run: python -m bench.e2e [--mixtral] [--reduce-overhead] [--no-torchao] [--top-k
 
 from __future__ import annotations
 
-import copy
 import sys
 import time
 
@@ -18,6 +17,7 @@ import triton.testing
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 import fxquant  # noqa: F401  (registers the backend)
+from bench import peers
 from bench.common import header, table
 
 SHAPES = {"prefill 1x2048": (1, 2048), "decode B16x1": (16, 1), "decode B64x1": (64, 1)}
@@ -40,18 +40,6 @@ def build(mixtral: bool):
             if name.endswith(("gate_up_proj", "down_proj")):
                 param.normal_(std=0.02)
     return model
-
-
-def torchao_fp8_row(model):
-    """torchao's Float8DynamicActivationFloat8WeightConfig(PerRow()) on a copy of the model, or None."""
-    try:
-        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
-    except Exception as exc:  # torchao is optional: carried to the device as a wheel
-        print("torchao unavailable:", type(exc).__name__, str(exc)[:200])
-        return None
-    quantized = copy.deepcopy(model)
-    quantize_(quantized, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
-    return quantized
 
 
 def gpu_ms(fn, ids, label: str, calls: int = 10) -> float:
@@ -89,7 +77,7 @@ def main():
             elif recipe is None:
                 fn = torch.compile(model, mode=mode)
             elif recipe == "torchao":
-                quantized = torchao_fp8_row(model)
+                quantized = peers.torchao_quantized(model, "fp8_row")
                 if quantized is None:
                     continue
                 fn = torch.compile(quantized, mode=mode)

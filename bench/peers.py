@@ -1,0 +1,87 @@
+"""Peer quantizers measured beside fxquant in the same process: torchao (carried to the device as a wheel) and
+gemlite (its source folder on PYTHONPATH). Each quantizes a copy of the model's linear layers, the lm_head left in
+bf16 as fxquant leaves it; each returns None, saying why, where the package does not import."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+
+PATHS = ("torchao:fp8_row", "torchao:int4_wo", "gemlite:int4", "gemlite:fp8")
+
+
+def _not_lm_head(module: torch.nn.Module, name: str) -> bool:
+    return isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")
+
+
+def torchao_quantized(model: torch.nn.Module, scheme: str) -> torch.nn.Module | None:
+    """torchao's fp8 dynamic per-row activations and weights, or int4 weight-only g128 in tinygemm's layout (the
+    packing that needs no fbgemm kernels)."""
+    try:
+        from torchao.quantization import (
+            Float8DynamicActivationFloat8WeightConfig,
+            Int4WeightOnlyConfig,
+            PerRow,
+            quantize_,
+        )
+    except Exception as exc:  # optional: carried to the device as a wheel
+        print("torchao unavailable:", type(exc).__name__, str(exc)[:200])
+        return None
+    config = (Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()) if scheme == "fp8_row" else
+              Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
+    quantized = copy.deepcopy(model)
+    quantize_(quantized, config, filter_fn=_not_lm_head)
+    return quantized
+
+
+def _gemlite_configs(gemlite) -> None:
+    """gemlite ships tuned kernel configs per GPU name; a GPU it has none for (the H200) takes the H100's, the same
+    sm_90 chip with less memory, rather than autotuning on the first call of each shape."""
+    folder = os.path.join(os.path.dirname(gemlite.__file__), "configs")
+    name = torch.cuda.get_device_properties(0).name.lower().replace(" ", "_")
+    if not any(tag.split(".")[0] in name for tag in os.listdir(folder)):
+        gemlite.load_config(os.path.join(folder, "h100.json"))
+        print("gemlite: H100 kernel configs loaded for", name)
+
+
+def _int4_g128(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes per group of 128 along K, gemlite's (code - zero) * scale convention."""
+    n, k = weight.shape
+    groups = weight.float().reshape(n, k // 128, 128)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=1e-8)  # floor: a constant group keeps a finite scale
+    zero = (-low / scale).round()
+    codes = (groups / scale + zero).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return codes, scale.reshape(n, k // 128), zero.reshape(n, k // 128)
+
+
+def gemlite_quantized(model: torch.nn.Module, scheme: str) -> torch.nn.Module | None:
+    """gemlite's A16W4 int4 g128 (weight-only) or A8W8 fp8 dynamic per-row layers in place of a copy's linears."""
+    try:
+        import gemlite
+        from gemlite.helper import A16W4_HQQ_INT, A8W8_fp8_dynamic
+    except Exception as exc:  # optional: its source folder on PYTHONPATH
+        print("gemlite unavailable:", type(exc).__name__, str(exc)[:200])
+        return None
+    _gemlite_configs(gemlite)
+    quantized = copy.deepcopy(model)
+    for name, module in list(quantized.named_modules()):
+        if not _not_lm_head(module, name):
+            continue
+        if scheme == "int4":
+            codes, scale, zero = _int4_g128(module.weight.detach())
+            layer = A16W4_HQQ_INT(device=module.weight.device, dtype=module.weight.dtype).from_weights(
+                codes, scale, zero, bias=module.bias)
+        else:
+            layer = A8W8_fp8_dynamic(device=module.weight.device, dtype=module.weight.dtype).from_linear(module)
+        parent, _, child = name.rpartition(".")
+        setattr(quantized.get_submodule(parent), child, layer)
+    return quantized
+
+
+def quantized(model: torch.nn.Module, path: str) -> torch.nn.Module | None:
+    """The model copy a peer path runs: 'torchao:fp8_row', 'torchao:int4_wo', 'gemlite:int4' or 'gemlite:fp8'."""
+    library, scheme = path.split(":", 1)
+    return torchao_quantized(model, scheme) if library == "torchao" else gemlite_quantized(model, scheme)
