@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch._dynamo import list_backends, register_backend
+from torch._dynamo.source import ConstantSource
 
 from fxquant.config import MODES, from_options
 from fxquant.passes.quantize_linear import quantize_weight
@@ -122,10 +123,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs, *, config, mode, frozen) 
     else:
         from torch._inductor.compile_fx import compile_fx
 
-        # The pipeline added buffers dynamo never saw. Without dynamo's source map AOT treats every buffer as a
-        # static input, which is what these frozen weights are (and what CUDA graphs want).
-        if hasattr(lowered, "_param_name_to_source"):
-            del lowered._param_name_to_source
+        _name_added_constants(lowered)
         patches = {"triton.cudagraphs": True} if mode == "reduce-overhead" else {}
         if mode in ("max-autotune", "max-autotune-no-cudagraphs"):
             patches.update({"max_autotune": True})
@@ -133,12 +131,30 @@ def _compile(gm: torch.fx.GraphModule, example_inputs, *, config, mode, frozen) 
     return Variant(compiled, result, kept, [example_inputs[i] for i in frozen])
 
 
+def _name_added_constants(gm: torch.fx.GraphModule) -> None:
+    """Give each constant the pipeline added a source in dynamo's map of gm's parameters and buffers.
+
+    AOT reads a dynamo graph's static inputs from that map and from its placeholders: every mapped parameter or
+    buffer, and every input dynamo marked static (a StaticCache's keys, values and length, which the graph writes in
+    place). Without the map it counts buffers alone, and CUDA graphs skip a graph that writes an input they do not
+    hold static. The added constants are never another input's alias, so no guard reads their sources."""
+    if not hasattr(gm, "_param_name_to_source"):
+        return
+    sources = dict(gm._param_name_to_source)  # dynamo's own dict stays as it was
+    for name, _ in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
+        sources.setdefault(name, ConstantSource(f"fxquant.{name}"))
+    gm._param_name_to_source = sources
+
+
 def _graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of gm's graph (its nodes, each with a shallow copy of its meta) over gm's attributes, with gm's meta:
-    for the pipeline to rewrite while gm stays as dynamo gave it."""
-    graph = torch.fx.Graph()
+    """A copy of gm's graph (its nodes, each with a shallow copy of its meta and dynamo's source of each input) over
+    gm's attributes, with gm's meta: for the pipeline to rewrite while gm stays as dynamo gave it."""
+    graph, copies = torch.fx.Graph(), {}
     graph._codegen = gm.graph._codegen
-    graph.output(graph.graph_copy(gm.graph, {}))
+    graph.output(graph.graph_copy(gm.graph, copies))
+    for node, copy in copies.items():
+        if hasattr(node, "_dynamo_source"):
+            copy._dynamo_source = node._dynamo_source
     copied = torch.fx.GraphModule(gm, graph)
     copied.meta.update(gm.meta)
     if hasattr(gm, "_param_name_to_source"):

@@ -162,6 +162,41 @@ def test_lowered_graph_keeps_dynamo_meta_so_cuda_graphs_take_weights_as_static()
     assert seen["ids"][0] is not None and seen["ids"][1] == seen["ids"][0]
 
 
+def test_inputs_written_in_place_that_dynamo_marked_static_stay_static_for_cuda_graphs(monkeypatch):
+    """A StaticCache's tensors are marked static and written in place. AOT lost those marks for the lowered graph,
+    so CUDA graphs skipped every decode step ("mutated inputs"), for every recipe: the run fell back to launching
+    each kernel from Python. Every input the graph writes must be among the static inputs Inductor sees."""
+    import torch._inductor.compile_fx as inductor
+
+    seen, compile_fx = [], inductor.compile_fx
+
+    def spy_inner(gm, example_inputs, **kwargs):
+        meta = torch._guards.TracingContext.try_get().fw_metadata
+        written = {i for i, info in enumerate(meta.input_info) if info.mutates_data}
+        seen.append((written, set(kwargs["static_input_idxs"])))
+        return inductor.compile_fx_inner(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(inductor, "compile_fx", lambda *a, **k: compile_fx(*a, inner_compile=spy_inner, **k))
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)  # a cache hit skips the spy
+    layer = torch.nn.Linear(256, 256).to(torch.bfloat16)
+    cache = torch.zeros(4, 256, dtype=torch.bfloat16)
+    torch._dynamo.mark_static_address(cache)
+
+    def step(x, position):
+        y = layer(x)
+        cache.index_copy_(0, position, y)
+        return y
+
+    torch._dynamo.reset()
+    run = torch.compile(step, backend="fxquant", options={"recipe": "fp8_row"})
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = run(x, torch.tensor([2]))
+    mutated, static = seen[-1]
+    assert mutated and mutated <= static, (mutated, static)
+    assert torch.equal(cache[2], out[0]) and not cache[[0, 1, 3]].any()
+
+
 def test_a_graph_dynamo_reuses_for_another_module_runs_with_that_modules_weights():
     """Dynamo takes parameters as graph inputs and reused one graph for every nn.Linear of the same shape, which ran
     with the first module's frozen, quantized weights: silently wrong outputs (cosine -0.02). Each module's
