@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 FLOAT_QUANTIZED, PACK_QUANTIZED = "float-quantized", "pack-quantized"
+SIGN_BIT = 0x80
 MXFP4_PACKED, NVFP4_PACKED = "mxfp4-pack-quantized", "nvfp4-pack-quantized"
 _FP8_ACTIVATIONS = dict(num_bits=8, type="float", symmetric=True, dynamic=True)
 # recipe -> (format, weights args, input activation args or None)
@@ -84,6 +85,11 @@ def recipe_of(group: dict, where: str) -> str:
     return recipe
 
 
+def _offset_binary(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes q, as bytes, -> q + 128 as uint8, which pack-quantized stores; its own inverse."""
+    return codes ^ SIGN_BIT  # q + 128 mod 256 flips only the sign bit of q's two's complement byte
+
+
 def _pack_rows(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes (two 4-bit codes a byte, low nibble first, or one 8-bit code) -> int32 words along each row."""
     # Through 1-D: a size-1 leading dim may carry any stride, which view() to a wider dtype refuses.
@@ -116,7 +122,7 @@ def to_checkpoint(layer, recipe: str) -> dict[str, torch.Tensor]:
                 "weight_global_scale": (1.0 / layer.weight_global_scale.detach().float()).reshape(1)}
     tensors = {"weight_scale": scale, "weight_shape": torch.tensor([n, k])}
     if recipe == "int8_wo":
-        tensors["weight_packed"] = _pack_rows((layer.weight.detach().to(torch.int16) + 128).to(torch.uint8))
+        tensors["weight_packed"] = _pack_rows(_offset_binary(layer.weight.detach().view(torch.uint8)))
     else:
         tensors["weight_packed"] = _pack_rows(layer.weight.detach())
         tensors["weight_zero_point"] = _nibbles_down(layer.weight_zero_point.detach())
@@ -124,8 +130,9 @@ def to_checkpoint(layer, recipe: str) -> dict[str, torch.Tensor]:
 
 
 def from_checkpoint(tensors: dict[str, torch.Tensor], recipe: str, out_features: int) -> dict[str, torch.Tensor]:
-    """QuantizedLinear parts from the tensors compressed-tensors stores for one layer. Scales become fp32, exactly
-    (MX scales stay E8M0)."""
+    """QuantizedLinear parts from the tensors compressed-tensors stores for one layer, which it takes over: the
+    codes are the stored tensors (int8's turned into codes in place), never a copy. Scales become fp32, exactly (MX
+    scales stay E8M0)."""
     if recipe == "mxfp4_wo":
         exponents = tensors["weight_scale"]
         if exponents.dtype != torch.uint8:
@@ -144,8 +151,8 @@ def from_checkpoint(tensors: dict[str, torch.Tensor], recipe: str, out_features:
             raise ValueError(f"fxquant: float-quantized weight is {codes.dtype}, expected float8_e4m3fn")
         return {"weight": codes, "weight_scale": scale.reshape(()) if recipe == "fp8_tensor" else scale}
     packed = tensors["weight_packed"].contiguous().view(torch.uint8)
-    if recipe == "int8_wo":
-        return {"weight": (packed.to(torch.int16) - 128).to(torch.int8), "weight_scale": scale}
+    if recipe == "int8_wo":  # in place: the layer's codes are the stored bytes, never a second copy of the layer
+        return {"weight": packed.bitwise_xor_(SIGN_BIT).view(torch.int8), "weight_scale": scale}
     zero_point = tensors.get("weight_zero_point")
     zero_point = (_unnibble_down(zero_point, out_features) if zero_point is not None
                   else torch.full(scale.shape, 8, dtype=torch.uint8, device=scale.device))  # symmetric: q - 8
