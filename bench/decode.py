@@ -6,6 +6,8 @@ Per path, in one process:
 - check: the first decode steps' logits (teacher-forced, the same tokens as eager's) against eager bf16's, before
   anything is timed; non-finite logits fail the path;
 - decode: median ms per step over a loop on a static cache, and tokens/s;
+- profile (batch 1): GPU kernel ms per step, and the host ms CUDA graphs leave (dynamo's guards, the graph launch),
+  with the table of kernels;
 - prefill: median ms of a compiled prefill of the whole prompt into an emptied cache (batch 1 only);
 - generate(): transformers' generate() with cache_implementation="static" and compile_config naming the path.
 
@@ -84,6 +86,23 @@ class Decoder:
             times.append((time.perf_counter() - start) * 1e3)
             logits.append(out[:, -1].float())
         return torch.stack(logits), times
+
+    def profile(self, prompt, tokens, steps: int = 3) -> tuple[dict, str]:
+        """Per decode step: GPU kernel ms, and the host ms of dynamo's guard check and of the CUDA graph launch (both
+        spent before the GPU starts a step); with the table of the kernels taking the GPU time."""
+        cache = self.prefilled(prompt)
+        activities = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if self.device == "cuda" else [])
+        with torch.profiler.profile(activities=activities) as prof:
+            for i in range(steps):
+                self._call(self.forward, tokens[:, i:i + 1], cache, prompt.shape[1] + i)
+            sync(self.device)
+        events = prof.key_averages()
+        host = {e.key: e.cpu_time_total for e in events}
+        numbers = {"GPU ms": f"{sum(e.self_device_time_total for e in events) / steps / 1e3:.3f}",
+                   "guards ms": f"{host.get('TorchDynamo Cache Lookup', 0) / steps / 1e3:.3f}",
+                   "graph launch ms": f"{host.get('cudaGraphLaunch', 0) / steps / 1e3:.3f}"}
+        return numbers, events.table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=70)
 
     def prefill_ms(self, prompt) -> float:
         """Median ms of a compiled prefill of the prompt into a cache emptied before each (outside the timing)."""
@@ -177,6 +196,10 @@ def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: floa
     _, times = decoder.steps(prompt, tokens)
     ms = statistics.median(times[CHECK_STEPS:])
     row |= {"decode ms": f"{ms:.3f}", "tokens/s": f"{batch * 1e3 / ms:.0f}"}
+    if batch in args.profile_batches:
+        numbers, kernels = decoder.profile(prompt, tokens)
+        row |= numbers
+        print(f"{path}, batch {batch}, 3 decode steps:\n{kernels}", flush=True)
     row["prefill ms"] = f"{decoder.prefill_ms(prompt):.2f}" if batch in args.prefill_batches else "-"
     row["generate() tokens/s"] = (generate_rate(decoder.model, path, prompt, args)
                                   if batch in args.generate_batches else "-")
@@ -188,8 +211,8 @@ def run_workers(items: list[tuple[str, int]], args) -> list[dict]:
     rows = []
     passed = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in ("layers", "hidden", "prefill",
                                                                                     "steps", "mode", "device")]
-    passed += ["--prefill-batches", *map(str, args.prefill_batches), "--generate-batches",
-               *map(str, args.generate_batches)]
+    for option in ("prefill_batches", "generate_batches", "profile_batches"):
+        passed += [f"--{option.replace('_', '-')}", *map(str, getattr(args, option))]
     while items:
         spec = json.dumps(items)
         worker = subprocess.Popen([sys.executable, "-m", "bench.decode", "--worker", spec, *passed],
@@ -199,6 +222,8 @@ def run_workers(items: list[tuple[str, int]], args) -> list[dict]:
                 rows.append(json.loads(line[len(ROW):]))
                 items = items[1:]
                 print(rows[-1], flush=True)
+            else:  # kernel tables, and why a peer did not import
+                print(line, end="", flush=True)
         error = worker.stderr.read()
         if worker.wait() and items:
             last = (error.strip().splitlines() or ["no output"])[-1][:160]
@@ -215,6 +240,7 @@ def main():
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--prefill-batches", type=int, nargs="*", default=[1])
     parser.add_argument("--generate-batches", type=int, nargs="*", default=[1])
+    parser.add_argument("--profile-batches", type=int, nargs="*", default=[1])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--prefill", type=int, default=1024)
