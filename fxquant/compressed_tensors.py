@@ -11,6 +11,8 @@ compressors write them).
   those offset values, so (q - z) is unchanged.
 - mxfp4-pack-quantized (mxfp4_wo): `weight_packed`, two e2m1 codes a byte, low nibble first, sign in bit 3, as
   fxquant packs them; `weight_scale`, the E8M0 exponent bits as uint8. Dequantized as value * 2**(e - 127).
+- mxfp8-quantized (mxfp8): `weight`, e4m3 codes; `weight_scale`, E8M0 exponent bits of each 32 along K as uint8;
+  activations quantized dynamically the same way. Dequantized as code * 2**(e - 127).
 - nvfp4-pack-quantized (nvfp4_wo): `weight_packed` as for MXFP4; `weight_scale`, e4m3 scales of 16; and
   `weight_global_scale`, the reciprocal of fxquant's (448 * 6 / amax, not amax / (448 * 6)). compressed-tensors
   dequantizes as value * (scale / global), fxquant (as vLLM's kernels do) as value * scale * (1 / global): where the
@@ -23,7 +25,7 @@ import torch
 
 FLOAT_QUANTIZED, PACK_QUANTIZED = "float-quantized", "pack-quantized"
 SIGN_BIT = 0x80
-MXFP4_PACKED, NVFP4_PACKED = "mxfp4-pack-quantized", "nvfp4-pack-quantized"
+MXFP4_PACKED, NVFP4_PACKED, MXFP8_QUANTIZED = "mxfp4-pack-quantized", "nvfp4-pack-quantized", "mxfp8-quantized"
 _FP8_ACTIVATIONS = dict(num_bits=8, type="float", symmetric=True, dynamic=True)
 # recipe -> (format, weights args, input activation args or None)
 SCHEMES = {
@@ -34,6 +36,9 @@ SCHEMES = {
                   dict(_FP8_ACTIVATIONS, strategy="group", group_size=128)),
     "fp8_tensor": (FLOAT_QUANTIZED, dict(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False),
                    dict(_FP8_ACTIVATIONS, strategy="tensor")),
+    "mxfp8": (MXFP8_QUANTIZED, dict(num_bits=8, type="float", symmetric=True, strategy="group", group_size=32,
+                                    dynamic=False, scale_dtype="torch.uint8"),
+              dict(_FP8_ACTIVATIONS, strategy="group", group_size=32, scale_dtype="torch.uint8")),
     "int8_wo": (PACK_QUANTIZED, dict(num_bits=8, type="int", symmetric=True, strategy="channel", dynamic=False), None),
     "int4_wo": (PACK_QUANTIZED, dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128,
                                      dynamic=False), None),
@@ -66,6 +71,8 @@ def recipe_of(group: dict, where: str) -> str:
             recipe = "fp8_block"
         elif strategy == "tensor" and act[0] == "tensor":
             recipe = "fp8_tensor"
+        elif strategy == "group" and weights.get("group_size") == 32 and act == ("group", 32) and _e8m0(weights):
+            recipe = "mxfp8"
     elif (kind == "float" and bits == 4 and strategy == "group" and weights.get("group_size") == 32
           and activations is None):
         recipe = "mxfp4_wo"
@@ -80,9 +87,14 @@ def recipe_of(group: dict, where: str) -> str:
     if recipe is None:
         raise NotImplementedError(
             f"fxquant: {where}: no fxquant recipe computes this compressed-tensors scheme (weights {weights}, "
-            f"input_activations {activations}); loadable: fp8 per channel / 128x128 block / per tensor with dynamic "
-            "activations, int8 per channel and int4 in groups of 128, weight-only")
+            f"input_activations {activations}); loadable: fp8 per channel / 128x128 block / per tensor and MXFP8 with "
+            "dynamic activations; int8 per channel, int4 in groups of 128, MXFP4 and NVFP4, weight-only")
     return recipe
+
+
+def _e8m0(args: dict) -> bool:
+    """MX scales: E8M0 exponents, stored as uint8."""
+    return str(args.get("scale_dtype")) in ("torch.uint8", "uint8")
 
 
 def _offset_binary(codes: torch.Tensor) -> torch.Tensor:
@@ -115,8 +127,9 @@ def to_checkpoint(layer, recipe: str) -> dict[str, torch.Tensor]:
     scale = layer.weight_scale.detach().float()  # fp32: dequantization in compressed-tensors then equals ours
     if SCHEMES[recipe][0] == FLOAT_QUANTIZED:
         return {"weight": layer.weight.detach(), "weight_scale": scale.reshape(1) if scale.dim() == 0 else scale}
-    if recipe == "mxfp4_wo":
-        return {"weight_packed": layer.weight.detach(), "weight_scale": layer.weight_scale.detach().view(torch.uint8)}
+    if recipe in ("mxfp4_wo", "mxfp8"):
+        key = "weight_packed" if recipe == "mxfp4_wo" else "weight"
+        return {key: layer.weight.detach(), "weight_scale": layer.weight_scale.detach().view(torch.uint8)}
     if recipe == "nvfp4_wo":
         return {"weight_packed": layer.weight.detach(), "weight_scale": layer.weight_scale.detach(),
                 "weight_global_scale": (1.0 / layer.weight_global_scale.detach().float()).reshape(1)}
@@ -133,11 +146,14 @@ def from_checkpoint(tensors: dict[str, torch.Tensor], recipe: str, out_features:
     """QuantizedLinear parts from the tensors compressed-tensors stores for one layer, which it takes over: the
     codes are the stored tensors (int8's turned into codes in place), never a copy. Scales become fp32, exactly (MX
     scales stay E8M0)."""
-    if recipe == "mxfp4_wo":
+    if recipe in ("mxfp4_wo", "mxfp8"):
         exponents = tensors["weight_scale"]
         if exponents.dtype != torch.uint8:
-            raise ValueError(f"fxquant: mxfp4 weight_scale is {exponents.dtype}, expected uint8 E8M0 exponents")
-        return {"weight": tensors["weight_packed"], "weight_scale": exponents.view(torch.float8_e8m0fnu)}
+            raise ValueError(f"fxquant: {recipe} weight_scale is {exponents.dtype}, expected uint8 E8M0 exponents")
+        codes = tensors["weight_packed" if recipe == "mxfp4_wo" else "weight"]
+        if recipe == "mxfp8" and codes.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"fxquant: mxfp8 weight is {codes.dtype}, expected float8_e4m3fn")
+        return {"weight": codes, "weight_scale": exponents.view(torch.float8_e8m0fnu)}
     if recipe == "nvfp4_wo":
         block_scale = tensors["weight_scale"]
         if block_scale.dtype != torch.float8_e4m3fn:
