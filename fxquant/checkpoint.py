@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections import defaultdict
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fxquant.checkpoint_experts import expert_linear_names, split_experts, stack_experts
@@ -176,7 +177,7 @@ def load_quantized(model: nn.Module, path, device=None) -> nn.Module:
                 owners[id(t)].append((module, key))
     pending = defaultdict(dict)  # quantized layer -> its checkpoint tensors, converted once all have arrived
     for file in _files(path):
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
+        with _opened(file, device) as f:
             for key in f.keys():  # noqa: SIM118  (safe_open handles have keys(), not iteration)
                 name, _, local = key.rpartition(".")
                 if name in recipes and local != "bias" or name in expert_of:
@@ -187,14 +188,16 @@ def load_quantized(model: nn.Module, path, device=None) -> nn.Module:
         if name in expert_of:
             continue
         module = model.get_submodule(name)
-        for key, t in from_checkpoint(tensors, recipes[name], module.out_features).items():
+        parts = from_checkpoint(tensors, recipes[name], module.out_features, name)
+        for key, t in _conformed(parts, name, recipes[name], module.out_features, module.in_features).items():
             setattr(module, key, nn.Parameter(t, requires_grad=False))
     for name, (recipe, linears) in experts.items():
         missing = [linear for linear in linears if linear not in pending]
         if missing:
             raise ValueError(f"fxquant: the checkpoint in {path} holds no tensors for {missing[:4]}, experts of {name}")
         parent, _, attr = name.rpartition(".")
-        parts_of = lambda linear, rows, recipe=recipe: from_checkpoint(pending[linear], recipe, rows)
+        parts_of = lambda linear, rows, cols, recipe=recipe: _conformed(
+            from_checkpoint(pending[linear], recipe, rows, linear), linear, recipe, rows, cols)
         setattr(model.get_submodule(parent), attr,
                 stack_experts(model, name, model.get_submodule(name), recipe, parts_of))
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
@@ -203,6 +206,46 @@ def load_quantized(model: nn.Module, path, device=None) -> nn.Module:
                          f"{' and more' if len(left) > 8 else ''}, still on the meta device. Fix: build those "
                          "modules (non-persistent buffers such as rotary frequencies) on the target device")
     return model
+
+
+def _opened(file: Path, device: torch.device):
+    try:
+        return safe_open(str(file), framework="pt", device=str(device))
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"fxquant: {file} is not a whole safetensors file ({exc}): truncated or partly downloaded. "
+                         "Fix: download or save it again") from exc
+
+
+@functools.cache
+def _part_layouts(recipe: str, rows: int, cols: int) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Shape and dtype of each part a `recipe` layer of [rows, cols] holds."""
+    empty = QuantizedLinear.empty(cols, rows, recipe, bias=False, dtype=torch.bfloat16, device="meta")
+    return {key: (getattr(empty, key).shape, getattr(empty, key).dtype) for key in empty.part_names()
+            if getattr(empty, key) is not None}
+
+
+def _conformed(parts: dict[str, torch.Tensor], name: str, recipe: str, rows: int, cols: int) -> dict:
+    """`parts`, once each has the shape and dtype the model's layer holds; else an error naming the tensor."""
+    for key, t in parts.items():
+        shape, dtype = _part_layouts(recipe, rows, cols).get(key, (t.shape, t.dtype))
+        if t.shape != shape or t.dtype != dtype:
+            raise ValueError(f"fxquant: {name}'s {key} from the checkpoint is {tuple(t.shape)} {t.dtype}, where the "
+                             f"model's {recipe} layer of [{rows}, {cols}] holds {tuple(shape)} {dtype}. Fix: build "
+                             "the skeleton from the checkpoint's own config.json")
+    return parts
+
+
+def _matching(key: str, tensor: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """`tensor` for the model's `current`: the same shape, and its dtype where both are floating point (the
+    skeleton's dtype is the model's, as transformers' loaders cast); an error naming the tensor otherwise."""
+    if tensor.shape != current.shape:
+        raise ValueError(f"fxquant: checkpoint tensor {key} is {tuple(tensor.shape)}, the model's is "
+                         f"{tuple(current.shape)}. Fix: build the skeleton from the checkpoint's own config.json")
+    if tensor.dtype == current.dtype:
+        return tensor
+    if tensor.is_floating_point() and current.is_floating_point():
+        return tensor.to(current.dtype)
+    raise ValueError(f"fxquant: checkpoint tensor {key} is {tensor.dtype}, the model's is {current.dtype}")
 
 
 def _files(path: Path) -> list[Path]:
@@ -215,10 +258,12 @@ def _assign(model: nn.Module, key: str, tensor: torch.Tensor, owners) -> None:
     """Put a checkpoint tensor in place of the model's `key`, and of every attribute tied to it."""
     name, _, attr = key.rpartition(".")
     module = model.get_submodule(name)
-    current = module._parameters.get(attr, module._buffers.get(attr))
-    if current is None and attr not in module._parameters and attr not in module._buffers:
+    if attr not in module._parameters and attr not in module._buffers:
         raise KeyError(f"fxquant: checkpoint tensor {key} has no place in the model")
+    current = module._parameters.get(attr, module._buffers.get(attr))
+    if current is not None:
+        tensor = _matching(key, tensor, current)
     is_param = attr in module._parameters
-    value = nn.Parameter(tensor, requires_grad=current.requires_grad) if is_param else tensor
+    value = nn.Parameter(tensor, requires_grad=current is not None and current.requires_grad) if is_param else tensor
     for owner, owner_attr in owners.get(id(current), [(module, attr)]):
         (owner._parameters if is_param else owner._buffers)[owner_attr] = value

@@ -71,11 +71,12 @@ def split_experts(model: nn.Module, name: str, experts: QuantizedExperts) -> dic
 
 def stack_experts(model: nn.Module, name: str, module: nn.Module, recipe: str, parts_of) -> QuantizedExperts:
     """A QuantizedExperts for the skeleton's experts module `name`, from each checkpoint linear's QuantizedLinear
-    parts (`parts_of(linear name, out_features)`): gate and up rows joined per expert, experts stacked."""
+    parts (`parts_of(linear name, out_features, in_features)`): gate and up rows joined per expert, experts stacked."""
     num_experts, two_inter, hidden = module.gate_up_proj.shape
     stacked = {}
     for gate, up, down in expert_linear_names(model, name, num_experts):
-        g, u, d = parts_of(gate, two_inter // 2), parts_of(up, two_inter // 2), parts_of(down, hidden)
+        g, u = parts_of(gate, two_inter // 2, hidden), parts_of(up, two_inter // 2, hidden)
+        d = parts_of(down, hidden, two_inter // 2)
         for part in g:
             if g[part].dim() == 0 and not torch.equal(g[part], u[part]):
                 raise ValueError(f"fxquant: {gate} and {up} have different {part} values; fxquant's experts keep "

@@ -142,10 +142,24 @@ def to_checkpoint(layer, recipe: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def from_checkpoint(tensors: dict[str, torch.Tensor], recipe: str, out_features: int) -> dict[str, torch.Tensor]:
-    """QuantizedLinear parts from the tensors compressed-tensors stores for one layer, which it takes over: the
-    codes are the stored tensors (int8's turned into codes in place), never a copy. Scales become fp32, exactly (MX
-    scales stay E8M0)."""
+def stored_names(recipe: str) -> tuple[str, ...]:
+    """The tensors of a layer that loading needs (int4's zero point is not among them: symmetric checkpoints have
+    none)."""
+    fmt = SCHEMES[recipe][0]
+    if fmt in (FLOAT_QUANTIZED, MXFP8_QUANTIZED):
+        return ("weight", "weight_scale")
+    return ("weight_packed", "weight_scale") + (("weight_global_scale",) if fmt == NVFP4_PACKED else ())
+
+
+def from_checkpoint(tensors: dict[str, torch.Tensor], recipe: str, out_features: int,
+                    name: str = "layer") -> dict[str, torch.Tensor]:
+    """QuantizedLinear parts from the tensors compressed-tensors stores for the layer `name`, which it takes over:
+    the codes are the stored tensors (int8's turned into codes in place), never a copy. Scales become fp32, exactly
+    (MX scales stay E8M0)."""
+    missing = [key for key in stored_names(recipe) if key not in tensors]
+    if missing:
+        raise ValueError(f"fxquant: the checkpoint holds no {', '.join(f'{name}.{key}' for key in missing)}, which "
+                         f"its {recipe} layer {name} needs. Fix: a complete checkpoint (download or save it again)")
     if recipe in ("mxfp4_wo", "mxfp8"):
         exponents = tensors["weight_scale"]
         if exponents.dtype != torch.uint8:

@@ -311,3 +311,46 @@ def test_a_checkpoint_missing_an_experts_tensors_is_refused_by_name(tmp_path):
     rewrite(tmp_path, lambda tensors: [tensors.pop(k) for k in list(tensors) if k.startswith(gone)])
     with pytest.raises(ValueError, match=r"no tensors for \['model\.layers\.0\.block_sparse_moe\.experts\.3\.w2'\]"):
         fxquant.load_quantized(skeleton(model), tmp_path)
+
+
+DOWN = "model.layers.0.mlp.down_proj."
+CORRUPTIONS = {
+    "a missing scale": (lambda t: t.pop(DOWN + "weight_scale"),
+                        r"holds no model\.layers\.0\.mlp\.down_proj\.weight_scale, which its int4_wo layer"),
+    "codes of another shape": (lambda t: t.__setitem__(DOWN + "weight_packed", t[DOWN + "weight_packed"][:-8].clone()),
+                               r"down_proj's weight from the checkpoint is \(248, 256\).*holds \(256, 256\)"),
+    "an embedding of another vocabulary": (
+        lambda t: t.__setitem__("model.embed_tokens.weight", t["model.embed_tokens.weight"][:-1].clone()),
+        r"model\.embed_tokens\.weight is \(511, 256\), the model's is \(512, 256\)"),
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_a_checkpoint_that_does_not_fit_the_skeleton_is_refused_by_name(tmp_path, corruption):
+    """These loaded silently: a layer with fewer rows than the model's, an embedding of another vocabulary."""
+    model = fxquant.quantize_(decoder("llama"), {"recipe": "int4_wo"})
+    fxquant.save_quantized(model, tmp_path)
+    change, message = CORRUPTIONS[corruption]
+    rewrite(tmp_path, change)
+    with pytest.raises(ValueError, match=message):
+        fxquant.load_quantized(skeleton(model), tmp_path)
+
+
+def test_a_truncated_checkpoint_is_refused_naming_the_file(tmp_path):
+    model = fxquant.quantize_(decoder("llama"), {"recipe": "fp8_row"})
+    fxquant.save_quantized(model, tmp_path)
+    file = tmp_path / "model.safetensors"
+    with open(file, "r+b") as f:
+        f.truncate(file.stat().st_size // 2)
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a whole safetensors file.*download or save it"):
+        fxquant.load_quantized(skeleton(model), tmp_path)
+
+
+def test_a_high_precision_tensor_stored_in_another_float_dtype_takes_the_models(tmp_path):
+    """As transformers' loaders do: an fp32 norm weight loads into a bf16 skeleton as bf16, its values rounded."""
+    model = fxquant.quantize_(decoder("llama"), {"recipe": "fp8_row"})
+    fxquant.save_quantized(model, tmp_path)
+    rewrite(tmp_path, lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"].float()))
+    loaded = fxquant.load_quantized(skeleton(model), tmp_path)
+    assert loaded.model.norm.weight.dtype == torch.bfloat16
+    assert torch.equal(loaded.model.norm.weight, model.model.norm.weight)
