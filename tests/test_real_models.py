@@ -8,7 +8,7 @@ import torch
 import transformers as T
 from hf_models import ARCHITECTURES, VOCAB, compiled, cosine, decoder, fake_quantized, static_decode, within_bound
 
-import fxquant  # noqa: F401  (registers the backend)
+import fxquant
 
 GENERATOR = torch.Generator().manual_seed(1)
 PROMPT = torch.randint(0, VOCAB, (2, 8), generator=GENERATOR)
@@ -51,6 +51,23 @@ def test_generate_compiles_no_more_graphs_than_inductor():
             model.generate(ids, max_new_tokens=6, do_sample=False)
         graphs[backend] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert graphs["fxquant"] <= graphs["inductor"], graphs
+
+
+def test_generate_with_a_compile_config_naming_fxquant_decodes_as_quantize_does():
+    """generate(cache_implementation="static", compile_config=...) as users call it: one graph for every decode
+    step, and the tokens of the same recipe applied in place by quantize_ and run eagerly."""
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(2))
+    config = T.CompileConfig(backend="fxquant", mode=None, options={"recipe": "int8_wo"})
+    config._compile_all_devices = True  # generate() compiles on CUDA only, unless told
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    kwargs = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        got = decoder("llama").generate(ids, compile_config=config, **kwargs)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        want = fxquant.quantize_(decoder("llama"), {"recipe": "int8_wo"}).generate(ids, **kwargs)
+    assert graphs == 1
+    assert torch.equal(got, want)
 
 
 def report_of(model, capsys, *args, **options):
