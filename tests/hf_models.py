@@ -56,19 +56,25 @@ def _cache_keyword(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def static_decode(model, forward, prompt, steps, max_len=32) -> torch.Tensor:
+def static_decode(model, forward, prompt, steps, max_len=32, allocate_eagerly=False) -> torch.Tensor:
     """Logits of the last position for a prefill of `prompt` [B, S], then one step per column of `steps` [B, n]
     (teacher-forced, so every path sees the same tokens), on a transformers StaticCache. `forward` is the model
-    or its compiled form. Returns [n + 1, B, vocab]."""
+    or its compiled form. allocate_eagerly: the cache's tensors are allocated by an eager prefill, then emptied,
+    as CUDA graphs need (a cache allocated inside dynamo's trace gets no static addresses). Returns
+    [n + 1, B, vocab]."""
     cache = T.StaticCache(config=model.config, max_cache_len=max_len)
     keyword, length = _cache_keyword(model), prompt.shape[1]
+    positions = torch.arange(length, device=prompt.device)
     outs = []
     with torch.no_grad():
-        logits = forward(input_ids=prompt, cache_position=torch.arange(length), use_cache=True,
-                         **{keyword: cache}).logits
+        if allocate_eagerly:
+            model(input_ids=prompt, cache_position=positions, use_cache=True, **{keyword: cache})
+            cache.reset()
+        logits = forward(input_ids=prompt, cache_position=positions, use_cache=True, **{keyword: cache}).logits
         outs.append(logits[:, -1].float())
         for i in range(steps.shape[1]):
-            logits = forward(input_ids=steps[:, i:i + 1], cache_position=torch.tensor([length + i]), use_cache=True,
+            position = torch.tensor([length + i], device=steps.device)
+            logits = forward(input_ids=steps[:, i:i + 1], cache_position=position, use_cache=True,
                              **{keyword: cache}).logits
             outs.append(logits[:, -1].float())
     return torch.stack(outs)
