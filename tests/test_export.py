@@ -42,3 +42,46 @@ def test_export_round_trip_in_a_fresh_process(tmp_path, case):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert torch.equal(torch.load(out_path), expected)
+
+
+def test_an_exported_decode_step_keeps_its_static_cache_writes_in_a_fresh_process(tmp_path):
+    """transformers' exportable decoder holds its StaticCache as tensors the program writes in place. Each step of
+    the quantized program must lie within the fake-quantized bound, which a program that dropped the writes (each
+    step attending to its own token alone) misses; the saved program replays the same steps in a fresh process."""
+    from hf_models import VOCAB, decoder, fake_quantized, within_bound
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    model = decoder("llama")
+    model.generation_config.cache_implementation = "static"
+    tokens = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
+    path, tokens_path, out_path = tmp_path / "decode.pt2", tmp_path / "tokens.pt", tmp_path / "out.pt"
+
+    def decode(step) -> torch.Tensor:
+        return torch.stack([step(input_ids=tokens[:, i:i + 1], cache_position=torch.tensor([i]))[0, -1].float()
+                            for i in range(tokens.shape[1])])
+
+    def exportable(m):
+        return TorchExportableModuleWithStaticCache(m, batch_size=1, max_cache_len=16)
+
+    with torch.no_grad():
+        ep = fxquant.export(exportable(model), (), {"input_ids": tokens[:, :1], "cache_position": torch.tensor([0])},
+                            config={"recipe": "int8_wo"})
+        torch.export.save(ep, path)  # its cache still empty
+        got = decode(ep.module())
+        exact, plain = (decode(exportable(fake_quantized(model, "int8_wo", exact=e))) for e in (True, False))
+        eager = decode(exportable(model))
+        no_history = torch.stack([exportable(model)(input_ids=tokens[:, i:i + 1], cache_position=torch.tensor([0]))
+                                  [0, -1].float() for i in range(tokens.shape[1])])
+    assert not within_bound(got, exact, plain, eager)
+    assert within_bound(no_history, exact, plain, eager)  # a program without its cache writes fails the bound
+    torch.save(tokens, tokens_path)
+    code = (
+        "import torch, fxquant\n"
+        f"step, tokens = fxquant.load({str(path)!r}).module(), torch.load({str(tokens_path)!r})\n"
+        "out = [step(input_ids=tokens[:, i:i + 1], cache_position=torch.tensor([i]))[0, -1].float()\n"
+        "       for i in range(6)]\n"
+        f"torch.save(torch.stack(out), {str(out_path)!r})\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert torch.equal(torch.load(out_path), got)
