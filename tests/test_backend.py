@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from models import rel_err, tiny_block
+from models import rel_err, residual_norm_mlp, tiny_block
 
 import fxquant
 from fxquant.config import RECIPES
@@ -137,6 +137,30 @@ def test_an_input_that_requires_grad_is_refused_with_the_fix(inner):
     x = X.clone().requires_grad_()
     with pytest.raises(Exception, match=r"require grad\. Fix: run the model under torch.no_grad\(\)"):
         compiled(tiny_block(), inner=inner)(x)
+
+
+class AppliedTwice(torch.nn.Module):
+    """One square linear applied to its own output, then one residual MLP block applied twice (ALBERT's shared
+    layers, a loop over one block): each weight is read by two applications."""
+
+    def __init__(self):
+        super().__init__()
+        self.square = torch.nn.Linear(256, 256)
+        self.block = residual_norm_mlp()
+
+    def forward(self, x):
+        h = self.square(self.square(x))
+        return self.block(self.block(h, x), x)
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_a_layer_applied_to_its_own_output_compiles_and_stays_close(recipe):
+    """The second application's input was the first application's node, which quantize_linear had already
+    replaced and erased: compile failed for every recipe."""
+    torch.manual_seed(0)
+    model = AppliedTwice().to(torch.bfloat16).eval()
+    with torch.no_grad():
+        assert rel_err(compiled(model, recipe=recipe)(X), model(X)) < 2 * BOUNDS[recipe]  # two quantized passes
 
 
 def test_grad_mode_with_inputs_that_need_no_grad_runs():

@@ -194,7 +194,10 @@ class QuantizeLinear(PassBase):
         owner = operands[0].weight.meta.get(SOURCE_KEY)
         q, w_sqnr, worst_row = shared_quantized(owner, w, recipe, operands[0].transposed, _quantize_and_measure)
         names = _register(gm, fqn, q)
-        for node, ops in zip(nodes, operands, strict=True):
+        for node in nodes:
+            # Operands read now: a layer applied to its own output (one weight twice in a row) takes the node that
+            # replaced the previous application as its input.
+            ops = weight_operands(node)
             with gm.graph.inserting_before(node):
                 consts = [gm.graph.get_attr(n) if n else None for n in names]
                 for const in consts:
