@@ -4,10 +4,10 @@ Pre:  any graph (torch-level from dynamo, aten-level from torch.export), after f
 Post: node.meta["fxquant"] = Annotation(kind, fqn, router) on each found node; the graph itself is unchanged.
 
 Spellings are `spellings.py`'s; a linear is any form `patterns.linear_operands` matches (F.linear, and addmm / mm /
-matmul with a constant 2-D weight on the right, as GPT-2's Conv1D); an MoE layer's expert product is any form
-`patterns.expert_operands` matches (grouped_mm over a 3-D parameter, bmm of its rows picked by expert id); a
-hand-written RMSNorm's variance is annotated on its pow node when `patterns.match_rms_variance` matches. A
-linear whose output selects experts (feeds a top-k) is marked as a router.
+matmul with a constant 2-D weight on the right, as GPT-2's Conv1D, or with its transpose, x @ w.T); an MoE layer's
+expert product is any form `patterns.expert_operands` matches (grouped_mm over a 3-D parameter, bmm of its rows
+picked by expert id); a hand-written RMSNorm's variance is annotated on its pow node when
+`patterns.match_rms_variance` matches. A linear whose output selects experts (feeds a top-k) is marked as a router.
 
 A linear's name is the weight's owner (q_proj.weight -> q_proj) when the module running it holds the weight;
 a module that reads another's weight (a tied lm_head on the embedding's) is named by its own path.

@@ -27,8 +27,10 @@ from fxquant.passes.spellings import (
     MATMUL,
     MEAN,
     MM,
+    PERMUTE,
     POW,
     RSQRT,
+    SWAP_2D,
     TOPK,
     TRANSPOSE,
     UNSQUEEZE,
@@ -79,21 +81,44 @@ def _is_2d_parameter(node) -> bool:
     return _is_parameter(node, 2)
 
 
+def _operand(node, index, *names):
+    """A call's argument by position, or by any of its names (torch's and aten's spellings differ: input / self)."""
+    if len(node.args) > index:
+        return node.args[index]
+    return next((node.kwargs[name] for name in names if name in node.kwargs), None)
+
+
+def _swapped_2d_parameter(node) -> torch.fx.Node | None:
+    """The 2-D parameter `node` transposes (w.T, w.t(), w.mT, w.transpose(0, 1), w.permute(1, 0)), or None."""
+    if not isinstance(node, torch.fx.Node) or not _is_2d_parameter(source := _operand(node, 0, "input", "self")):
+        return None
+    target, dims = target_of(node), [d % 2 if isinstance(d, int) else d for d in node.args[1:]]
+    swapped = (target in SWAP_2D or target in TRANSPOSE and sorted(dims) == [0, 1]
+               or target in PERMUTE and (dims == [1, 0] or dims and dims[0] == [1, 0]))
+    return source if swapped else None
+
+
 def linear_operands(node: torch.fx.Node) -> LinearOperands | None:
     target = target_of(node)
     if target in LINEAR:
-        return LinearOperands(node.args[0], _arg(node, 1, "weight"), _arg(node, 2, "bias"), False)
+        return LinearOperands(_operand(node, 0, "input"), _operand(node, 1, "weight"), _operand(node, 2, "bias"),
+                              False)
     if target in ADDMM:
-        bias, x, w = node.args[:3]
+        bias, x, w = (_operand(node, i, *names) for i, names in enumerate((("input", "self"), ("mat1",), ("mat2",))))
         plain = _arg(node, 3, "beta", 1) == 1 and _arg(node, 4, "alpha", 1) == 1
         bias_is_row = isinstance(fake_value(bias), torch.Tensor) and fake_value(bias).dim() == 1
         if plain and bias_is_row and _is_2d_parameter(w):
             return LinearOperands(x, w, bias, True)
         return None
     if target in MM | MATMUL:
-        x, w = node.args[:2]
-        if _is_2d_parameter(w) and not _is_constant(x):
-            return LinearOperands(x, w, None, True)
+        x, w = _operand(node, 0, "input", "self"), _operand(node, 1, "mat2", "other")
+        rows = fake_value(x)
+        if _is_constant(x) or not isinstance(rows, torch.Tensor) or rows.dim() < 2:
+            return None  # a constant on the left, or a vector: not a layer's activations
+        if _is_2d_parameter(w):
+            return LinearOperands(x, w, None, True)  # w stored [K, N]: GPT-2's Conv1D weight, x @ w
+        if (nk := _swapped_2d_parameter(w)) is not None:
+            return LinearOperands(x, nk, None, False)  # x @ w.T with w [N, K]: nn.Linear's layout
     return None
 
 

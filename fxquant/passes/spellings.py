@@ -21,6 +21,9 @@ MATMUL = {torch.matmul, torch.Tensor.matmul, operator.matmul, aten.matmul.defaul
 GROUPED_MM = {torch._grouped_mm, aten._grouped_mm.default} | ({F.grouped_mm} if hasattr(F, "grouped_mm") else set())
 BMM = {torch.bmm, torch.Tensor.bmm, aten.bmm.default}
 TRANSPOSE = {torch.transpose, torch.Tensor.transpose, aten.transpose.int}
+# w.T, w.t(), w.mT of a 2-D w (dynamo records the properties as aten calls); transpose and permute by their dims
+SWAP_2D = {torch.t, torch.Tensor.t, aten.t.default, aten.numpy_T, aten.numpy_T.default, aten.mT, aten.mT.default}
+PERMUTE = {torch.permute, torch.Tensor.permute, aten.permute.default}
 UNSQUEEZE = {torch.unsqueeze, torch.Tensor.unsqueeze, aten.unsqueeze.default}
 GATHER_ROWS = {operator.getitem, aten.index.Tensor}
 EMBEDDING = {F.embedding, torch.embedding, aten.embedding.default}

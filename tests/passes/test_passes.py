@@ -208,6 +208,50 @@ def test_right_multiplied_weights_are_quantized_as_their_transpose():
             assert rel_err(g, w) < 0.01
 
 
+class TransposedProducts(torch.nn.Module):
+    """Weights stored [N, K] as nn.Linear stores them, multiplied as x @ w.T in every spelling of the transpose,
+    and F.linear called with keywords; a product with a vector is no layer's."""
+
+    SPELLINGS = ("t", "big_t", "m_t", "transpose", "transpose_neg", "permute", "mm", "keywords")
+
+    def __init__(self, k=256, n=128):
+        super().__init__()
+        self.w = torch.nn.ParameterDict({name: torch.nn.Parameter(torch.randn(n, k) / 16) for name in self.SPELLINGS})
+        self.vector = torch.nn.Parameter(torch.randn(n, k) / 16)
+
+    def forward(self, x):  # x: [B, S, K]
+        w, rows = self.w, x.reshape(-1, x.shape[-1])
+        return (torch.matmul(x, w["t"].t()), x @ w["big_t"].T, x @ w["m_t"].mT, x @ w["transpose"].transpose(0, 1),
+                x @ w["transpose_neg"].transpose(-1, -2), x @ w["permute"].permute(1, 0),
+                torch.mm(rows, w["mm"].t()), F.linear(input=x, weight=w["keywords"], bias=None),
+                x[0, 0] @ self.vector.T)
+
+
+def test_weights_multiplied_by_their_transpose_or_through_keywords_are_quantized():
+    """x @ w.T was left in high precision, unreported, and F.linear(input=..., weight=...) failed detect with an
+    IndexError."""
+    torch.manual_seed(0)
+    model = TransposedProducts().to(torch.bfloat16)
+    x = torch.randn(2, 8, 256, dtype=torch.bfloat16)
+    gm, _ = frozen(model)
+    Detect()(gm)
+    linears = {a.fqn for n in gm.graph.nodes if (a := annotation(n)) and a.kind == "linear"}
+    assert linears == {f"w.{name}" for name in TransposedProducts.SPELLINGS}
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(model, backend="fxquant", options={"recipe": "fp8_row", "inner": "eager"})(x)
+        want = model(x)
+    for g, w in zip(got[:-1], want[:-1], strict=True):
+        assert g.shape == w.shape and 0 < rel_err(g, w) < 0.05  # quantized (fp8 per row), and close
+    assert torch.equal(got[-1], want[-1])  # the vector product: untouched
+    ep = fxquant.export(model, (x,), config={"recipe": "fp8_row"})  # aten spellings
+    weights = [v for v in {**ep.state_dict, **ep.constants}.values() if v.dim() == 2 and v.shape[1] == 256]
+    assert sum(v.dtype == torch.bfloat16 for v in weights) == 1  # the vector's weight alone stays bf16
+    with torch.no_grad():
+        for g, w in zip(ep.module()(x)[:-1], want[:-1], strict=True):
+            assert 0 < rel_err(g, w) < 0.05
+
+
 @pytest.mark.parametrize("poison", [False, True])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_weights_quantized_in_row_chunks_equal_the_whole(monkeypatch, recipe, poison):
