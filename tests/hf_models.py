@@ -26,6 +26,12 @@ ARCHITECTURES = {
                        shared_expert_intermediate_size=512)),
     "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM,
                   dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, head_dim=64)),
+    # a sliding-window cache layer, logit soft-capping and tied embeddings
+    "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, dict(sliding_window=16, head_dim=64)),
+    # q/k/v and gate/up fused into one linear each
+    "phi3": (T.Phi3Config, T.Phi3ForCausalLM, dict(pad_token_id=0)),
+    # fused QKV with bias, LayerNorm, parallel attention and MLP
+    "gpt_neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, {}),
 }
 
 
