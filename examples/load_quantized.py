@@ -1,6 +1,6 @@
 """Quantize a transformers Llama in place, save it as a compressed-tensors checkpoint, then, in a fresh process, load
-it into a skeleton built on the meta device (no weight is ever allocated in high precision) and generate a few
-tokens, which must be the tokens the original quantized model generates. On the CPU, about 20 s.
+it into a skeleton whose parameters are on the meta device (no weight is ever allocated in high precision) and
+generate a few tokens, which must be the tokens the original quantized model generates. On the CPU, about 20 s.
 Run: python examples/load_quantized.py"""
 
 import subprocess
@@ -9,7 +9,6 @@ import tempfile
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import fxquant
 
@@ -35,11 +34,10 @@ def save(folder: str) -> list[int]:
 
 
 def load(folder: str) -> None:
-    """In a fresh process: the skeleton on the meta device, filled from the checkpoint."""
+    """In a fresh process: the skeleton, its parameters on the meta device, filled from the checkpoint."""
     config = LlamaConfig.from_pretrained(folder)  # the checkpoint's own config.json
-    with torch.device("meta"):
+    with fxquant.empty_weights():  # parameters on meta; the rotary frequencies, in no checkpoint, computed
         skeleton = LlamaForCausalLM(config).to(torch.bfloat16)
-    skeleton.model.rotary_emb = LlamaRotaryEmbedding(config).to(torch.bfloat16)  # non-persistent: in no checkpoint
     model = fxquant.load_quantized(skeleton, folder).eval()
     print(generated(model))
 

@@ -12,9 +12,10 @@ from fxquant.inspection import InspectReport, inspect
 from fxquant.quantized import Quantized
 from fxquant.quantized_experts import QuantizedExperts
 from fxquant.quantized_linear import QuantizedLinear
+from fxquant.skeleton import empty_weights
 
 __all__ = [
     "FORMATS", "RECIPES", "FloatFormat", "Granularity", "InspectReport", "IntFormat", "QuantConfig", "Quantized",
-    "QuantizedExperts", "QuantizedLinear", "backend", "dequantize", "export", "from_options", "inspect", "load",
-    "load_quantized", "quantize", "quantize_", "save_quantized",
+    "QuantizedExperts", "QuantizedLinear", "backend", "dequantize", "empty_weights", "export", "from_options",
+    "inspect", "load", "load_quantized", "quantize", "quantize_", "save_quantized",
 ]

@@ -354,3 +354,20 @@ def test_a_high_precision_tensor_stored_in_another_float_dtype_takes_the_models(
     loaded = fxquant.load_quantized(skeleton(model), tmp_path)
     assert loaded.model.norm.weight.dtype == torch.bfloat16
     assert torch.equal(loaded.model.norm.weight, model.model.norm.weight)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt_neox", "mixtral"])
+def test_a_skeleton_built_under_empty_weights_loads_with_its_non_persistent_buffers(tmp_path, arch):
+    """Under torch.device("meta") the buffers no checkpoint holds (rotary frequencies, Gemma2's embed_scale) stay on
+    meta and loading refuses them; under empty_weights() only the parameters are on meta, so a skeleton needs no
+    model-specific repair."""
+    model = fxquant.quantize_(decoder(arch), {"recipe": "int4_wo"})
+    fxquant.save_quantized(model, tmp_path)
+    with fxquant.empty_weights():
+        empty = type(model)(model.config).to(torch.bfloat16)
+    assert all(p.device.type == "meta" for p in empty.parameters())
+    assert all(b.device.type == "cpu" for b in empty.buffers())
+    assert torch.nn.Linear(4, 4).weight.device.type == "cpu"  # the patch ends with the block
+    loaded = fxquant.load_quantized(empty, tmp_path)
+    with torch.no_grad():
+        assert torch.equal(loaded(PROMPT, use_cache=False).logits, model(PROMPT, use_cache=False).logits)
