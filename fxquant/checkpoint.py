@@ -203,8 +203,9 @@ def load_quantized(model: nn.Module, path, device=None) -> nn.Module:
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if left:
         raise ValueError(f"fxquant: the checkpoint in {path} holds no values for {left[:8]}"
-                         f"{' and more' if len(left) > 8 else ''}, still on the meta device. Fix: build those "
-                         "modules (non-persistent buffers such as rotary frequencies) on the target device")
+                         f"{' and more' if len(left) > 8 else ''}, still on the meta device. Fix: build the "
+                         "skeleton under fxquant.empty_weights(), which computes the buffers no checkpoint holds "
+                         "(rotary frequencies), or build those modules on the target device")
     return model
 
 
