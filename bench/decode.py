@@ -75,13 +75,13 @@ class Decoder:
         self._call(self.model, prompt, cache, 0)
         return cache
 
-    def steps(self, prompt, tokens, forward=None) -> tuple[torch.Tensor, list[float]]:
+    def steps(self, prompt, tokens) -> tuple[torch.Tensor, list[float]]:
         """Last-position logits and ms of each decode step, one step per column of `tokens`, teacher-forced."""
         cache, logits, times = self.prefilled(prompt), [], []
         for i in range(tokens.shape[1]):
             sync(self.device)
             start = time.perf_counter()
-            out = self._call(forward or self.forward, tokens[:, i:i + 1], cache, prompt.shape[1] + i)
+            out = self._call(self.forward, tokens[:, i:i + 1], cache, prompt.shape[1] + i)
             sync(self.device)
             times.append((time.perf_counter() - start) * 1e3)
             logits.append(out[:, -1].float())

@@ -152,7 +152,7 @@ def stored_names(recipe: str) -> tuple[str, ...]:
 
 
 def from_checkpoint(tensors: dict[str, torch.Tensor], recipe: str, out_features: int,
-                    name: str = "layer") -> dict[str, torch.Tensor]:
+                    name: str) -> dict[str, torch.Tensor]:
     """QuantizedLinear parts from the tensors compressed-tensors stores for the layer `name`, which it takes over:
     the codes are the stored tensors (int8's turned into codes in place), never a copy. Scales become fp32, exactly
     (MX scales stay E8M0)."""

@@ -146,7 +146,7 @@ def test_loading_makes_the_stored_codes_the_layers_codes_without_a_copy(recipe):
     layer = fxquant.QuantizedLinear.from_weight(torch.randn(256, 512, dtype=torch.bfloat16), None, recipe)
     stored = {key: t.clone() for key, t in to_checkpoint(layer, recipe).items()}
     codes = stored.get("weight_packed", stored.get("weight"))
-    parts = from_checkpoint(stored, recipe, layer.out_features)
+    parts = from_checkpoint(stored, recipe, layer.out_features, "layer")
     assert parts["weight"].untyped_storage().data_ptr() == codes.untyped_storage().data_ptr()
     assert torch.equal(parts["weight"].view(torch.uint8), layer.weight.detach().view(torch.uint8))
 

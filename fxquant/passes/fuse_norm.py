@@ -53,7 +53,7 @@ def _library_norm(node):
     rms = found.kind == "rms_norm"
     weight = _uncast(_arg(node, 2, "weight"))
     bias = None if rms else _uncast(_arg(node, 3, "bias"))
-    eps = _arg(node, 3 if rms else 4, "eps", None if rms else 1e-5)
+    eps = _arg(node, 3 if rms else 4, "eps", default=None if rms else 1e-5)
     return _uncast(node.args[0]), weight, bias, FP32_EPS if eps is None else eps, rms
 
 

@@ -60,8 +60,11 @@ class LinearOperands:
         return w.T if self.transposed else w
 
 
-def _arg(node, index, name, default=None):
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+def _arg(node, index, *names, default=None):
+    """A call's argument by position, or by any of its names (torch's and aten's spellings differ: input / self)."""
+    if len(node.args) > index:
+        return node.args[index]
+    return next((node.kwargs[name] for name in names if name in node.kwargs), default)
 
 
 def _is_constant(node) -> bool:
@@ -81,37 +84,35 @@ def _is_2d_parameter(node) -> bool:
     return _is_parameter(node, 2)
 
 
-def _operand(node, index, *names):
-    """A call's argument by position, or by any of its names (torch's and aten's spellings differ: input / self)."""
-    if len(node.args) > index:
-        return node.args[index]
-    return next((node.kwargs[name] for name in names if name in node.kwargs), None)
-
-
 def _swapped_2d_parameter(node) -> torch.fx.Node | None:
     """The 2-D parameter `node` transposes (w.T, w.t(), w.mT, w.transpose(0, 1), w.permute(1, 0)), or None."""
-    if not isinstance(node, torch.fx.Node) or not _is_2d_parameter(source := _operand(node, 0, "input", "self")):
+    if not isinstance(node, torch.fx.Node) or not _is_2d_parameter(source := _arg(node, 0, "input", "self")):
         return None
-    target, dims = target_of(node), [d % 2 if isinstance(d, int) else d for d in node.args[1:]]
-    swapped = (target in SWAP_2D or target in TRANSPOSE and sorted(dims) == [0, 1]
-               or target in PERMUTE and (dims == [1, 0] or dims and dims[0] == [1, 0]))
-    return source if swapped else None
+    target, dims = target_of(node), node.args[1:]
+    if len(dims) == 1 and isinstance(dims[0], (list, tuple)):  # permute((1, 0)), aten.permute(w, [1, 0])
+        dims = dims[0]
+    if not all(isinstance(d, int) for d in dims):
+        return None
+    dims = [d % 2 for d in dims]
+    if target in SWAP_2D or target in TRANSPOSE and sorted(dims) == [0, 1] or target in PERMUTE and dims == [1, 0]:
+        return source
+    return None
 
 
 def linear_operands(node: torch.fx.Node) -> LinearOperands | None:
     target = target_of(node)
     if target in LINEAR:
-        return LinearOperands(_operand(node, 0, "input"), _operand(node, 1, "weight"), _operand(node, 2, "bias"),
+        return LinearOperands(_arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias"),
                               False)
     if target in ADDMM:
-        bias, x, w = (_operand(node, i, *names) for i, names in enumerate((("input", "self"), ("mat1",), ("mat2",))))
-        plain = _arg(node, 3, "beta", 1) == 1 and _arg(node, 4, "alpha", 1) == 1
+        bias, x, w = (_arg(node, i, *names) for i, names in enumerate((("input", "self"), ("mat1",), ("mat2",))))
+        plain = _arg(node, 3, "beta", default=1) == 1 and _arg(node, 4, "alpha", default=1) == 1
         bias_is_row = isinstance(fake_value(bias), torch.Tensor) and fake_value(bias).dim() == 1
         if plain and bias_is_row and _is_2d_parameter(w):
             return LinearOperands(x, w, bias, True)
         return None
     if target in MM | MATMUL:
-        x, w = _operand(node, 0, "input", "self"), _operand(node, 1, "mat2", "other")
+        x, w = _arg(node, 0, "input", "self"), _arg(node, 1, "mat2", "other")
         rows = fake_value(x)
         if _is_constant(x) or not isinstance(rows, torch.Tensor) or rows.dim() < 2:
             return None  # a constant on the left, or a vector: not a layer's activations
@@ -194,7 +195,7 @@ def _reduces_last_dim(mean) -> bool:
     dims = list(dim) if isinstance(dim, list | tuple) else [dim]
     value = fake_value(mean.args[0])
     rank = value.dim() if isinstance(value, torch.Tensor) else None
-    return _arg(mean, 2, "keepdim", False) is True and len(dims) == 1 and dims[0] in (-1, rank and rank - 1)
+    return _arg(mean, 2, "keepdim", default=False) is True and len(dims) == 1 and dims[0] in (-1, rank and rank - 1)
 
 
 def match_rms_variance(pow_node: torch.fx.Node) -> RmsVariance | None:
