@@ -200,9 +200,12 @@ def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: floa
         numbers, kernels = decoder.profile(prompt, tokens)
         row |= numbers
         print(f"{path}, batch {batch}, 3 decode steps:\n{kernels}", flush=True)
+    start = time.perf_counter()
     row["prefill ms"] = f"{decoder.prefill_ms(prompt):.2f}" if batch in args.prefill_batches else "-"
+    prefill_s, start = time.perf_counter() - start, time.perf_counter()
     row["generate() tokens/s"] = (generate_rate(decoder.model, path, prompt, args)
                                   if batch in args.generate_batches else "-")
+    row["prefill, generate s"] = f"{prefill_s:.0f}, {time.perf_counter() - start:.0f}"  # wall time, compiles included
     return row
 
 
