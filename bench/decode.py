@@ -5,7 +5,8 @@ its forward compiled per path (dynamic=False: one graph per shape, as a served m
 Per path, in one process:
 - check: the first decode steps' logits (teacher-forced, the same tokens as eager's) against eager bf16's, before
   anything is timed; non-finite logits fail the path;
-- decode: median ms per step over a loop on a static cache, and tokens/s;
+- decode: median ms per step over a loop on a static cache, the host's share of it (until the call returns), and
+  tokens/s;
 - profile (batch 1): GPU kernel ms per step, and the host ms CUDA graphs leave (dynamo's guards, the graph launch),
   with the table of kernels;
 - prefill: median ms of a compiled prefill of the whole prompt into an emptied cache (batch 1 only);
@@ -75,17 +76,20 @@ class Decoder:
         self._call(self.model, prompt, cache, 0)
         return cache
 
-    def steps(self, prompt, tokens) -> tuple[torch.Tensor, list[float]]:
-        """Last-position logits and ms of each decode step, one step per column of `tokens`, teacher-forced."""
-        cache, logits, times = self.prefilled(prompt), [], []
+    def steps(self, prompt, tokens) -> tuple[torch.Tensor, list[float], list[float]]:
+        """Last-position logits, and ms of each decode step (one per column of `tokens`, teacher-forced): until the
+        call returns, which with the GPU idle at the start is the host's time before and while it launches the
+        step, and until the step's GPU work has finished."""
+        cache, logits, returned, finished = self.prefilled(prompt), [], [], []
         for i in range(tokens.shape[1]):
             sync(self.device)
             start = time.perf_counter()
             out = self._call(self.forward, tokens[:, i:i + 1], cache, prompt.shape[1] + i)
+            returned.append((time.perf_counter() - start) * 1e3)
             sync(self.device)
-            times.append((time.perf_counter() - start) * 1e3)
+            finished.append((time.perf_counter() - start) * 1e3)
             logits.append(out[:, -1].float())
-        return torch.stack(logits), times
+        return torch.stack(logits), returned, finished
 
     def profile(self, prompt, tokens, steps: int = 3) -> tuple[dict, str]:
         """Per decode step: GPU kernel ms, and the host ms of dynamo's guard check and of the CUDA graph launch (both
@@ -186,16 +190,17 @@ def work(items: list[tuple[str, int]], args):
 def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: float, args) -> dict:
     prompt, tokens = inputs
     start = time.perf_counter()
-    got, _ = decoder.steps(prompt, tokens[:, :CHECK_STEPS])
+    got, _, _ = decoder.steps(prompt, tokens[:, :CHECK_STEPS])
     first = time.perf_counter() - start
     if not torch.isfinite(got).all():
         raise RuntimeError(f"{path}, batch {batch}: non-finite logits")
     row = {"path": path, "batch": batch,
            "check": f"min cos {min(cosine(g, e) for g, e in zip(got, eager, strict=True)):.4f}",
            "first steps s": f"{quantize_s + first:.1f}"}
-    _, times = decoder.steps(prompt, tokens)
-    ms = statistics.median(times[CHECK_STEPS:])
-    row |= {"decode ms": f"{ms:.3f}", "tokens/s": f"{batch * 1e3 / ms:.0f}"}
+    _, returned, finished = decoder.steps(prompt, tokens)
+    ms = statistics.median(finished[CHECK_STEPS:])
+    row |= {"decode ms": f"{ms:.3f}", "host ms": f"{statistics.median(returned[CHECK_STEPS:]):.3f}",
+            "tokens/s": f"{batch * 1e3 / ms:.0f}"}
     if batch in args.profile_batches:
         numbers, kernels = decoder.profile(prompt, tokens)
         row |= numbers

@@ -122,24 +122,32 @@ def fake_quantized_input(x, scheme):
 
 
 class FakeQuantizedExperts(torch.nn.Module):
-    """transformers' experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) with every expert's weights, and for
-    fp8 and MXFP8 recipes the rows each projection multiplies, through the reference's quantize -> dequantize, in
-    an eager loop over experts; the routing weights applied and summed per token as transformers does it."""
+    """transformers' experts (gate_up_proj [E, 2I, H], down_proj [E, H, I], or both transposed, with or without
+    biases) with every expert's weights, and for fp8 and MXFP8 recipes the rows each projection multiplies, through
+    the reference's quantize -> dequantize, in an eager loop over experts; the experts' own gating function (GPT-OSS
+    interleaves and clamps) and the routing weights applied and summed per token as transformers does it."""
 
     def __init__(self, experts, recipe: str, exact: bool):
         super().__init__()
-        self.scheme, self.act_fn = RECIPES[recipe], experts.act_fn
-        linear = lambda w: FakeQuantizedLinear(w, None, recipe, exact)
-        self.gate_up = [linear(w) for w in experts.gate_up_proj]
-        self.down = [linear(w) for w in experts.down_proj]
+        self.scheme = RECIPES[recipe]
+        self.gate = getattr(experts, "_apply_gate", None) or (lambda h: experts.act_fn(h.chunk(2, -1)[0]) *
+                                                                          h.chunk(2, -1)[1])
+        transposed = getattr(experts, "is_transposed", False)
+        linears = lambda name: [FakeQuantizedLinear(w.T if transposed else w, None if b is None else b, recipe, exact)
+                                for w, b in zip(getattr(experts, name), self._biases(experts, name), strict=True)]
+        self.gate_up, self.down = linears("gate_up_proj"), linears("down_proj")
+
+    @staticmethod
+    def _biases(experts, name):
+        bias = getattr(experts, name + "_bias", None)
+        return [None] * getattr(experts, name).shape[0] if bias is None else list(bias)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         k, dtype = top_k_index.shape[-1], hidden_states.dtype
         ids = top_k_index.reshape(-1)
         rows = hidden_states.repeat_interleave(k, dim=0)  # one row per (token, expert) pair
         h = self.project(self.gate_up, rows, ids, self.gate_up[0].weight.shape[0], dtype)
-        gate, up = h.chunk(2, dim=-1)
-        out = self.project(self.down, self.act_fn(gate) * up, ids, hidden_states.shape[-1], dtype)
+        out = self.project(self.down, self.gate(h), ids, hidden_states.shape[-1], dtype)
         weighted = out * top_k_weights.reshape(-1, 1)
         return weighted.view(-1, k, hidden_states.shape[-1]).sum(dim=1).to(dtype)
 
