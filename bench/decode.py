@@ -92,8 +92,9 @@ class Decoder:
         return torch.stack(logits), returned, finished
 
     def profile(self, prompt, tokens, steps: int = 3) -> tuple[dict, str]:
-        """Per decode step: GPU kernel ms, and the host ms of dynamo's guard check and of the CUDA graph launch (both
-        spent before the GPU starts a step); with the table of the kernels taking the GPU time."""
+        """Per decode step: GPU kernel ms, the number of kernels, and the host ms of dynamo's guard check and of the
+        CUDA graph launch (both spent before the GPU starts a step); with the table of the kernels taking the GPU
+        time."""
         cache = self.prefilled(prompt)
         activities = [torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if self.device == "cuda" else [])
@@ -105,7 +106,9 @@ class Decoder:
         host = {e.key: e.cpu_time_total for e in events}
         # an annotated range (Inductor's "## Call CompiledFxGraph") carries its kernels' device time again
         kernels = [e for e in events if not getattr(e, "is_user_annotation", False)]
+        launched = sum(e.count for e in kernels if e.device_type == torch.autograd.DeviceType.CUDA)
         numbers = {"GPU ms": f"{sum(e.self_device_time_total for e in kernels) / steps / 1e3:.3f}",
+                   "kernels": f"{launched / steps:.0f}",
                    "guards ms": f"{host.get('TorchDynamo Cache Lookup', 0) / steps / 1e3:.3f}",
                    "graph launch ms": f"{host.get('cudaGraphLaunch', 0) / steps / 1e3:.3f}"}
         return numbers, events.table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=70)
