@@ -32,6 +32,9 @@ ARCHITECTURES = {
     "phi3": (T.Phi3Config, T.Phi3ForCausalLM, dict(pad_token_id=0)),
     # fused QKV with bias, LayerNorm, parallel attention and MLP
     "gpt_neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, {}),
+    # experts stored transposed ([E, K, N]) with biases and a clamped, interleaved gate; attention sinks
+    "gpt_oss": (T.GptOssConfig, T.GptOssForCausalLM,
+                dict(num_local_experts=4, num_experts_per_tok=2, head_dim=64, sliding_window=16)),
 }
 
 

@@ -1,6 +1,6 @@
-"""Mixture-of-experts models built from small configs (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE): expert
-weights found in every form transformers 5.x runs them, quantized expert by expert, reported, and bounded by an
-independent fake-quantized copy of the model."""
+"""Mixture-of-experts models built from small configs (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE, GPT-OSS
+with transposed, biased experts and its own gate): expert weights found in every form transformers 5.x runs them,
+quantized expert by expert, reported, and bounded by an independent fake-quantized copy of the model."""
 
 import copy
 import re
@@ -15,7 +15,7 @@ from fxquant import reference as R
 from fxquant.passes.quantize_linear import quantize_weight
 from fxquant.quantized_experts import QuantizedExperts
 
-MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
 
 
 class ExpertMlp(torch.nn.Module):
@@ -76,7 +76,9 @@ def test_experts_are_quantized_reported_and_within_the_bound(arch, recipe, capsy
     report = capsys.readouterr().out
     for name, param in expert_parameters(model).items():
         row = next(line for line in report.splitlines() if line.startswith(name.removesuffix(".weight") + " "))
-        assert recipe in row and "x".join(map(str, param.shape)) in row
+        transposed = getattr(model.get_submodule(name.rpartition(".")[0]), "is_transposed", False)
+        experts, n, k = param.shape if not transposed else (param.shape[0], param.shape[2], param.shape[1])
+        assert recipe in row and f"{experts}x{n}x{k}" in row  # the report's [E,] N, K
     assert "3-D expert weights" not in report
     assert "router: its output selects experts" in report
 
