@@ -10,6 +10,7 @@ codes and scales as stored: no expert is dequantized on the way.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,11 @@ def _rows(t: torch.Tensor | None, first: int, stop: int, total: int, name: str) 
 
 def split_experts(model: nn.Module, name: str, experts: QuantizedExperts) -> dict[str, ExpertLinear]:
     """The experts module `name` as the checkpoint's per-expert linears, views of its codes and scales."""
+    if experts.gate_owner is not None or any(getattr(experts, p + "_bias") is not None for p in PROJECTIONS):
+        raise ValueError(f"fxquant: {name} has expert biases or a gating function of its own (GPT-OSS's layout), "
+                         "which the per-expert linears of a compressed-tensors checkpoint do not hold. Fix: save "
+                         "model.state_dict() with safetensors or torch.save, or keep every such experts module out "
+                         f"of quantize_ (skip=[r'\\.{re.escape(name.rpartition('.')[2])}\\.']) to save the rest")
     hidden, inter = experts.hidden_dim, experts.intermediate_dim
     linears = {}
     for e, names in enumerate(expert_linear_names(model, name, experts.num_experts)):

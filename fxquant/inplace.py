@@ -107,7 +107,8 @@ def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, exa
 def _quantize_experts(model: nn.Module, fqn: str, config: QuantConfig) -> list[LayerRecord]:
     """Swap the experts module `fqn` for a QuantizedExperts unless a reason keeps it; a record per projection."""
     module = model.get_submodule(fqn)
-    weights = {projection: getattr(module, projection) for projection in PROJECTIONS}
+    transposed = getattr(module, "is_transposed", False)  # stored [E, K, N]; judged and reported as [E, N, K]
+    weights = {p: getattr(module, p).transpose(-2, -1) if transposed else getattr(module, p) for p in PROJECTIONS}
     names = {projection: f"{fqn}.{projection}" for projection in PROJECTIONS}
     reasons = [experts_layout_reason(module)] + [skip_reason(w, names[p], config, dims=3) for p, w in weights.items()]
     recipes = set() if any(reasons) else {config.recipe_for(name) for name in names.values()}
@@ -126,7 +127,8 @@ def _quantize_experts(model: nn.Module, fqn: str, config: QuantConfig) -> list[L
     del module, weights  # the last references to the high-precision experts
     records = []
     for projection in PROJECTIONS:
-        parts = [p for name, p in quantized.named_parameters() if name.startswith(projection)]
+        parts = [getattr(quantized, name) for name in quantized.part_names()
+                 if name.startswith(projection) and getattr(quantized, name) is not None]
         records.append(LayerRecord(names[projection], shapes[projection], recipe, "", before[projection],
                                    sum(p.numel() * p.element_size() for p in parts)))
     return records
@@ -143,7 +145,7 @@ def _other_weights(model: nn.Module, layers: list[LayerRecord]) -> list[WeightEn
     entries = []
     for name, module in model.named_modules():
         for key, param in module.named_parameters(recurse=False):
-            if id(param) in seen or (isinstance(module, FrozenParts) and key != "bias"):
+            if id(param) in seen or (isinstance(module, FrozenParts) and key in module.part_names()):
                 continue
             seen.add(id(param))
             role = weight_role(param, embedding=isinstance(module, nn.Embedding),

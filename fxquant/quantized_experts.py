@@ -2,14 +2,19 @@
 
 transformers 5.x keeps each MoE layer's experts as one module with two 3-D parameters, gate_up_proj [E, 2I, H]
 (gate rows first, then up) and down_proj [E, H, I], and chooses its forward by `config._experts_implementation`
-(an eager loop over experts, batched_mm or grouped_mm). The quantized module holds each projection's codes and
-scales as frozen parameters, as `QuantizedLinear` does, and always runs the grouped form: tokens sorted by expert
-(`fxquant.sort_by_expert`), the grouped ops `linear_ops.emit_linear` emits given offsets, and the routing
-weights applied to the rows put back in token order, summed over each token's experts, as transformers' grouped_mm
-experts compute them. So every implementation setting runs quantized, eagerly and under any compile backend.
+(an eager loop over experts, batched_mm or grouped_mm). Some store both transposed ([E, H, 2I], [E, I, H]), add a
+bias per expert, and gate with a function of their own (GPT-OSS: interleaved gate and up rows, clamped). The
+quantized module holds each projection's codes and scales as frozen parameters, [E, N, K] whatever the stored
+layout, as `QuantizedLinear` does, with the biases in high precision, and always runs the grouped form: tokens
+sorted by expert (`fxquant.sort_by_expert`), the grouped ops `linear_ops.emit_linear` emits given offsets, each
+row's expert bias, the experts' own gate, and the routing weights applied to the rows put back in token order,
+summed over each token's experts, as transformers' grouped_mm experts compute them. So every implementation setting
+runs quantized, eagerly and under any compile backend.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn as nn
@@ -25,15 +30,31 @@ PROJECTIONS = ("gate_up_proj", "down_proj")
 def experts_layout_reason(module: nn.Module) -> str | None:
     """Why `module` (one with 3-D gate_up_proj and down_proj) is not an experts layout QuantizedExperts computes,
     or None."""
-    unsupported = [flag for flag, want in (("has_gate", True), ("is_transposed", False), ("has_bias", False),
-                                           ("is_concatenated", True), ("has_post_expert_norm", False))
+    unsupported = [flag for flag, want in (("has_gate", True), ("has_post_expert_norm", False))
                    if getattr(module, flag, want) != want]
     if unsupported:
         return f"experts layout not supported by quantize_ ({', '.join(unsupported)})"
-    gate = getattr(type(module), "_apply_gate", None)
-    if gate is not None and gate.__name__ != "_default_apply_gate":  # transformers' act_fn(gate) * up
-        return "experts with their own gating function are not supported by quantize_"
+    if not getattr(module, "is_concatenated", True) and gate_owner(module) is None:
+        return "interleaved gate and up rows without a gating function of the experts' own"
     return None
+
+
+def gate_owner(module: nn.Module) -> nn.Module | None:
+    """For experts whose class gates with a function of its own (`_apply_gate`, not transformers' default
+    act_fn(gate) * up), a parameterless copy of the module to call it on: the function reads the module's plain
+    attributes (GPT-OSS: alpha, limit) and submodules, and the copy keeps no high-precision weight alive."""
+    gate = getattr(type(module), "_apply_gate", None)
+    if gate is None or gate.__name__ == "_default_apply_gate":
+        return None
+    owner = copy.copy(module)
+    owner._parameters, owner._buffers, owner._modules = {}, {}, dict(module._modules)
+    return owner
+
+
+def experts_shape(module: nn.Module) -> tuple[int, int, int]:
+    """(experts, 2 x intermediate, hidden) of transformers' experts module, in either stored layout."""
+    num_experts, rows, cols = module.gate_up_proj.shape
+    return (num_experts, cols, rows) if getattr(module, "is_transposed", False) else (num_experts, rows, cols)
 
 
 def is_experts(module: nn.Module) -> bool:
@@ -46,25 +67,35 @@ class QuantizedExperts(FrozenParts):
     """An MoE layer's experts, gate_up_proj [E, 2I, H] and down_proj [E, H, I], held quantized under `recipe`;
     forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]."""
 
-    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, recipe: str, parts: dict, act_fn):
+    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, recipe: str, parts: dict, act_fn,
+                 biases: dict | None = None, owner: nn.Module | None = None):
         super().__init__()
         if recipe not in RECIPES:
             raise ValueError(f"fxquant: unknown recipe {recipe!r}; valid: {', '.join(RECIPES)}")
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
         self.recipe, self.act_fn = recipe, act_fn
+        object.__setattr__(self, "gate_owner", owner)  # not a submodule: no weights of its own, not in the repr
         for name in self.part_names():
             tensor = parts.get(name)
             self.register_parameter(name, None if tensor is None else nn.Parameter(tensor, requires_grad=False))
+        for projection in PROJECTIONS:
+            bias = (biases or {}).get(projection)
+            self.register_parameter(projection + "_bias", None if bias is None else
+                                    nn.Parameter(bias.detach(), requires_grad=False))
 
     @classmethod
     def from_module(cls, module: nn.Module, recipe: str) -> QuantizedExperts:
         """Quantize transformers' experts module, expert by expert, on its weights' device."""
-        parts = {}
+        parts, transposed = {}, getattr(module, "is_transposed", False)
         for projection in PROJECTIONS:
-            q = quantize_weight(getattr(module, projection).detach(), recipe)
+            weight = getattr(module, projection).detach()
+            q = quantize_weight(weight.transpose(-2, -1) if transposed else weight, recipe)  # [E, N, K]
             parts.update({_part(projection, name): getattr(q, field) for name, field in PARTS})
-        num_experts, two_i, hidden = module.gate_up_proj.shape
-        return cls(num_experts, hidden, two_i // 2, recipe, parts, module.act_fn)
+        num_experts, two_i, hidden = experts_shape(module)
+        biases = {p: getattr(module, p + "_bias", None) for p in PROJECTIONS} if getattr(module, "has_bias", False) \
+            else None
+        return cls(num_experts, hidden, two_i // 2, recipe, parts, getattr(module, "act_fn", None), biases,
+                   gate_owner(module))
 
     def part_names(self) -> list[str]:
         return [_part(projection, name) for projection in PROJECTIONS for name, _ in PARTS]
@@ -76,13 +107,26 @@ class QuantizedExperts(FrozenParts):
         scheme, k = RECIPES[self.recipe], top_k_index.shape[-1]
         order, inverse, offs = torch.ops.fxquant.sort_by_expert(top_k_index, self.num_experts)
         x = hidden_states.index_select(0, order // k)  # each (token, expert) pair's row, sorted by expert
+        experts = top_k_index.reshape(-1).index_select(0, order)  # each sorted row's expert
         h = emit_linear(run_now, scheme, x, self._consts("gate_up_proj"), None, 2 * self.intermediate_dim, x.dtype,
                         offs)
-        gate, up = h.chunk(2, dim=-1)
-        h = emit_linear(run_now, scheme, self.act_fn(gate) * up, self._consts("down_proj"), None, self.hidden_dim,
-                        x.dtype, offs)
+        h = self._biased(h, "gate_up_proj", experts)
+        h = emit_linear(run_now, scheme, self._gated(h), self._consts("down_proj"), None, self.hidden_dim, x.dtype,
+                        offs)
+        h = self._biased(h, "down_proj", experts)
         weighted = h.index_select(0, inverse) * top_k_weights.reshape(-1, 1)
         return weighted.view(-1, k, self.hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+    def _biased(self, h: torch.Tensor, projection: str, experts: torch.Tensor) -> torch.Tensor:
+        """h plus each row's expert bias, added to the rounded product as transformers' grouped experts add it."""
+        bias = getattr(self, projection + "_bias")
+        return h if bias is None else h + bias.index_select(0, experts).to(h.dtype)
+
+    def _gated(self, h: torch.Tensor) -> torch.Tensor:
+        if self.gate_owner is not None:
+            return self.gate_owner._apply_gate(h)
+        gate, up = h.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "

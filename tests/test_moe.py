@@ -107,7 +107,7 @@ def test_experts_outside_the_graph_are_named_with_the_fix():
 
 
 @pytest.mark.parametrize("recipe", ["fp8_block", "mxfp4_wo", "int4_wo"])
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "gpt_oss"])
 def test_quantize_in_place_swaps_experts_and_every_implementation_runs_them(arch, recipe):
     model = decoder(arch)
     quantized = fxquant.quantize_(copy.deepcopy(model), {"recipe": recipe}, example_inputs=(PROMPT,))
@@ -124,8 +124,9 @@ def test_quantize_in_place_swaps_experts_and_every_implementation_runs_them(arch
     assert not within_bound(recompiled, exact, plain, eager)
 
 
-def test_quantized_experts_state_dict_round_trip():
-    model = fxquant.quantize_(decoder("mixtral"), {"recipe": "nvfp4_wo"})
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_quantized_experts_state_dict_round_trip(arch):
+    model = fxquant.quantize_(decoder(arch), {"recipe": "nvfp4_wo"})
     skeleton = copy.deepcopy(model)
     for param in skeleton.parameters():
         param.data.zero_()
@@ -134,6 +135,31 @@ def test_quantized_experts_state_dict_round_trip():
         torch.testing.assert_close(skeleton(PROMPT).logits, model(PROMPT).logits, rtol=0, atol=0)
     experts = model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.dtype == torch.uint8 and experts.gate_up_proj_global_scale.shape == (4,)
+
+
+def test_gpt_oss_experts_keep_their_biases_and_gate_and_refuse_a_checkpoint_layout_that_would_drop_them(tmp_path):
+    """GPT-OSS stores its experts transposed, with a bias per expert and a clamped gate over interleaved rows.
+    quantize_ keeps all three (the bound above checks the outputs); compressed-tensors' per-expert linears hold none
+    of them, so save_quantized refuses with the fix, and the fix's skip pattern saves and loads the rest exactly."""
+    model = decoder("gpt_oss")
+    quantized = fxquant.quantize_(copy.deepcopy(model), {"recipe": "int4_wo"})
+    experts = quantized.model.layers[0].mlp.experts
+    original = model.model.layers[0].mlp.experts
+    e, k, n = original.gate_up_proj.shape  # stored [E, K, N]
+    assert experts.gate_up_proj.shape == (e, n, k // 2)  # quantized [E, N, K], two int4 codes a byte
+    assert torch.equal(experts.down_proj_bias, original.down_proj_bias)
+    assert experts.gate_owner.limit == original.limit and not list(experts.gate_owner.parameters())
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts has expert biases.*Fix:") as caught:
+        fxquant.save_quantized(quantized, tmp_path)
+    pattern = re.search(r"skip=\[r'(.+?)'\]", str(caught.value)).group(1)
+    kept = fxquant.quantize_(copy.deepcopy(model), {"recipe": "int4_wo", "skip": [pattern]})
+    assert not any(isinstance(m, QuantizedExperts) for m in kept.modules())
+    fxquant.save_quantized(kept, tmp_path)
+    with fxquant.empty_weights():
+        empty = type(model)(model.config).to(torch.bfloat16)
+    loaded = fxquant.load_quantized(empty, tmp_path).eval()
+    torch.testing.assert_close(static_decode(loaded, loaded, PROMPT, STEPS), static_decode(kept, kept, PROMPT, STEPS),
+                               rtol=0, atol=0)
 
 
 def test_skipped_experts_stay_whole_and_say_why(capsys):
