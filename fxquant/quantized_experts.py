@@ -36,6 +36,13 @@ def experts_layout_reason(module: nn.Module) -> str | None:
         return f"experts layout not supported by quantize_ ({', '.join(unsupported)})"
     if not getattr(module, "is_concatenated", True) and gate_owner(module) is None:
         return "interleaved gate and up rows without a gating function of the experts' own"
+    num_experts, two_i, hidden = experts_shape(module)
+    transposed = getattr(module, "is_transposed", False)
+    if two_i % 2 or tuple(module.down_proj.shape) != ((num_experts, two_i // 2, hidden) if transposed else
+                                                       (num_experts, hidden, two_i // 2)):
+        layout = "[E, H, 2I] and [E, I, H] (is_transposed)" if transposed else "[E, 2I, H] and [E, H, I]"
+        return (f"gate_up_proj {list(module.gate_up_proj.shape)} and down_proj {list(module.down_proj.shape)} are "
+                f"not the layout {layout} the module declares")
     return None
 
 

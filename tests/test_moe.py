@@ -137,6 +137,17 @@ def test_quantized_experts_state_dict_round_trip(arch):
     assert experts.gate_up_proj.dtype == torch.uint8 and experts.gate_up_proj_global_scale.shape == (4,)
 
 
+def test_experts_whose_shapes_contradict_their_declared_layout_stay_whole_and_say_why(capsys):
+    """Experts stored transposed without saying so would be read with K and N swapped: refused, not misread."""
+    model = decoder("mixtral", num_hidden_layers=1)
+    experts = model.model.layers[0].mlp.experts
+    experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.detach().transpose(1, 2).contiguous())
+    experts.down_proj = torch.nn.Parameter(experts.down_proj.detach().transpose(1, 2).contiguous())
+    fxquant.quantize_(model, {"recipe": "int4_wo", "report": True})
+    assert not any(isinstance(m, QuantizedExperts) for m in model.modules())
+    assert "are not the layout [E, 2I, H] and [E, H, I] the module declares" in capsys.readouterr().out
+
+
 def test_gpt_oss_experts_keep_their_biases_and_gate_and_refuse_a_checkpoint_layout_that_would_drop_them(tmp_path):
     """GPT-OSS stores its experts transposed, with a bias per expert and a clamped gate over interleaved rows.
     quantize_ keeps all three (the bound above checks the outputs); compressed-tensors' per-expert linears hold none
