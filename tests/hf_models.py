@@ -99,7 +99,8 @@ class FakeQuantizedLinear(torch.nn.Module):
         super().__init__()
         self.scheme, self.exact = RECIPES[recipe], exact
         q = R.quantize(weight.detach().float(), self.scheme.weight_fmt, self.scheme.weight_granularity)
-        self.weight = R.dequantize(q, torch.float32)  # [N, K]
+        self.dequantized = R.dequantize(q, torch.float32)  # [N, K]
+        self.weight = self.dequantized.to(weight.dtype)  # the model's dtype: T5 casts its input to wo.weight's
         self.bias = None if bias is None else bias.detach().float()
 
     def forward(self, x):
@@ -108,7 +109,7 @@ class FakeQuantizedLinear(torch.nn.Module):
     def multiply(self, x, dtype):
         """x (already the values the GEMM multiplies) @ W.T + b, rounded to dtype."""
         if self.exact:
-            return torch.nn.functional.linear(x.float(), self.weight, self.bias).to(dtype)
+            return torch.nn.functional.linear(x.float(), self.dequantized, self.bias).to(dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
         return torch.nn.functional.linear(x.to(dtype), self.weight.to(dtype), bias)
 
