@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fxquant.checkpoint_experts import expert_linear_names, split_experts, stack_experts
+from fxquant.checkpoint_mxfp4 import MXFP4_METHOD, from_mxfp4, mxfp4_experts
 from fxquant.compressed_tensors import SCHEMES, from_checkpoint, group_config, recipe_of, to_checkpoint
 from fxquant.inplace import linear_weight
 from fxquant.quantized_experts import QuantizedExperts, is_experts
@@ -152,14 +153,18 @@ def load_quantized(model: nn.Module, path, device=None) -> nn.Module:
     """Fill `model`, a skeleton (built on the meta device, or anywhere), from the compressed-tensors checkpoint in
     the folder `path`, in place: each quantized linear becomes a QuantizedLinear whose codes and scales are read
     straight from safetensors onto `device` (default: the CPU); no high-precision copy of a quantized weight is ever
-    made. Every other parameter and persistent buffer is read as stored; tied parameters stay tied. Returns the
-    model."""
+    made. transformers' own MXFP4 checkpoints (GPT-OSS's) load too, their experts as mxfp4_wo QuantizedExperts
+    (`checkpoint_mxfp4`). Every other parameter and persistent buffer is read as stored; tied parameters stay
+    tied. Returns the model."""
     path, device = Path(path), torch.device(device or "cpu")
-    config = json.loads((path / "config.json").read_text()).get("quantization_config")
-    if not config or config.get("quant_method") != "compressed-tensors":
-        raise ValueError(f"fxquant: {path / 'config.json'} holds no compressed-tensors quantization_config")
-    recipes = _recipes(model, config)
-    experts = _expert_recipes(model, config)
+    config = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    method = config.get("quant_method")
+    if method == MXFP4_METHOD:  # the experts quantized, every linear in high precision
+        recipes, experts = {}, {name: ("mxfp4_wo", {name: name}) for name in mxfp4_experts(model)}
+    elif method == "compressed-tensors":
+        recipes, experts = _recipes(model, config), _expert_recipes(model, config)
+    else:
+        raise ValueError(f"fxquant: {path / 'config.json'} holds no compressed-tensors or MXFP4 quantization_config")
     expert_of = {linear: name for _, linears in experts.values() for linear, name in linears.items()}
     for name, recipe in recipes.items():
         module = model.get_submodule(name)
@@ -192,6 +197,10 @@ def load_quantized(model: nn.Module, path, device=None) -> nn.Module:
         for key, t in _conformed(parts, name, recipes[name], module.out_features, module.in_features).items():
             setattr(module, key, nn.Parameter(t, requires_grad=False))
     for name, (recipe, linears) in experts.items():
+        if method == MXFP4_METHOD:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, from_mxfp4(name, model.get_submodule(name), pending[name]))
+            continue
         missing = [linear for linear in linears if linear not in pending]
         if missing:
             raise ValueError(f"fxquant: the checkpoint in {path} holds no tensors for {missing[:4]}, experts of {name}")

@@ -3,10 +3,13 @@ with transposed, biased experts and its own gate): expert weights found in every
 quantized expert by expert, reported, and bounded by an independent fake-quantized copy of the model."""
 
 import copy
+import dataclasses
+import json
 import re
 import warnings
 
 import pytest
+import safetensors.torch
 import torch
 from hf_models import VOCAB, angle, compiled, decoder, fake_quantized, skeleton, static_decode, within_bound
 
@@ -262,3 +265,63 @@ def test_auto_keeps_experts_it_could_not_measure_and_says_why(capsys):
     row = next(line for line in capsys.readouterr().out.splitlines()
                if line.startswith("model.layers.0.mlp.experts.gate_up_proj "))
     assert "auto' measured no recipe for these experts" in row and "layer_recipes" in row
+
+
+def _gpt_oss_mxfp4_checkpoint(model, path):
+    """The model saved as GPT-OSS ships: every experts projection as random MXFP4 blocks and E8M0 scales (2^-9 to
+    2^0), `quant_method: "mxfp4"`, everything else in bf16. Returns {experts projection name: (blocks, scales)}."""
+    generator, tensors, stored = torch.Generator().manual_seed(5), {}, {}
+    for name, param in model.state_dict().items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = param.contiguous()
+            continue
+        e, k, n = param.shape  # stored transposed
+        blocks = torch.randint(0, 256, (e, n, k // 32, 16), generator=generator, dtype=torch.uint8)
+        scales = torch.randint(118, 128, (e, n, k // 32), generator=generator, dtype=torch.uint8)
+        tensors |= {name + "_blocks": blocks, name + "_scales": scales}
+        stored[name] = blocks, scales
+    safetensors.torch.save_file(tensors, path / "model.safetensors")
+    config = model.config.to_dict() | {"quantization_config": {"quant_method": "mxfp4"}}
+    (path / "config.json").write_text(json.dumps(config))
+    return stored
+
+
+def test_gpt_oss_mxfp4_checkpoint_loads_its_experts_as_stored(tmp_path):
+    """transformers' own MXFP4 format: the experts' codes and scales are taken over as stored, and dequantize to
+    what transformers' reader (`convert_moe_packed_tensors`) makes of the same bytes, bit for bit; the loaded model
+    decodes as a bf16 model holding those weights, to bf16 rounding (relative error below 1e-2)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    model = decoder("gpt_oss")
+    stored = _gpt_oss_mxfp4_checkpoint(model, tmp_path)
+    with fxquant.empty_weights():
+        empty = type(model)(model.config).to(torch.bfloat16)
+    loaded = fxquant.load_quantized(empty, tmp_path).eval()
+    reference = copy.deepcopy(model)
+    for name, (blocks, scales) in stored.items():
+        experts_name, _, projection = name.rpartition(".")
+        experts = loaded.get_submodule(experts_name)
+        assert isinstance(experts, QuantizedExperts) and experts.recipe == "mxfp4_wo"
+        want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, K, N], as the model stores it
+        codes = getattr(experts, projection)
+        assert torch.equal(codes.reshape(-1), blocks.reshape(-1))  # the stored bytes, reshaped
+        template = quantize_weight(torch.zeros(want.transpose(1, 2).shape), "mxfp4_wo")
+        got = R.dequantize_experts(dataclasses.replace(template, data=codes, scale=getattr(experts, projection +
+                                                                                              "_scale")))
+        assert torch.equal(got.float(), want.transpose(1, 2))
+        getattr(reference.get_submodule(experts_name), projection).data = want.to(torch.bfloat16)
+    got, want = static_decode(loaded, loaded, PROMPT, STEPS), static_decode(reference, reference, PROMPT, STEPS)
+    error = float((got - want).norm() / want.norm())
+    assert error < 1e-2, error
+
+
+def test_an_mxfp4_checkpoint_missing_an_experts_scale_is_refused_by_name(tmp_path):
+    model = decoder("gpt_oss", num_hidden_layers=1)
+    _gpt_oss_mxfp4_checkpoint(model, tmp_path)
+    tensors = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.0.mlp.experts.down_proj_scales"]
+    safetensors.torch.save_file(tensors, tmp_path / "model.safetensors")
+    with fxquant.empty_weights():
+        empty = type(model)(model.config).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"no model\.layers\.0\.mlp\.experts\.down_proj_scales.*Fix:"):
+        fxquant.load_quantized(empty, tmp_path)
