@@ -65,9 +65,11 @@ def experts_shape(module: nn.Module) -> tuple[int, int, int]:
 
 
 def is_experts(module: nn.Module) -> bool:
-    """transformers' experts module: 3-D parameters gate_up_proj and down_proj."""
-    return all(isinstance(getattr(module, name, None), nn.Parameter) and getattr(module, name).dim() == 3
-               for name in PROJECTIONS)
+    """transformers' experts module: 3-D parameters gate_up_proj and down_proj (a QuantizedExperts' codes are
+    3-D too, but it is quantized already)."""
+    return not isinstance(module, QuantizedExperts) and all(
+        isinstance(getattr(module, name, None), nn.Parameter) and getattr(module, name).dim() == 3
+        for name in PROJECTIONS)
 
 
 class QuantizedExperts(FrozenParts):

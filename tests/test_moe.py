@@ -127,6 +127,18 @@ def test_quantize_in_place_swaps_experts_and_every_implementation_runs_them(arch
     assert not within_bound(recompiled, exact, plain, eager)
 
 
+def test_quantize_again_leaves_quantized_experts_as_they_are_and_out_of_the_report(capsys):
+    """A second quantize_ (the attention of a model whose experts a checkpoint held quantized) leaves the
+    QuantizedExperts alone, as it leaves QuantizedLinear: not re-quantized, not reported as weights kept in high
+    precision."""
+    model = fxquant.quantize_(decoder("mixtral"), {"recipe": "mxfp4_wo", "skip": [r"self_attn"]})
+    experts = [m for m in model.modules() if isinstance(m, QuantizedExperts)]
+    fxquant.quantize_(model, {"recipe": "fp8_row", "report": True})
+    assert [m for m in model.modules() if isinstance(m, QuantizedExperts)] == experts
+    assert isinstance(model.model.layers[0].self_attn.q_proj, fxquant.QuantizedLinear)
+    assert ".experts." not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
 def test_quantized_experts_state_dict_round_trip(arch):
     model = fxquant.quantize_(decoder(arch), {"recipe": "nvfp4_wo"})
