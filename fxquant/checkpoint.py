@@ -159,13 +159,14 @@ def load_quantized(model: nn.Module, path, device=None) -> nn.Module:
     path, device = Path(path), torch.device(device or "cpu")
     config = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
     method = config.get("quant_method")
-    if method == MXFP4_METHOD:  # the experts quantized, every linear in high precision
-        recipes, experts = {}, {name: ("mxfp4_wo", {name: name}) for name in mxfp4_experts(model)}
-    elif method == "compressed-tensors":
-        recipes, experts = _recipes(model, config), _expert_recipes(model, config)
-    else:
+    if method not in ("compressed-tensors", MXFP4_METHOD):
         raise ValueError(f"fxquant: {path / 'config.json'} holds no compressed-tensors or MXFP4 quantization_config")
+    compressed = method == "compressed-tensors"  # else the experts quantized, every linear in high precision
+    recipes = _recipes(model, config) if compressed else {}
+    experts = _expert_recipes(model, config) if compressed else {}
+    mxfp4 = [] if compressed else mxfp4_experts(model)
     expert_of = {linear: name for _, linears in experts.values() for linear, name in linears.items()}
+    expert_of |= {name: name for name in mxfp4}  # its tensors are named after the experts module itself
     for name, recipe in recipes.items():
         module = model.get_submodule(name)
         if isinstance(module, QuantizedLinear):
@@ -196,11 +197,10 @@ def load_quantized(model: nn.Module, path, device=None) -> nn.Module:
         parts = from_checkpoint(tensors, recipes[name], module.out_features, name)
         for key, t in _conformed(parts, name, recipes[name], module.out_features, module.in_features).items():
             setattr(module, key, nn.Parameter(t, requires_grad=False))
+    for name in mxfp4:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, from_mxfp4(name, model.get_submodule(name), pending[name]))
     for name, (recipe, linears) in experts.items():
-        if method == MXFP4_METHOD:
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, from_mxfp4(name, model.get_submodule(name), pending[name]))
-            continue
         missing = [linear for linear in linears if linear not in pending]
         if missing:
             raise ValueError(f"fxquant: the checkpoint in {path} holds no tensors for {missing[:4]}, experts of {name}")

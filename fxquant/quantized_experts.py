@@ -116,7 +116,8 @@ class QuantizedExperts(FrozenParts):
         scheme, k = RECIPES[self.recipe], top_k_index.shape[-1]
         order, inverse, offs = torch.ops.fxquant.sort_by_expert(top_k_index, self.num_experts)
         x = hidden_states.index_select(0, order // k)  # each (token, expert) pair's row, sorted by expert
-        experts = top_k_index.reshape(-1).index_select(0, order)  # each sorted row's expert
+        biased = self.gate_up_proj_bias is not None or self.down_proj_bias is not None
+        experts = top_k_index.reshape(-1).index_select(0, order) if biased else None  # each sorted row's expert
         h = emit_linear(run_now, scheme, x, self._consts("gate_up_proj"), None, 2 * self.intermediate_dim, x.dtype,
                         offs)
         h = self._biased(h, "gate_up_proj", experts)

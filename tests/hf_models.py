@@ -125,6 +125,12 @@ def fake_quantized_input(x, scheme):
     return x
 
 
+def _act_times_up(act_fn, h):
+    """transformers' default gate: act_fn(gate) * up, gate rows first."""
+    gate, up = h.chunk(2, dim=-1)
+    return act_fn(gate) * up
+
+
 class FakeQuantizedExperts(torch.nn.Module):
     """transformers' experts (gate_up_proj [E, 2I, H], down_proj [E, H, I], or both transposed, with or without
     biases) with every expert's weights, and for fp8 and MXFP8 recipes the rows each projection multiplies, through
@@ -134,8 +140,7 @@ class FakeQuantizedExperts(torch.nn.Module):
     def __init__(self, experts, recipe: str, exact: bool):
         super().__init__()
         self.scheme = RECIPES[recipe]
-        self.gate = getattr(experts, "_apply_gate", None) or (lambda h: experts.act_fn(h.chunk(2, -1)[0]) *
-                                                                          h.chunk(2, -1)[1])
+        self.gate = getattr(experts, "_apply_gate", None) or (lambda h: _act_times_up(experts.act_fn, h))
         transposed = getattr(experts, "is_transposed", False)
         linears = lambda name: [FakeQuantizedLinear(w.T if transposed else w, None if b is None else b, recipe, exact)
                                 for w, b in zip(getattr(experts, name), self._biases(experts, name), strict=True)]
