@@ -104,11 +104,13 @@ class Decoder:
             sync(self.device)
         events = prof.key_averages()
         host = {e.key: e.cpu_time_total for e in events}
-        # an annotated range (Inductor's "## Call CompiledFxGraph") carries its kernels' device time again
-        kernels = [e for e in events if not getattr(e, "is_user_annotation", False)]
-        launched = sum(e.count for e in kernels if e.device_type == torch.autograd.DeviceType.CUDA)
-        numbers = {"GPU ms": f"{sum(e.self_device_time_total for e in kernels) / steps / 1e3:.3f}",
-                   "kernels": f"{launched / steps:.0f}",
+        # A device event that shares its name with a host range is that range's annotation on the GPU timeline
+        # (Inductor's "## Call CompiledFxGraph"), spanning its kernels: counting it would count their time twice.
+        ranges = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU}
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and e.name not in ranges]
+        numbers = {"GPU ms": f"{sum(e.device_time_total for e in kernels) / steps / 1e3:.3f}",
+                   "kernels": f"{len(kernels) / steps:.0f}",
                    "guards ms": f"{host.get('TorchDynamo Cache Lookup', 0) / steps / 1e3:.3f}",
                    "graph launch ms": f"{host.get('cudaGraphLaunch', 0) / steps / 1e3:.3f}"}
         return numbers, events.table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=70)
