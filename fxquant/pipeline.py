@@ -1,5 +1,5 @@
 """The pipeline: freeze_params -> detect -> upcast, the numerics lint (and recipe="auto"'s measurements), then
-quantize_linear -> fuse_norm -> merge_linear -> fuse_linear -> cleanup. It sits above the passes: they never
+quantize_linear -> fuse_norm -> merge_linear -> fuse_linear -> pack_gqa -> cleanup. It sits above the passes: they never
 import the lint or the measurements, and what they hand each other travels in one `PipelineState`."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from fxquant.passes.freeze_params import FreezeParams
 from fxquant.passes.fuse_linear import FuseLinear
 from fxquant.passes.fuse_norm import FuseNorm
 from fxquant.passes.merge_linear import MergeLinear
+from fxquant.passes.pack_gqa import PackGQA
 from fxquant.passes.quantize_linear import QuantizeLinear
 from fxquant.passes.state import LayerRecord, PipelineState
 from fxquant.passes.upcast import Upcast
@@ -68,7 +69,7 @@ def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=N
         measured = measure_graph(gm, example_inputs, config, usable_recipes(device))
         state.config = config = resolve_auto(config, measured)
         state.auto_reasons = {m.fqn: m.reason for m in measured if m.chosen_by_auto and m.recipe is None}
-    passes = [QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseLinear(), Cleanup()]
+    passes = [QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseLinear(), PackGQA(), Cleanup()]
     gm = PassManager(passes=passes, steps=1)(gm).graph_module
     findings += lint_layers(state, weights)
     errors = [f for f in findings if f.severity == "error"]

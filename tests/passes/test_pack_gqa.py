@@ -1,0 +1,102 @@
+"""pack_gqa: decode attention on the key/value heads gives eager's logits, reads the cache without repeating it,
+and leaves alone what it must: prefill, causal calls, and a cache written between the repeat and the attention."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hf_models import decoder, static_decode
+
+from fxquant.backend import fxquant as fxquant_backend
+from fxquant.passes.annotations import fake_value
+from fxquant.passes.pack_gqa import SDPA
+
+NOTHING = {"inner": "eager", "skip": [".*"]}  # no layer quantized: only the graph rewrites differ from eager
+
+
+def compiled_graphs(model, **kwargs):
+    """The model compiled under backend="fxquant" with nothing quantized, and the list its graphs land in."""
+    graphs = []
+
+    def backend(gm, inputs):
+        compiled = fxquant_backend(gm, inputs, options=NOTHING)
+        graphs.append(compiled.result.gm)
+        return compiled
+
+    torch._dynamo.reset()
+    return torch.compile(model, backend=backend, **kwargs), graphs
+
+
+def attention_calls(gm):
+    return [node for node in gm.graph.nodes if node.op == "call_function" and node.target in SDPA]
+
+
+def reads_a_repeat(node) -> bool:
+    """Whether the attention's key or value comes from an expand (repeat_kv), not the cache itself."""
+    return any(arg.op == "call_method" and arg.args[0].op == "call_method" and arg.args[0].target == "expand"
+               for arg in node.args[1:3])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "phi3", "mixtral"])
+def test_decode_attention_reads_the_cache_without_repeating_it(arch):
+    model = decoder(arch)
+    prompt, steps = torch.randint(0, 512, (2, 5)), torch.randint(0, 512, (2, 4))
+    eager = static_decode(model, model, prompt, steps)
+    forward, graphs = compiled_graphs(model)
+    got = static_decode(model, forward, prompt, steps)
+    torch.testing.assert_close(got, eager, rtol=0, atol=1e-2)  # bf16 logits; a wrong head grouping moves them by ~1
+    prefill, decode = graphs
+    assert all(fake_value(n.args[0]).shape == (2, model.config.num_attention_heads, 5, 64)
+               for n in attention_calls(prefill))  # five query positions: left as traced
+    packed = attention_calls(decode)
+    assert len(packed) == model.config.num_hidden_layers and not any(reads_a_repeat(n) for n in packed)
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    assert all(n.args[0].args[1:] == (2, kv_heads, heads // kv_heads, 64) for n in packed)  # query rows per KV head
+
+
+class Attention(nn.Module):
+    """One attention call over a [B, Hkv, L, D] cache repeated transformers' way, with an optional write to the
+    cache between the repeat and the attention."""
+
+    def __init__(self, write_between=False, is_causal=False):
+        super().__init__()
+        self.write_between, self.is_causal = write_between, is_causal
+
+    def forward(self, q, cache, mask, new):
+        b, kv_heads, length, d = cache.shape
+        n = q.shape[1] // kv_heads
+        k = cache[:, :, None, :, :].expand(b, kv_heads, n, length, d).reshape(b, kv_heads * n, length, d)
+        v = cache.unsqueeze(2).expand(b, kv_heads, n, length, d).reshape(b, kv_heads * n, length, d)
+        if self.write_between:
+            cache.index_copy_(2, torch.tensor([0]), new)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.is_causal)
+
+
+def run(module, q, mask):
+    """(eager output, compiled output, the compiled graph, the cache after each run)."""
+    torch.manual_seed(0)
+    cache, new = torch.randn(2, 2, 16, 64), torch.randn(2, 2, 1, 64)
+    want_cache = cache.clone()
+    want = module(q, want_cache, mask, new)
+    forward, graphs = compiled_graphs(module, fullgraph=True)
+    got = forward(q, cache, mask, new)
+    return want, got, graphs[0], want_cache, cache
+
+
+@pytest.mark.parametrize("mask", ["none", "shared bool", "per-head float"])
+def test_every_mask_shape_gives_eager_attention(mask):
+    q = torch.randn(2, 8, 1, 64)
+    masks = {"none": None, "shared bool": torch.rand(2, 1, 1, 16) > 0.3, "per-head float": torch.randn(2, 8, 1, 16)}
+    want, got, gm, _, _ = run(Attention(), q, masks[mask])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not any(reads_a_repeat(n) for n in attention_calls(gm))
+
+
+@pytest.mark.parametrize("case", ["prefill", "causal", "write between"])
+def test_what_is_not_one_query_over_an_unwritten_cache_keeps_its_repeat(case):
+    q = torch.randn(2, 8, 3 if case == "prefill" else 1, 64)
+    module = Attention(write_between=case == "write between", is_causal=case == "causal")
+    want, got, gm, want_cache, cache = run(module, q, None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # with the write: the repeat's copy, pre-write
+    torch.testing.assert_close(cache, want_cache, rtol=0, atol=0)  # and the write itself kept
+    assert all(reads_a_repeat(n) for n in attention_calls(gm))
