@@ -12,8 +12,9 @@ group differ only in their head. The mask keeps its shape where it is shared by 
 per head ([b, Hkv * n, 1, L]) is regrouped like the query. The repeated copies cost more than the attention they
 feed: at batch 16 over a 1056-token cache, 8 KV heads repeated 4 times write 277 MB per layer and step.
 transformers packs the query the same way in eager decode (`pack_gqa`), but repeats the keys and values under
-torch.compile. Prefill (several query positions, whose causal rows differ) and causal or dropout calls are left
-as they are, and so is a graph where the cache is written between the repeat and the attention.
+torch.compile. Prefill (several query positions, whose causal rows differ), causal or dropout calls, and batches
+of fewer than MIN_KV_GROUPS (batch, KV head) groups are left as they are, and so is a graph where the cache is
+written between the repeat and the attention.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ SDPA = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attentio
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 RESHAPE = {torch.Tensor.reshape, torch.Tensor.view, torch.reshape}
 EXPAND = {torch.Tensor.expand}
+# Packed, attention runs one (batch, KV head) group per program: below 16 groups the H200's cuDNN kernel took ~30 us
+# however few they were, and the repeat was cheaper (8 KV heads at batch 1: 26.0 us repeated against 30.0 packed;
+# 1 KV head at batch 4: 17.2 against 30.0). From 16 groups on, packing won at every point measured: 1.35x at 8 KV
+# heads and batch 2, 5.1x at batch 16, 1.44x at 1 KV head and batch 16 (bench/HISTORY.md, "Decode attention on
+# the key/value heads").
+MIN_KV_GROUPS = 16
 
 
 class PackGQA(PassBase):
@@ -62,6 +69,8 @@ def _pack(graph: torch.fx.Graph, sdpa: torch.fx.Node, epochs) -> bool:
     if not all(isinstance(size, int) for size in query.shape) or positions != 1:
         return False
     kv_heads, length = heads // k_rep, fake_value(keys).shape[2]
+    if batch * kv_heads < MIN_KV_GROUPS:
+        return False
     if args.get("attn_mask") is not None and (
             not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[1] not in (1, heads)
             or mask.shape[2] != 1 or not all(isinstance(size, int) for size in mask.shape)):

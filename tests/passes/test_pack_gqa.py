@@ -1,5 +1,6 @@
 """pack_gqa: decode attention on the key/value heads gives eager's logits, reads the cache without repeating it,
-and leaves alone what it must: prefill, causal calls, and a cache written between the repeat and the attention."""
+and leaves alone what it must: prefill, causal calls, a cache written between the repeat and the attention, and
+batches of too few (batch, KV head) groups."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from hf_models import decoder, static_decode
 
 from fxquant.backend import fxquant as fxquant_backend
 from fxquant.passes.annotations import fake_value
-from fxquant.passes.pack_gqa import SDPA
+from fxquant.passes.pack_gqa import MIN_KV_GROUPS, SDPA
 
 NOTHING = {"inner": "eager", "skip": [".*"]}  # no layer quantized: only the graph rewrites differ from eager
 
@@ -40,18 +41,19 @@ def reads_a_repeat(node) -> bool:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "phi3", "mixtral"])
 def test_decode_attention_reads_the_cache_without_repeating_it(arch):
     model = decoder(arch)
-    prompt, steps = torch.randint(0, 512, (2, 5)), torch.randint(0, 512, (2, 4))
+    batch = MIN_KV_GROUPS // model.config.num_key_value_heads
+    prompt, steps = torch.randint(0, 512, (batch, 5)), torch.randint(0, 512, (batch, 4))
     eager = static_decode(model, model, prompt, steps)
     forward, graphs = compiled_graphs(model)
     got = static_decode(model, forward, prompt, steps)
     torch.testing.assert_close(got, eager, rtol=0, atol=1e-2)  # bf16 logits; a wrong head grouping moves them by ~1
     prefill, decode = graphs
-    assert all(fake_value(n.args[0]).shape == (2, model.config.num_attention_heads, 5, 64)
+    assert all(fake_value(n.args[0]).shape == (batch, model.config.num_attention_heads, 5, 64)
                for n in attention_calls(prefill))  # five query positions: left as traced
     packed = attention_calls(decode)
     assert len(packed) == model.config.num_hidden_layers and not any(reads_a_repeat(n) for n in packed)
     heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
-    assert all(n.args[0].args[1:] == (2, kv_heads, heads // kv_heads, 64) for n in packed)  # query rows per KV head
+    assert all(n.args[0].args[1:] == (batch, kv_heads, heads // kv_heads, 64) for n in packed)  # query rows per KV head
 
 
 class Attention(nn.Module):
@@ -73,9 +75,9 @@ class Attention(nn.Module):
 
 
 def run(module, q, mask):
-    """(eager output, compiled output, the compiled graph, the cache after each run)."""
+    """(eager output, compiled output, the compiled graph, the cache after each run), over a cache of 2 KV heads."""
     torch.manual_seed(0)
-    cache, new = torch.randn(2, 2, 16, 64), torch.randn(2, 2, 1, 64)
+    cache, new = torch.randn(q.shape[0], 2, 16, 64), torch.randn(q.shape[0], 2, 1, 64)
     want_cache = cache.clone()
     want = module(q, want_cache, mask, new)
     forward, graphs = compiled_graphs(module, fullgraph=True)
@@ -85,16 +87,19 @@ def run(module, q, mask):
 
 @pytest.mark.parametrize("mask", ["none", "shared bool", "per-head float"])
 def test_every_mask_shape_gives_eager_attention(mask):
-    q = torch.randn(2, 8, 1, 64)
-    masks = {"none": None, "shared bool": torch.rand(2, 1, 1, 16) > 0.3, "per-head float": torch.randn(2, 8, 1, 16)}
+    batch = MIN_KV_GROUPS // 2
+    q = torch.randn(batch, 8, 1, 64)
+    masks = {"none": None, "shared bool": torch.rand(batch, 1, 1, 16) > 0.3,
+             "per-head float": torch.randn(batch, 8, 1, 16)}
     want, got, gm, _, _ = run(Attention(), q, masks[mask])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not any(reads_a_repeat(n) for n in attention_calls(gm))
 
 
-@pytest.mark.parametrize("case", ["prefill", "causal", "write between"])
-def test_what_is_not_one_query_over_an_unwritten_cache_keeps_its_repeat(case):
-    q = torch.randn(2, 8, 3 if case == "prefill" else 1, 64)
+@pytest.mark.parametrize("case", ["prefill", "causal", "write between", "few groups"])
+def test_what_is_not_one_query_over_an_unwritten_cache_of_enough_groups_keeps_its_repeat(case):
+    batch = MIN_KV_GROUPS // 2 - (case == "few groups")
+    q = torch.randn(batch, 8, 3 if case == "prefill" else 1, 64)
     module = Attention(write_between=case == "write between", is_causal=case == "causal")
     want, got, gm, want_cache, cache = run(module, q, None)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # with the write: the repeat's copy, pre-write
