@@ -16,20 +16,24 @@ The prefill that fills the cache before decoding runs eagerly, as generate() run
 allocated outside dynamo and marked static, which CUDA graphs over a cache written in place require.
 
 Run: python -m bench.decode [path ...] [--batches 1 16 64] [--prefill 1024] [--steps 32] [--mode reduce-overhead]
+[--row-timeout 240]
 paths: inductor, fxquant:<recipe>, torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all).
-All paths run in one worker process; a worker that dies has its (path, batch) marked failed, and a fresh worker goes
-on with the rest.
+All paths run in one worker process; a worker that dies, or gives no row within --row-timeout seconds, has its
+(path, batch) marked failed, and a fresh worker goes on with the rest.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import inspect
 import json
+import queue
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -221,8 +225,16 @@ def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: floa
     return row
 
 
+def _pump(stream, lines: queue.Queue):
+    """Each line of a worker's output into `lines`, then None at its end."""
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
 def run_workers(items: list[tuple[str, int]], args) -> list[dict]:
-    """Workers over the items until all have a row; a worker's death marks its current item failed."""
+    """Workers over the items until all have a row. A worker that dies, or gives no row within args.row_timeout
+    seconds, has its current item marked failed; a fresh worker goes on with the rest."""
     rows = []
     passed = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in ("layers", "hidden", "prefill",
                                                                                     "steps", "mode", "device")]
@@ -231,20 +243,30 @@ def run_workers(items: list[tuple[str, int]], args) -> list[dict]:
     while items:
         spec = json.dumps(items)
         worker = subprocess.Popen([sys.executable, "-m", "bench.decode", "--worker", spec, *passed],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for line in worker.stdout:
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines, tail = queue.Queue(), collections.deque(maxlen=40)
+        threading.Thread(target=_pump, args=(worker.stdout, lines), daemon=True).start()
+        while True:
+            try:
+                line = lines.get(timeout=args.row_timeout)
+            except queue.Empty:  # no row in time: the item is marked failed below
+                worker.kill()
+                tail.append(f"no row within {args.row_timeout} s")
+                break
+            if line is None:
+                break
             if line.startswith(ROW):
                 rows.append(json.loads(line[len(ROW):]))
                 items = items[1:]
                 print(rows[-1], flush=True)
-            else:  # kernel tables, and why a peer did not import
+            else:  # kernel tables, warnings, why a peer did not import
+                tail.append(line.rstrip())
                 print(line, end="", flush=True)
-        error = worker.stderr.read()
         if worker.wait() and items:
-            last = (error.strip().splitlines() or ["no output"])[-1][:160]
             path, batch = items.pop(0)
-            rows.append({"path": path, "batch": batch, "check": f"failed (rc {worker.returncode}): {last}"})
-            print(rows[-1], error[-3000:], sep="\n", flush=True)
+            rows.append({"path": path, "batch": batch,
+                         "check": f"failed (rc {worker.returncode}): {(tail or ['no output'])[-1][:160]}"})
+            print(rows[-1], flush=True)
     return rows
 
 
@@ -262,6 +284,8 @@ def main():
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--mode", default="reduce-overhead", choices=["default", "reduce-overhead"])
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--row-timeout", type=float, default=240,
+                        help="seconds a path may take for one batch's row (compiles included) before it is failed")
     parser.add_argument("--worker", help="internal: the JSON list of (path, batch) a worker runs")
     args = parser.parse_args()
     if args.worker:
