@@ -68,18 +68,18 @@ def _pack(graph: torch.fx.Graph, sdpa: torch.fx.Node, epochs) -> bool:
     batch, heads, positions, dim = query.shape
     if not all(isinstance(size, int) for size in query.shape) or positions != 1:
         return False
-    kv_heads, length = heads // k_rep, fake_value(keys).shape[2]
+    kv_heads = heads // k_rep
     if batch * kv_heads < MIN_KV_GROUPS:
         return False
-    if args.get("attn_mask") is not None and (
-            not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[1] not in (1, heads)
-            or mask.shape[2] != 1 or not all(isinstance(size, int) for size in mask.shape)):
+    if args.get("attn_mask") is not None and (  # the cache length (last dim) may be symbolic: a growing cache
+            not isinstance(mask, torch.Tensor) or mask.dim() != 4
+            or not all(isinstance(size, int) for size in mask.shape[:3])
+            or mask.shape[1] not in (1, heads) or mask.shape[2] != 1):
         return False
     with graph.inserting_before(sdpa):
         kwargs = {name: args[name] for name in ("attn_mask", "scale") if name in args}
         if kwargs.get("attn_mask") is not None and mask.shape[1] == heads:  # one mask row per head: regroup it
-            kwargs["attn_mask"] = graph.call_method("reshape", (args["attn_mask"], mask.shape[0], kv_heads, k_rep,
-                                                                length))
+            kwargs["attn_mask"] = graph.call_method("reshape", (args["attn_mask"], mask.shape[0], kv_heads, k_rep, -1))
         grouped = graph.call_method("reshape", (args["query"], batch, kv_heads, k_rep, dim))
         attended = graph.call_function(sdpa.target, (grouped, keys, values), kwargs)
         out = graph.call_method("reshape", (attended, batch, heads, 1, dim))
