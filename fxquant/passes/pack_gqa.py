@@ -76,13 +76,16 @@ def _pack(graph: torch.fx.Graph, sdpa: torch.fx.Node, epochs) -> bool:
             or not all(isinstance(size, int) for size in mask.shape[:3])
             or mask.shape[1] not in (1, heads) or mask.shape[2] != 1):
         return False
+    key = "val" if "val" in sdpa.meta else "example_value"
     with graph.inserting_before(sdpa):
         kwargs = {name: args[name] for name in ("attn_mask", "scale") if name in args}
         if kwargs.get("attn_mask") is not None and mask.shape[1] == heads:  # one mask row per head: regroup it
             kwargs["attn_mask"] = graph.call_method("reshape", (args["attn_mask"], mask.shape[0], kv_heads, k_rep, -1))
+            kwargs["attn_mask"].meta[key] = mask.new_empty((mask.shape[0], kv_heads, k_rep, mask.shape[3]))
         grouped = graph.call_method("reshape", (args["query"], batch, kv_heads, k_rep, dim))
         attended = graph.call_function(sdpa.target, (grouped, keys, values), kwargs)
         out = graph.call_method("reshape", (attended, batch, heads, 1, dim))
+    grouped.meta[key] = attended.meta[key] = query.new_empty((batch, kv_heads, k_rep, dim))
     out.meta.update(sdpa.meta)
     sdpa.replace_all_uses_with(out)
     graph.erase_node(sdpa)

@@ -105,3 +105,14 @@ def test_what_is_not_one_query_over_an_unwritten_cache_of_enough_groups_keeps_it
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # with the write: the repeat's copy, pre-write
     torch.testing.assert_close(cache, want_cache, rtol=0, atol=0)  # and the write itself kept
     assert all(reads_a_repeat(n) for n in attention_calls(gm))
+
+
+def test_every_node_the_rewrite_adds_carries_its_fake_value():
+    batch = MIN_KV_GROUPS // 2
+    _, _, gm, _, _ = run(Attention(), torch.randn(batch, 8, 1, 64), torch.randn(batch, 8, 1, 16))
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            assert isinstance(fake_value(node), torch.Tensor), node.format_node()
+    packed = attention_calls(gm)[0]
+    assert fake_value(packed).shape == (batch, 2, 4, 64)
+    assert fake_value(packed.kwargs["attn_mask"]).shape == (batch, 2, 4, 16)
