@@ -1,7 +1,8 @@
 """pack_gqa: decode attention runs on the key/value heads, without repeating them for every query head.
 
-Pre: a torch-level graph (dynamo's). Post: where one query position attends through `repeat_kv`'d keys and values,
-the query heads that share a key/value head become that head's query rows, and attention reads the cache as is:
+Pre: a graph from dynamo or torch.export. Post: where one query position attends through `repeat_kv`'d keys and
+values, the query heads that share a key/value head become that head's query rows, and attention reads the cache as
+is:
 
     %k = reshape(expand(K[:, :, None], B, Hkv, n, L, D), B, Hkv * n, L, D); %v likewise from V
     %o = sdpa(%q [B, Hkv * n, 1, D], %k, %v, attn_mask=%m)
@@ -22,17 +23,13 @@ from __future__ import annotations
 import operator
 
 import torch
-import torch.nn.functional as F
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fxquant.passes.annotations import fake_value
 from fxquant.passes.side_effects import eliminate_dead_code, mutation_epochs
-from fxquant.passes.spellings import UNSQUEEZE, target_of
+from fxquant.passes.spellings import EXPAND, RESHAPE, SDPA, UNSQUEEZE, target_of
 
-SDPA = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-RESHAPE = {torch.Tensor.reshape, torch.Tensor.view, torch.reshape}
-EXPAND = {torch.Tensor.expand}
 # Packed, attention runs one (batch, KV head) group per program: below 16 groups the H200's cuDNN kernel took ~30 us
 # however few they were, and the repeat was cheaper (8 KV heads at batch 1: 26.0 us repeated against 30.0 packed;
 # 1 KV head at batch 4: 17.2 against 30.0). From 16 groups on, packing won at every point measured: 1.35x at 8 KV

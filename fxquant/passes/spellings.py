@@ -25,6 +25,10 @@ TRANSPOSE = {torch.transpose, torch.Tensor.transpose, aten.transpose.int}
 SWAP_2D = {torch.t, torch.Tensor.t, aten.t.default, aten.numpy_T, aten.numpy_T.default, aten.mT, aten.mT.default}
 PERMUTE = {torch.permute, torch.Tensor.permute, aten.permute.default}
 UNSQUEEZE = {torch.unsqueeze, torch.Tensor.unsqueeze, aten.unsqueeze.default}
+EXPAND = {torch.Tensor.expand, aten.expand.default}
+RESHAPE = {torch.reshape, torch.Tensor.reshape, torch.Tensor.view, aten.reshape.default, aten.view.default}
+SDPA = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention,
+        aten.scaled_dot_product_attention.default}
 GATHER_ROWS = {operator.getitem, aten.index.Tensor}
 EMBEDDING = {F.embedding, torch.embedding, aten.embedding.default}
 SOFTMAX = {torch.softmax, F.softmax, torch.Tensor.softmax, aten._softmax.default, aten.softmax.int}

@@ -8,9 +8,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hf_models import decoder, static_decode
 
+import fxquant
 from fxquant.backend import fxquant as fxquant_backend
 from fxquant.passes.annotations import fake_value
-from fxquant.passes.pack_gqa import MIN_KV_GROUPS, SDPA
+from fxquant.passes.pack_gqa import MIN_KV_GROUPS
+from fxquant.passes.spellings import SDPA
 
 NOTHING = {"inner": "eager", "skip": [".*"]}  # no layer quantized: only the graph rewrites differ from eager
 
@@ -116,3 +118,14 @@ def test_every_node_the_rewrite_adds_carries_its_fake_value():
     packed = attention_calls(gm)[0]
     assert fake_value(packed).shape == (batch, 2, 4, 64)
     assert fake_value(packed.kwargs["attn_mask"]).shape == (batch, 2, 4, 16)
+
+
+def test_an_exported_decode_step_reads_the_cache_without_repeating_it():
+    batch = MIN_KV_GROUPS // 2
+    torch.manual_seed(0)
+    args = (torch.randn(batch, 8, 1, 64), torch.randn(batch, 2, 16, 64), torch.rand(batch, 1, 1, 16) > 0.3,
+            torch.randn(batch, 2, 1, 64))
+    program = fxquant.export(Attention(), args, config={"skip": [".*"]})
+    attention = attention_calls(program.graph_module)
+    assert len(attention) == 1 and all(arg.op == "placeholder" for arg in attention[0].args[1:3])
+    torch.testing.assert_close(program.module()(*args), Attention()(*args), rtol=1e-5, atol=1e-5)
