@@ -25,11 +25,11 @@ All paths run in one worker process; a worker that dies, or gives no row within 
 from __future__ import annotations
 
 import argparse
-import collections
 import gc
 import inspect
 import json
 import queue
+import re
 import statistics
 import subprocess
 import sys
@@ -46,6 +46,7 @@ from bench.common import header, llama, table
 CHECK_STEPS = 4  # decode steps whose logits are compared with eager's before timing
 PREFILL_REPEATS = 5
 ROW = "ROW "  # prefix of a worker's result lines
+EXCEPTION_LINE = re.compile(r"[\w.]+(Error|Exception|Failed)\b")  # a traceback's last line: what a failed row quotes
 
 
 def cache_keyword(model) -> str:
@@ -244,14 +245,14 @@ def run_workers(items: list[tuple[str, int]], args) -> list[dict]:
         spec = json.dumps(items)
         worker = subprocess.Popen([sys.executable, "-m", "bench.decode", "--worker", spec, *passed],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines, tail = queue.Queue(), collections.deque(maxlen=40)
+        lines, last, error = queue.Queue(), "no output", None
         threading.Thread(target=_pump, args=(worker.stdout, lines), daemon=True).start()
         while True:
             try:
                 line = lines.get(timeout=args.row_timeout)
             except queue.Empty:  # no row in time: the item is marked failed below
                 worker.kill()
-                tail.append(f"no row within {args.row_timeout} s")
+                last, error = f"no row within {args.row_timeout} s", None
                 break
             if line is None:
                 break
@@ -260,12 +261,13 @@ def run_workers(items: list[tuple[str, int]], args) -> list[dict]:
                 items = items[1:]
                 print(rows[-1], flush=True)
             else:  # kernel tables, warnings, why a peer did not import
-                tail.append(line.rstrip())
+                last = line.rstrip() or last
+                error = last if EXCEPTION_LINE.match(last) else error
                 print(line, end="", flush=True)
         if worker.wait() and items:
             path, batch = items.pop(0)
-            rows.append({"path": path, "batch": batch,
-                         "check": f"failed (rc {worker.returncode}): {(tail or ['no output'])[-1][:160]}"})
+            reason = error or last
+            rows.append({"path": path, "batch": batch, "check": f"failed (rc {worker.returncode}): {reason[:160]}"})
             print(rows[-1], flush=True)
     return rows
 
