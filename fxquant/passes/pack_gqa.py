@@ -26,7 +26,7 @@ import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fxquant.passes.annotations import fake_value
-from fxquant.passes.side_effects import eliminate_dead_code, mutation_epochs
+from fxquant.passes.side_effects import mutation_epochs
 from fxquant.passes.spellings import EXPAND, RESHAPE, SDPA, UNSQUEEZE, target_of
 
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -44,8 +44,7 @@ class PackGQA(PassBase):
         for sdpa in list(gm.graph.nodes):
             if sdpa.op == "call_function" and sdpa.target in SDPA and _pack(gm.graph, sdpa, epochs):
                 modified = True
-        if modified:
-            eliminate_dead_code(gm.graph)
+        if modified:  # the repeats left unread go with cleanup's dead-code pass
             gm.graph.lint()
             gm.recompile()
         return PassResult(gm, modified)
