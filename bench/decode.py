@@ -16,18 +16,26 @@ The prefill that fills the cache before decoding runs eagerly, as generate() run
 allocated outside dynamo and marked static, which CUDA graphs over a cache written in place require.
 
 Run: python -m bench.decode [path ...] [--batches 1 16 64] [--prefill 1024] [--steps 32] [--mode reduce-overhead]
-[--row-timeout 240]
+[--row-timeout 240] [--warm-jobs 4]
 paths: inductor, fxquant:<recipe>, torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all).
-All paths run in one worker process; a worker that dies, or gives no row within --row-timeout seconds, has its
-(path, batch) marked failed, and a fresh worker goes on with the rest.
+
+Two phases. First, untimed, every path runs once in a worker of its own, --warm-jobs of them at a time: each compile
+and autotune fills the on-disk caches (Inductor's FX graph and AOT caches, Triton's kernels and its autotuning
+results), and each row's cold compile seconds are kept. Then all paths are timed in one worker process, which finds
+their compiles in those caches, as a restarted server does. In either phase, a worker that dies, or gives no row
+within --row-timeout seconds, has its (path, batch) marked failed, with the stack it hung in, and a fresh worker goes
+on with the rest; a path that hung is not run at its other batches, and a path that failed in the first phase is not
+run again.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import inspect
 import json
+import os
 import queue
 import re
 import statistics
@@ -35,6 +43,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import transformers as T
@@ -47,6 +56,8 @@ CHECK_STEPS = 4  # decode steps whose logits are compared with eager's before ti
 PREFILL_REPEATS = 5
 ROW = "ROW "  # prefix of a worker's result lines
 EXCEPTION_LINE = re.compile(r"[\w.]+(Error|Exception|Failed)\b")  # a traceback's last line: what a failed row quotes
+STACK_AT = 0.75  # a row still running at this share of --row-timeout dumps its stack (the rest covers imports)
+HUNG_STACK_LINES = 40  # lines of a quiet worker's output shown when its row fails: the stack faulthandler dumped
 
 
 def cache_keyword(model) -> str:
@@ -169,6 +180,7 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def work(items: list[tuple[str, int]], args):
     """The worker: every (path, batch) in order, paths compiled once, a row printed as each finishes."""
+    faulthandler.dump_traceback_later(STACK_AT * args.row_timeout)  # building the model and eager's logits
     model = llama(args.layers, args.hidden, args.device)
     generator = torch.Generator().manual_seed(1)
     inputs, eager, max_len = {}, {}, args.prefill + args.steps
@@ -181,6 +193,8 @@ def work(items: list[tuple[str, int]], args):
                 eager[batch] = Decoder(model, model, args.device, max_len).steps(prompt, tokens[:, :CHECK_STEPS])[0]
         current = None
         for path, batch in items:
+            # A row that hangs prints where, just before the parent gives up on it.
+            faulthandler.dump_traceback_later(STACK_AT * args.row_timeout)
             if path != current:
                 current, decoder = path, None
                 torch._dynamo.reset()
@@ -197,6 +211,7 @@ def work(items: list[tuple[str, int]], args):
                 continue
             print(ROW + json.dumps(one(decoder, path, batch, inputs[batch], eager[batch], quantize_s, args)),
                   flush=True)
+    faulthandler.cancel_dump_traceback_later()
 
 
 def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: float, args) -> dict:
@@ -233,43 +248,68 @@ def _pump(stream, lines: queue.Queue):
     lines.put(None)
 
 
-def run_workers(items: list[tuple[str, int]], args) -> list[dict]:
+def run_workers(items: list[tuple[str, int]], args, profile: bool = True, quiet: bool = False) -> list[dict]:
     """Workers over the items until all have a row. A worker that dies, or gives no row within args.row_timeout
-    seconds, has its current item marked failed; a fresh worker goes on with the rest."""
+    seconds, has its current item marked failed; a fresh worker goes on with the rest. Without `profile` no batch is
+    profiled; a `quiet` run prints its rows, and the end of a worker's output only where an item failed."""
     rows = []
     passed = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in ("layers", "hidden", "prefill",
-                                                                                    "steps", "mode", "device")]
+                                                                                    "steps", "mode", "device",
+                                                                                    "row_timeout")]
     for option in ("prefill_batches", "generate_batches", "profile_batches"):
-        passed += [f"--{option.replace('_', '-')}", *map(str, getattr(args, option))]
+        values = getattr(args, option) if profile or option != "profile_batches" else []
+        passed += [f"--{option.replace('_', '-')}", *map(str, values)]
     while items:
         spec = json.dumps(items)
         worker = subprocess.Popen([sys.executable, "-m", "bench.decode", "--worker", spec, *passed],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines, last, error = queue.Queue(), "no output", None
+        lines, last, error, tail, hung = queue.Queue(), "no output", None, [], False
         threading.Thread(target=_pump, args=(worker.stdout, lines), daemon=True).start()
         while True:
             try:
                 line = lines.get(timeout=args.row_timeout)
             except queue.Empty:  # no row in time: the item is marked failed below
                 worker.kill()
-                last, error = f"no row within {args.row_timeout} s", None
+                last, error, hung = f"no row within {args.row_timeout} s", None, True
                 break
             if line is None:
                 break
             if line.startswith(ROW):
                 rows.append(json.loads(line[len(ROW):]))
-                items = items[1:]
+                items, tail = items[1:], []
                 print(rows[-1], flush=True)
-            else:  # kernel tables, warnings, why a peer did not import
+            else:  # kernel tables, warnings, why a peer did not import, the stack of a row that hangs
                 last = line.rstrip() or last
                 error = last if EXCEPTION_LINE.match(last) else error
-                print(line, end="", flush=True)
+                tail = (tail + [line])[-HUNG_STACK_LINES:]
+                if not quiet:
+                    print(line, end="", flush=True)
         if worker.wait() and items:
             path, batch = items.pop(0)
             reason = error or last
             rows.append({"path": path, "batch": batch, "check": f"failed (rc {worker.returncode}): {reason[:160]}"})
+            if quiet:
+                print("".join(tail), end="", flush=True)
             print(rows[-1], flush=True)
+            if hung:  # a path that hung once would hang its other batches too: the run stays bounded without them
+                rows += [{"path": path, "batch": other, "check": f"not run: batch {batch} hung"}
+                         for same, other in items if same == path]
+                items = [item for item in items if item[0] != path]
     return rows
+
+
+def warm_caches(items: list[tuple[str, int]], args) -> dict[tuple[str, int], dict]:
+    """The untimed first phase: a worker per path, args.warm_jobs at a time, each running its batches once without
+    profiling. Returns each item's row, which holds its cold compile seconds or why it failed."""
+    paths = list(dict.fromkeys(path for path, _ in items))
+    with ThreadPoolExecutor(args.warm_jobs) as pool:
+        done = pool.map(lambda path: run_workers([item for item in items if item[0] == path], args, profile=False,
+                                                 quiet=True), paths)
+    return {(row["path"], row["batch"]): row for rows in done for row in rows}
+
+
+def failed(row: dict) -> bool:
+    return row["check"].startswith(("failed", "not run"))
 
 
 def main():
@@ -288,6 +328,8 @@ def main():
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--row-timeout", type=float, default=240,
                         help="seconds a path may take for one batch's row (compiles included) before it is failed")
+    parser.add_argument("--warm-jobs", type=int, default=4,
+                        help="workers compiling at once in the untimed first phase (0: no first phase)")
     parser.add_argument("--worker", help="internal: the JSON list of (path, batch) a worker runs")
     args = parser.parse_args()
     if args.worker:
@@ -295,7 +337,22 @@ def main():
         return
     if args.device == "cuda":
         print(header())
-    rows = run_workers([(path, batch) for path in args.paths for batch in args.batches], args)
+    # Triton's autotuning results on disk, as its kernels are: the peers' autotuned kernels are tuned once, in the
+    # first phase, like every compile.
+    os.environ["TRITON_CACHE_AUTOTUNING"] = "1"
+    items, start = [(path, batch) for path in args.paths for batch in args.batches], time.perf_counter()
+    cold = warm_caches(items, args) if args.warm_jobs else {}
+    if cold:
+        print(f"first phase, every compile cold: {time.perf_counter() - start:.0f} s", flush=True)
+    timed = run_workers([item for item in items if not failed(cold.get(item, {"check": ""}))], args)
+    by_item = {(row["path"], row["batch"]): row for row in timed}
+    rows = []
+    for item in items:
+        row = by_item.get(item) or cold[item]
+        if item in cold and not failed(cold[item]):
+            row["cold first steps s"] = cold[item]["first steps s"]
+        rows.append(row)
+    print(f"whole run: {time.perf_counter() - start:.0f} s")
     print(table(rows))
 
 
