@@ -16,7 +16,7 @@ The prefill that fills the cache before decoding runs eagerly, as generate() run
 allocated outside dynamo and marked static, which CUDA graphs over a cache written in place require.
 
 Run: python -m bench.decode [path ...] [--batches 1 16 64] [--prefill 1024] [--steps 32] [--mode reduce-overhead]
-[--row-timeout 240] [--warm-jobs 4]
+[--row-timeout 240] [--warm-jobs 5]
 paths: inductor, fxquant:<recipe>, torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all).
 
 Two phases. First, untimed, every path runs once in a worker of its own, --warm-jobs of them at a time: each compile
@@ -55,7 +55,8 @@ from bench.common import header, llama, table
 CHECK_STEPS = 4  # decode steps whose logits are compared with eager's before timing
 PREFILL_REPEATS = 5
 ROW = "ROW "  # prefix of a worker's result lines
-EXCEPTION_LINE = re.compile(r"[\w.]+(Error|Exception|Failed)\b")  # a traceback's last line: what a failed row quotes
+# A traceback's last line, or the first line of a crash's dump: what a failed row quotes.
+EXCEPTION_LINE = re.compile(r"[\w.]+(Error|Exception|Failed)\b|Fatal Python error")
 STACK_AT = 0.75  # a row still running at this share of --row-timeout dumps its stack (the rest covers imports)
 HUNG_STACK_LINES = 40  # lines of a quiet worker's output shown when its row fails: the stack faulthandler dumped
 
@@ -301,7 +302,8 @@ def run_workers(items: list[tuple[str, int]], args, profile: bool = True, quiet:
 def warm_caches(items: list[tuple[str, int]], args) -> dict[tuple[str, int], dict]:
     """The untimed first phase: a worker per path, args.warm_jobs at a time, each running its batches once without
     profiling. Returns each item's row, which holds its cold compile seconds or why it failed."""
-    paths = list(dict.fromkeys(path for path, _ in items))
+    # The peers first: they autotune on their first calls (gemlite's fp8 for minutes), which the others then overlap.
+    paths = sorted(dict.fromkeys(path for path, _ in items), key=lambda path: path not in peers.PATHS)
     with ThreadPoolExecutor(args.warm_jobs) as pool:
         done = pool.map(lambda path: run_workers([item for item in items if item[0] == path], args, profile=False,
                                                  quiet=True), paths)
@@ -328,7 +330,7 @@ def main():
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--row-timeout", type=float, default=240,
                         help="seconds a path may take for one batch's row (compiles included) before it is failed")
-    parser.add_argument("--warm-jobs", type=int, default=4,
+    parser.add_argument("--warm-jobs", type=int, default=5,
                         help="workers compiling at once in the untimed first phase (0: no first phase)")
     parser.add_argument("--worker", help="internal: the JSON list of (path, batch) a worker runs")
     args = parser.parse_args()

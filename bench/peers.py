@@ -29,8 +29,11 @@ def torchao_quantized(model: torch.nn.Module, scheme: str) -> torch.nn.Module | 
     except Exception as exc:  # optional: carried to the device as a wheel
         print("torchao unavailable:", type(exc).__name__, str(exc)[:200])
         return None
-    config = (Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()) if scheme == "fp8_row" else
-              Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
+    # set_inductor_config=False: torchao's default turns on Inductor's coordinate-descent tuning for the whole
+    # process, which took minutes per compile and would tune every path run after it; all paths share one config.
+    config = (Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
+              if scheme == "fp8_row" else
+              Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d", set_inductor_config=False))
     quantized = copy.deepcopy(model)
     quantize_(quantized, config, filter_fn=_not_lm_head)
     return quantized
