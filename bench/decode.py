@@ -16,7 +16,7 @@ The prefill that fills the cache before decoding runs eagerly, as generate() run
 allocated outside dynamo and marked static, which CUDA graphs over a cache written in place require.
 
 Run: python -m bench.decode [path ...] [--batches 1 16 64] [--prefill 1024] [--steps 32] [--mode reduce-overhead]
-[--row-timeout 240] [--warm-jobs 5]
+[--row-timeout 240] [--warm-jobs 8]
 paths: inductor, fxquant:<recipe>, torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all).
 
 Two phases. First, untimed, every path runs once in a worker of its own, --warm-jobs of them at a time: each compile
@@ -58,7 +58,7 @@ ROW = "ROW "  # prefix of a worker's result lines
 # A traceback's last line, or the first line of a crash's dump: what a failed row quotes.
 EXCEPTION_LINE = re.compile(r"[\w.]+(Error|Exception|Failed)\b|Fatal Python error")
 STACK_AT = 0.75  # a row still running at this share of --row-timeout dumps its stack (the rest covers imports)
-HUNG_STACK_LINES = 40  # lines of a quiet worker's output shown when its row fails: the stack faulthandler dumped
+HUNG_STACK_LINES = 40  # lines of a first-phase worker's output shown when its row fails: the stack faulthandler dumped
 
 
 def cache_keyword(model) -> str:
@@ -191,7 +191,8 @@ def work(items: list[tuple[str, int]], args):
                 prompt = torch.randint(0, 32000, (batch, args.prefill), generator=generator).to(args.device)
                 tokens = torch.randint(0, 32000, (batch, args.steps), generator=generator).to(args.device)
                 inputs[batch] = prompt, tokens
-                eager[batch] = Decoder(model, model, args.device, max_len).steps(prompt, tokens[:, :CHECK_STEPS])[0]
+                eager[batch] = None if args.warm else Decoder(model, model, args.device, max_len).steps(
+                    prompt, tokens[:, :CHECK_STEPS])[0]
         current = None
         for path, batch in items:
             # A row that hangs prints where, just before the parent gives up on it.
@@ -216,16 +217,16 @@ def work(items: list[tuple[str, int]], args):
 
 
 def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: float, args) -> dict:
+    """The item's row. The first CHECK_STEPS steps compile and record, and their logits are checked against eager's
+    (in the first phase, which has no eager logits, only for being finite); the steps after them are timed."""
     prompt, tokens = inputs
-    start = time.perf_counter()
-    got, _, _ = decoder.steps(prompt, tokens[:, :CHECK_STEPS])
-    first = time.perf_counter() - start
+    got, returned, finished = decoder.steps(prompt, tokens)
+    got = got[:CHECK_STEPS]
     if not torch.isfinite(got).all():
         raise RuntimeError(f"{path}, batch {batch}: non-finite logits")
-    row = {"path": path, "batch": batch,
-           "check": f"min cos {min(cosine(g, e) for g, e in zip(got, eager, strict=True)):.4f}",
-           "first steps s": f"{quantize_s + first:.1f}"}
-    _, returned, finished = decoder.steps(prompt, tokens)
+    check = "finite" if eager is None else f"min cos {min(cosine(g, e) for g, e in zip(got, eager, strict=True)):.4f}"
+    row = {"path": path, "batch": batch, "check": check,
+           "first steps s": f"{quantize_s + sum(finished[:CHECK_STEPS]) / 1e3:.1f}"}
     ms = statistics.median(finished[CHECK_STEPS:])
     row |= {"decode ms": f"{ms:.3f}", "host ms": f"{statistics.median(returned[CHECK_STEPS:]):.3f}",
             "tokens/s": f"{batch * 1e3 / ms:.0f}"}
@@ -249,17 +250,19 @@ def _pump(stream, lines: queue.Queue):
     lines.put(None)
 
 
-def run_workers(items: list[tuple[str, int]], args, profile: bool = True, quiet: bool = False) -> list[dict]:
+def run_workers(items: list[tuple[str, int]], args, warm: bool = False) -> list[dict]:
     """Workers over the items until all have a row. A worker that dies, or gives no row within args.row_timeout
-    seconds, has its current item marked failed; a fresh worker goes on with the rest. Without `profile` no batch is
-    profiled; a `quiet` run prints its rows, and the end of a worker's output only where an item failed."""
+    seconds, has its current item marked failed; a fresh worker goes on with the rest. A `warm` run (the first phase)
+    compares with no eager logits and profiles nothing, and prints its rows, and a worker's output only where an
+    item failed."""
     rows = []
     passed = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in ("layers", "hidden", "prefill",
                                                                                     "steps", "mode", "device",
                                                                                     "row_timeout")]
     for option in ("prefill_batches", "generate_batches", "profile_batches"):
-        values = getattr(args, option) if profile or option != "profile_batches" else []
+        values = [] if warm and option == "profile_batches" else getattr(args, option)
         passed += [f"--{option.replace('_', '-')}", *map(str, values)]
+    passed += ["--warm"] if warm else []
     while items:
         spec = json.dumps(items)
         worker = subprocess.Popen([sys.executable, "-m", "bench.decode", "--worker", spec, *passed],
@@ -283,13 +286,13 @@ def run_workers(items: list[tuple[str, int]], args, profile: bool = True, quiet:
                 last = line.rstrip() or last
                 error = last if EXCEPTION_LINE.match(last) else error
                 tail = (tail + [line])[-HUNG_STACK_LINES:]
-                if not quiet:
+                if not warm:
                     print(line, end="", flush=True)
         if worker.wait() and items:
             path, batch = items.pop(0)
             reason = error or last
             rows.append({"path": path, "batch": batch, "check": f"failed (rc {worker.returncode}): {reason[:160]}"})
-            if quiet:
+            if warm:
                 print("".join(tail), end="", flush=True)
             print(rows[-1], flush=True)
             if hung:  # a path that hung once would hang its other batches too: the run stays bounded without them
@@ -305,8 +308,7 @@ def warm_caches(items: list[tuple[str, int]], args) -> dict[tuple[str, int], dic
     # The peers first: they autotune on their first calls (gemlite's fp8 for minutes), which the others then overlap.
     paths = sorted(dict.fromkeys(path for path, _ in items), key=lambda path: path not in peers.PATHS)
     with ThreadPoolExecutor(args.warm_jobs) as pool:
-        done = pool.map(lambda path: run_workers([item for item in items if item[0] == path], args, profile=False,
-                                                 quiet=True), paths)
+        done = pool.map(lambda path: run_workers([item for item in items if item[0] == path], args, warm=True), paths)
     return {(row["path"], row["batch"]): row for rows in done for row in rows}
 
 
@@ -330,9 +332,10 @@ def main():
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--row-timeout", type=float, default=240,
                         help="seconds a path may take for one batch's row (compiles included) before it is failed")
-    parser.add_argument("--warm-jobs", type=int, default=5,
+    parser.add_argument("--warm-jobs", type=int, default=8,
                         help="workers compiling at once in the untimed first phase (0: no first phase)")
     parser.add_argument("--worker", help="internal: the JSON list of (path, batch) a worker runs")
+    parser.add_argument("--warm", action="store_true", help="internal: the worker runs in the first phase")
     args = parser.parse_args()
     if args.worker:
         work([tuple(item) for item in json.loads(args.worker)], args)
