@@ -19,13 +19,11 @@ Run: python -m bench.decode [path ...] [--batches 1 16 64] [--prefill 1024] [--s
 [--row-timeout 240] [--warm-jobs 8]
 paths: inductor, fxquant:<recipe>, torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all).
 
-Two phases. First, untimed, every path runs once in a worker of its own, --warm-jobs of them at a time: each compile
-and autotune fills the on-disk caches (Inductor's FX graph and AOT caches, Triton's kernels and its autotuning
-results), and each row's cold compile seconds are kept. Then all paths are timed in one worker process, which finds
-their compiles in those caches, as a restarted server does. In either phase, a worker that dies, or gives no row
-within --row-timeout seconds, has its (path, batch) marked failed, with the stack it hung in, and a fresh worker goes
-on with the rest; a path that hung is not run at its other batches, and a path that failed in the first phase is not
-run again.
+Two phases. First, untimed, every path runs once in a worker process of its own, --warm-jobs at a time, the peers
+first: each compile and autotune fills the on-disk caches (Inductor's FX graph and AOT caches, Triton's kernels,
+gemlite's tuned configs), and each row keeps its cold compile seconds. Then all paths are timed in one worker
+process, which finds their compiles in those caches, as a restarted server does. A worker that crashes or hangs is
+handled as bench/workers.py says; a path that failed in the first phase is not run again.
 """
 
 from __future__ import annotations
@@ -35,13 +33,8 @@ import faulthandler
 import gc
 import inspect
 import json
-import os
-import queue
-import re
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -49,16 +42,11 @@ import torch
 import transformers as T
 
 import fxquant
-from bench import peers
+from bench import peers, workers
 from bench.common import header, llama, table
 
 CHECK_STEPS = 4  # decode steps whose logits are compared with eager's before timing
 PREFILL_REPEATS = 5
-ROW = "ROW "  # prefix of a worker's result lines
-# A traceback's last line, or the first line of a crash's dump: what a failed row quotes.
-EXCEPTION_LINE = re.compile(r"[\w.]+(Error|Exception|Failed)\b|Fatal Python error")
-STACK_AT = 0.75  # a row still running at this share of --row-timeout dumps its stack (the rest covers imports)
-HUNG_STACK_LINES = 40  # lines of a first-phase worker's output shown when its row fails: the stack faulthandler dumped
 
 
 def cache_keyword(model) -> str:
@@ -181,7 +169,7 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def work(items: list[tuple[str, int]], args):
     """The worker: every (path, batch) in order, paths compiled once, a row printed as each finishes."""
-    faulthandler.dump_traceback_later(STACK_AT * args.row_timeout)  # building the model and eager's logits
+    workers.dump_stack_if_hung(args.row_timeout)  # building the model and eager's logits
     model = llama(args.layers, args.hidden, args.device)
     generator = torch.Generator().manual_seed(1)
     inputs, eager, max_len = {}, {}, args.prefill + args.steps
@@ -195,8 +183,7 @@ def work(items: list[tuple[str, int]], args):
                     prompt, tokens[:, :CHECK_STEPS])[0]
         current = None
         for path, batch in items:
-            # A row that hangs prints where, just before the parent gives up on it.
-            faulthandler.dump_traceback_later(STACK_AT * args.row_timeout)
+            workers.dump_stack_if_hung(args.row_timeout)
             if path != current:
                 current, decoder = path, None
                 torch._dynamo.reset()
@@ -209,10 +196,12 @@ def work(items: list[tuple[str, int]], args):
                 if runner is not None:
                     decoder = Decoder(runner, forward, args.device, max_len)
             if decoder is None:
-                print(ROW + json.dumps({"path": path, "batch": batch, "check": forward}), flush=True)
+                workers.print_row({"path": path, "batch": batch, "check": forward})
                 continue
-            print(ROW + json.dumps(one(decoder, path, batch, inputs[batch], eager[batch], quantize_s, args)),
-                  flush=True)
+            row = one(decoder, path, batch, inputs[batch], eager[batch], quantize_s, args)
+            if args.warm:
+                peers.save_gemlite_tuning()
+            workers.print_row(row)
     faulthandler.cancel_dump_traceback_later()
 
 
@@ -243,19 +232,9 @@ def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: floa
     return row
 
 
-def _pump(stream, lines: queue.Queue):
-    """Each line of a worker's output into `lines`, then None at its end."""
-    for line in stream:
-        lines.put(line)
-    lines.put(None)
-
-
 def run_workers(items: list[tuple[str, int]], args, warm: bool = False) -> list[dict]:
-    """Workers over the items until all have a row. A worker that dies, or gives no row within args.row_timeout
-    seconds, has its current item marked failed; a fresh worker goes on with the rest. A `warm` run (the first phase)
-    compares with no eager logits and profiles nothing, and prints its rows, and a worker's output only where an
-    item failed."""
-    rows = []
+    """The items' rows from worker processes of this module. A `warm` worker (the first phase) compares with no
+    eager logits, profiles nothing, and is quiet."""
     passed = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in ("layers", "hidden", "prefill",
                                                                                     "steps", "mode", "device",
                                                                                     "row_timeout")]
@@ -263,43 +242,7 @@ def run_workers(items: list[tuple[str, int]], args, warm: bool = False) -> list[
         values = [] if warm and option == "profile_batches" else getattr(args, option)
         passed += [f"--{option.replace('_', '-')}", *map(str, values)]
     passed += ["--warm"] if warm else []
-    while items:
-        spec = json.dumps(items)
-        worker = subprocess.Popen([sys.executable, "-m", "bench.decode", "--worker", spec, *passed],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines, last, error, tail, hung = queue.Queue(), "no output", None, [], False
-        threading.Thread(target=_pump, args=(worker.stdout, lines), daemon=True).start()
-        while True:
-            try:
-                line = lines.get(timeout=args.row_timeout)
-            except queue.Empty:  # no row in time: the item is marked failed below
-                worker.kill()
-                last, error, hung = f"no row within {args.row_timeout} s", None, True
-                break
-            if line is None:
-                break
-            if line.startswith(ROW):
-                rows.append(json.loads(line[len(ROW):]))
-                items, tail = items[1:], []
-                print(rows[-1], flush=True)
-            else:  # kernel tables, warnings, why a peer did not import, the stack of a row that hangs
-                last = line.rstrip() or last
-                error = last if EXCEPTION_LINE.match(last) else error
-                tail = (tail + [line])[-HUNG_STACK_LINES:]
-                if not warm:
-                    print(line, end="", flush=True)
-        if worker.wait() and items:
-            path, batch = items.pop(0)
-            reason = error or last
-            rows.append({"path": path, "batch": batch, "check": f"failed (rc {worker.returncode}): {reason[:160]}"})
-            if warm:
-                print("".join(tail), end="", flush=True)
-            print(rows[-1], flush=True)
-            if hung:  # a path that hung once would hang its other batches too: the run stays bounded without them
-                rows += [{"path": path, "batch": other, "check": f"not run: batch {batch} hung"}
-                         for same, other in items if same == path]
-                items = [item for item in items if item[0] != path]
-    return rows
+    return workers.run([sys.executable, "-m", "bench.decode", *passed], items, args.row_timeout, quiet=warm)
 
 
 def warm_caches(items: list[tuple[str, int]], args) -> dict[tuple[str, int], dict]:
@@ -310,10 +253,6 @@ def warm_caches(items: list[tuple[str, int]], args) -> dict[tuple[str, int], dic
     with ThreadPoolExecutor(args.warm_jobs) as pool:
         done = pool.map(lambda path: run_workers([item for item in items if item[0] == path], args, warm=True), paths)
     return {(row["path"], row["batch"]): row for rows in done for row in rows}
-
-
-def failed(row: dict) -> bool:
-    return row["check"].startswith(("failed", "not run"))
 
 
 def main():
@@ -342,19 +281,16 @@ def main():
         return
     if args.device == "cuda":
         print(header())
-    # Triton's autotuning results on disk, as its kernels are: the peers' autotuned kernels are tuned once, in the
-    # first phase, like every compile.
-    os.environ["TRITON_CACHE_AUTOTUNING"] = "1"
     items, start = [(path, batch) for path in args.paths for batch in args.batches], time.perf_counter()
     cold = warm_caches(items, args) if args.warm_jobs else {}
     if cold:
         print(f"first phase, every compile cold: {time.perf_counter() - start:.0f} s", flush=True)
-    timed = run_workers([item for item in items if not failed(cold.get(item, {"check": ""}))], args)
+    timed = run_workers([item for item in items if not workers.failed(cold.get(item, {"check": ""}))], args)
     by_item = {(row["path"], row["batch"]): row for row in timed}
     rows = []
     for item in items:
         row = by_item.get(item) or cold[item]
-        if item in cold and not failed(cold[item]):
+        if item in cold and not workers.failed(cold[item]):
             row["cold first steps s"] = cold[item]["first steps s"]
         rows.append(row)
     print(f"whole run: {time.perf_counter() - start:.0f} s")
