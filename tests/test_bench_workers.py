@@ -1,0 +1,44 @@
+"""bench.workers: rows come back in order, and a worker that crashes or hangs fails its item, not the run."""
+import sys
+from pathlib import Path
+
+from bench import workers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A worker: prints a row per item; the item ("crash", b) raises, and ("hang", b) sleeps past any timeout.
+WORKER = f"""
+import json, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+from bench import workers
+for path, batch in json.loads(sys.argv[sys.argv.index("--worker") + 1]):
+    if path == "crash":
+        raise ValueError(f"bad batch {{batch}}")
+    if path == "hang":
+        time.sleep(60)
+    workers.print_row({"path": path, "batch": batch, "check": "ok"})
+"""
+
+
+def run(items, row_timeout=30.0):
+    return workers.run([sys.executable, "-c", WORKER], items, row_timeout, quiet=True)
+
+
+def test_rows_in_order():
+    rows = run([("a", 1), ("a", 2), ("b", 1)])
+    assert [(r["path"], r["batch"], r["check"]) for r in rows] == [("a", 1, "ok"), ("a", 2, "ok"), ("b", 1, "ok")]
+
+
+def test_a_crash_fails_its_item_with_the_error_and_a_fresh_worker_goes_on():
+    rows = run([("a", 1), ("crash", 1), ("crash", 2), ("b", 1)])
+    assert [(r["path"], r["batch"]) for r in rows] == [("a", 1), ("crash", 1), ("crash", 2), ("b", 1)]
+    assert rows[1]["check"] == "failed (rc 1): ValueError: bad batch 1"
+    assert rows[2]["check"] == "failed (rc 1): ValueError: bad batch 2"  # a crash is tried again at the next batch
+    assert rows[3]["check"] == "ok" and workers.failed(rows[1]) and not workers.failed(rows[3])
+
+
+def test_a_hang_fails_its_path_at_every_batch_and_the_run_goes_on():
+    rows = run([("hang", 1), ("a", 1), ("hang", 2)], row_timeout=3.0)
+    assert [(r["path"], r["batch"], r["check"]) for r in rows] == [
+        ("hang", 1, "failed (rc -9): no row within 3.0 s"), ("hang", 2, "not run: batch 1 hung"), ("a", 1, "ok")]
+    assert workers.failed(rows[1])
