@@ -7,17 +7,17 @@ from bench import workers
 ROOT = Path(__file__).resolve().parents[1]
 
 # A worker: prints a row per item; the item ("crash", b) raises, and ("hang", b) sleeps past any timeout.
-WORKER = f"""
+WORKER = """
 import json, sys, time
-sys.path.insert(0, {str(ROOT)!r})
+sys.path.insert(0, ROOT)
 from bench import workers
 for path, batch in json.loads(sys.argv[sys.argv.index("--worker") + 1]):
     if path == "crash":
-        raise ValueError(f"bad batch {{batch}}")
+        raise ValueError(f"bad batch {batch}")
     if path == "hang":
         time.sleep(60)
     workers.print_row({"path": path, "batch": batch, "check": "ok"})
-"""
+""".replace("ROOT", repr(str(ROOT)))
 
 
 def run(items, row_timeout=30.0):
