@@ -107,6 +107,13 @@ def _residual_add(x, norm_out, order):
     return a, b
 
 
+def _placed(node, epochs, order):
+    """A pure node just inserted: the epoch of the node after it, and a position between its neighbours."""
+    epochs[node] = epochs[node.next]
+    order[node] = (order[node.prev] + order[node.next]) / 2
+    return node
+
+
 class FuseNorm(PassBase):
     def __init__(self, state: PipelineState):
         super().__init__()
@@ -114,6 +121,10 @@ class FuseNorm(PassBase):
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         graph, modified = gm.graph, False
+        # Computed once, then kept for the nodes each fusion inserts: recomputing them per norm cost time
+        # quadratic in the layers. A fusion adds and removes only pure nodes, so no other node's epoch moves.
+        epochs = mutation_epochs(graph)
+        order = {node: i for i, node in enumerate(graph.nodes)}
         for out in list(graph.nodes):
             if out.graph is not graph:  # erased by an earlier fusion
                 continue
@@ -128,16 +139,15 @@ class FuseNorm(PassBase):
             if node_dtype(x) != node_dtype(out):
                 continue  # the norm changes dtype: the kernel's output rounding would not be the graph's
             group = quantizers[0].args[1]
-            epochs = mutation_epochs(graph)
             if epochs[x] != epochs[quantizers[0]]:
                 continue  # a write between the norm's input and its quantizers: the fused op may not move past it
-            order = {node: i for i, node in enumerate(graph.nodes)}
             residual = _residual_add(x, out, order)
             with graph.inserting_before(quantizers[0]):
                 if residual:
-                    fused = graph.call_function(torch.ops.fxquant.add_norm_quant_fp8.default,
-                                                (*residual, weight, bias, float(eps), group, rms))
-                    summed = graph.call_function(operator.getitem, (fused, 2))
+                    fused = _placed(graph.call_function(torch.ops.fxquant.add_norm_quant_fp8.default,
+                                                        (*residual, weight, bias, float(eps), group, rms)),
+                                    epochs, order)
+                    summed = _placed(graph.call_function(operator.getitem, (fused, 2)), epochs, order)
                     # The sum is x itself, recomputed: its shape and dtype records carry over (a later fusion
                     # of the next norm reads them).
                     summed.meta.update({k: v for k, v in x.meta.items() if k in VALUE_META})
@@ -146,8 +156,8 @@ class FuseNorm(PassBase):
                     x.replace_all_uses_with(summed, delete_user_cb=lambda user, after=after, order=order:
                                             order.get(user, -1) > after)
                 else:
-                    fused = graph.call_function(torch.ops.fxquant.norm_quant_fp8.default,
-                                                (x, weight, bias, float(eps), group, rms))
+                    fused = _placed(graph.call_function(torch.ops.fxquant.norm_quant_fp8.default,
+                                                        (x, weight, bias, float(eps), group, rms)), epochs, order)
             for quantizer in quantizers:
                 quantizer.replace_all_uses_with(fused)
                 graph.erase_node(quantizer)
