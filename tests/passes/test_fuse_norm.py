@@ -125,3 +125,34 @@ def test_backend_uses_the_fused_op_end_to_end():
         out = torch.compile(model, backend="fxquant", options={"inner": "eager"})(x, r)
         ref = model(x, r)
     assert rel_err(out[0], ref[0]) < 0.05 and torch.equal(out[2], ref[2])
+
+
+class TwoNormsOfOneSum(nn.Module):
+    """Two norms of one residual sum: the first fusion's sum becomes the second norm's input."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = nn.RMSNorm(D, eps=1e-6), nn.RMSNorm(D, eps=1e-6)
+        self.q = nn.Linear(D, D, bias=False)
+        self.k = nn.Linear(D, D, bias=False)
+
+    def forward(self, x, r):
+        h = x + r
+        return self.q(self.norm1(h)), self.k(self.norm2(h)), h
+
+
+def test_a_norm_of_an_earlier_fusions_sum_fuses_too():
+    torch.manual_seed(0)
+    model = TwoNormsOfOneSum().to(torch.bfloat16)
+    x = torch.randn(2, 8, D, dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    gm, inputs = captured(model, x, r)
+    unfused = [t.clone() for t in gm(*inputs)]
+    assert FuseNorm(state())(gm).modified
+    Cleanup()(gm)
+    assert count(gm, OPS.add_norm_quant_fp8.default) == 1 and count(gm, OPS.norm_quant_fp8.default) == 1
+    assert count(gm, OPS.quantize_fp8.default) == 0
+    with torch.no_grad():
+        q, k, h = gm(*inputs)
+    assert torch.equal(h, unfused[2])
+    assert rel_err(q, unfused[0]) < 5e-3 and rel_err(k, unfused[1]) < 5e-3
