@@ -67,7 +67,8 @@ def run(command: list[str], items: list[tuple[str, int]], row_timeout: float, qu
                 tail = (tail + [line])[-TAIL_LINES:]
                 if not quiet:
                     print(line, end="", flush=True)
-        if worker.wait() and items:
+        worker.wait()
+        if items:  # it died, hung, or ended without the row: the item fails, the rest go to a fresh worker
             path, batch = items.pop(0)
             rows.append({"path": path, "batch": batch,
                          "check": f"failed (rc {worker.returncode}): {(error or last)[:160]}"})

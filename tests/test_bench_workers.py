@@ -6,7 +6,8 @@ from bench import workers
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# A worker: prints a row per item; the item ("crash", b) raises, and ("hang", b) sleeps past any timeout.
+# A worker: prints a row per item; the item ("crash", b) raises, ("hang", b) sleeps past any timeout, and
+# ("quit", b) exits cleanly without its row.
 WORKER = """
 import json, sys, time
 sys.path.insert(0, ROOT)
@@ -16,6 +17,8 @@ for path, batch in json.loads(sys.argv[sys.argv.index("--worker") + 1]):
         raise ValueError(f"bad batch {batch}")
     if path == "hang":
         time.sleep(60)
+    if path == "quit":
+        sys.exit(0)
     workers.print_row({"path": path, "batch": batch, "check": "ok"})
 """.replace("ROOT", repr(str(ROOT)))
 
@@ -42,3 +45,9 @@ def test_a_hang_fails_its_path_at_every_batch_and_the_run_goes_on():
     assert [(r["path"], r["batch"], r["check"]) for r in rows] == [
         ("hang", 1, "failed (rc -9): no row within 3.0 s"), ("hang", 2, "not run: batch 1 hung"), ("a", 1, "ok")]
     assert workers.failed(rows[1])
+
+
+def test_a_worker_that_ends_without_its_row_fails_the_item_instead_of_looping():
+    rows = run([("quit", 1), ("a", 1)])
+    assert [(r["path"], r["batch"], r["check"]) for r in rows] == [("quit", 1, "failed (rc 0): no output"),
+                                                                   ("a", 1, "ok")]
