@@ -3,10 +3,10 @@ heads, vocab 32000, bf16) prefills a prompt into a transformers StaticCache, the
 its forward compiled per path (dynamic=False: one graph per shape, as a served model has).
 
 Per path, in one process:
-- check: the first decode steps' logits (teacher-forced, the same tokens as eager's) against eager bf16's, before
-  anything is timed; non-finite logits fail the path;
-- decode: median ms per step over a loop on a static cache, the host's share of it (until the call returns), and
-  tokens/s;
+- check: the first decode steps' logits (teacher-forced, the same tokens as eager's) against eager bf16's;
+  non-finite logits fail the path;
+- decode: median ms per step over the steps after those, on the same static cache, the host's share of it (until
+  the call returns), and tokens/s;
 - profile (batch 1): GPU kernel ms per step, and the host ms CUDA graphs leave (dynamo's guards, the graph launch),
   with the table of kernels;
 - prefill: median ms of a compiled prefill of the whole prompt into an emptied cache (batch 1 only);
