@@ -29,7 +29,6 @@ handled as bench/workers.py says; a path that failed in the first phase is not r
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import gc
 import inspect
 import json
@@ -45,7 +44,7 @@ import fxquant
 from bench import peers, workers
 from bench.common import header, llama, table
 
-CHECK_STEPS = 4  # decode steps whose logits are compared with eager's before timing
+CHECK_STEPS = 4  # the first decode steps: they compile, their logits are compared with eager's, and go untimed
 PREFILL_REPEATS = 5
 
 
@@ -202,7 +201,7 @@ def work(items: list[tuple[str, int]], args):
             if args.warm:
                 peers.save_gemlite_tuning()
             workers.print_row(row)
-    faulthandler.cancel_dump_traceback_later()
+    workers.stop_stack_dump()
 
 
 def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: float, args) -> dict:

@@ -27,6 +27,11 @@ def dump_stack_if_hung(row_timeout: float) -> None:
     faulthandler.dump_traceback_later(STACK_AT * row_timeout)
 
 
+def stop_stack_dump() -> None:
+    """In a worker, after its last row."""
+    faulthandler.cancel_dump_traceback_later()
+
+
 def failed(row: dict) -> bool:
     return row["check"].startswith(("failed", "not run"))
 

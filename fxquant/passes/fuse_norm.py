@@ -154,7 +154,7 @@ class FuseNorm(PassBase):
                     # Users after the norm read the fused sum; the norm's own nodes go dead with it.
                     after = order[out]
                     x.replace_all_uses_with(summed, delete_user_cb=lambda user, after=after, order=order:
-                                            order.get(user, -1) > after)
+                                            order[user] > after)
                 else:
                     fused = _placed(graph.call_function(torch.ops.fxquant.norm_quant_fp8.default,
                                                         (x, weight, bias, float(eps), group, rms)), epochs, order)
