@@ -19,9 +19,9 @@ Run: python -m bench.decode [path ...] [--batches 1 16 64] [--prefill 1024] [--s
 [--row-timeout 240] [--warm-jobs 8]
 paths: inductor, fxquant:<recipe>, torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all).
 
-Two phases. First, untimed, every path runs once in a worker process of its own, --warm-jobs at a time, the peers
-first: each compile and autotune fills the on-disk caches (Inductor's FX graph and AOT caches, Triton's kernels,
-gemlite's tuned configs), and each row keeps its cold compile seconds. Then all paths are timed in one worker
+Two phases. First, untimed, every path runs once in worker processes, --warm-jobs at a time, the longest first
+(warm_groups): each compile and autotune fills the on-disk caches (Inductor's FX graph and AOT caches, Triton's
+kernels, gemlite's tuned configs), and each row keeps its cold compile seconds. Then all paths are timed in one worker
 process, which finds their compiles in those caches, as a restarted server does. A worker that crashes or hangs is
 handled as bench/workers.py says; a path that failed in the first phase is not run again.
 """
@@ -245,13 +245,22 @@ def run_workers(items: list[tuple[str, int]], args, warm: bool = False) -> list[
 
 
 def warm_caches(items: list[tuple[str, int]], args) -> dict[tuple[str, int], dict]:
-    """The untimed first phase: a worker per path, args.warm_jobs at a time, each running its batches once without
-    profiling. Returns each item's row, which holds its cold compile seconds or why it failed."""
-    # The peers first: they autotune on their first calls (gemlite's fp8 for minutes), which the others then overlap.
-    paths = sorted(dict.fromkeys(path for path, _ in items), key=lambda path: path not in peers.PATHS)
+    """The untimed first phase: args.warm_jobs workers at a time, each running its items once without profiling.
+    Returns each item's row, which holds its cold compile seconds or why it failed."""
     with ThreadPoolExecutor(args.warm_jobs) as pool:
-        done = pool.map(lambda path: run_workers([item for item in items if item[0] == path], args, warm=True), paths)
+        done = pool.map(lambda group: run_workers(group, args, warm=True), warm_groups(items))
     return {(row["path"], row["batch"]): row for rows in done for row in rows}
+
+
+def warm_groups(items: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
+    """The first phase's workers, the longest first. A peer autotunes its kernels per shape on their first calls
+    (gemlite's fp8 for 35-97 s a batch), so each of its batches gets a worker and they tune at once; a path compiled
+    by Inductor alone runs its batches in one worker, which starts its process and builds its model once."""
+    groups: dict = {}
+    for path, batch in items:
+        groups.setdefault((path, batch) if path in peers.PATHS else path, []).append((path, batch))
+    return sorted(groups.values(), key=lambda group: (not group[0][0].startswith("gemlite"),
+                                                       group[0][0] not in peers.PATHS))
 
 
 def main():

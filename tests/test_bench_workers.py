@@ -51,3 +51,13 @@ def test_a_worker_that_ends_without_its_row_fails_the_item_instead_of_looping():
     rows = run([("quit", 1), ("a", 1)])
     assert [(r["path"], r["batch"], r["check"]) for r in rows] == [("quit", 1, "failed (rc 0): no output"),
                                                                    ("a", 1, "ok")]
+
+
+def test_the_first_phase_gives_each_peer_batch_a_worker_and_starts_the_longest():
+    from bench.decode import warm_groups
+
+    items = [(path, batch) for path in ("inductor", "fxquant:fp8_row", "torchao:fp8_row", "gemlite:fp8")
+             for batch in (1, 16)]
+    assert warm_groups(items) == [[("gemlite:fp8", 1)], [("gemlite:fp8", 16)], [("torchao:fp8_row", 1)],
+                                  [("torchao:fp8_row", 16)], [("inductor", 1), ("inductor", 16)],
+                                  [("fxquant:fp8_row", 1), ("fxquant:fp8_row", 16)]]
