@@ -32,8 +32,10 @@ import argparse
 import gc
 import inspect
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -290,10 +292,12 @@ def main():
     if args.device == "cuda":
         print(header())
     items, start = [(path, batch) for path in args.paths for batch in args.batches], time.perf_counter()
-    cold = warm_caches(items, args) if args.warm_jobs else {}
-    if cold:
-        print(f"first phase, every compile cold: {time.perf_counter() - start:.0f} s", flush=True)
-    timed = run_workers([item for item in items if not workers.failed(cold.get(item, {"check": ""}))], args)
+    with tempfile.TemporaryDirectory(prefix="gemlite_tuned_") as tuned:
+        os.environ[peers.GEMLITE_TUNED] = tuned  # this run's configs, for its workers
+        cold = warm_caches(items, args) if args.warm_jobs else {}
+        if cold:
+            print(f"first phase, every compile cold: {time.perf_counter() - start:.0f} s", flush=True)
+        timed = run_workers([item for item in items if not workers.failed(cold.get(item, {"check": ""}))], args)
     by_item = {(row["path"], row["batch"]): row for row in timed}
     rows = []
     for item in items:

@@ -8,12 +8,13 @@ import copy
 import glob
 import os
 import sys
-import tempfile
 
 import torch
 
 PATHS = ("torchao:fp8_row", "torchao:int4_wo", "gemlite:int4", "gemlite:fp8")
-GEMLITE_TUNED = os.path.join(tempfile.gettempdir(), "gemlite_tuned")  # a config file per process that tuned them
+# The folder of one run's gemlite configs, a file per process that tuned them; the run makes it and its workers
+# inherit it. Unset, configs are neither saved nor loaded: a stale folder would serve another version's kernels.
+GEMLITE_TUNED = "FXQUANT_BENCH_GEMLITE_TUNED"
 
 
 def _not_lm_head(module: torch.nn.Module, name: str) -> bool:
@@ -46,24 +47,24 @@ def torchao_quantized(model: torch.nn.Module, scheme: str) -> torch.nn.Module | 
 def _gemlite_configs(gemlite) -> None:
     """gemlite ships tuned kernel configs per GPU name; a GPU it has none for (the H200) takes the H100's, the same
     sm_90 chip with less memory, rather than autotuning on the first call of each shape. Configs this machine tuned
-    before (save_gemlite_tuning) are loaded over them."""
+    before in this run (save_gemlite_tuning) are loaded over them."""
     folder = os.path.join(os.path.dirname(gemlite.__file__), "configs")
     name = torch.cuda.get_device_properties(0).name.lower().replace(" ", "_")
     if not any(tag.split(".")[0] in name for tag in os.listdir(folder)):
         gemlite.load_config(os.path.join(folder, "h100.json"))
         print("gemlite: H100 kernel configs loaded for", name)
-    for tuned in sorted(glob.glob(os.path.join(GEMLITE_TUNED, "*.json"))):
+    for tuned in sorted(glob.glob(os.path.join(os.environ.get(GEMLITE_TUNED, ""), "*.json"))):
         gemlite.load_config(tuned)
 
 
 def save_gemlite_tuning() -> None:
-    """Where this process ran gemlite, the kernel configs it autotuned, to a file of its own in GEMLITE_TUNED (gemlite
-    locks its config file against threads only), for a later process to load. Triton's on-disk autotuning cache does
-    not serve gemlite's kernels: with it on, gemlite int4 at batch 64 autotuned for 33 s again in a second process."""
-    gemlite = sys.modules.get("gemlite")
-    if gemlite is not None:
-        os.makedirs(GEMLITE_TUNED, exist_ok=True)
-        gemlite.cache_config(os.path.join(GEMLITE_TUNED, f"{os.getpid()}.json"))
+    """Where this process ran gemlite, the kernel configs it autotuned, to a file of its own in the run's GEMLITE_TUNED
+    folder (gemlite locks its config file against threads only), for a later process to load. Triton's on-disk
+    autotuning cache does not serve gemlite's kernels: with it on, gemlite int4 at batch 64 autotuned for 33 s again
+    in a second process."""
+    gemlite, folder = sys.modules.get("gemlite"), os.environ.get(GEMLITE_TUNED)
+    if gemlite is not None and folder:
+        gemlite.cache_config(os.path.join(folder, f"{os.getpid()}.json"))
 
 
 def _int4_g128(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
