@@ -170,7 +170,7 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def work(items: list[tuple[str, int]], args):
     """The worker: every (path, batch) in order, paths compiled once, a row printed as each finishes."""
-    workers.dump_stack_if_hung(args.row_timeout)  # building the model and eager's logits
+    workers.dump_stack_on_signal()
     model = llama(args.layers, args.hidden, args.device)
     generator = torch.Generator().manual_seed(1)
     inputs, eager, max_len = {}, {}, args.prefill + args.steps
@@ -184,7 +184,6 @@ def work(items: list[tuple[str, int]], args):
                     prompt, tokens[:, :CHECK_STEPS])[0]
         current = None
         for path, batch in items:
-            workers.dump_stack_if_hung(args.row_timeout)
             if path != current:
                 current, decoder = path, None
                 torch._dynamo.reset()
@@ -203,7 +202,6 @@ def work(items: list[tuple[str, int]], args):
             if args.warm:
                 peers.save_gemlite_tuning()
             workers.print_row(row)
-    workers.stop_stack_dump()
 
 
 def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: float, args) -> dict:

@@ -8,32 +8,47 @@ import faulthandler
 import json
 import queue
 import re
+import signal
 import subprocess
 import threading
+import time
 
 ROW = "ROW "  # prefix of a worker's result lines
 # A traceback's last line, or the first line of a crash's dump: what a failed row quotes.
 EXCEPTION_LINE = re.compile(r"[\w.]+(Error|Exception|Failed)\b|Fatal Python error")
-STACK_AT = 0.75  # a row still running at this share of row_timeout dumps its stack (the rest covers imports)
-TAIL_LINES = 40  # lines of a quiet worker's output shown when its row fails: the stack faulthandler dumped
+DUMP_SIGNAL = signal.SIGUSR1  # a hung worker prints its stack on this, just before it is killed
+DUMP_WAIT = 2.0  # seconds the stack gets to arrive
+TAIL_LINES = 40  # lines of a quiet worker's output shown when its row fails, before the stack it hung in
 
 
 def print_row(row: dict) -> None:
     print(ROW + json.dumps(row), flush=True)
 
 
-def dump_stack_if_hung(row_timeout: float) -> None:
-    """In a worker, before each row: a row that hangs prints where, just before the parent gives up on it."""
-    faulthandler.dump_traceback_later(STACK_AT * row_timeout)
-
-
-def stop_stack_dump() -> None:
-    """In a worker, after its last row."""
-    faulthandler.cancel_dump_traceback_later()
+def dump_stack_on_signal() -> None:
+    """In a worker, once: DUMP_SIGNAL prints every thread's stack. The parent sends it only to a worker it is about
+    to kill. A dump on a timer comes from faulthandler's watchdog thread, which reads the frames of threads that keep
+    running: twice a worker died of SIGSEGV in the middle of one, its row still running (torchao fp8_row's, and
+    gemlite fp8's 112 s into a cold autotune)."""
+    faulthandler.register(DUMP_SIGNAL, all_threads=True)
 
 
 def failed(row: dict) -> bool:
     return row["check"].startswith(("failed", "not run"))
+
+
+def _lines_within(lines: queue.Queue, seconds: float) -> list[str]:
+    """The lines that arrive in `seconds`, or until the output ends."""
+    got, deadline = [], time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        got.append(line)
+    return got
 
 
 def _pump(stream, lines: queue.Queue):
@@ -51,12 +66,14 @@ def run(command: list[str], items: list[tuple[str, int]], row_timeout: float, qu
     while items:
         worker = subprocess.Popen([*command, "--worker", json.dumps(items)], stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
-        lines, last, error, tail, hung = queue.Queue(), "no output", None, [], False
+        lines, last, error, tail, stack, hung = queue.Queue(), "no output", None, [], [], False
         threading.Thread(target=_pump, args=(worker.stdout, lines), daemon=True).start()
         while True:
             try:
                 line = lines.get(timeout=row_timeout)
-            except queue.Empty:  # no row in time: the item is marked failed below
+            except queue.Empty:  # no row in time: the item is marked failed below, with the stack it hung in
+                worker.send_signal(DUMP_SIGNAL)
+                stack = _lines_within(lines, DUMP_WAIT)
                 worker.kill()
                 last, error, hung = f"no row within {row_timeout} s", None, True
                 break
@@ -66,7 +83,7 @@ def run(command: list[str], items: list[tuple[str, int]], row_timeout: float, qu
                 rows.append(json.loads(line[len(ROW):]))
                 items, tail = items[1:], []
                 print(rows[-1], flush=True)
-            else:  # kernel tables, warnings, why a peer did not import, the stack of a row that hangs
+            else:  # kernel tables, warnings, why a peer did not import
                 last = line.rstrip() or last
                 error = last if EXCEPTION_LINE.match(last) else error
                 tail = (tail + [line])[-TAIL_LINES:]
@@ -77,8 +94,7 @@ def run(command: list[str], items: list[tuple[str, int]], row_timeout: float, qu
             path, batch = items.pop(0)
             rows.append({"path": path, "batch": batch,
                          "check": f"failed (rc {worker.returncode}): {(error or last)[:160]}"})
-            if quiet:
-                print("".join(tail), end="", flush=True)
+            print("".join((tail if quiet else []) + stack), end="", flush=True)
             print(rows[-1], flush=True)
             if hung:
                 rows += [{"path": path, "batch": other, "check": f"not run: batch {batch} hung"}

@@ -12,11 +12,14 @@ WORKER = """
 import json, sys, time
 sys.path.insert(0, ROOT)
 from bench import workers
+def hang_here():
+    time.sleep(60)
+workers.dump_stack_on_signal()
 for path, batch in json.loads(sys.argv[sys.argv.index("--worker") + 1]):
     if path == "crash":
         raise ValueError(f"bad batch {batch}")
     if path == "hang":
-        time.sleep(60)
+        hang_here()
     if path == "quit":
         sys.exit(0)
     workers.print_row({"path": path, "batch": batch, "check": "ok"})
@@ -40,11 +43,12 @@ def test_a_crash_fails_its_item_with_the_error_and_a_fresh_worker_goes_on():
     assert rows[3]["check"] == "ok" and workers.failed(rows[1]) and not workers.failed(rows[3])
 
 
-def test_a_hang_fails_its_path_at_every_batch_and_the_run_goes_on():
+def test_a_hang_fails_its_path_at_every_batch_shows_where_and_the_run_goes_on(capsys):
     rows = run([("hang", 1), ("a", 1), ("hang", 2)], row_timeout=3.0)
     assert [(r["path"], r["batch"], r["check"]) for r in rows] == [
         ("hang", 1, "failed (rc -9): no row within 3.0 s"), ("hang", 2, "not run: batch 1 hung"), ("a", 1, "ok")]
     assert workers.failed(rows[1])
+    assert "in hang_here" in capsys.readouterr().out  # the stack the worker printed before it was killed
 
 
 def test_a_worker_that_ends_without_its_row_fails_the_item_instead_of_looping():
