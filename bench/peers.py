@@ -46,8 +46,8 @@ def torchao_quantized(model: torch.nn.Module, scheme: str) -> torch.nn.Module | 
 
 def _gemlite_configs(gemlite) -> None:
     """gemlite ships tuned kernel configs per GPU name; a GPU it has none for (the H200) takes the H100's, the same
-    sm_90 chip with less memory, rather than autotuning on the first call of each shape. Configs this machine tuned
-    before in this run (save_gemlite_tuning) are loaded over them."""
+    sm_90 chip with less memory, rather than autotuning on the first call of each shape. Configs that this run's
+    earlier processes tuned (save_gemlite_tuning) are loaded over them."""
     folder = os.path.join(os.path.dirname(gemlite.__file__), "configs")
     name = torch.cuda.get_device_properties(0).name.lower().replace(" ", "_")
     if not any(tag.split(".")[0] in name for tag in os.listdir(folder)):
