@@ -133,3 +133,27 @@ def test_an_exported_decode_step_reads_the_cache_without_repeating_it():
     attention = attention_calls(program.graph_module)
     assert len(attention) == 1 and all(arg.op == "placeholder" for arg in attention[0].args[1:3])
     torch.testing.assert_close(program.module()(*args), Attention()(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_a_left_padded_batch_generates_as_eager_with_its_decode_attention_packed():
+    """Batched generate() as users run it: prompts of different lengths, left-padded, with their attention mask, on
+    a static cache. Packed on the KV heads, each sequence's decode attention must still skip its own padding. fp32,
+    so that a rounding cannot flip a greedy token."""
+    model = decoder("llama", dtype=torch.float32)
+    batch, width = MIN_KV_GROUPS // model.config.num_key_value_heads, 8
+    generator = torch.Generator().manual_seed(3)
+    lengths = torch.randint(2, width + 1, (batch,), generator=generator)
+    mask = torch.arange(width)[None, :] >= (width - lengths)[:, None]
+    ids = torch.randint(1, 512, (batch, width), generator=generator).masked_fill(~mask, 0)
+    kwargs = dict(attention_mask=mask.long(), max_new_tokens=5, do_sample=False, pad_token_id=0,
+                  cache_implementation="static", output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want = model.generate(ids, **kwargs)
+        model.forward, graphs = compiled_graphs(model.forward)
+        got = model.generate(ids, **kwargs)
+    assert lengths.unique().numel() > 1  # the padding differs between sequences
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
+    decode = graphs[-1]
+    packed = attention_calls(decode)
+    assert len(packed) == model.config.num_hidden_layers and not any(reads_a_repeat(n) for n in packed)
