@@ -65,27 +65,31 @@ def _cache_keyword(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def static_decode(model, forward, prompt, steps, max_len=32, allocate_eagerly=False) -> torch.Tensor:
+def static_decode(model, forward, prompt, steps, max_len=32, allocate_eagerly=False, padding=None) -> torch.Tensor:
     """Logits of the last position for a prefill of `prompt` [B, S], then one step per column of `steps` [B, n]
     (teacher-forced, so every path sees the same tokens), on a transformers StaticCache. `forward` is the model
     or its compiled form. allocate_eagerly: the cache's tensors are allocated by an eager prefill, then emptied,
-    as CUDA graphs need (a cache allocated inside dynamo's trace gets no static addresses). Returns
+    as CUDA graphs need (a cache allocated inside dynamo's trace gets no static addresses). padding: the prompt's
+    attention mask [B, S] (0 where left-padded), passed as generate() passes it, grown by each step. Returns
     [n + 1, B, vocab]."""
     cache = T.StaticCache(config=model.config, max_cache_len=max_len)
     keyword, length = _cache_keyword(model), prompt.shape[1]
     positions = torch.arange(length, device=prompt.device)
+    mask = None if padding is None else torch.cat([padding, padding.new_ones(steps.shape)], dim=1)
+
+    def call(ids, cache_position):
+        seen = {} if mask is None else {"attention_mask": mask[:, :int(cache_position[-1]) + 1]}
+        return forward(input_ids=ids, cache_position=cache_position, use_cache=True, **{keyword: cache}, **seen)
+
     outs = []
     with torch.no_grad():
         if allocate_eagerly:
             model(input_ids=prompt, cache_position=positions, use_cache=True, **{keyword: cache})
             cache.reset()
-        logits = forward(input_ids=prompt, cache_position=positions, use_cache=True, **{keyword: cache}).logits
-        outs.append(logits[:, -1].float())
+        outs.append(call(prompt, positions).logits[:, -1].float())
         for i in range(steps.shape[1]):
             position = torch.tensor([length + i], device=steps.device)
-            logits = forward(input_ids=steps[:, i:i + 1], cache_position=position, use_cache=True,
-                             **{keyword: cache}).logits
-            outs.append(logits[:, -1].float())
+            outs.append(call(steps[:, i:i + 1], position).logits[:, -1].float())
     return torch.stack(outs)
 
 

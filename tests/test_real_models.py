@@ -39,6 +39,28 @@ def test_static_cache_decode_stays_within_the_fake_quantized_bound(arch, recipe)
     assert within_bound(eager, exact, plain, eager)  # an unquantized model fails it
 
 
+@pytest.mark.parametrize("recipe", ["fp8_row", "fp8_tensor", "int4_wo"])
+def test_a_left_padded_batch_stays_within_the_fake_quantized_bound(recipe):
+    """Prompts of different lengths, left-padded, with their attention mask, as batched generate() runs them; a batch
+    of 8 sequences over 2 KV heads, so that decode attention is packed on the KV heads. fp8_tensor's one activation
+    scale per tensor spans the padding too, in the compiled model as in the fake-quantized copies."""
+    model = decoder("llama")
+    generator = torch.Generator().manual_seed(4)
+    prompt, steps = torch.randint(1, VOCAB, (8, 8), generator=generator), torch.randint(1, VOCAB, (8, 4),
+                                                                                           generator=generator)
+    lengths = torch.tensor([8, 2, 5, 8, 3, 7, 1, 6])
+    padding = (torch.arange(8)[None, :] >= (8 - lengths)[:, None]).long()
+    prompt = prompt.masked_fill(padding == 0, 0)
+    exact_model, plain_model = fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=False)
+    exact = static_decode(exact_model, exact_model, prompt, steps, padding=padding)
+    plain = static_decode(plain_model, plain_model, prompt, steps, padding=padding)
+    eager = static_decode(model, model, prompt, steps, padding=padding)
+    got = static_decode(model, compiled(model, recipe=recipe), prompt, steps, padding=padding)
+    assert not within_bound(got, exact, plain, eager)
+    unpadded = static_decode(model, model, prompt, steps)
+    assert (eager - unpadded).abs().amax() > 0.1  # the mask matters: the padding is not attended
+
+
 def test_generate_compiles_no_more_graphs_than_inductor():
     ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(2))
     graphs = {}
