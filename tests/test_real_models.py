@@ -9,6 +9,7 @@ import transformers as T
 from hf_models import ARCHITECTURES, VOCAB, compiled, cosine, decoder, fake_quantized, static_decode, within_bound
 
 import fxquant
+from fxquant.passes.pack_gqa import MIN_KV_GROUPS
 
 GENERATOR = torch.Generator().manual_seed(1)
 PROMPT = torch.randint(0, VOCAB, (2, 8), generator=GENERATOR)
@@ -42,14 +43,15 @@ def test_static_cache_decode_stays_within_the_fake_quantized_bound(arch, recipe)
 @pytest.mark.parametrize("recipe", ["fp8_row", "fp8_tensor", "int4_wo"])
 def test_a_left_padded_batch_stays_within_the_fake_quantized_bound(recipe):
     """Prompts of different lengths, left-padded, with their attention mask, as batched generate() runs them; a batch
-    of 8 sequences over 2 KV heads, so that decode attention is packed on the KV heads. fp8_tensor's one activation
-    scale per tensor spans the padding too, in the compiled model as in the fake-quantized copies."""
+    of enough sequences that decode attention is packed on the KV heads. fp8_tensor's one activation scale per
+    tensor spans the padding too, in the compiled model as in the fake-quantized copies."""
     model = decoder("llama")
+    batch, width = MIN_KV_GROUPS // model.config.num_key_value_heads, 8
     generator = torch.Generator().manual_seed(4)
-    prompt, steps = torch.randint(1, VOCAB, (8, 8), generator=generator), torch.randint(1, VOCAB, (8, 4),
-                                                                                           generator=generator)
-    lengths = torch.tensor([8, 2, 5, 8, 3, 7, 1, 6])
-    padding = (torch.arange(8)[None, :] >= (8 - lengths)[:, None]).long()
+    prompt = torch.randint(1, VOCAB, (batch, width), generator=generator)
+    steps = torch.randint(1, VOCAB, (batch, 4), generator=generator)
+    lengths = 1 + torch.arange(batch) * 5 % width  # 1 to 8 real tokens
+    padding = (torch.arange(width)[None, :] >= (width - lengths)[:, None]).long()
     prompt = prompt.masked_fill(padding == 0, 0)
     exact_model, plain_model = fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=False)
     exact = static_decode(exact_model, exact_model, prompt, steps, padding=padding)
