@@ -60,13 +60,14 @@ class QuantConfig:
     layer_recipes: tuple[tuple[str, str], ...] = ()  # (regex on fully qualified name, recipe): first match wins
     min_sqnr_db: float = 30.0  # recipe="auto": the output SQNR floor each layer's scheme must meet
     skip: tuple[str, ...] = ()  # regexes on fully qualified names, added to DEFAULT_SKIP
-    include: tuple[str, ...] = ()  # if given, only matching names are quantized
+    include: tuple[str, ...] | None = None  # if given, only matching names are quantized: () selects none
     inner: str = "inductor"
     mode: str | None = None
     report: bool = False
     default_skip: tuple[str, ...] = field(default=DEFAULT_SKIP)
 
     def __post_init__(self):
+        _check_types(self)
         if self.recipe not in RECIPES and self.recipe != AUTO:
             raise ValueError(f"fxquant: unknown recipe {self.recipe!r}; valid: {', '.join(RECIPES)}, {AUTO}")
         for pattern, recipe in self.layer_recipes:
@@ -79,7 +80,7 @@ class QuantConfig:
             raise ValueError(f"fxquant: unknown mode {self.mode!r}; valid: {', '.join(map(str, MODES))}")
         if self.inner not in INNERS:
             raise ValueError(f"fxquant: unknown inner {self.inner!r}; valid: {', '.join(INNERS)}")
-        for pattern in (*self.skip, *self.include, *(p for p, _ in self.layer_recipes)):
+        for pattern in (*self.skip, *(self.include or ()), *(p for p, _ in self.layer_recipes)):
             try:
                 re.compile(pattern)
             except re.error as exc:
@@ -102,7 +103,7 @@ class QuantConfig:
     def skip_reason(self, fqn: str | None) -> str | None:
         """Why the layer `fqn` stays unquantized by name, or None."""
         name = fqn or ""
-        if self.include and not any(re.search(p, name) for p in self.include):
+        if self.include is not None and not any(re.search(p, name) for p in self.include):
             return "not in include"
         for pattern in self.skip:
             if re.search(pattern, name):
@@ -113,20 +114,59 @@ class QuantConfig:
         return None
 
 
-def from_options(options: dict | QuantConfig | None) -> QuantConfig:
-    """The backend's `options=` dict (or a QuantConfig) as a QuantConfig, with clear errors."""
+PATTERNS = ("skip", "include", "default_skip")
+
+
+def _check_types(config: QuantConfig) -> None:
+    """Each option's type, named with the option and the value given: a wrong type otherwise surfaces later as an
+    error about iteration or dict updates that names neither."""
+    def refuse(name, expected):
+        raise TypeError(f"fxquant: option {name!r} must be {expected}, got {getattr(config, name)!r} "
+                        f"({type(getattr(config, name)).__name__})")
+
+    for name in ("recipe", "inner"):
+        if not isinstance(getattr(config, name), str):
+            refuse(name, "a string")
+    for name in PATTERNS:
+        value = getattr(config, name)
+        if value is None and name == "include":
+            continue
+        if not isinstance(value, tuple) or not all(isinstance(p, str) for p in value):
+            refuse(name, "a regex string or a list of them")
+    if not isinstance(config.layer_recipes, tuple) or not all(
+            isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(e, str) for e in entry)
+            for entry in config.layer_recipes):
+        refuse("layer_recipes", "a dict {regex: recipe}")
+    if not isinstance(config.report, bool):
+        refuse("report", "True or False")
+    if isinstance(config.min_sqnr_db, bool) or not isinstance(config.min_sqnr_db, int | float):
+        refuse("min_sqnr_db", "a number of dB")
+
+
+def from_options(options: dict | QuantConfig | str | None) -> QuantConfig:
+    """The backend's `options=` dict (or a QuantConfig, or a recipe's name alone) as a QuantConfig, with clear
+    errors naming the option and the type it takes."""
     if isinstance(options, QuantConfig):
         return options
+    if isinstance(options, str):
+        options = {"recipe": options}
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"fxquant: options must be a dict such as {{'recipe': 'fp8_row'}}, a recipe's name or a "
+                        f"QuantConfig, got {options!r} ({type(options).__name__})")
     options = dict(options or {})
     valid = [f.name for f in fields(QuantConfig)]
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ValueError(f"fxquant: unknown option(s) {unknown}; valid options: {', '.join(valid)}")
-    for key in ("skip", "include", "default_skip"):
-        if key in options:
-            value = options[key]
-            options[key] = (value,) if isinstance(value, str) else tuple(value)
-    if "layer_recipes" in options:
-        value = options["layer_recipes"]
-        options["layer_recipes"] = tuple((value if isinstance(value, dict) else dict(value)).items())
+    for key in PATTERNS:
+        value = options.get(key)
+        if isinstance(value, str):
+            options[key] = (value,)
+        elif isinstance(value, list | tuple | set | frozenset):  # other types are refused by name in QuantConfig
+            options[key] = tuple(value)
+    if isinstance(options.get("layer_recipes"), dict):
+        options["layer_recipes"] = tuple(options["layer_recipes"].items())
+    elif isinstance(options.get("layer_recipes"), list):  # [(regex, recipe), ...]; anything else is refused
+        options["layer_recipes"] = tuple(tuple(e) if isinstance(e, list | tuple) else e
+                                         for e in options["layer_recipes"])
     return QuantConfig(**options)

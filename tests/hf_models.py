@@ -65,6 +65,14 @@ def _cache_keyword(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def traced(model):
+    """The model run by dynamo with no compiler behind it: the code path a compiled model takes (transformers picks
+    other mask and attention code while dynamo traces; on torch 2.11 its logits differ from eager's by ~5e-3 rad),
+    computed by the same eager ops. A fake-quantized copy run so bounds a compiled model on any torch version."""
+    torch._dynamo.reset()
+    return torch.compile(model, backend="eager")
+
+
 def static_decode(model, forward, prompt, steps, max_len=32, allocate_eagerly=False, padding=None) -> torch.Tensor:
     """Logits of the last position for a prefill of `prompt` [B, S], then one step per column of `steps` [B, n]
     (teacher-forced, so every path sees the same tokens), on a transformers StaticCache. `forward` is the model
@@ -155,6 +163,7 @@ class FakeQuantizedExperts(torch.nn.Module):
         bias = getattr(experts, name + "_bias", None)
         return [None] * getattr(experts, name).shape[0] if bias is None else list(bias)
 
+    @torch._dynamo.disable  # run by hf_models.traced, the loop over experts would break the graph at every expert
     def forward(self, hidden_states, top_k_index, top_k_weights):
         k, dtype = top_k_index.shape[-1], hidden_states.dtype
         ids = top_k_index.reshape(-1)

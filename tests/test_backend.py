@@ -100,6 +100,31 @@ def test_malformed_options_are_clear_errors(options, match):
         compiled(tiny_block(), **options)(X)
 
 
+@pytest.mark.parametrize("options, match", [
+    ({"skip": 5}, r"option 'skip' must be a regex string or a list of them, got 5 \(int\)"),
+    ({"include": 5}, r"option 'include' must be a regex string or a list of them, got 5 \(int\)"),
+    ({"layer_recipes": ["a"]}, r"option 'layer_recipes' must be a dict \{regex: recipe\}, got \('a',\)"),
+    ({"report": "yes"}, r"option 'report' must be True or False, got 'yes' \(str\)"),
+    ({"recipe": 8}, r"option 'recipe' must be a string, got 8 \(int\)"),
+    ({"min_sqnr_db": "30"}, r"option 'min_sqnr_db' must be a number of dB"),
+    (["fp8_row"], r"options must be a dict such as \{'recipe': 'fp8_row'\}.*got \['fp8_row'\] \(list\)"),
+])
+def test_options_of_the_wrong_type_are_named_with_the_type_they_take(options, match):
+    """A wrong type surfaced as "'int' object is not iterable" or a dict-update error naming no option."""
+    with pytest.raises(TypeError, match=match):
+        fxquant.from_options(options)
+
+
+def test_a_recipe_name_alone_is_the_options_and_include_none_or_empty_is_said():
+    """options="fp8_row" and quantize_(model, "int4_wo") take the name as the recipe; include=None is the default
+    (every layer), include=[] selects none."""
+    assert fxquant.from_options("fp8_row") == fxquant.QuantConfig(recipe="fp8_row")
+    assert fxquant.from_options({"include": None}).skip_reason("model.layers.0.mlp.up_proj") is None
+    assert fxquant.from_options({"include": []}).skip_reason("model.layers.0.mlp.up_proj") == "not in include"
+    model = fxquant.quantize_(tiny_block(), "int4_wo")
+    assert any(isinstance(m, fxquant.QuantizedLinear) and m.recipe == "int4_wo" for m in model.modules())
+
+
 def test_model_without_linear_layers_compiles_unchanged():
     model = torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.GELU()).to(torch.bfloat16)
     with torch.no_grad():

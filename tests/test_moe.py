@@ -11,7 +11,7 @@ import warnings
 import pytest
 import safetensors.torch
 import torch
-from hf_models import VOCAB, angle, compiled, decoder, fake_quantized, skeleton, static_decode, within_bound
+from hf_models import VOCAB, angle, compiled, decoder, fake_quantized, skeleton, static_decode, traced, within_bound
 
 import fxquant
 from fxquant import reference as R
@@ -60,11 +60,14 @@ def expert_parameters(model):
     return {name: p for name, p in model.named_parameters() if name.endswith(("gate_up_proj", "down_proj"))}
 
 
-def bounds(model, recipe, forward):
-    """(got, exact, plain, eager) static-cache decode logits for hf_models.within_bound."""
-    exact_model, plain_model = fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=False)
-    return (static_decode(model, forward, PROMPT, STEPS), static_decode(exact_model, exact_model, PROMPT, STEPS),
-            static_decode(plain_model, plain_model, PROMPT, STEPS), static_decode(model, model, PROMPT, STEPS))
+def bounds(model, recipe, forward, compiled_forward=True):
+    """(got, exact, plain, eager) static-cache decode logits for hf_models.within_bound; where `forward` is a
+    compiled one, the copies and eager run through dynamo too (hf_models.traced), so that only the quantized
+    products tell them apart."""
+    got = static_decode(model, forward, PROMPT, STEPS)
+    run = traced if compiled_forward else (lambda m: m)
+    copies = fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=False), model
+    return got, *(static_decode(m, run(m), PROMPT, STEPS) for m in copies)
 
 
 @pytest.mark.parametrize("recipe", ["fp8_block", "mxfp4_wo", "int4_wo"])
@@ -118,13 +121,12 @@ def test_quantize_in_place_swaps_experts_and_every_implementation_runs_them(arch
     assert len(experts) == model.config.num_hidden_layers
     codes = expert_parameters(quantized).values()  # the codes keep the projections' names
     assert codes and all(p.dtype in (torch.float8_e4m3fn, torch.uint8) for p in codes)
-    got, exact, plain, eager = bounds(model, recipe, quantized)
+    got, exact, plain, eager = bounds(model, recipe, quantized, compiled_forward=False)
     assert not within_bound(got, exact, plain, eager)
     for implementation in ("eager", "batched_mm"):  # the quantized module ignores the setting
         quantized.set_experts_implementation(implementation)
         torch.testing.assert_close(static_decode(quantized, quantized, PROMPT, STEPS), got, rtol=0, atol=0)
-    recompiled = static_decode(quantized, compiled(quantized, recipe=recipe), PROMPT, STEPS)
-    assert not within_bound(recompiled, exact, plain, eager)
+    assert not within_bound(*bounds(model, recipe, compiled(quantized, recipe=recipe)))
 
 
 def test_quantize_again_leaves_quantized_experts_as_they_are_and_out_of_the_report(capsys):

@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers as T
 from hf_models import ARCHITECTURES, VOCAB, compiled, cosine, decoder, fake_quantized, static_decode, within_bound
+from torch_faults import avoid_indirect_index_check_fault
 
 import fxquant
 from fxquant.passes.pack_gqa import MIN_KV_GROUPS
@@ -71,7 +72,7 @@ def test_generate_compiles_no_more_graphs_than_inductor():
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         model.forward = torch.compile(model.forward, backend=backend, options=options)
-        with torch.no_grad():
+        with torch.no_grad(), avoid_indirect_index_check_fault():  # plain Inductor fails without it on torch 2.11
             model.generate(ids, max_new_tokens=6, do_sample=False)
         graphs[backend] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert graphs["fxquant"] <= graphs["inductor"], graphs

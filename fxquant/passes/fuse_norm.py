@@ -142,7 +142,9 @@ class FuseNorm(PassBase):
             if epochs[x] != epochs[quantizers[0]]:
                 continue  # a write between the norm's input and its quantizers: the fused op may not move past it
             residual = _residual_add(x, out, order)
-            with graph.inserting_before(quantizers[0]):
+            # Right after the norm's output: every user after the norm (another norm of the same sum, placed
+            # before this norm's quantizers, as in parallel attention and MLP blocks) can then read the fused sum.
+            with graph.inserting_before(out.next):
                 if residual:
                     fused = _placed(graph.call_function(torch.ops.fxquant.add_norm_quant_fp8.default,
                                                         (*residual, weight, bias, float(eps), group, rms)),

@@ -35,6 +35,7 @@ from fxquant.passes.spellings import (
     TRANSPOSE,
     UNSQUEEZE,
     is_grouped_mm,
+    is_swap_2d_attribute,
     target_of,
 )
 
@@ -88,6 +89,8 @@ def _swapped_2d_parameter(node) -> torch.fx.Node | None:
     """The 2-D parameter `node` transposes (w.T, w.t(), w.mT, w.transpose(0, 1), w.permute(1, 0)), or None."""
     if not isinstance(node, torch.fx.Node) or not _is_2d_parameter(source := _arg(node, 0, "input", "self")):
         return None
+    if is_swap_2d_attribute(node):
+        return source
     target, dims = target_of(node), node.args[1:]
     if len(dims) == 1 and isinstance(dims[0], (list, tuple)):  # permute((1, 0)), aten.permute(w, [1, 0])
         dims = dims[0]

@@ -23,6 +23,8 @@ BMM = {torch.bmm, torch.Tensor.bmm, aten.bmm.default}
 TRANSPOSE = {torch.transpose, torch.Tensor.transpose, aten.transpose.int}
 # w.T, w.t(), w.mT of a 2-D w (dynamo records the properties as aten calls); transpose and permute by their dims
 SWAP_2D = {torch.t, torch.Tensor.t, aten.t.default, aten.numpy_T, aten.numpy_T.default, aten.mT, aten.mT.default}
+# torch 2.11's dynamo records w.T and w.mT as builtins.getattr(w, "T") instead of the aten call
+SWAP_2D_ATTRIBUTES = {"T", "mT"}
 PERMUTE = {torch.permute, torch.Tensor.permute, aten.permute.default}
 UNSQUEEZE = {torch.unsqueeze, torch.Tensor.unsqueeze, aten.unsqueeze.default}
 EXPAND = {torch.Tensor.expand, aten.expand.default}
@@ -53,6 +55,12 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 def is_grouped_mm(target) -> bool:
     """torch's grouped_mm, or transformers' custom-op fallback for dtypes and devices it does not serve."""
     return target in GROUPED_MM or str(target).startswith("transformers.grouped_mm_fallback")
+
+
+def is_swap_2d_attribute(node: torch.fx.Node) -> bool:
+    """getattr(w, "T") or getattr(w, "mT"): a transpose of a 2-D w read as a property."""
+    return (node.op == "call_function" and node.target is getattr and len(node.args) == 2
+            and node.args[1] in SWAP_2D_ATTRIBUTES)
 
 
 def target_of(node: torch.fx.Node):

@@ -128,22 +128,31 @@ def test_backend_uses_the_fused_op_end_to_end():
 
 
 class TwoNormsOfOneSum(nn.Module):
-    """Two norms of one residual sum: the first fusion's sum becomes the second norm's input."""
+    """Two norms of one residual sum: the first fusion's sum becomes the second norm's input. parallel: both norms
+    run before either linear, as in Falcon's and GPT-J's parallel attention and MLP, so the second norm's nodes
+    sit between the first norm and its quantizer."""
 
-    def __init__(self):
+    def __init__(self, parallel=False):
         super().__init__()
         self.norm1, self.norm2 = nn.RMSNorm(D, eps=1e-6), nn.RMSNorm(D, eps=1e-6)
         self.q = nn.Linear(D, D, bias=False)
         self.k = nn.Linear(D, D, bias=False)
+        self.parallel = parallel
 
     def forward(self, x, r):
         h = x + r
+        if self.parallel:
+            n1, n2 = self.norm1(h), self.norm2(h)
+            return self.q(n1), self.k(n2), h
         return self.q(self.norm1(h)), self.k(self.norm2(h)), h
 
 
-def test_a_norm_of_an_earlier_fusions_sum_fuses_too():
+@pytest.mark.parametrize("parallel", [False, True], ids=["sequential", "parallel"])
+def test_a_norm_of_an_earlier_fusions_sum_fuses_too(parallel):
+    """parallel: the fused sum was placed at the first quantizer, after the second norm that reads it ("used before
+    it has been defined" at compile time)."""
     torch.manual_seed(0)
-    model = TwoNormsOfOneSum().to(torch.bfloat16)
+    model = TwoNormsOfOneSum(parallel).to(torch.bfloat16)
     x = torch.randn(2, 8, D, dtype=torch.bfloat16)
     r = torch.randn_like(x)
     gm, inputs = captured(model, x, r)
