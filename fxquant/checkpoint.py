@@ -23,6 +23,8 @@ from fxquant.quantized_linear import QuantizedLinear
 
 SHARD_BYTES = 5 * 2**30  # the file size transformers shards at by default
 INDEX = "model.safetensors.index.json"
+HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 
 
 def save_quantized(model: nn.Module, path) -> None:
@@ -31,7 +33,6 @@ def save_quantized(model: nn.Module, path) -> None:
     every other parameter and persistent buffer as it is (a tied weight once), and config.json with the model's
     config (a transformers model's) and `quantization_config`."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     tensors, seen, groups, ignore = {}, set(), defaultdict(list), []
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
@@ -60,8 +61,16 @@ def save_quantized(model: nn.Module, path) -> None:
             if t is not None and id(t) not in seen:  # a tied weight is stored under its first name
                 seen.add(id(t))
                 tensors[prefix + key] = t.detach().contiguous()
+    if not groups:
+        raise ValueError(f"fxquant: {type(model).__name__} holds no layer quantize_ quantized (QuantizedLinear, "
+                         "QuantizedExperts): its checkpoint would be a plain one labelled compressed-tensors. Fix: "
+                         "fxquant.quantize_(model, config) first, or save it with save_pretrained or torch.save")
+    path.mkdir(parents=True, exist_ok=True)
     _write_shards(tensors, path)
     config = model.config.to_dict() if hasattr(model, "config") and hasattr(model.config, "to_dict") else {}
+    floating = [t.dtype for key, t in tensors.items() if t.dtype in HIGH_PRECISION and "scale" not in key]
+    if floating:  # the dtype the model ran in, for load_quantized(dtype="auto") and from_pretrained
+        config["dtype"] = str(max(set(floating), key=floating.count)).removeprefix("torch.")
     formats = {SCHEMES[recipe][0] for recipe in groups}
     config["quantization_config"] = {
         "quant_method": "compressed-tensors",
@@ -149,15 +158,21 @@ def _expert_recipes(model: nn.Module, quantization_config: dict) -> dict[str, tu
     return found
 
 
-def load_quantized(model: nn.Module, path, device=None) -> nn.Module:
+def load_quantized(model: nn.Module, path, device=None, dtype: torch.dtype | str = "auto") -> nn.Module:
     """Fill `model`, a skeleton (built on the meta device, or anywhere), from the compressed-tensors checkpoint in
     the folder `path`, in place: each quantized linear becomes a QuantizedLinear whose codes and scales are read
     straight from safetensors onto `device` (default: the CPU); no high-precision copy of a quantized weight is ever
     made. transformers' own MXFP4 checkpoints (GPT-OSS's) load too, their experts as mxfp4_wo QuantizedExperts
     (`checkpoint_mxfp4`). Every other parameter and persistent buffer is read as stored; tied parameters stay
-    tied. Returns the model."""
+    tied. High-precision tensors take the checkpoint's dtype (dtype="auto": config.json's `dtype`, else the first
+    floating tensor's, as transformers' from_pretrained does), whatever dtype the skeleton was built in; a dtype
+    given casts them to it. Codes and scales keep their formats. Returns the model."""
     path, device = Path(path), torch.device(device or "cpu")
-    config = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    if dtype != "auto" and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"fxquant: load_quantized's dtype must be 'auto' or a floating torch.dtype, got {dtype!r}")
+    stored = _read_config(path)
+    dtype = _checkpoint_dtype(path, stored) if dtype == "auto" else dtype
+    config = stored.get("quantization_config") or {}
     method = config.get("quant_method")
     if method not in ("compressed-tensors", MXFP4_METHOD):
         raise ValueError(f"fxquant: {path / 'config.json'} holds no compressed-tensors or MXFP4 quantization_config")
@@ -189,7 +204,7 @@ def load_quantized(model: nn.Module, path, device=None) -> nn.Module:
                 if name in recipes and local != "bias" or name in expert_of:
                     pending[name][local] = f.get_tensor(key)
                     continue
-                _assign(model, key, f.get_tensor(key), owners)
+                _assign(model, key, f.get_tensor(key), owners, dtype)
     for name, tensors in pending.items():
         if name in expert_of:
             continue
@@ -216,6 +231,36 @@ def load_quantized(model: nn.Module, path, device=None) -> nn.Module:
                          "skeleton under fxquant.empty_weights(), which computes the buffers no checkpoint holds "
                          "(rotary frequencies), or build those modules on the target device")
     return model
+
+
+def _read_config(path: Path) -> dict:
+    """config.json of the checkpoint folder `path`, or an error naming what is missing or malformed."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"fxquant: no checkpoint folder {path}. Fix: pass the folder save_quantized (or "
+                                "llm-compressor) wrote, which holds config.json and model.safetensors")
+    file = path / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"fxquant: {path} holds no config.json, so no quantization_config to load by. Fix: "
+                                "pass the folder save_quantized (or llm-compressor) wrote")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"fxquant: {file} is not valid JSON ({exc}). Fix: download or save it again") from exc
+
+
+def _checkpoint_dtype(path: Path, config: dict) -> torch.dtype:
+    """The model's dtype a checkpoint declares (config.json's dtype, torch_dtype before transformers 5), else the
+    dtype of its first floating-point high-precision tensor."""
+    declared = config.get("dtype") or config.get("torch_dtype")
+    if isinstance(declared, str) and isinstance(getattr(torch, declared.removeprefix("torch."), None), torch.dtype):
+        return getattr(torch, declared.removeprefix("torch."))
+    for file in _files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118  (safe_open handles have keys(), not iteration)
+                stored = SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype())
+                if stored is not None and "scale" not in key:  # scales are fp32 in any model
+                    return stored
+    return torch.get_default_dtype()
 
 
 def _opened(file: Path, device: torch.device):
@@ -245,26 +290,37 @@ def _conformed(parts: dict[str, torch.Tensor], name: str, recipe: str, rows: int
     return parts
 
 
-def _matching(key: str, tensor: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-    """`tensor` for the model's `current`: the same shape, and its dtype where both are floating point (the
-    skeleton's dtype is the model's, as transformers' loaders cast); an error naming the tensor otherwise."""
+def _matching(key: str, tensor: torch.Tensor, current: torch.Tensor, dtype) -> torch.Tensor:
+    """`tensor` for the model's `current`: the same shape; where both are floating point, `dtype` (the model's,
+    as transformers' loaders cast); an error naming the tensor otherwise."""
     if tensor.shape != current.shape:
         raise ValueError(f"fxquant: checkpoint tensor {key} is {tuple(tensor.shape)}, the model's is "
                          f"{tuple(current.shape)}. Fix: build the skeleton from the checkpoint's own config.json")
+    if tensor.is_floating_point() and current.is_floating_point():
+        return tensor.to(dtype)
     if tensor.dtype == current.dtype:
         return tensor
-    if tensor.is_floating_point() and current.is_floating_point():
-        return tensor.to(current.dtype)
     raise ValueError(f"fxquant: checkpoint tensor {key} is {tensor.dtype}, the model's is {current.dtype}")
 
 
 def _files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index names, or model.safetensors; an error naming the file
+    that is missing."""
     if (path / INDEX).exists():
-        return sorted({path / f for f in json.loads((path / INDEX).read_text())["weight_map"].values()})
-    return [path / "model.safetensors"]
+        files = sorted({path / f for f in json.loads((path / INDEX).read_text())["weight_map"].values()})
+    elif (path / "model.safetensors").exists():
+        files = [path / "model.safetensors"]
+    else:
+        raise FileNotFoundError(f"fxquant: {path} holds neither model.safetensors nor {INDEX}. Fix: download or "
+                                "save the checkpoint's weights into it")
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise FileNotFoundError(f"fxquant: {path / INDEX} names {missing}, which {path} does not hold. Fix: download "
+                                "or save the checkpoint again")
+    return files
 
 
-def _assign(model: nn.Module, key: str, tensor: torch.Tensor, owners) -> None:
+def _assign(model: nn.Module, key: str, tensor: torch.Tensor, owners, dtype) -> None:
     """Put a checkpoint tensor in place of the model's `key`, and of every attribute tied to it."""
     name, _, attr = key.rpartition(".")
     module = model.get_submodule(name)
@@ -272,7 +328,7 @@ def _assign(model: nn.Module, key: str, tensor: torch.Tensor, owners) -> None:
         raise KeyError(f"fxquant: checkpoint tensor {key} has no place in the model")
     current = module._parameters.get(attr, module._buffers.get(attr))
     if current is not None:
-        tensor = _matching(key, tensor, current)
+        tensor = _matching(key, tensor, current, dtype)
     is_param = attr in module._parameters
     value = nn.Parameter(tensor, requires_grad=current is not None and current.requires_grad) if is_param else tensor
     for owner, owner_attr in owners.get(id(current), [(module, attr)]):

@@ -57,6 +57,11 @@ def _rows(t: torch.Tensor | None, first: int, stop: int, total: int, name: str) 
 
 def split_experts(model: nn.Module, name: str, experts: QuantizedExperts) -> dict[str, ExpertLinear]:
     """The experts module `name` as the checkpoint's per-expert linears, views of its codes and scales."""
+    if experts.dense:
+        raise ValueError(f"fxquant: {name} runs every expert over every token (Llama4's dense experts), a layout "
+                         "the per-expert linears of a compressed-tensors checkpoint do not describe. Fix: save "
+                         "model.state_dict() with safetensors or torch.save, or keep every such experts module out "
+                         rf"of quantize_ (skip=[r'\.{re.escape(name.rpartition('.')[2])}\.']) to save the rest")
     if experts.gate_owner is not None or any(getattr(experts, p + "_bias") is not None for p in PROJECTIONS):
         raise ValueError(f"fxquant: {name} has expert biases or a gating function of its own (GPT-OSS's layout), "
                          "which the per-expert linears of a compressed-tensors checkpoint do not hold. Fix: save "

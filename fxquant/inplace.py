@@ -3,6 +3,8 @@ high-precision weights."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 
@@ -11,7 +13,13 @@ from fxquant.passes.annotations import annotation
 from fxquant.passes.quantize_linear import ROUTER_REASON, skip_reason
 from fxquant.passes.state import LayerRecord, PipelineState
 from fxquant.pipeline import prepare
-from fxquant.quantized_experts import PROJECTIONS, QuantizedExperts, experts_layout_reason, is_experts
+from fxquant.quantized_experts import (
+    PROJECTIONS,
+    QuantizedExperts,
+    experts_layout_reason,
+    is_experts,
+    stored_transposed,
+)
 from fxquant.quantized_linear import FrozenParts, QuantizedLinear
 from fxquant.report import format_report
 from fxquant.weights import WeightEntry, weight_role
@@ -74,7 +82,7 @@ def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, exa
         config = inspect(model, args, config).config
     routers = _routers(model, args) if args else set()
     shared = _shared(model)
-    layers = []
+    layers = _already_quantized(model, config)
     # Names, not modules: a list of the modules would keep every replaced layer's high-precision weight alive
     # until the end, and the peak would be the whole model twice over.
     names = [fqn for fqn, module in model.named_modules() if linear_weight(module) is not None]
@@ -104,10 +112,35 @@ def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, exa
     return model
 
 
+def _already_quantized(model: nn.Module, config: QuantConfig) -> list[LayerRecord]:
+    """A record for each layer an earlier quantize_ (or a checkpoint) quantized: kept as it is, since quantizing its
+    codes again would round twice. Where this call's config selects one under another recipe, one warning names
+    them and the fix."""
+    layers, differ = [], []
+    for fqn, module in model.named_modules():
+        if not isinstance(module, QuantizedLinear | QuantizedExperts):
+            continue
+        nbytes = sum(getattr(module, n).numel() * getattr(module, n).element_size() for n in module.part_names()
+                     if getattr(module, n) is not None)
+        shape = ((module.out_features, module.in_features) if isinstance(module, QuantizedLinear)
+                 else (module.num_experts, 2 * module.intermediate_dim, module.hidden_dim))
+        layers.append(LayerRecord(fqn, shape, module.recipe, "already quantized, kept", nbytes, nbytes))
+        asked = None if config.skip_reason(fqn) else config.layer_recipe(fqn) or (
+            config.recipe if config.recipe != AUTO else None)
+        if asked is not None and asked != module.recipe:
+            differ.append(f"{fqn} ({module.recipe})")
+    if differ:
+        warnings.warn(f"fxquant: quantize_ keeps {len(differ)} layer(s) already quantized under another recipe than "
+                      f"the one asked for: {', '.join(differ[:6])}{' and more' if len(differ) > 6 else ''}. "
+                      "Quantizing codes again would round twice. Fix: quantize_ the high-precision model (or load "
+                      "its checkpoint) with the recipe wanted, or skip those layers", stacklevel=3)
+    return layers
+
+
 def _quantize_experts(model: nn.Module, fqn: str, config: QuantConfig) -> list[LayerRecord]:
     """Swap the experts module `fqn` for a QuantizedExperts unless a reason keeps it; a record per projection."""
     module = model.get_submodule(fqn)
-    transposed = getattr(module, "is_transposed", False)  # stored [E, K, N]; judged and reported as [E, N, K]
+    transposed = stored_transposed(module)  # stored [E, K, N]; judged and reported as [E, N, K]
     weights = {p: getattr(module, p).transpose(-2, -1) if transposed else getattr(module, p) for p in PROJECTIONS}
     names = {projection: f"{fqn}.{projection}" for projection in PROJECTIONS}
     reasons = [experts_layout_reason(module)] + [skip_reason(w, names[p], config, dims=3) for p, w in weights.items()]

@@ -56,3 +56,14 @@ def emit_routed_linear(call, s: LinearScheme, x, ids, num_experts: int, consts, 
     rows, inverse, offs = (call(operator.getitem, (order, i)) for i in range(3))
     out = emit_linear(call, s, call(torch.index_select, (x, 0, rows)), consts, None, out_features, out_dtype, offs)
     return call(torch.index_select, (out, 0, inverse))
+
+
+def emit_dense_experts_linear(call, s: LinearScheme, x, num_experts: int, in_features: int, consts,
+                              out_features: int, out_dtype):
+    """out[e] = x[e] @ w[e].T for x [E, T, K]: each expert over its own T rows, as Llama4's experts run every
+    expert on every token; the grouped product on x as [E * T, K] rows, an expert every T rows. Returns
+    [E, T, N]."""
+    rows = call(torch.reshape, (x, (-1, in_features)))
+    offs = call(torch.ops.fxquant.uniform_offsets.default, (rows, num_experts))
+    out = emit_linear(call, s, rows, consts, None, out_features, out_dtype, offs)
+    return call(torch.reshape, (out, (num_experts, -1, out_features)))

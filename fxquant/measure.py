@@ -21,6 +21,7 @@ from fxquant.metrics import sqnr_db
 from fxquant.passes.annotations import annotation, linear_fqn, node_dtype
 from fxquant.passes.patterns import ExpertOperands, weight_operands
 from fxquant.passes.quantize_linear import (
+    CAST_REASON,
     ROUTER_REASON,
     alignment_reason,
     quantize_weight,
@@ -81,6 +82,9 @@ def for_each_linear(gm: torch.fx.GraphModule, example_inputs, fn: Callable) -> N
             w = operands.weight_nk(gm) if operands is not None else None
             if isinstance(w, torch.Tensor) and not isinstance(operands, ExpertOperands):
                 fn(node, self.env[operands.x], w, self.env.get(operands.bias), None)
+            elif isinstance(w, torch.Tensor) and operands.dense:  # x [E, T, K]: each expert over its own rows
+                rows = kept[operands.x].reshape(-1, w.shape[-1])
+                fn(node, rows, w, None, Routing(torch.ops.fxquant.uniform_offsets(rows, w.shape[0])))
             elif isinstance(w, torch.Tensor):
                 routing = Routing(self.env[operands.offs] if operands.offs is not None else None,
                                   kept[operands.ids].reshape(-1) if operands.ids is not None else None)
@@ -157,6 +161,9 @@ def measure_graph(gm: torch.fx.GraphModule, example_inputs, config: QuantConfig,
         fqn, shape, out_dtype = linear_fqn(node), tuple(w.shape), node_dtype(node) or x.dtype
         if annotation(node).router:
             found.append(LayerError(fqn, shape, None, ROUTER_REASON))
+            return
+        if getattr(weight_operands(node), "cast", False):
+            found.append(LayerError(fqn, shape, None, CAST_REASON))
             return
         dims = 2 if routing is None else 3
         unpinned = config.recipe == AUTO and config.layer_recipe(fqn) is None

@@ -19,11 +19,14 @@ import torch
 from torch import Tensor
 
 from fxquant import reference as R
+from fxquant import reference_attention as RA
 from fxquant import reference_norm as RN
 from fxquant.api import quantize
 from fxquant.granularity import Granularity
 from fxquant.kernels.cast import capability
 from fxquant.kernels.cublas_fp8 import cublas_scaled_mm, cublas_takes
+from fxquant.kernels.decode_attention import decode_attention as decode_attention_kernel
+from fxquant.kernels.decode_attention import decode_attention_serves
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm, is_block_scaled
 from fxquant.kernels.gemm_grouped import grouped_fp8_mm, grouped_weight_only_mm
 from fxquant.kernels.gemm_weight_only import weight_only_mm
@@ -321,6 +324,42 @@ def _(ids, num_experts):
     n = ids.numel()
     long = dict(dtype=torch.int64, device=ids.device)
     return ids.new_empty((n,), **long), ids.new_empty((n,), **long), ids.new_empty((num_experts,), dtype=torch.int32)
+
+
+def _decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, softcap: float,
+                      sinks: Tensor | None, k_scale: Tensor | None, v_scale: Tensor | None,
+                      kv_lens: Tensor | None) -> Tensor:
+    """Attention of q [B, Hq, Q, D] over a KV cache k, v [B, Hkv, S, D] read as stored (high precision, or e4m3
+    codes with fp32 k_scale / v_scale per (batch, KV head, token) or per tensor): reference_attention's numerics.
+    CUDA: the split-KV kernel where it serves the operands; else the reference."""
+    if q.is_cuda and decode_attention_serves(q, k, v, mask):
+        return decode_attention_kernel(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens)
+    return RA.decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens)
+
+
+decode_attention = _op("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap, "
+                       "Tensor? sinks, Tensor? k_scale, Tensor? v_scale, Tensor? kv_lens) -> Tensor",
+                       _decode_attention)
+
+
+@_fake("decode_attention")
+def _(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens):
+    return torch.empty_like(q)
+
+
+def _uniform_offsets(x: Tensor, num_experts: int) -> Tensor:
+    """offs (int32 [num_experts]) for rows x [num_experts * T, ...] in equal blocks, one per expert: experts run
+    densely over every token (Llama4's), so the grouped GEMMs serve them with no sort."""
+    per_expert = x.shape[0] // num_experts
+    return torch.arange(1, num_experts + 1, device=x.device, dtype=torch.int32) * per_expert
+
+
+uniform_offsets = _op("uniform_offsets(Tensor x, int num_experts) -> Tensor", _uniform_offsets)
+
+
+@_fake("uniform_offsets")
+def _(x, num_experts):
+    return x.new_empty((num_experts,), dtype=torch.int32)
 
 
 def _norm_quant(x, residual, weight, bias, eps, group_size, rms):

@@ -15,6 +15,7 @@ runs quantized, eagerly and under any compile backend.
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 import torch.nn as nn
@@ -27,6 +28,18 @@ from fxquant.quantized_linear import PARTS, FrozenParts
 PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
+def is_dense(module: nn.Module) -> bool:
+    """Experts whose forward takes the hidden states alone, every expert over its own block of rows (Llama4's:
+    bmm of [E, T, H] rows and gate_up_proj stored [E, H, 2I]), rather than rows with their routing."""
+    forward = getattr(type(module), "forward", None)
+    return forward is not None and len(inspect.signature(forward).parameters) == 2  # self, hidden_states
+
+
+def stored_transposed(module: nn.Module) -> bool:
+    """The experts store their weights [E, K, N]: declared (is_transposed, GPT-OSS), or dense experts (Llama4)."""
+    return bool(getattr(module, "is_transposed", False)) or is_dense(module)
+
+
 def experts_layout_reason(module: nn.Module) -> str | None:
     """Why `module` (one with 3-D gate_up_proj and down_proj) is not an experts layout QuantizedExperts computes,
     or None."""
@@ -37,10 +50,10 @@ def experts_layout_reason(module: nn.Module) -> str | None:
     if not getattr(module, "is_concatenated", True) and gate_owner(module) is None:
         return "interleaved gate and up rows without a gating function of the experts' own"
     num_experts, two_i, hidden = experts_shape(module)
-    transposed = getattr(module, "is_transposed", False)
+    transposed = stored_transposed(module)
     if two_i % 2 or tuple(module.down_proj.shape) != ((num_experts, two_i // 2, hidden) if transposed else
                                                        (num_experts, hidden, two_i // 2)):
-        layout = "[E, H, 2I] and [E, I, H] (is_transposed)" if transposed else "[E, 2I, H] and [E, H, I]"
+        layout = "[E, H, 2I] and [E, I, H] (stored transposed)" if transposed else "[E, 2I, H] and [E, H, I]"
         return (f"gate_up_proj {list(module.gate_up_proj.shape)} and down_proj {list(module.down_proj.shape)} are "
                 f"not the layout {layout} the module declares")
     return None
@@ -61,7 +74,7 @@ def gate_owner(module: nn.Module) -> nn.Module | None:
 def experts_shape(module: nn.Module) -> tuple[int, int, int]:
     """(experts, 2 x intermediate, hidden) of transformers' experts module, in either stored layout."""
     num_experts, rows, cols = module.gate_up_proj.shape
-    return (num_experts, cols, rows) if getattr(module, "is_transposed", False) else (num_experts, rows, cols)
+    return (num_experts, cols, rows) if stored_transposed(module) else (num_experts, rows, cols)
 
 
 def is_experts(module: nn.Module) -> bool:
@@ -74,14 +87,16 @@ def is_experts(module: nn.Module) -> bool:
 
 class QuantizedExperts(FrozenParts):
     """An MoE layer's experts, gate_up_proj [E, 2I, H] and down_proj [E, H, I], held quantized under `recipe`;
-    forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]."""
+    forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H], or for `dense` experts
+    forward(hidden_states [E * T, H]) -> [E * T, H], each expert over its own T rows (Llama4's)."""
 
     def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, recipe: str, parts: dict, act_fn,
-                 biases: dict | None = None, owner: nn.Module | None = None):
+                 biases: dict | None = None, owner: nn.Module | None = None, dense: bool = False):
         super().__init__()
         if recipe not in RECIPES:
             raise ValueError(f"fxquant: unknown recipe {recipe!r}; valid: {', '.join(RECIPES)}")
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
+        self.dense = dense
         self.recipe, self.act_fn = recipe, act_fn
         object.__setattr__(self, "gate_owner", owner)  # not a submodule: no weights of its own, not in the repr
         for name in self.part_names():
@@ -95,7 +110,7 @@ class QuantizedExperts(FrozenParts):
     @classmethod
     def from_module(cls, module: nn.Module, recipe: str) -> QuantizedExperts:
         """Quantize transformers' experts module, expert by expert, on its weights' device."""
-        parts, transposed = {}, getattr(module, "is_transposed", False)
+        parts, transposed = {}, stored_transposed(module)
         for projection in PROJECTIONS:
             weight = getattr(module, projection).detach()
             q = quantize_weight(weight.transpose(-2, -1) if transposed else weight, recipe)  # [E, N, K]
@@ -104,7 +119,7 @@ class QuantizedExperts(FrozenParts):
         biases = {p: getattr(module, p + "_bias", None) for p in PROJECTIONS} if getattr(module, "has_bias", False) \
             else None
         return cls(num_experts, hidden, two_i // 2, recipe, parts, getattr(module, "act_fn", None), biases,
-                   gate_owner(module))
+                   gate_owner(module), is_dense(module))
 
     def part_names(self) -> list[str]:
         return [_part(projection, name) for projection in PROJECTIONS for name, _ in PARTS]
@@ -112,7 +127,10 @@ class QuantizedExperts(FrozenParts):
     def _consts(self, projection: str) -> tuple:
         return tuple(getattr(self, _part(projection, name)) for name, _ in PARTS)
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
+                top_k_weights: torch.Tensor | None = None):
+        if self.dense:
+            return self._dense(hidden_states)
         scheme, k = RECIPES[self.recipe], top_k_index.shape[-1]
         order, inverse, offs = torch.ops.fxquant.sort_by_expert(top_k_index, self.num_experts)
         x = hidden_states.index_select(0, order // k)  # each (token, expert) pair's row, sorted by expert
@@ -127,6 +145,15 @@ class QuantizedExperts(FrozenParts):
         weighted = h.index_select(0, inverse) * top_k_weights.reshape(-1, 1)
         return weighted.view(-1, k, self.hidden_dim).sum(dim=1).to(hidden_states.dtype)
 
+    def _dense(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [E * T, H], expert e's rows the e-th block of T: the grouped ops over the blocks."""
+        scheme, x = RECIPES[self.recipe], hidden_states.reshape(-1, self.hidden_dim)
+        offs = torch.ops.fxquant.uniform_offsets(x, self.num_experts)
+        h = emit_linear(run_now, scheme, x, self._consts("gate_up_proj"), None, 2 * self.intermediate_dim, x.dtype,
+                        offs)
+        return emit_linear(run_now, scheme, self._gated(h), self._consts("down_proj"), None, self.hidden_dim,
+                           x.dtype, offs)
+
     def _biased(self, h: torch.Tensor, projection: str, experts: torch.Tensor) -> torch.Tensor:
         """h plus each row's expert bias, added to the rounded product as transformers' grouped experts add it."""
         bias = getattr(self, projection + "_bias")
@@ -140,7 +167,7 @@ class QuantizedExperts(FrozenParts):
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
-                f"intermediate_dim={self.intermediate_dim}, recipe={self.recipe}")
+                f"intermediate_dim={self.intermediate_dim}, recipe={self.recipe}" + (", dense" if self.dense else ""))
 
 
 def _part(projection: str, name: str) -> str:

@@ -40,6 +40,8 @@ def format_report(layers, findings=(), weights=()) -> str:
     rows = [("layer", "shape [E,] N, K", "scheme", "bytes before", "bytes after", "weight SQNR dB (worst channel)")]
     for layer in layers:
         scheme = f"{layer.recipe} ({RECIPES[layer.recipe]})" if layer.recipe else f"skipped: {layer.reason}"
+        if layer.recipe and layer.reason:  # quantized before this call, and kept
+            scheme += f", {layer.reason}"
         if layer.rows:
             first, stop, of = layer.rows
             scheme += f", rows {first}:{stop} of a merged {of}-row GEMM"

@@ -6,6 +6,8 @@ import torch
 # Without a GPU, Triton kernels run under the interpreter; it is chosen when kernels are decorated.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# pytest-xdist's workers share the cores: each takes its part rather than all of them.
+torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 def pytest_collection_modifyitems(config, items):

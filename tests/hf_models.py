@@ -36,10 +36,38 @@ ARCHITECTURES = {
     "gpt_oss": (T.GptOssConfig, T.GptOssForCausalLM,
                 dict(num_local_experts=4, num_experts_per_tok=2, head_dim=64, sliding_window=16)),
 }
+# A wider sweep of decoder families (tests/test_architectures.py), from the same small sizes.
+SWEEP = {
+    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(head_dim=64)),
+    # alternating sliding layers, q/k norms, tied embeddings
+    "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM, dict(head_dim=64, sliding_window=16)),
+    "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM, {}),
+    # LayerNorm with bias, partial rotary
+    "stablelm": (T.StableLmConfig, T.StableLmForCausalLM, {}),
+    # parallel attention and MLP: two LayerNorms of one residual sum, then their linears
+    "falcon": (T.FalconConfig, T.FalconForCausalLM, dict(new_decoder_architecture=True, num_kv_heads=2)),
+    "granite": (T.GraniteConfig, T.GraniteForCausalLM, {}),
+    # multi-head latent attention, a dense first layer, grouped top-k routing over an fp32 router
+    "deepseek_v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM,
+                    dict(moe_intermediate_size=128, first_k_dense_replace=1, num_key_value_heads=4,
+                         n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=128,
+                         kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64)),
+    # experts stored [E, H, 2I], run densely over every token (bmm), and a shared expert
+    "llama4": (T.Llama4TextConfig, T.Llama4ForCausalLM,
+               dict(head_dim=64, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=512,
+                    interleave_moe_layer_step=1, attention_chunk_size=64)),
+    "cohere": (T.CohereConfig, T.CohereForCausalLM, {}),
+    "starcoder2": (T.Starcoder2Config, T.Starcoder2ForCausalLM, {}),
+    "phi": (T.PhiConfig, T.PhiForCausalLM, {}),
+    "glm4": (T.Glm4Config, T.Glm4ForCausalLM, dict(head_dim=64)),
+    "smollm3": (T.SmolLM3Config, T.SmolLM3ForCausalLM, {}),
+    "granitemoe": (T.GraniteMoeConfig, T.GraniteMoeForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ARCHITECTURES["qwen3_moe"],
+}
 
 
 def decoder(arch: str, dtype=torch.bfloat16, seed=0, **overrides):
-    config_cls, model_cls, extra = ARCHITECTURES[arch]
+    config_cls, model_cls, extra = ARCHITECTURES[arch] if arch in ARCHITECTURES else SWEEP[arch]
     torch.manual_seed(seed)
     config = config_cls(**{**DECODER, **extra, **overrides})
     return model_cls(config).to(dtype).eval()
@@ -153,7 +181,10 @@ class FakeQuantizedExperts(torch.nn.Module):
         super().__init__()
         self.scheme = RECIPES[recipe]
         self.gate = getattr(experts, "_apply_gate", None) or (lambda h: _act_times_up(experts.act_fn, h))
-        transposed = getattr(experts, "is_transposed", False)
+        # Llama4's experts take the hidden states alone, [E * T, H], every expert over its own T rows, and store
+        # their weights [E, H, 2I] and [E, I, H]
+        self.dense = len(inspect.signature(type(experts).forward).parameters) == 2
+        transposed = getattr(experts, "is_transposed", False) or self.dense
         linears = lambda name: [FakeQuantizedLinear(w.T if transposed else w, None if b is None else b, recipe, exact)
                                 for w, b in zip(getattr(experts, name), self._biases(experts, name), strict=True)]
         self.gate_up, self.down = linears("gate_up_proj"), linears("down_proj")
@@ -164,7 +195,12 @@ class FakeQuantizedExperts(torch.nn.Module):
         return [None] * getattr(experts, name).shape[0] if bias is None else list(bias)
 
     @torch._dynamo.disable  # run by hf_models.traced, the loop over experts would break the graph at every expert
-    def forward(self, hidden_states, top_k_index, top_k_weights):
+    def forward(self, hidden_states, top_k_index=None, top_k_weights=None):
+        if self.dense:
+            rows, dtype = hidden_states.reshape(-1, hidden_states.shape[-1]), hidden_states.dtype
+            ids = torch.arange(len(self.down), device=rows.device).repeat_interleave(rows.shape[0] // len(self.down))
+            h = self.project(self.gate_up, rows, ids, self.gate_up[0].weight.shape[0], dtype)
+            return self.project(self.down, self.gate(h), ids, rows.shape[-1], dtype)
         k, dtype = top_k_index.shape[-1], hidden_states.dtype
         ids = top_k_index.reshape(-1)
         rows = hidden_states.repeat_interleave(k, dim=0)  # one row per (token, expert) pair

@@ -371,3 +371,53 @@ def test_a_skeleton_built_under_empty_weights_loads_with_its_non_persistent_buff
     loaded = fxquant.load_quantized(empty, tmp_path)
     with torch.no_grad():
         assert torch.equal(loaded(PROMPT, use_cache=False).logits, model(PROMPT, use_cache=False).logits)
+
+
+def test_a_skeleton_built_in_another_dtype_loads_in_the_checkpoints_as_from_pretrained_does(tmp_path):
+    """The README's skeleton is built in the default fp32: the bf16 checkpoint upcast it to fp32 (twice the
+    high-precision bytes, other tokens). dtype="auto" takes config.json's dtype; a dtype given casts to it."""
+    model = fxquant.quantize_(decoder("llama"), {"recipe": "fp8_block"})
+    model.model.rotary_emb = type(model.model.rotary_emb)(model.config)  # fp32 frequencies, as from_pretrained
+    fxquant.save_quantized(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    with fxquant.empty_weights():
+        empty = type(model)(model.config)  # fp32 parameters
+    loaded = fxquant.load_quantized(empty, tmp_path)
+    assert {p.dtype for n, p in loaded.named_parameters() if "norm" in n or "embed" in n} == {torch.bfloat16}
+    with torch.no_grad():
+        assert torch.equal(loaded(PROMPT, use_cache=False).logits, model(PROMPT, use_cache=False).logits)
+    with fxquant.empty_weights():
+        empty = type(model)(model.config)
+    wide = fxquant.load_quantized(empty, tmp_path, dtype=torch.float32)
+    assert wide.model.norm.weight.dtype == torch.float32
+    with pytest.raises(TypeError, match="dtype must be 'auto' or a floating torch.dtype"):
+        fxquant.load_quantized(skeleton(model), tmp_path, dtype="bf16")
+
+
+@pytest.mark.parametrize("damage, error, message", [
+    ("no folder", FileNotFoundError, r"no checkpoint folder .*Fix: pass the folder save_quantized"),
+    ("no config", FileNotFoundError, r"holds no config\.json"),
+    ("corrupt config", ValueError, r"config\.json is not valid JSON .*download or save it again"),
+    ("no weights", FileNotFoundError, r"holds neither model\.safetensors nor model\.safetensors\.index\.json"),
+])
+def test_a_checkpoint_folder_missing_a_file_is_refused_naming_it(tmp_path, damage, error, message):
+    """A missing folder raised a raw FileNotFoundError on config.json, a corrupt config.json a JSONDecodeError naming
+    no file, and a missing model.safetensors was called truncated."""
+    model = fxquant.quantize_(decoder("llama"), {"recipe": "fp8_row"})
+    fxquant.save_quantized(model, tmp_path / "ckpt")
+    folder = tmp_path / ("elsewhere" if damage == "no folder" else "ckpt")
+    if damage == "no config":
+        (folder / "config.json").unlink()
+    elif damage == "corrupt config":
+        (folder / "config.json").write_text("{\"quantization_config\": ")
+    elif damage == "no weights":
+        (folder / "model.safetensors").unlink()
+    with pytest.raises(error, match=message):
+        fxquant.load_quantized(skeleton(model), folder)
+
+
+def test_saving_a_model_with_nothing_quantized_is_refused_with_the_fix(tmp_path):
+    """It wrote format "mixed-precision" with no config groups, and said nothing."""
+    with pytest.raises(ValueError, match=r"holds no layer quantize_ quantized.*Fix: fxquant\.quantize_"):
+        fxquant.save_quantized(decoder("llama"), tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()

@@ -5,6 +5,7 @@ graph of a model."""
 
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -200,3 +201,24 @@ def test_quantize_in_place_with_auto_measures_on_the_example_inputs():
         if isinstance(module, fxquant.QuantizedLinear):
             assert module.recipe == report.config.recipe_for(name)
     assert any(isinstance(m, fxquant.QuantizedLinear) for m in model.modules())
+
+
+def test_a_second_quantize_with_another_recipe_keeps_the_first_and_says_so(capsys):
+    """It was silently ignored, and its report said "quantized 0 of ... bytes"."""
+    model = fxquant.quantize_(decoder("llama"), {"recipe": "int4_wo"})
+    codes = model.model.layers[0].mlp.up_proj.weight
+    with pytest.warns(UserWarning, match=r"keeps 14 layer\(s\) already quantized under another recipe.*"
+                                         r"model\.layers\.0\.self_attn\.q_proj \(int4_wo\).*round twice.*Fix:"):
+        fxquant.quantize_(model, {"recipe": "fp8_row", "report": True})
+    assert model.model.layers[0].mlp.up_proj.weight is codes and model.model.layers[0].mlp.up_proj.recipe == "int4_wo"
+    report = capsys.readouterr().out
+    row = next(line for line in report.splitlines() if line.startswith("model.layers.0.mlp.up_proj "))
+    assert "int4_wo" in row and "already quantized, kept" in row
+    quantized, total = map(lambda n: int(n.replace(",", "")),
+                           re.search(r"weights: quantized ([\d,]+) of ([\d,]+) bytes", report).groups())
+    assert quantized == sum(p.numel() * p.element_size() for m in model.modules()
+                            if isinstance(m, fxquant.QuantizedLinear) for p in m.parameters()) and total > quantized
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same recipe again, or the layers skipped: nothing to say
+        fxquant.quantize_(model, {"recipe": "int4_wo"})
+        fxquant.quantize_(model, {"recipe": "fp8_row", "skip": [r"layers\."]})

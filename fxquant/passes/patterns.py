@@ -22,6 +22,7 @@ from fxquant.passes.spellings import (
     ADD,
     ADDMM,
     BMM,
+    DTYPE_CASTS,
     GATHER_ROWS,
     LINEAR,
     MATMUL,
@@ -52,6 +53,7 @@ class LinearOperands:
     weight: object  # a get_attr node for a constant weight
     bias: object  # a node, or None
     transposed: bool
+    cast: bool = False  # the product reads the weight cast to another dtype (DeepSeek-V3's router: fp32 logits)
 
     def weight_nk(self, gm) -> torch.Tensor | None:
         """The constant weight as [N, K] (a transposed view where the graph stores [K, N]), or None."""
@@ -105,8 +107,10 @@ def _swapped_2d_parameter(node) -> torch.fx.Node | None:
 def linear_operands(node: torch.fx.Node) -> LinearOperands | None:
     target = target_of(node)
     if target in LINEAR:
-        return LinearOperands(_arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias"),
-                              False)
+        x, w, bias = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
+        if isinstance(w, torch.fx.Node) and target_of(w) in DTYPE_CASTS and _is_2d_parameter(w.args[0]):
+            return LinearOperands(x, w.args[0], bias, False, cast=True)
+        return LinearOperands(x, w, bias, False)
     if target in ADDMM:
         bias, x, w = (_arg(node, i, *names) for i, names in enumerate((("input", "self"), ("mat1",), ("mat2",))))
         plain = _arg(node, 3, "beta", default=1) == 1 and _arg(node, 4, "alpha", default=1) == 1
@@ -129,14 +133,15 @@ def linear_operands(node: torch.fx.Node) -> LinearOperands | None:
 @dataclass(frozen=True)
 class ExpertOperands:
     """out[r] = x[r] @ W[e].T for the experts' weights W; rows sorted by expert with cumulative ends `offs`
-    (grouped_mm), or one expert id per row in `ids` (bmm of W[ids]). `transposed`: the graph stores W as
-    [E, K, N], not [E, N, K]."""
+    (grouped_mm), one expert id per row in `ids` (bmm of W[ids]), or `dense`: x [E, T, K] with every expert over
+    its own T rows (bmm(x, W), Llama4's experts). `transposed`: the graph stores W as [E, K, N], not [E, N, K]."""
 
     x: torch.fx.Node
     weight: torch.fx.Node  # a get_attr node for the 3-D parameter
     transposed: bool
     offs: torch.fx.Node | None = None
     ids: torch.fx.Node | None = None
+    dense: bool = False
 
     def weight_nk(self, gm) -> torch.Tensor:
         """The experts' weights as [E, N, K] (a transposed view where the graph stores [E, K, N])."""
@@ -164,6 +169,8 @@ def expert_operands(node: torch.fx.Node) -> ExpertOperands | None:
         return None
     if target in BMM:
         selected, column = node.args[:2]  # bmm(W[ids] [S, N, K], x.unsqueeze(-1) [S, K, 1])
+        if _is_parameter(column, 3) and not _is_constant(selected):
+            return ExpertOperands(selected, column, True, dense=True)  # bmm(x [E, T, K], W [E, K, N])
         if not (isinstance(selected, torch.fx.Node) and target_of(selected) in GATHER_ROWS):
             return None
         w, ids = selected.args[:2]

@@ -29,7 +29,7 @@ import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant import reference as R
 from fxquant.config import AUTO, KEEP, RECIPES, LinearScheme, QuantConfig
 from fxquant.formats import E2M1, E4M3
-from fxquant.linear_ops import emit_linear, emit_routed_linear
+from fxquant.linear_ops import emit_dense_experts_linear, emit_linear, emit_routed_linear
 from fxquant.metrics import sqnr_db, worst_row_sqnr_db
 from fxquant.passes.annotations import (
     SOURCE_KEY,
@@ -48,6 +48,7 @@ from fxquant.passes.weight_cache import shared_quantized
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 QUANTIZED_KEY = "fxquant_quantized"
 ROUTER_REASON = "router: its output selects experts (top-k)"
+CAST_REASON = "its product reads the weight cast to another dtype (logits wanted in that precision)"
 
 
 # Rows quantized at a time: the reference's fp32 temporaries (a dozen for the FP4 encoders) stay a few MB per
@@ -214,6 +215,8 @@ class QuantizeLinear(PassBase):
     def _reason(self, node: torch.fx.Node, w) -> str | None:
         if annotation(node).router:
             return ROUTER_REASON
+        if getattr(weight_operands(node), "cast", False):
+            return CAST_REASON
         dims = 3 if annotation(node).kind == "experts" else 2
         return skip_reason(w, linear_fqn(node), self.state.config, self.state.auto_reasons, dims)
 
@@ -222,6 +225,8 @@ def _emit(call, scheme: LinearScheme, ops, consts, shape, out_dtype):
     """The fxquant ops computing a linear's or an expert product's node, from the quantized weight's tensors."""
     if not isinstance(ops, ExpertOperands):
         return emit_linear(call, scheme, ops.x, consts, ops.bias, shape[0], out_dtype)
+    if ops.dense:
+        return emit_dense_experts_linear(call, scheme, ops.x, shape[0], shape[2], consts, shape[1], out_dtype)
     if ops.offs is not None:
         return emit_linear(call, scheme, ops.x, consts, None, shape[1], out_dtype, ops.offs)
     out = emit_routed_linear(call, scheme, ops.x, ops.ids, shape[0], consts, shape[1], out_dtype)

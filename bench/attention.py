@@ -1,0 +1,100 @@
+"""Decode attention alone, Llama-3-8B heads (32 query heads, 8 KV heads, head dim 128), one query position, over a
+static KV cache of B sequences x context tokens: fxquant's split-KV kernel on the bf16 cache (with and without
+transformers' additive mask) and on an e4m3 cache with per-(token, KV head) scales, against torch's SDPA after
+repeat_kv (the cache copied per query head, as transformers' eager path and Inductor run it), SDPA with
+enable_gqa=True (no mask) and FlexAttention's decoding (compiled; at 4k only, its compile per shape is long).
+
+Each figure is microseconds per call from CUDA-graph replay, and the percentage of the measured copy bandwidth that
+reading the cache once (K and V, codes and scales for fp8) at that time would be. The outputs are checked against
+reference_attention's fp32 result first.
+
+Run: python -m bench.attention [--batches 1 16 64] [--contexts 1024 4096 16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
+from bench.common import copy_bandwidth_gbs, graph_time_ms, header, table
+from fxquant import reference_attention as RA
+
+HEADS_Q, HEADS_KV, DIM = 32, 8, 128
+REPEAT_LIMIT = 24 * 2**30  # the repeated cache's bytes above which the SDPA-after-repeat row is not run
+
+
+def fp8_cache(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 codes and fp32 scales per (batch, KV head, token): amax / 448, floored as fxquant's scales are."""
+    scale = t.float().abs().amax(-1).clamp_min(2**-9) / 448
+    return (t.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+
+def paths(batch: int, context: int):
+    """(name, function, bytes it must read) for one shape; the cache and the mask are built once."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, HEADS_Q, 1, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(batch, HEADS_KV, context, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(2))
+    mask = torch.zeros(batch, 1, 1, context, device="cuda", dtype=torch.bfloat16)
+    mask[0, ..., : context // 8] = torch.finfo(torch.bfloat16).min  # the first sequence left-padded
+    scale = DIM**-0.5
+    (kc, ks), (vc, vs) = fp8_cache(k), fp8_cache(v)
+    cache_bytes = 2 * k.numel() * k.element_size()
+    codes_bytes = 2 * (kc.numel() + 4 * ks.numel())
+    attn = torch.ops.fxquant.decode_attention
+    rows = [
+        ("fxquant bf16 cache", lambda: attn(q, k, v, None, scale, 0.0, None, None, None, None), cache_bytes),
+        ("fxquant bf16 cache, mask", lambda: attn(q, k, v, mask, scale, 0.0, None, None, None, None), cache_bytes),
+        ("fxquant fp8 cache, mask", lambda: attn(q, kc, vc, mask, scale, 0.0, None, ks, vs, None), codes_bytes),
+        ("SDPA enable_gqa, no mask", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), cache_bytes),
+    ]
+    if cache_bytes * HEADS_Q // HEADS_KV <= REPEAT_LIMIT:
+        repeat = lambda t: t[:, :, None].expand(batch, HEADS_KV, HEADS_Q // HEADS_KV, context, DIM).reshape(
+            batch, HEADS_Q, context, DIM)
+        rows.append(("repeat_kv + SDPA, mask",
+                     lambda: F.scaled_dot_product_attention(q, repeat(k), repeat(v), attn_mask=mask), cache_bytes))
+    if context == 4096:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+        rows.append(("FlexAttention, no mask", lambda: flex(q, k, v, enable_gqa=True), cache_bytes))
+    checks = {
+        "fxquant bf16 cache, mask": RA.decode_attention(q, k, v, mask, scale),
+        "fxquant fp8 cache, mask": RA.decode_attention(q, kc, vc, mask, scale, k_scale=ks, v_scale=vs),
+    }
+    return rows, checks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    args = parser.parse_args()
+    print(header())
+    bandwidth = copy_bandwidth_gbs()
+    print(f"copy bandwidth {bandwidth:.0f} GB/s")
+    table_rows = []
+    for batch in args.batches:
+        for context in args.contexts:
+            rows, checks = paths(batch, context)
+            row = {"B": batch, "context": context}
+            for name, fn, nbytes in rows:
+                out = fn()
+                if name in checks:  # the same numbers as the fp32 reference, within bf16's rounding
+                    want = checks[name].float()
+                    err = float((out.float() - want).norm() / want.norm())
+                    assert err < 1e-2, f"{name} at B{batch} {context}: relative error {err:.2e}"
+                us = 1e3 * graph_time_ms(fn, [()])
+                row[name] = f"{us:.1f} us, {100 * nbytes / (us * 1e-6) / (bandwidth * 1e9):.0f}%"
+            table_rows.append(row)
+            print(row, flush=True)
+            del rows, checks
+            torch.cuda.empty_cache()
+    print(table(table_rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Decode attention over a KV cache as it is stored: split-KV flash decoding.
+
+The cache is [B, Hkv, S, D] with any strides, high precision or e4m3 codes with fp32 scales per (batch, KV head,
+token) or per tensor. One program takes one (batch, KV head) and one slice of the keys: the query heads that share
+the KV head, times the query positions, are the rows of its tile, so the cache is read once per KV head, never per
+query head. The slices (splits) make batch 1 fill the GPU; each writes its fp32 partial output and log-sum-exp, and
+a second kernel merges them. Scores, softmax and the merge are fp32; the probabilities are rounded to the cache's
+dtype for the tensor-core product with V, as flash attention does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fxquant.kernels.cast import cast_float, float_cast_mode, interpreting
+from fxquant.kernels.launch import cdiv, next_power_of_2, sm_count
+
+HEAD_DIMS = (64, 128, 256)  # a power of two for the tile's columns; these cover the models served
+MAX_ROWS = 64  # query heads per KV head x query positions in one tile
+BLOCK_N = 64  # keys per step: a [64, 128] bf16 tile of K and of V is 16 KB each
+MAX_SPLITS = 64
+FLOAT_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _decode_attention_split_kernel(
+    # pointers
+    q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, mask_ptr, lens_ptr, o_part_ptr, lse_part_ptr,
+    # sizes
+    S, Q, GROUPS, SPLIT_LEN, scale, softcap,
+    # strides: q [B, Hq, Q, D], k and v [B, Hkv, S, D], scales [B, Hkv, S], mask [B, Hq, Q, S] (0 where broadcast)
+    sqb, sqh, sqq, skb, skh, sks, svb, svh, svs, ssb, ssh, sss, smb, smh, smq, sms,
+    # meta-parameters
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    KV_CODES: tl.constexpr, SCALE_PER_TOKEN: tl.constexpr, MASK: tl.constexpr, HAS_LENS: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    bh, split = tl.program_id(0), tl.program_id(1)
+    b, h = bh // HKV, bh % HKV
+    rows = tl.arange(0, BLOCK_M)  # row r: query head h * GROUPS + r // Q, position r % Q
+    row_ok = rows < GROUPS * Q
+    head, pos = h * GROUPS + rows // Q, rows % Q
+    cols = tl.arange(0, D)
+    q = tl.load(q_ptr + b * sqb + head[:, None] * sqh + pos[:, None] * sqq + cols[None, :],
+                mask=row_ok[:, None], other=0.0).to(DOT)
+    end = tl.minimum(split * SPLIT_LEN + SPLIT_LEN, S)
+    if HAS_LENS:  # keys past the sequence's length are never read
+        end = tl.minimum(end, tl.load(lens_ptr + b))
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    k_base, v_base = k_ptr + b * skb + h * skh, v_ptr + b * svb + h * svh
+    for start in range(split * SPLIT_LEN, end, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_ok = keys < end
+        k = tl.load(k_base + keys[:, None] * sks + cols[None, :], mask=key_ok[:, None], other=0.0)
+        # e4m3 codes are exact in bf16 and fp16: their scales are folded into the scores below
+        k = k.to(tl.float32).to(DOT) if KV_CODES else k.to(DOT)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # fp32 [BLOCK_M, BLOCK_N]
+        if KV_CODES and SCALE_PER_TOKEN:
+            s *= tl.load(k_scale_ptr + b * ssb + h * ssh + keys * sss, mask=key_ok, other=0.0)[None, :]
+        elif KV_CODES:
+            s *= tl.load(k_scale_ptr)
+        s *= scale
+        if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
+        seen = row_ok[:, None] & key_ok[None, :]
+        if MASK == 1:  # additive
+            s += tl.load(mask_ptr + b * smb + head[:, None] * smh + pos[:, None] * smq + keys[None, :] * sms,
+                         mask=seen, other=0.0).to(tl.float32)
+        elif MASK == 2:  # boolean: True attends
+            kept = tl.load(mask_ptr + b * smb + head[:, None] * smh + pos[:, None] * smq + keys[None, :] * sms,
+                           mask=seen, other=0)
+            s = tl.where(kept != 0, s, float("-inf"))
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # every key so far masked: nothing to rescale
+        p = tl.exp2((s - m_safe[:, None]) * 1.4426950408889634)
+        alpha = tl.exp2((m_i - m_safe) * 1.4426950408889634)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_CODES and SCALE_PER_TOKEN:
+            p *= tl.load(v_scale_ptr + b * ssb + h * ssh + keys * sss, mask=key_ok, other=0.0)[None, :]
+        elif KV_CODES:
+            p *= tl.load(v_scale_ptr)
+        v = tl.load(v_base + keys[:, None] * svs + cols[None, :], mask=key_ok[:, None], other=0.0)
+        v = v.to(tl.float32).to(DOT) if KV_CODES else v.to(DOT)  # and into the probabilities above
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
+        m_i = m_new
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lse = tl.where(l_i > 0, m_safe + tl.log(l_i), float("-inf"))  # -inf: this slice attends to nothing
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    part = bh * SPLITS + split
+    tl.store(o_part_ptr + (part * BLOCK_M + rows[:, None]) * D + cols[None, :], out)
+    tl.store(lse_part_ptr + part * BLOCK_M + rows, lse)
+
+
+@triton.jit
+def _decode_attention_merge_kernel(
+    # pointers
+    o_part_ptr, lse_part_ptr, sinks_ptr, out_ptr,
+    # sizes and strides: out [B, Hq, Q, D]
+    Q, GROUPS, sob, soh, soq,
+    # meta-parameters
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    OUT: tl.constexpr, CAST: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b, h = bh // HKV, bh % HKV
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUPS * Q
+    head, pos = h * GROUPS + rows // Q, rows % Q
+    cols = tl.arange(0, D)
+    top = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    for split in range(SPLITS):
+        top = tl.maximum(top, tl.load(lse_part_ptr + (bh * SPLITS + split) * BLOCK_M + rows))
+    if HAS_SINKS:  # the sink's logit joins the denominator and attends to nothing
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
+        top = tl.maximum(top, sink)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    for split in range(SPLITS):  # a fixed order: the same bits on every run
+        part = bh * SPLITS + split
+        weight = tl.exp(tl.load(lse_part_ptr + part * BLOCK_M + rows) - top)
+        total += weight
+        acc += weight[:, None] * tl.load(o_part_ptr + (part * BLOCK_M + rows[:, None]) * D + cols[None, :])
+    if HAS_SINKS:
+        total += tl.exp(sink - top)
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]  # every key masked: 0, never NaN
+    tl.store(out_ptr + b * sob + head[:, None] * soh + pos[:, None] * soq + cols[None, :], cast_float(out, OUT, CAST),
+             mask=row_ok[:, None])
+
+
+def decode_attention_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether the kernel serves these operands: a head dim it tiles, every query row of a KV head in one tile, a
+    cache in the query's dtype or in e4m3 codes, rows of contiguous head dims, and a 4-D mask over the cache."""
+    groups = q.shape[1] // k.shape[1]
+    cache = k.dtype == v.dtype and k.dtype in (q.dtype, torch.float8_e4m3fn)
+    whole_mask = mask is None or (mask.dim() == 4 and mask.shape[-1] == k.shape[2])
+    return (q.shape[-1] in HEAD_DIMS and q.shape[1] % k.shape[1] == 0 and groups * q.shape[2] <= MAX_ROWS
+            and q.dtype in FLOAT_TL and cache and whole_mask
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
+
+
+def num_splits(batch_heads: int, keys: int, device: torch.device) -> int:
+    """Slices of the keys: about two programs per SM over the (batch, KV head) pairs, at least two key blocks a
+    slice. A function of the shapes only, so a CUDA graph replays the same grid."""
+    blocks = cdiv(keys, BLOCK_N)
+    want = cdiv(2 * sm_count(device), batch_heads)
+    return max(1, min(want, cdiv(blocks, 2), MAX_SPLITS))
+
+
+def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens) -> torch.Tensor:
+    """q [B, Hq, Q, D] over the cache k, v [B, Hkv, S, D]: reference_attention.decode_attention's result."""
+    batch, heads_q, queries, dim = q.shape
+    heads_kv, keys = k.shape[1], k.shape[2]
+    groups = heads_q // heads_kv
+    block_m = max(16, next_power_of_2(groups * queries))
+    splits = num_splits(batch * heads_kv, keys, q.device)
+    split_len = cdiv(cdiv(keys, splits), BLOCK_N) * BLOCK_N
+    splits = cdiv(keys, split_len)
+    o_part = torch.empty((batch * heads_kv * splits, block_m, dim), device=q.device, dtype=torch.float32)
+    lse_part = torch.empty((batch * heads_kv * splits, block_m), device=q.device, dtype=torch.float32)
+    codes = k.dtype == torch.float8_e4m3fn
+    per_token = codes and k_scale.numel() > 1
+    scales = k_scale.expand(batch, heads_kv, keys) if per_token else None
+    if mask is not None:
+        mask = mask.expand(batch, heads_q, queries, keys) if mask.dim() == 4 else mask
+    # Under Triton's interpreter, whose bf16 dot is wrong, the products run in fp32 on the same operands.
+    dot = tl.float32 if interpreting(_decode_attention_split_kernel) else FLOAT_TL[q.dtype]
+    cast = float_cast_mode(_decode_attention_merge_kernel)
+    _decode_attention_split_kernel[(batch * heads_kv, splits)](
+        q, k, v, k_scale if codes else q, v_scale if codes else q, mask if mask is not None else q,
+        kv_lens if kv_lens is not None else q, o_part, lse_part,
+        keys, queries, groups, split_len, scale, softcap,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        *(scales.stride() if per_token else (0, 0, 0)),
+        *(mask.stride() if mask is not None else (0, 0, 0, 0)),
+        HKV=heads_kv, D=dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLITS=splits, KV_CODES=codes,
+        SCALE_PER_TOKEN=per_token, MASK=0 if mask is None else 2 if mask.dtype == torch.bool else 1,
+        HAS_LENS=kv_lens is not None, SOFTCAP=softcap > 0, DOT=dot,
+        PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=4, num_stages=2,
+    )
+    out = torch.empty_like(q)
+    _decode_attention_merge_kernel[(batch * heads_kv,)](
+        o_part, lse_part, sinks if sinks is not None else q, out, queries, groups,
+        out.stride(0), out.stride(1), out.stride(2),
+        HKV=heads_kv, D=dim, BLOCK_M=block_m, SPLITS=splits, HAS_SINKS=sinks is not None, OUT=FLOAT_TL[q.dtype],
+        CAST=cast, num_warps=4,
+    )
+    return out

@@ -1,0 +1,124 @@
+"""Split-KV decode attention (Triton) against reference_attention, on random data: lengths that do not divide the
+key block or the split (1, 17, 300, 4095), masked rows, a cache read through strides, e4m3 codes, soft-capping,
+sinks and sequence lengths. Bounds: the kernel rounds the probabilities to the cache's dtype for the product with
+V (as flash attention does), about 2^-9 relative in bf16; in fp32 it is exact but for summation order."""
+
+import pytest
+import torch
+
+from fxquant import reference_attention as RA
+from fxquant.kernels.decode_attention import decode_attention, decode_attention_serves, num_splits
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}  # relative error of the output
+
+
+def rel_err(got, want):
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+
+
+def operands(batch, heads_q, heads_kv, queries, keys, dim, dtype, seed=0, max_len=None):
+    """q [B, Hq, Q, D] and a cache [B, Hkv, S, D] cut from a larger static cache when max_len is given (strided)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads_q, queries, dim, generator=gen).to(dtype)
+    big = torch.randn(2, batch, heads_kv, max_len or keys, dim, generator=gen).to(dtype)
+    k, v = big[0, :, :, :keys], big[1, :, :, :keys]
+    return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
+
+
+def check(q, k, v, dtype, **kwargs):
+    scale = q.shape[-1] ** -0.5
+    args = dict(mask=None, scale=scale, softcap=0.0, sinks=None, k_scale=None, v_scale=None, kv_lens=None) | kwargs
+    assert decode_attention_serves(q, k, v, args["mask"])
+    got = decode_attention(q, k, v, **args)
+    want = RA.decode_attention(q, k, v, **args)
+    assert got.shape == q.shape and got.dtype == q.dtype and torch.isfinite(got).all()
+    assert rel_err(got, want) < BOUND[dtype], rel_err(got, want)
+    return got, want
+
+
+@pytest.mark.parametrize("keys", [1, 17, 300])
+@pytest.mark.parametrize("heads", [(4, 2), (8, 1)], ids=["gqa2", "gqa8"])
+@pytest.mark.parametrize("queries", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_kernel_matches_reference(keys, heads, queries, dtype):
+    q, k, v = operands(2, *heads, queries, keys, 64, dtype)
+    check(q, k, v, dtype)
+
+
+def test_a_long_cache_read_through_strides_in_many_splits():
+    """4095 keys of a static cache allocated for 4224, split across programs: every split merged."""
+    q, k, v = operands(1, 4, 2, 1, 4095, 64, torch.bfloat16, max_len=4224)
+    assert not k.is_contiguous() and num_splits(2, 4095, q.device) > 8
+    check(q, k, v, torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["additive", "boolean"])
+def test_a_left_padded_batch_with_a_sliding_window(kind):
+    """transformers' mask [B, 1, Q, S]: batch row 0 left-padded by 5, row 1 sees a window of the last 16 keys, and
+    keys past the filled length hidden; a boolean mask hides the same keys."""
+    keys, filled = 80, 70
+    q, k, v = operands(2, 4, 2, 2, keys, 64, torch.bfloat16, seed=1)
+    seen = torch.zeros(2, 1, 2, keys, dtype=torch.bool)
+    seen[0, :, :, 5:filled] = True
+    seen[1, :, :, filled - 16:filled] = True
+    seen[:, :, 0, filled - 1] = False  # the first query position does not see the second's key
+    mask = seen if kind == "boolean" else torch.zeros(seen.shape).masked_fill(~seen, torch.finfo(torch.bfloat16).min)
+    check(q, k, v, torch.bfloat16, mask=mask.to(DEVICE) if kind == "boolean" else mask.to(torch.bfloat16).to(DEVICE))
+
+
+def test_a_row_with_every_key_masked_is_zero_not_nan():
+    q, k, v = operands(2, 4, 2, 1, 33, 64, torch.bfloat16)
+    seen = torch.ones(2, 1, 1, 33, dtype=torch.bool)
+    seen[1] = False
+    got, _ = check(q, k, v, torch.bfloat16, mask=seen.to(DEVICE))
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+def test_softcap_sinks_and_sequence_lengths():
+    """Gemma2's soft-capping, GPT-OSS's sinks, and each sequence's filled length bounding the keys read."""
+    q, k, v = operands(2, 8, 2, 1, 150, 64, torch.bfloat16, seed=2)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    lens = torch.tensor([150, 61], dtype=torch.int32, device=DEVICE)
+    check(q, k, v, torch.bfloat16, softcap=5.0, sinks=sinks, kv_lens=lens)
+
+
+@pytest.mark.parametrize("per_token", [True, False], ids=["per_token", "per_tensor"])
+def test_an_fp8_cache_of_codes_and_scales(per_token):
+    """e4m3 codes with fp32 scales: the scales folded into the scores and probabilities, the codes widened
+    exactly; against the reference on the same codes."""
+    q, k, v = operands(2, 4, 2, 1, 130, 64, torch.bfloat16, seed=4)
+    quantized = []
+    for t in (k, v):
+        amax = t.float().abs().amax(-1) if per_token else t.float().abs().amax().reshape(1)
+        scale = amax.clamp_min(2**-9) / 448  # as the cache writes them: amax / e4m3's max, floored
+        codes = (t.float() / (scale[..., None] if per_token else scale)).to(torch.float8_e4m3fn)
+        quantized.append((codes, scale))
+    (kc, ks), (vc, vs) = quantized
+    got, _ = check(q, kc, vc, torch.bfloat16, k_scale=ks, v_scale=vs)
+    assert rel_err(got, RA.decode_attention(q, k, v)) < 0.1  # and near the unquantized cache's result
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.gpu
+def test_llama_3_8b_heads_at_4k_on_the_gpu(dtype):
+    q, k, v = operands(4, 32, 8, 1, 4096, 128, dtype, seed=5)
+    check(q, k, v, dtype)
+
+
+def test_operands_it_does_not_serve_are_said():
+    q, k, v = operands(1, 4, 2, 1, 16, 64, torch.bfloat16)
+    assert not decode_attention_serves(q[..., :48].contiguous(), k[..., :48], v[..., :48], None)  # head dim 48
+    assert not decode_attention_serves(q, k.float(), v.float(), None)  # a cache in another dtype
+    assert not decode_attention_serves(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, None)
+
+
+def test_the_op_runs_the_kernel_or_the_reference_and_passes_opcheck():
+    import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
+
+    q, k, v = operands(2, 4, 2, 1, 40, 64, torch.bfloat16)
+    mask = torch.zeros(2, 1, 1, 40, dtype=torch.bfloat16, device=DEVICE)
+    args = (q, k, v, mask, 0.125, 0.0, None, None, None, None)
+    torch.library.opcheck(torch.ops.fxquant.decode_attention.default, args)
+    got = torch.ops.fxquant.decode_attention(*args)
+    assert rel_err(got, RA.decode_attention(q, k, v, mask, 0.125)) < BOUND[torch.bfloat16]
