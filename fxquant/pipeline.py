@@ -1,6 +1,7 @@
 """The pipeline: freeze_params -> detect -> upcast, the numerics lint (and recipe="auto"'s measurements), then
-quantize_linear -> fuse_norm -> merge_linear -> fuse_linear -> pack_gqa -> cleanup. It sits above the passes: they never
-import the lint or the measurements, and what they hand each other travels in one `PipelineState`."""
+quantize_linear -> fuse_norm -> merge_linear -> fuse_linear -> decode_attention -> pack_gqa -> cleanup. It sits
+above the passes: they never import the lint or the measurements, and what they hand each other travels in one
+`PipelineState`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fxquant.capability import check_config, graph_device, usable_recipes
 from fxquant.config import AUTO, QuantConfig
 from fxquant.lint import Finding, NumericsError, lint_graph, lint_layers
 from fxquant.passes.cleanup import Cleanup
+from fxquant.passes.decode_attention import DecodeAttention
 from fxquant.passes.detect import Detect
 from fxquant.passes.freeze_params import FreezeParams
 from fxquant.passes.fuse_linear import FuseLinear
@@ -75,7 +77,8 @@ def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=N
         measured = measure_graph(gm, example_inputs, config, usable_recipes(device))
         state.config = config = resolve_auto(config, measured)
         state.auto_reasons = {m.fqn: m.reason for m in measured if m.chosen_by_auto and m.recipe is None}
-    gm = _run([QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseLinear(), PackGQA(), Cleanup()], gm)
+    gm = _run([QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseLinear(), DecodeAttention(), PackGQA(),
+               Cleanup()], gm)
     findings += lint_layers(state, weights)
     errors = [f for f in findings if f.severity == "error"]
     if errors:

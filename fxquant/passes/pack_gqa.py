@@ -20,16 +20,14 @@ written between the repeat and the attention.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fxquant.passes.annotations import fake_value
+from fxquant.passes.patterns import SDPA_ARGS, repeated_kv
 from fxquant.passes.side_effects import mutation_epochs
-from fxquant.passes.spellings import EXPAND, RESHAPE, SDPA, UNSQUEEZE, target_of
+from fxquant.passes.spellings import SDPA
 
-SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 # Packed, attention runs one (batch, KV head) group per program: below 16 groups the H200's cuDNN kernel took ~30 us
 # however few they were, and the repeat was cheaper (8 KV heads at batch 1: 26.0 us repeated against 30.0 packed;
 # 1 KV head at batch 4: 17.2 against 30.0). From 16 groups on, packing won at every point measured: 1.35x at 8 KV
@@ -55,7 +53,7 @@ def _pack(graph: torch.fx.Graph, sdpa: torch.fx.Node, epochs) -> bool:
     args = {**dict(zip(SDPA_ARGS, sdpa.args, strict=False)), **sdpa.kwargs}  # positionals: a prefix of SDPA_ARGS
     if args.get("dropout_p", 0.0) != 0.0 or args.get("is_causal", False) or args.get("enable_gqa", False):
         return False
-    (keys, k_rep), (values, v_rep) = _repeated(args["key"]), _repeated(args["value"])
+    (keys, k_rep), (values, v_rep) = repeated_kv(args["key"]), repeated_kv(args["value"])
     query, mask = fake_value(args["query"]), fake_value(args.get("attn_mask"))
     if keys is None or values is None or k_rep != v_rep or not isinstance(query, torch.Tensor) or query.dim() != 4:
         return False
@@ -86,44 +84,3 @@ def _pack(graph: torch.fx.Graph, sdpa: torch.fx.Node, epochs) -> bool:
     sdpa.replace_all_uses_with(out)
     graph.erase_node(sdpa)
     return True
-
-
-def _repeated(node) -> tuple[torch.fx.Node | None, int]:
-    """(K, n) where node is transformers' repeat_kv(K, n): K [B, Hkv, L, D] given a new dim 2, expanded to n there
-    and folded into the heads; (None, 0) for anything else."""
-    if not isinstance(node, torch.fx.Node) or target_of(node) not in RESHAPE:
-        return None, 0
-    expand = node.args[0]
-    if not isinstance(expand, torch.fx.Node) or target_of(expand) not in EXPAND:
-        return None, 0
-    source = _unsqueezed_at_2(expand.args[0])
-    value, expanded, folded = fake_value(source), fake_value(expand), fake_value(node)
-    if not all(isinstance(t, torch.Tensor) for t in (value, expanded, folded)) or value.dim() != 4:
-        return None, 0
-    b, kv_heads, length, dim = value.shape
-    if expanded.dim() != 5 or tuple(expanded.shape) != (b, kv_heads, expanded.shape[2], length, dim):
-        return None, 0
-    n = expanded.shape[2]
-    if not isinstance(n, int) or tuple(folded.shape) != (b, kv_heads * n, length, dim):
-        return None, 0
-    return source, n
-
-
-def _unsqueezed_at_2(node):
-    """K where node is K[:, :, None] or K.unsqueeze(2) of a 4-D K, else None."""
-    if not isinstance(node, torch.fx.Node):
-        return None
-    target = target_of(node)
-    if target is operator.getitem:
-        source, index = node.args
-        full = slice(None, None, None)
-        if isinstance(index, tuple) and len(index) in (3, 5) and index[:2] == (full, full) and index[2] is None \
-                and all(i == full for i in index[3:]):
-            return source
-        return None
-    if target in UNSQUEEZE:
-        source, dim = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        value = fake_value(source)
-        if isinstance(value, torch.Tensor) and value.dim() == 4 and dim in (2, -3):
-            return source
-    return None

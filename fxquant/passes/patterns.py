@@ -13,6 +13,7 @@ Passes edit only after the whole pattern matched.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from fxquant.passes.spellings import (
     ADDMM,
     BMM,
     DTYPE_CASTS,
+    EXPAND,
     GATHER_ROWS,
     LINEAR,
     MATMUL,
@@ -30,6 +32,7 @@ from fxquant.passes.spellings import (
     MM,
     PERMUTE,
     POW,
+    RESHAPE,
     RSQRT,
     SWAP_2D,
     TOPK,
@@ -236,3 +239,47 @@ def selects_experts(linear: torch.fx.Node) -> bool:
             return True
         frontier = [node for node in frontier if linear_operands(node) is None]
     return False
+
+
+SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def repeated_kv(node) -> tuple[torch.fx.Node | None, int]:
+    """(K, n) where node is transformers' repeat_kv(K, n): K [B, Hkv, L, D] given a new dim 2, expanded to n there
+    and folded into the heads; (None, 0) for anything else."""
+    if not isinstance(node, torch.fx.Node) or target_of(node) not in RESHAPE:
+        return None, 0
+    expand = node.args[0]
+    if not isinstance(expand, torch.fx.Node) or target_of(expand) not in EXPAND:
+        return None, 0
+    source = _unsqueezed_at_2(expand.args[0])
+    value, expanded, folded = fake_value(source), fake_value(expand), fake_value(node)
+    if not all(isinstance(t, torch.Tensor) for t in (value, expanded, folded)) or value.dim() != 4:
+        return None, 0
+    b, kv_heads, length, dim = value.shape
+    if expanded.dim() != 5 or tuple(expanded.shape) != (b, kv_heads, expanded.shape[2], length, dim):
+        return None, 0
+    n = expanded.shape[2]
+    if not isinstance(n, int) or tuple(folded.shape) != (b, kv_heads * n, length, dim):
+        return None, 0
+    return source, n
+
+
+def _unsqueezed_at_2(node):
+    """K where node is K[:, :, None] or K.unsqueeze(2) of a 4-D K, else None."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    target = target_of(node)
+    if target is operator.getitem:
+        source, index = node.args
+        full = slice(None, None, None)
+        if isinstance(index, tuple) and len(index) in (3, 5) and index[:2] == (full, full) and index[2] is None \
+                and all(i == full for i in index[3:]):
+            return source
+        return None
+    if target in UNSQUEEZE:
+        source, dim = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        value = fake_value(source)
+        if isinstance(value, torch.Tensor) and value.dim() == 4 and dim in (2, -3):
+            return source
+    return None
