@@ -50,7 +50,8 @@ def writes(gm):
 def test_decode_steps_attend_over_the_cache_as_stored(arch, padded, on_the_cpu):
     model = decoder(arch)
     generator = torch.Generator().manual_seed(6)
-    prompt, steps = torch.randint(0, 512, (2, 5), generator=generator), torch.randint(0, 512, (2, 3), generator=generator)
+    prompt = torch.randint(0, 512, (2, 5), generator=generator)
+    steps = torch.randint(0, 512, (2, 3), generator=generator)
     padding = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]) if padded else None
     eager = static_decode(model, model, prompt, steps, padding=padding)
     wide = copy.deepcopy(model).float()
