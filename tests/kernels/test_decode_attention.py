@@ -21,9 +21,8 @@ def operands(batch, heads_q, heads_kv, queries, keys, dim, dtype, seed=0, max_le
     """q [B, Hq, Q, D] and a cache [B, Hkv, S, D] cut from a larger static cache when max_len is given (strided)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads_q, queries, dim, generator=gen).to(dtype)
-    big = torch.randn(2, batch, heads_kv, max_len or keys, dim, generator=gen).to(dtype)
-    k, v = big[0, :, :, :keys], big[1, :, :, :keys]
-    return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
+    big = torch.randn(2, batch, heads_kv, max_len or keys, dim, generator=gen).to(dtype).to(DEVICE)
+    return q.to(DEVICE), big[0, :, :, :keys], big[1, :, :, :keys]  # views: strided where max_len > keys
 
 
 def check(q, k, v, dtype, **kwargs):
