@@ -68,12 +68,38 @@ def paths(batch: int, context: int):
     return rows, checks
 
 
+def sweep(batches, contexts) -> None:
+    """The kernel's launch plans (programs per SM, key blocks per split, warps) on the bf16 cache with the mask."""
+    from fxquant.kernels.decode_attention import decode_attention
+
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q = torch.randn(batch, HEADS_Q, 1, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+            k, v = (torch.randn(batch, HEADS_KV, context, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+                    for _ in range(2))
+            mask = torch.zeros(batch, 1, 1, context, device="cuda", dtype=torch.bfloat16)
+            row = {"B": batch, "context": context}
+            for plan in [(2, 2, 4), (4, 1, 4), (8, 1, 4), (4, 1, 2), (8, 1, 2), (2, 4, 4), (1, 4, 8)]:
+                fn = lambda plan=plan: decode_attention(q, k, v, mask, DIM**-0.5, 0.0, None, None, None, None,
+                                                        plan=plan)
+                row[str(plan)] = f"{1e3 * graph_time_ms(fn, [()]):.1f}"
+            rows.append(row)
+            print(row, flush=True)
+    print(table(rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--sweep", action="store_true", help="time the kernel's launch plans instead")
     args = parser.parse_args()
     print(header())
+    if args.sweep:
+        sweep(args.batches, args.contexts)
+        return
     bandwidth = copy_bandwidth_gbs()
     print(f"copy bandwidth {bandwidth:.0f} GB/s")
     table_rows = []

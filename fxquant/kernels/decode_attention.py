@@ -21,6 +21,10 @@ HEAD_DIMS = (64, 128, 256)  # a power of two for the tile's columns; these cover
 MAX_ROWS = 64  # query heads per KV head x query positions in one tile
 BLOCK_N = 64  # keys per step: a [64, 128] bf16 tile of K and of V is 16 KB each
 MAX_SPLITS = 64
+# (programs per SM, key blocks per split, warps): on the H200, four blocks a split tied or beat every other plan from
+# batch 1 to 64 and 1k to 16k keys; more, shorter splits lost to their merge (B1 4k: 14.7 us against 19.1 at two
+# blocks and 29.6 at one; bench/HISTORY.md, "Decode attention: the split-KV kernel").
+DEFAULT_PLAN = (2, 4, 4)
 FLOAT_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -92,8 +96,8 @@ def _decode_attention_split_kernel(
     lse = tl.where(l_i > 0, m_safe + tl.log(l_i), float("-inf"))  # -inf: this slice attends to nothing
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     part = bh * SPLITS + split
-    tl.store(o_part_ptr + (part * BLOCK_M + rows[:, None]) * D + cols[None, :], out)
-    tl.store(lse_part_ptr + part * BLOCK_M + rows, lse)
+    tl.store(o_part_ptr + (part * BLOCK_M + rows[:, None]) * D + cols[None, :], out, mask=row_ok[:, None])
+    tl.store(lse_part_ptr + part * BLOCK_M + rows, lse, mask=row_ok)
 
 
 @triton.jit
@@ -103,34 +107,29 @@ def _decode_attention_merge_kernel(
     # sizes and strides: out [B, Hq, Q, D]
     Q, GROUPS, sob, soh, soq,
     # meta-parameters
-    HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
-    OUT: tl.constexpr, CAST: tl.constexpr,
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+    HAS_SINKS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
 ):
-    bh = tl.program_id(0)
+    bh, row = tl.program_id(0), tl.program_id(1)  # one query row (head, position) per program
     b, h = bh // HKV, bh % HKV
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < GROUPS * Q
-    head, pos = h * GROUPS + rows // Q, rows % Q
-    cols = tl.arange(0, D)
-    top = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    for split in range(SPLITS):
-        top = tl.maximum(top, tl.load(lse_part_ptr + (bh * SPLITS + split) * BLOCK_M + rows))
+    head, pos = h * GROUPS + row // Q, row % Q
+    splits = tl.arange(0, SPLITS_P2)
+    split_ok = splits < SPLITS
+    parts = (bh * SPLITS + splits) * BLOCK_M + row
+    lse = tl.load(lse_part_ptr + parts, mask=split_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
     if HAS_SINKS:  # the sink's logit joins the denominator and attends to nothing
-        sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
         top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, D), tl.float32)
-    for split in range(SPLITS):  # a fixed order: the same bits on every run
-        part = bh * SPLITS + split
-        weight = tl.exp(tl.load(lse_part_ptr + part * BLOCK_M + rows) - top)
-        total += weight
-        acc += weight[:, None] * tl.load(o_part_ptr + (part * BLOCK_M + rows[:, None]) * D + cols[None, :])
+    weight = tl.exp(lse - top)
+    total = tl.sum(weight, 0)
     if HAS_SINKS:
         total += tl.exp(sink - top)
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]  # every key masked: 0, never NaN
-    tl.store(out_ptr + b * sob + head[:, None] * soh + pos[:, None] * soq + cols[None, :], cast_float(out, OUT, CAST),
-             mask=row_ok[:, None])
+    cols = tl.arange(0, D)
+    partial = tl.load(o_part_ptr + parts[:, None] * D + cols[None, :], mask=split_ok[:, None], other=0.0)
+    out = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)  # every key masked: 0, never NaN
+    tl.store(out_ptr + b * sob + head * soh + pos * soq + cols, cast_float(out, OUT, CAST))
 
 
 def decode_attention_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
@@ -144,21 +143,24 @@ def decode_attention_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
 
 
-def num_splits(batch_heads: int, keys: int, device: torch.device) -> int:
-    """Slices of the keys: about two programs per SM over the (batch, KV head) pairs, at least two key blocks a
-    slice. A function of the shapes only, so a CUDA graph replays the same grid."""
+def num_splits(batch_heads: int, keys: int, device: torch.device, programs_per_sm: int = DEFAULT_PLAN[0],
+               blocks_per_split: int = DEFAULT_PLAN[1]) -> int:
+    """Slices of the keys: about `programs_per_sm` programs per SM over the (batch, KV head) pairs, at least
+    `blocks_per_split` key blocks a slice. A function of the shapes only, so a CUDA graph replays the same grid."""
     blocks = cdiv(keys, BLOCK_N)
-    want = cdiv(2 * sm_count(device), batch_heads)
-    return max(1, min(want, cdiv(blocks, 2), MAX_SPLITS))
+    want = cdiv(programs_per_sm * sm_count(device), batch_heads)
+    return max(1, min(want, cdiv(blocks, blocks_per_split), MAX_SPLITS))
 
 
-def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens) -> torch.Tensor:
-    """q [B, Hq, Q, D] over the cache k, v [B, Hkv, S, D]: reference_attention.decode_attention's result."""
+def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens, *, plan=None) -> torch.Tensor:
+    """q [B, Hq, Q, D] over the cache k, v [B, Hkv, S, D]: reference_attention.decode_attention's result. plan:
+    (programs per SM, key blocks per split, warps) in place of the defaults, for bench.attention's sweep."""
     batch, heads_q, queries, dim = q.shape
     heads_kv, keys = k.shape[1], k.shape[2]
     groups = heads_q // heads_kv
     block_m = max(16, next_power_of_2(groups * queries))
-    splits = num_splits(batch * heads_kv, keys, q.device)
+    programs_per_sm, blocks_per_split, warps = plan or DEFAULT_PLAN
+    splits = num_splits(batch * heads_kv, keys, q.device, programs_per_sm, blocks_per_split)
     split_len = cdiv(cdiv(keys, splits), BLOCK_N) * BLOCK_N
     splits = cdiv(keys, split_len)
     o_part = torch.empty((batch * heads_kv * splits, block_m, dim), device=q.device, dtype=torch.float32)
@@ -182,13 +184,13 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
         HKV=heads_kv, D=dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLITS=splits, KV_CODES=codes,
         SCALE_PER_TOKEN=per_token, MASK=0 if mask is None else 2 if mask.dtype == torch.bool else 1,
         HAS_LENS=kv_lens is not None, SOFTCAP=softcap > 0, DOT=dot,
-        PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=4, num_stages=2,
+        PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=warps, num_stages=2,
     )
     out = torch.empty_like(q)
-    _decode_attention_merge_kernel[(batch * heads_kv,)](
+    _decode_attention_merge_kernel[(batch * heads_kv, groups * queries)](
         o_part, lse_part, sinks if sinks is not None else q, out, queries, groups,
         out.stride(0), out.stride(1), out.stride(2),
-        HKV=heads_kv, D=dim, BLOCK_M=block_m, SPLITS=splits, HAS_SINKS=sinks is not None, OUT=FLOAT_TL[q.dtype],
-        CAST=cast, num_warps=4,
+        HKV=heads_kv, D=dim, BLOCK_M=block_m, SPLITS=splits, SPLITS_P2=next_power_of_2(splits),
+        HAS_SINKS=sinks is not None, OUT=FLOAT_TL[q.dtype], CAST=cast, num_warps=4,
     )
     return out
