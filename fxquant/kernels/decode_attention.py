@@ -21,9 +21,9 @@ HEAD_DIMS = (64, 128, 256)  # a power of two for the tile's columns; these cover
 MAX_ROWS = 64  # query heads per KV head x query positions in one tile
 BLOCK_N = 64  # keys per step: a [64, 128] bf16 tile of K and of V is 16 KB each
 MAX_SPLITS = 64
-# (programs per SM, key blocks per split, warps): on the H200, four blocks a split tied or beat every other plan from
-# batch 1 to 64 and 1k to 16k keys; more, shorter splits lost to their merge (B1 4k: 14.7 us against 19.1 at two
-# blocks and 29.6 at one; bench/HISTORY.md, "Decode attention: the split-KV kernel").
+# (programs per SM, key blocks per split, warps): on the H200, four blocks a split was fastest or within 1% at 8 of
+# 9 points from batch 1 to 64 and 1k to 16k keys; more, shorter splits lost to their merge (B1 4k: 14.7 us against
+# 19.1 at two blocks and 29.6 at one; bench/HISTORY.md, "Decode attention: the split-KV kernel").
 DEFAULT_PLAN = (2, 4, 4)
 FLOAT_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
