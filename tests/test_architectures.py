@@ -62,3 +62,18 @@ def test_llama4_dense_experts_are_quantized_in_place_and_run_eagerly_and_compile
         warnings.simplefilter("error", UserWarning)  # no lint finding: the experts are in the graph
         got = static_decode(quantized, compiled(quantized, recipe=recipe), PROMPT, STEPS)
     assert not within_bound(got, *(static_decode(m, traced(m), PROMPT, STEPS) for m in copies))
+
+
+def test_a_router_that_casts_its_weight_is_reported_and_inspected(capsys):
+    """DeepSeek-V3's router multiplies its weight cast to fp32: the report showed a blank shape and 0 of 0 bytes for
+    it, and inspect left it out."""
+    model = small("deepseek_v3")
+    with torch.no_grad():
+        compiled(model, recipe="fp8_row", report=True)(PROMPT)
+    router = "model.layers.1.mlp.gate"
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(router + " "))
+    weight = model.get_submodule(router).weight
+    assert f"{weight.shape[0]}x{weight.shape[1]}" in row and f"{weight.numel() * weight.element_size():,}" in row
+    assert "router" in row
+    measured = {layer.fqn: layer for layer in fxquant.inspect(model, (PROMPT,), {"recipe": "fp8_row"}).layers}
+    assert measured[router].recipe is None and "router" in measured[router].reason
