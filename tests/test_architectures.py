@@ -26,7 +26,8 @@ def small(arch):
 
 
 @pytest.mark.parametrize("recipe", ["fp8_row", "int4_wo"])
-@pytest.mark.parametrize("arch", list(SWEEP))
+@pytest.mark.parametrize("arch", [pytest.param(arch, marks=pytest.mark.slow) if arch in MOE else arch
+                                  for arch in SWEEP])
 def test_each_family_compiles_within_the_bound_of_its_fake_quantized_copy(arch, recipe, capsys):
     model = small(arch)
     got = static_decode(model, compiled(model, recipe=recipe, report=True), PROMPT, STEPS)

@@ -70,7 +70,7 @@ def bounds(model, recipe, forward, compiled_forward=True):
     return got, *(static_decode(m, run(m), PROMPT, STEPS) for m in copies)
 
 
-@pytest.mark.parametrize("recipe", ["fp8_block", "mxfp4_wo", "int4_wo"])
+@pytest.mark.parametrize("recipe", [pytest.param("fp8_block", marks=pytest.mark.slow), "mxfp4_wo", "int4_wo"])
 @pytest.mark.parametrize("arch", MOE)
 def test_experts_are_quantized_reported_and_within_the_bound(arch, recipe, capsys):
     model = decoder(arch)
@@ -112,7 +112,7 @@ def test_experts_outside_the_graph_are_named_with_the_fix():
         compiled(model, recipe="int4_wo")(PROMPT)
 
 
-@pytest.mark.parametrize("recipe", ["fp8_block", "mxfp4_wo", "int4_wo"])
+@pytest.mark.parametrize("recipe", [pytest.param("fp8_block", marks=pytest.mark.slow), "mxfp4_wo", "int4_wo"])
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "gpt_oss"])
 def test_quantize_in_place_swaps_experts_and_every_implementation_runs_them(arch, recipe):
     model = decoder(arch)
