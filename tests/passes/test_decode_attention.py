@@ -8,15 +8,14 @@ import functools
 import pytest
 import torch
 from hf_models import angle, decoder, static_decode
+from test_pack_gqa import compiled_graphs  # nothing quantized: only the attention differs from eager
 
 from fxquant import pipeline
-from fxquant.backend import fxquant as fxquant_backend
 from fxquant.passes.decode_attention import MAX_QUERIES, DecodeAttention
+from fxquant.passes.side_effects import has_side_effects
 from fxquant.passes.spellings import SDPA
 
-NOTHING = {"inner": "eager", "skip": [".*"]}  # no layer quantized: only the attention differs from eager
 ATTENTION = torch.ops.fxquant.decode_attention.default
-WRITES = {"index_copy_", "copy_"}
 
 
 @pytest.fixture
@@ -24,25 +23,12 @@ def on_the_cpu(monkeypatch):
     monkeypatch.setattr(pipeline, "DecodeAttention", functools.partial(DecodeAttention, devices=("cpu",)))
 
 
-def compiled_graphs(model):
-    graphs = []
-
-    def backend(gm, inputs):
-        compiled = fxquant_backend(gm, inputs, options=NOTHING)
-        graphs.append(compiled.result.gm)
-        return compiled
-
-    torch._dynamo.reset()
-    return torch.compile(model, backend=backend), graphs
-
-
 def count(gm, targets):
     return sum(node.op == "call_function" and node.target in targets for node in gm.graph.nodes)
 
 
 def writes(gm):
-    return sum(getattr(node.target, "__name__", str(node.target)) in WRITES or str(node.target) in WRITES
-               for node in gm.graph.nodes)
+    return sum(node.op.startswith("call") and has_side_effects(node) for node in gm.graph.nodes)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["", "left_padded"])
