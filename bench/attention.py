@@ -1,7 +1,7 @@
 """Decode attention alone, Llama-3-8B heads (32 query heads, 8 KV heads, head dim 128), one query position, over a
 static KV cache of B sequences x context tokens: fxquant's split-KV kernel on the bf16 cache (with and without
-transformers' additive mask) and on an e4m3 cache with per-(token, KV head) scales, against torch's SDPA after
-repeat_kv (the cache copied per query head, as transformers' eager path and Inductor run it), SDPA with
+transformers' additive mask) and on an e4m3 cache with per-(token, KV head) or per-tensor scales, against torch's
+SDPA after repeat_kv (the cache copied per query head, as transformers' eager path and Inductor run it), SDPA with
 enable_gqa=True (no mask) and FlexAttention's decoding (compiled; at 4k only, its compile per shape is long).
 
 Each figure is microseconds per call from CUDA-graph replay, and the percentage of the measured copy bandwidth that
@@ -26,10 +26,14 @@ HEADS_Q, HEADS_KV, DIM = 32, 8, 128
 REPEAT_LIMIT = 24 * 2**30  # the repeated cache's bytes above which the SDPA-after-repeat row is not run
 
 
-def fp8_cache(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 codes and fp32 scales per (batch, KV head, token): amax / 448, floored as fxquant's scales are."""
-    scale = t.float().abs().amax(-1).clamp_min(2**-9) / 448
-    return (t.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+def fp8_cache(t: torch.Tensor, per_token: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 codes and fp32 scales per (batch, KV head, token), or one per tensor: amax / 448, floored as fxquant's
+    scales are."""
+    if per_token:
+        scale = t.float().abs().amax(-1).clamp_min(2**-9) / 448
+        return (t.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+    scale = t.float().abs().amax().reshape(1).clamp_min(2**-9) / 448
+    return (t.float() / scale).to(torch.float8_e4m3fn), scale
 
 
 def paths(batch: int, context: int):
@@ -42,13 +46,16 @@ def paths(batch: int, context: int):
     mask[0, ..., : context // 8] = torch.finfo(torch.bfloat16).min  # the first sequence left-padded
     scale = DIM**-0.5
     (kc, ks), (vc, vs) = fp8_cache(k), fp8_cache(v)
+    (kt, kts), (vt, vts) = fp8_cache(k, per_token=False), fp8_cache(v, per_token=False)
     cache_bytes = 2 * k.numel() * k.element_size()
-    codes_bytes = 2 * (kc.numel() + 4 * ks.numel())
+    codes_bytes, tensor_bytes = 2 * (kc.numel() + 4 * ks.numel()), 2 * kt.numel()
     attn = torch.ops.fxquant.decode_attention
     rows = [
         ("fxquant bf16 cache", lambda: attn(q, k, v, None, scale, 0.0, None, None, None, None), cache_bytes),
         ("fxquant bf16 cache, mask", lambda: attn(q, k, v, mask, scale, 0.0, None, None, None, None), cache_bytes),
         ("fxquant fp8 cache, mask", lambda: attn(q, kc, vc, mask, scale, 0.0, None, ks, vs, None), codes_bytes),
+        ("fxquant fp8 per-tensor, mask", lambda: attn(q, kt, vt, mask, scale, 0.0, None, kts, vts, None),
+         tensor_bytes),
         ("SDPA enable_gqa, no mask", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), cache_bytes),
     ]
     if cache_bytes * HEADS_Q // HEADS_KV <= REPEAT_LIMIT:
@@ -64,6 +71,7 @@ def paths(batch: int, context: int):
     checks = {
         "fxquant bf16 cache, mask": RA.decode_attention(q, k, v, mask, scale),
         "fxquant fp8 cache, mask": RA.decode_attention(q, kc, vc, mask, scale, k_scale=ks, v_scale=vs),
+        "fxquant fp8 per-tensor, mask": RA.decode_attention(q, kt, vt, mask, scale, k_scale=kts, v_scale=vts),
     }
     return rows, checks
 

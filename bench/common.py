@@ -53,20 +53,24 @@ def commit() -> str:
         return "unknown"
 
 
-def llama_config(layers: int, hidden: int = 4096):
-    """The Llama shapes the benchmarks use: at hidden 4096, intermediate 14336, 32 heads, 8 KV heads."""
+LLAMA_3_VOCAB = 128256
+
+
+def llama_config(layers: int, hidden: int = 4096, vocab: int = 32000):
+    """The Llama shapes the benchmarks use: at hidden 4096, intermediate 14336, 32 heads, 8 KV heads; with 32 layers
+    and vocab 128256, Llama-3-8B's."""
     return T.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 7 // 2, num_attention_heads=hidden // 128,
-                         num_key_value_heads=max(1, hidden // 512), num_hidden_layers=layers, vocab_size=32000)
+                         num_key_value_heads=max(1, hidden // 512), num_hidden_layers=layers, vocab_size=vocab)
 
 
-def llama(layers: int, hidden: int = 4096, device: str = "cuda"):
+def llama(layers: int, hidden: int = 4096, device: str = "cuda", vocab: int = 32000):
     """A random-weight Llama built in bf16 where it runs: no fp32 copy is ever made."""
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            return T.LlamaForCausalLM(llama_config(layers, hidden)).eval()
+            return T.LlamaForCausalLM(llama_config(layers, hidden, vocab)).eval()
     finally:
         torch.set_default_dtype(default)
 

@@ -1,6 +1,7 @@
-"""Decode as users run it: a Llama built from a config (8 layers, hidden 4096, intermediate 14336, 32 heads, 8 KV
-heads, vocab 32000, bf16) prefills a prompt into a transformers StaticCache, then decodes one token per step with
-its forward compiled per path (dynamic=False: one graph per shape, as a served model has).
+"""Decode as users run it: a Llama built from a config, by default Llama-3-8B's shape (32 layers, hidden 4096,
+intermediate 14336, 32 heads, 8 KV heads, vocab 128256, bf16, random weights; `--layers 8 --vocab 32000` is the
+older 8-layer table's), prefills a prompt into a transformers StaticCache, then decodes one token per step with its
+forward compiled per path (dynamic=False: one graph per shape, as a served model has).
 
 Per path, in one process:
 - check: the first decode steps' logits (teacher-forced, the same tokens as eager's) against eager bf16's;
@@ -10,14 +11,16 @@ Per path, in one process:
 - profile (batch 1): GPU kernel ms per step, and the host ms CUDA graphs leave (dynamo's guards, the graph launch),
   with the table of kernels;
 - prefill: median ms of a compiled prefill of the whole prompt into an emptied cache (batch 1 only);
-- generate(): transformers' generate() with cache_implementation="static" and compile_config naming the path.
+- generate(): transformers' generate() with cache_implementation="static" and compile_config naming the path;
+- peak GB: the most GPU memory the path held, from its compile to its last step (model, cache, workspace).
 
 The prefill that fills the cache before decoding runs eagerly, as generate() runs it: the cache's tensors are then
 allocated outside dynamo and marked static, which CUDA graphs over a cache written in place require.
 
 Run: python -m bench.decode [path ...] [--batches 1 16 64] [--prefill 1024] [--steps 32] [--mode reduce-overhead]
 [--row-timeout 240] [--warm-jobs 8]
-paths: inductor, fxquant:<recipe>, torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all).
+paths: inductor, fxquant:<recipe>, fxquant:<recipe>+fp8kv (the same over fxquant.FP8StaticCache), torchao:fp8_row,
+torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv).
 
 Two phases. First, untimed, every path runs once in worker processes, --warm-jobs at a time, the longest first
 (warm_groups): each compile and autotune fills the on-disk caches (Inductor's FX graph and AOT caches, Triton's
@@ -44,7 +47,7 @@ import transformers as T
 
 import fxquant
 from bench import peers, workers
-from bench.common import header, llama, table
+from bench.common import LLAMA_3_VOCAB, header, llama, table
 
 CHECK_STEPS = 4  # the first decode steps: they compile, their logits are compared with eager's, and go untimed
 PREFILL_REPEATS = 5
@@ -63,9 +66,9 @@ def sync(device: str):
 class Decoder:
     """One path's model and compiled forward, over static caches of max_len tokens (prompt and decode steps)."""
 
-    def __init__(self, model, forward, device: str, max_len: int):
+    def __init__(self, model, forward, device: str, max_len: int, cache_class=T.StaticCache):
         self.model, self.forward, self.device, self.max_len = model, forward, device, max_len
-        self.keyword, self.caches = cache_keyword(model), {}
+        self.keyword, self.caches, self.cache_class = cache_keyword(model), {}, cache_class
 
     def _call(self, forward, ids, cache, start: int):
         positions = torch.arange(start, start + ids.shape[1], device=self.device)
@@ -76,7 +79,7 @@ class Decoder:
         once: its tensors keep their static addresses, so CUDA graphs replay rather than record again."""
         batch = prompt.shape[0]
         if batch not in self.caches:
-            self.caches[batch] = T.StaticCache(config=self.model.config, max_cache_len=self.max_len)
+            self.caches[batch] = self.cache_class(config=self.model.config, max_cache_len=self.max_len)
         cache = self.caches[batch]
         cache.reset()
         self._call(self.model, prompt, cache, 0)
@@ -134,13 +137,20 @@ class Decoder:
         return statistics.median(times[2:])
 
 
+FP8_KV = "+fp8kv"
+
+
+def recipe_of(path: str) -> str:
+    return path.split(":", 1)[1].removesuffix(FP8_KV)
+
+
 def compiled_forward(model, path: str, mode: str):
     """The path's model (a quantized copy for peers) and its compiled forward, or (None, reason)."""
     if path == "inductor":
         return model, torch.compile(model.forward, mode=mode, dynamic=False)
     if path.startswith("fxquant:"):
         return model, torch.compile(model.forward, backend="fxquant", dynamic=False,
-                                    options={"recipe": path.split(":", 1)[1], "mode": mode})
+                                    options={"recipe": recipe_of(path), "mode": mode})
     quantized = peers.quantized(model, path)
     if quantized is None:
         return None, f"{path.split(':')[0]} does not import here"
@@ -151,11 +161,13 @@ def generate_rate(model, path: str, prompt, args) -> str:
     """Tokens/s of transformers' generate() with a static cache and the path as its compile_config."""
     if path.startswith("fxquant:"):  # torch.compile takes mode= or options=, not both: fxquant's options carry it
         config = T.CompileConfig(backend="fxquant", mode=None, dynamic=False,
-                                 options={"recipe": path.split(":", 1)[1], "mode": args.mode})
+                                 options={"recipe": recipe_of(path), "mode": args.mode})
     else:
         config = T.CompileConfig(backend="inductor", mode=args.mode, dynamic=False)
-    kwargs = dict(max_new_tokens=args.steps, min_new_tokens=args.steps, do_sample=False,
-                  cache_implementation="static", compile_config=config)
+    cache = {"past_key_values": fxquant.FP8StaticCache(config=model.config, max_cache_len=prompt.shape[1] + args.steps)
+             } if path.endswith(FP8_KV) else {"cache_implementation": "static"}
+    kwargs = dict(max_new_tokens=args.steps, min_new_tokens=args.steps, do_sample=False, compile_config=config,
+                  **cache)
     model.generate(prompt, **kwargs)  # compiles
     sync(args.device)
     start = time.perf_counter()
@@ -171,14 +183,14 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 def work(items: list[tuple[str, int]], args):
     """The worker: every (path, batch) in order, paths compiled once, a row printed as each finishes."""
     workers.dump_stack_on_signal()
-    model = llama(args.layers, args.hidden, args.device)
+    model = llama(args.layers, args.hidden, args.device, args.vocab)
     generator = torch.Generator().manual_seed(1)
     inputs, eager, max_len = {}, {}, args.prefill + args.steps
     with torch.no_grad():
         for _, batch in items:
             if batch not in inputs:
-                prompt = torch.randint(0, 32000, (batch, args.prefill), generator=generator).to(args.device)
-                tokens = torch.randint(0, 32000, (batch, args.steps), generator=generator).to(args.device)
+                prompt = torch.randint(0, args.vocab, (batch, args.prefill), generator=generator).to(args.device)
+                tokens = torch.randint(0, args.vocab, (batch, args.steps), generator=generator).to(args.device)
                 inputs[batch] = prompt, tokens
                 eager[batch] = None if args.warm else Decoder(model, model, args.device, max_len).steps(
                     prompt, tokens[:, :CHECK_STEPS])[0]
@@ -190,11 +202,13 @@ def work(items: list[tuple[str, int]], args):
                 gc.collect()
                 if args.device == "cuda":
                     torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
                 start = time.perf_counter()
                 runner, forward = compiled_forward(model, path, args.mode)
                 quantize_s = time.perf_counter() - start
                 if runner is not None:
-                    decoder = Decoder(runner, forward, args.device, max_len)
+                    cache_class = fxquant.FP8StaticCache if path.endswith(FP8_KV) else T.StaticCache
+                    decoder = Decoder(runner, forward, args.device, max_len, cache_class)
             if decoder is None:
                 workers.print_row({"path": path, "batch": batch, "check": forward})
                 continue
@@ -218,6 +232,8 @@ def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: floa
     ms = statistics.median(finished[CHECK_STEPS:])
     row |= {"decode ms": f"{ms:.3f}", "host ms": f"{statistics.median(returned[CHECK_STEPS:]):.3f}",
             "tokens/s": f"{batch * 1e3 / ms:.0f}"}
+    if args.device == "cuda":
+        row["peak GB"] = f"{torch.cuda.max_memory_allocated() / 2**30:.1f}"
     if batch in args.profile_batches:
         numbers, kernels = decoder.profile(prompt, tokens)
         row |= numbers
@@ -234,9 +250,8 @@ def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: floa
 def run_workers(items: list[tuple[str, int]], args, warm: bool = False) -> list[dict]:
     """The items' rows from worker processes of this module. A `warm` worker (the first phase) compares with no
     eager logits, profiles nothing, and is quiet."""
-    passed = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in ("layers", "hidden", "prefill",
-                                                                                    "steps", "mode", "device",
-                                                                                    "row_timeout")]
+    forwarded = ("layers", "hidden", "vocab", "prefill", "steps", "mode", "device", "row_timeout")
+    passed = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in forwarded]
     for option in ("prefill_batches", "generate_batches", "profile_batches"):
         values = [] if warm and option == "profile_batches" else getattr(args, option)
         passed += [f"--{option.replace('_', '-')}", *map(str, values)]
@@ -271,7 +286,8 @@ def main():
     parser.add_argument("--prefill-batches", type=int, nargs="*", default=[1])
     parser.add_argument("--generate-batches", type=int, nargs="*", default=[1])
     parser.add_argument("--profile-batches", type=int, nargs="*", default=[1])
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--vocab", type=int, default=LLAMA_3_VOCAB)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--prefill", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=32)

@@ -347,6 +347,20 @@ def _(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens):
     return torch.empty_like(q)
 
 
+def _dequantize_kv(codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """An e4m3 KV cache [B, Hkv, S, D] in `dtype`: codes * scale, per (batch, KV head, token) (scale [B, Hkv, S])
+    or per tensor ([1]), in fp32, then one rounding to dtype."""
+    return RA.dequantized_cache(codes, scale).to(dtype)
+
+
+dequantize_kv = _op("dequantize_kv(Tensor codes, Tensor scale, ScalarType dtype) -> Tensor", _dequantize_kv)
+
+
+@_fake("dequantize_kv")
+def _(codes, scale, dtype):
+    return torch.empty_like(codes, dtype=dtype)
+
+
 def _uniform_offsets(x: Tensor, num_experts: int) -> Tensor:
     """offs (int32 [num_experts]) for rows x [num_experts * T, ...] in equal blocks, one per expert: experts run
     densely over every token (Llama4's), so the grouped GEMMs serve them with no sort."""

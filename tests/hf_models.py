@@ -9,6 +9,7 @@ import torch
 import transformers as T
 
 from fxquant import reference as R
+from fxquant.backend import fxquant as fxquant_backend
 from fxquant.config import RECIPES
 
 VOCAB = 512
@@ -93,6 +94,22 @@ def _cache_keyword(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+NOTHING = {"inner": "eager", "skip": [".*"]}  # no layer quantized: only the graph rewrites differ from eager
+
+
+def compiled_graphs(model, **kwargs):
+    """The model compiled under backend="fxquant" with nothing quantized, and the list its graphs land in."""
+    graphs = []
+
+    def backend(gm, inputs):
+        compiled = fxquant_backend(gm, inputs, options=NOTHING)
+        graphs.append(compiled.result.gm)
+        return compiled
+
+    torch._dynamo.reset()
+    return torch.compile(model, backend=backend, **kwargs), graphs
+
+
 def traced(model):
     """The model run by dynamo with no compiler behind it: the code path a compiled model takes (transformers picks
     other mask and attention code while dynamo traces; on torch 2.11 its logits differ from eager's by ~5e-3 rad),
@@ -101,14 +118,15 @@ def traced(model):
     return torch.compile(model, backend="eager")
 
 
-def static_decode(model, forward, prompt, steps, max_len=32, allocate_eagerly=False, padding=None) -> torch.Tensor:
+def static_decode(model, forward, prompt, steps, max_len=32, allocate_eagerly=False, padding=None,
+                  cache_class=T.StaticCache) -> torch.Tensor:
     """Logits of the last position for a prefill of `prompt` [B, S], then one step per column of `steps` [B, n]
     (teacher-forced, so every path sees the same tokens), on a transformers StaticCache. `forward` is the model
     or its compiled form. allocate_eagerly: the cache's tensors are allocated by an eager prefill, then emptied,
     as CUDA graphs need (a cache allocated inside dynamo's trace gets no static addresses). padding: the prompt's
-    attention mask [B, S] (0 where left-padded), passed as generate() passes it, grown by each step. Returns
-    [n + 1, B, vocab]."""
-    cache = T.StaticCache(config=model.config, max_cache_len=max_len)
+    attention mask [B, S] (0 where left-padded), passed as generate() passes it, grown by each step. cache_class:
+    StaticCache or a subclass with its constructor. Returns [n + 1, B, vocab]."""
+    cache = cache_class(config=model.config, max_cache_len=max_len)
     keyword, length = _cache_keyword(model), prompt.shape[1]
     positions = torch.arange(length, device=prompt.device)
     mask = None if padding is None else torch.cat([padding, padding.new_ones(steps.shape)], dim=1)

@@ -164,3 +164,14 @@ def test_sort_by_expert_op():
     assert offs.dtype == torch.int32 and offs.tolist() == [3, 3, 6, 7]
     assert flat[order].tolist() == [0, 0, 0, 2, 2, 2, 3, 5]
     assert torch.equal(flat[order][inverse], flat)
+
+
+@pytest.mark.parametrize("per_token", [True, False], ids=["per_token", "per_tensor"])
+def test_dequantize_kv_op(per_token):
+    """codes * scale in fp32, one rounding to the dtype: the values a bf16 cache of the fake-quantized K would hold."""
+    k = randn(2, 3, 17, 64, dtype=torch.bfloat16)
+    q = R.quantize(k, "fp8_e4m3", "token" if per_token else "tensor")
+    scale = q.scale.reshape(2, 3, 17) if per_token else q.scale.reshape(1)
+    opcheck(torch.ops.fxquant.dequantize_kv, (q.data, scale, torch.bfloat16))
+    got = torch.ops.fxquant.dequantize_kv(q.data, scale, torch.bfloat16)
+    assert torch.equal(got, R.dequantize(q, torch.bfloat16))

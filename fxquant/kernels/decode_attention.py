@@ -5,7 +5,7 @@ token) or per tensor. One program takes one (batch, KV head) and one slice of th
 the KV head, times the query positions, are the rows of its tile, so the cache is read once per KV head, never per
 query head. The slices (splits) make batch 1 fill the GPU; each writes its fp32 partial output and log-sum-exp, and
 a second kernel merges them. Scores, softmax and the merge are fp32; the probabilities are rounded to the cache's
-dtype for the tensor-core product with V, as flash attention does.
+dtype for the tensor-core product with V, as flash attention does, and to fp16 for e4m3 codes.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ MAX_SPLITS = 64
 # 9 points from batch 1 to 64 and 1k to 16k keys; more, shorter splits lost to their merge (B1 4k: 14.7 us against
 # 19.1 at two blocks and 29.6 at one; bench/HISTORY.md, "Decode attention: the split-KV kernel").
 DEFAULT_PLAN = (2, 4, 4)
+LOG2_E: tl.constexpr = 1.4426950408889634
 FLOAT_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -48,7 +49,13 @@ def _decode_attention_split_kernel(
     head, pos = h * GROUPS + rows // Q, rows % Q
     cols = tl.arange(0, D)
     q = tl.load(q_ptr + b * sqb + head[:, None] * sqh + pos[:, None] * sqq + cols[None, :],
-                mask=row_ok[:, None], other=0.0).to(DOT)
+                mask=row_ok[:, None], other=0.0).to(tl.float32)
+    row_scale = scale
+    if KV_CODES:  # fp16 products: each row scaled by a power of two to |q| <= 1, exactly, so fp16 cannot overflow
+        q_unit = tl.exp2(tl.ceil(tl.log2(tl.maximum(tl.max(tl.abs(q), 1), 1e-30))))
+        q = q / q_unit[:, None]
+        row_scale = (q_unit * scale)[:, None]
+    q = q.to(DOT)
     end = tl.minimum(split * SPLIT_LEN + SPLIT_LEN, S)
     if HAS_LENS:  # keys past the sequence's length are never read
         end = tl.minimum(end, tl.load(lens_ptr + b))
@@ -60,14 +67,13 @@ def _decode_attention_split_kernel(
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < end
         k = tl.load(k_base + keys[:, None] * sks + cols[None, :], mask=key_ok[:, None], other=0.0)
-        # e4m3 codes are exact in bf16 and fp16: their scales are folded into the scores below
-        k = k.to(tl.float32).to(DOT) if KV_CODES else k.to(DOT)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # fp32 [BLOCK_M, BLOCK_N]
+        # e4m3 codes are exact in fp16, one conversion per pair on sm_89+: their scales are folded in below
+        s = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PRECISION)  # fp32 [BLOCK_M, BLOCK_N]
         if KV_CODES and SCALE_PER_TOKEN:
             s *= tl.load(k_scale_ptr + b * ssb + h * ssh + keys * sss, mask=key_ok, other=0.0)[None, :]
         elif KV_CODES:
             s *= tl.load(k_scale_ptr)
-        s *= scale
+        s *= row_scale
         if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
         seen = row_ok[:, None] & key_ok[None, :]
@@ -82,16 +88,18 @@ def _decode_attention_split_kernel(
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # every key so far masked: nothing to rescale
         # exp(x) as exp2(x * log2(e)): one MUFU instruction on the GPU, as flash attention computes it
-        p = tl.exp2((s - m_safe[:, None]) * 1.4426950408889634)
-        alpha = tl.exp2((m_i - m_safe) * 1.4426950408889634)
+        p = tl.exp2((s - m_safe[:, None]) * LOG2_E)
+        alpha = tl.exp2((m_i - m_safe) * LOG2_E)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if KV_CODES and SCALE_PER_TOKEN:
-            p *= tl.load(v_scale_ptr + b * ssb + h * ssh + keys * sss, mask=key_ok, other=0.0)[None, :]
+        v_unit = 1.0
+        if KV_CODES and SCALE_PER_TOKEN:  # p * v_scale / the block's largest, in [0, 1]: fp16 is finer there
+            v_scale = tl.load(v_scale_ptr + b * ssb + h * ssh + keys * sss, mask=key_ok, other=0.0)
+            v_unit = tl.maximum(tl.max(v_scale, 0), 1e-30)
+            p *= (v_scale / v_unit)[None, :]
         elif KV_CODES:
-            p *= tl.load(v_scale_ptr)
+            v_unit = tl.load(v_scale_ptr)
         v = tl.load(v_base + keys[:, None] * svs + cols[None, :], mask=key_ok[:, None], other=0.0)
-        v = v.to(tl.float32).to(DOT) if KV_CODES else v.to(DOT)  # and into the probabilities above
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PRECISION) * v_unit
         m_i = m_new
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
     lse = tl.where(l_i > 0, m_safe + tl.log(l_i), float("-inf"))  # -inf: this slice attends to nothing
@@ -171,8 +179,9 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
     scales = k_scale.expand(batch, heads_kv, keys) if per_token else None
     if mask is not None:
         mask = mask.expand(batch, heads_q, queries, keys) if mask.dim() == 4 else mask
-    # Under Triton's interpreter, whose bf16 dot is wrong, the products run in fp32 on the same operands.
-    dot = tl.float32 if interpreting(_decode_attention_split_kernel) else FLOAT_TL[q.dtype]
+    # Under Triton's interpreter, whose bf16 dot is wrong, the products run in fp32 on the same operands. e4m3 codes
+    # multiply in fp16, which holds them exactly (bf16 would too, at two conversions per code on sm_90).
+    dot = tl.float32 if interpreting(_decode_attention_split_kernel) else tl.float16 if codes else FLOAT_TL[q.dtype]
     cast = float_cast_mode(_decode_attention_merge_kernel)
     _decode_attention_split_kernel[(batch * heads_kv, splits)](
         q, k, v, k_scale if codes else q, v_scale if codes else q, mask if mask is not None else q,

@@ -8,6 +8,12 @@ itself with enable_gqa=True), on a device in `devices`, with operands the kernel
     %o = sdpa(%q [B, Hkv * n, Q, D], %k, %v, attn_mask=%m, scale=%s)
         ->  %o = fxquant.decode_attention(%q, K, V, %m, %s, 0.0, None, None, None, None)
 
+An e4m3 cache (fxquant.FP8StaticCache) is read through `fxquant.dequantize_kv(codes, scale, dtype)`; attention
+over it is handed the codes and scales, so the kernel dequantizes in registers and the high-precision copy goes:
+
+    %k = fxquant.dequantize_kv(C_k, S_k, bf16) [-> repeat_kv]; %v likewise
+    %o = sdpa(%q, %k, %v, ...)  ->  %o = fxquant.decode_attention(%q, C_k, C_v, %m, %s, 0.0, None, S_k, S_v, None)
+
 The mask carries what transformers puts in it (left padding, sliding windows, causality among the Q positions),
 so a call without a mask is taken only for one query position. Left as they are: prefill (more than
 MAX_QUERIES positions), dropout, is_causal, operands the kernel does not serve, and a graph where the cache is
@@ -28,6 +34,15 @@ from fxquant.passes.spellings import SDPA
 
 MAX_QUERIES = 4  # a decode step, or a few speculative or chunked positions; past that, prefill's kernels win
 ATTENTION = torch.ops.fxquant.decode_attention.default
+DEQUANTIZE_KV = torch.ops.fxquant.dequantize_kv
+
+
+def dequantized_codes(node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """(codes, scale) where node is fxquant.dequantize_kv(codes, scale, dtype), else None."""
+    if isinstance(node, torch.fx.Node) and node.op == "call_function" and \
+            getattr(node.target, "_overloadpacket", node.target) is DEQUANTIZE_KV:
+        return node.args[0], node.args[1]
+    return None
 
 
 class DecodeAttention(PassBase):
@@ -57,6 +72,15 @@ class DecodeAttention(PassBase):
                 return False
             if any(epochs[args[name]] != epochs[sdpa] for name in ("key", "value")):
                 return False  # a write between the repeat and the attention
+        k_codes, v_codes = dequantized_codes(keys), dequantized_codes(values)
+        if (k_codes is None) != (v_codes is None):
+            return False
+        scales = (None, None)
+        if k_codes is not None:
+            if any(epochs[n] != epochs[sdpa] for n in (keys, values)):
+                return False  # a write between the dequantize and the attention: it must read the codes as they were
+            (keys, k_scale), (values, v_scale) = k_codes, v_codes
+            scales = (k_scale, v_scale)
         query, k, v, mask = (fake_value(n) for n in (args["query"], keys, values, args.get("attn_mask")))
         if not all(isinstance(t, torch.Tensor) for t in (query, k, v)) or query.dim() != 4 or k.dim() != 4:
             return False
@@ -76,7 +100,7 @@ class DecodeAttention(PassBase):
             return False
         with graph.inserting_before(sdpa):
             out = graph.call_function(ATTENTION, (args["query"], keys, values, args.get("attn_mask"), float(scale),
-                                                  0.0, None, None, None, None))
+                                                  0.0, None, *scales, None))
         out.meta.update(sdpa.meta)
         sdpa.replace_all_uses_with(out)
         graph.erase_node(sdpa)

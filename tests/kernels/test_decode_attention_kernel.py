@@ -82,6 +82,11 @@ def test_softcap_sinks_and_sequence_lengths():
     check(q, k, v, torch.bfloat16, softcap=5.0, sinks=sinks, kv_lens=lens)
 
 
+def fp8_cache(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = t.float().abs().amax(-1).clamp_min(2**-9) / 448
+    return (t.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+
 @pytest.mark.parametrize("per_token", [True, False], ids=["per_token", "per_tensor"])
 def test_an_fp8_cache_of_codes_and_scales(per_token):
     """e4m3 codes with fp32 scales: the scales folded into the scores and probabilities, the codes widened
@@ -89,13 +94,24 @@ def test_an_fp8_cache_of_codes_and_scales(per_token):
     q, k, v = operands(2, 4, 2, 1, 130, 64, torch.bfloat16, seed=4)
     quantized = []
     for t in (k, v):
-        amax = t.float().abs().amax(-1) if per_token else t.float().abs().amax().reshape(1)
-        scale = amax.clamp_min(2**-9) / 448  # as the cache writes them: amax / e4m3's max, floored
-        codes = (t.float() / (scale[..., None] if per_token else scale)).to(torch.float8_e4m3fn)
-        quantized.append((codes, scale))
+        if per_token:
+            quantized.append(fp8_cache(t))
+        else:
+            scale = t.float().abs().amax().reshape(1).clamp_min(2**-9) / 448  # amax / e4m3's max, floored
+            quantized.append(((t.float() / scale).to(torch.float8_e4m3fn), scale))
     (kc, ks), (vc, vs) = quantized
     got, _ = check(q, kc, vc, torch.bfloat16, k_scale=ks, v_scale=vs)
     assert rel_err(got, RA.decode_attention(q, k, v)) < 0.1  # and near the unquantized cache's result
+
+
+def test_codes_meet_queries_past_fp16s_range_and_values_far_below_it():
+    """The codes' products run in fp16: each query row is scaled to |q| <= 1 by a power of two, and the
+    probabilities by the largest value scale of their block, so a query of 1e6 does not overflow and values of
+    1e-6 do not underflow. Rows of one tile differ by 1e10 in magnitude."""
+    q, k, v = operands(2, 4, 2, 1, 130, 64, torch.bfloat16, seed=6)
+    q = q * torch.tensor([1e6, 1e-4, 1.0, 3e3], dtype=q.dtype, device=q.device)[None, :, None, None]
+    (kc, ks), (vc, vs) = fp8_cache(k), fp8_cache(v * 1e-6)
+    check(q, kc, vc, torch.bfloat16, k_scale=ks, v_scale=vs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -103,6 +119,13 @@ def test_an_fp8_cache_of_codes_and_scales(per_token):
 def test_llama_3_8b_heads_at_4k_on_the_gpu(dtype):
     q, k, v = operands(4, 32, 8, 1, 4096, 128, dtype, seed=5)
     check(q, k, v, dtype)
+
+
+@pytest.mark.gpu
+def test_llama_3_8b_heads_at_4k_over_an_fp8_cache_on_the_gpu():
+    q, k, v = operands(4, 32, 8, 1, 4096, 128, torch.bfloat16, seed=5)
+    (kc, ks), (vc, vs) = fp8_cache(k), fp8_cache(v)
+    check(q, kc, vc, torch.bfloat16, k_scale=ks, v_scale=vs)
 
 
 def test_operands_it_does_not_serve_are_said():

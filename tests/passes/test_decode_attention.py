@@ -7,8 +7,7 @@ import functools
 
 import pytest
 import torch
-from hf_models import angle, decoder, static_decode
-from test_pack_gqa import compiled_graphs  # nothing quantized: only the attention differs from eager
+from hf_models import angle, compiled_graphs, decoder, static_decode  # compiled_graphs: nothing quantized
 
 from fxquant import pipeline
 from fxquant.passes.decode_attention import MAX_QUERIES, DecodeAttention

@@ -6,28 +6,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hf_models import decoder, static_decode
+from hf_models import compiled_graphs, decoder, static_decode
 
 import fxquant
-from fxquant.backend import fxquant as fxquant_backend
 from fxquant.passes.annotations import fake_value
 from fxquant.passes.pack_gqa import MIN_KV_GROUPS
 from fxquant.passes.spellings import SDPA
-
-NOTHING = {"inner": "eager", "skip": [".*"]}  # no layer quantized: only the graph rewrites differ from eager
-
-
-def compiled_graphs(model, **kwargs):
-    """The model compiled under backend="fxquant" with nothing quantized, and the list its graphs land in."""
-    graphs = []
-
-    def backend(gm, inputs):
-        compiled = fxquant_backend(gm, inputs, options=NOTHING)
-        graphs.append(compiled.result.gm)
-        return compiled
-
-    torch._dynamo.reset()
-    return torch.compile(model, backend=backend, **kwargs), graphs
 
 
 def attention_calls(gm):
