@@ -25,7 +25,7 @@ MAX_SPLITS = 64
 # 9 points from batch 1 to 64 and 1k to 16k keys; more, shorter splits lost to their merge (B1 4k: 14.7 us against
 # 19.1 at two blocks and 29.6 at one; bench/HISTORY.md, "Decode attention: the split-KV kernel").
 DEFAULT_PLAN = (2, 4, 4)
-LOG2_E: tl.constexpr = 1.4426950408889634
+LOG2_E = tl.constexpr(1.4426950408889634)
 FLOAT_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
