@@ -8,7 +8,7 @@ Each figure is microseconds per call from CUDA-graph replay, and the percentage 
 reading the cache once (K and V, codes and scales for fp8) at that time would be. The outputs are checked against
 reference_attention's fp32 result first.
 
-Run: python -m bench.attention [--batches 1 16 64] [--contexts 1024 4096 16384]
+Run: python -m bench.attention [--batches 1 16 64] [--contexts 1024 4096 16384] [--sweep [--codes]]
 """
 
 from __future__ import annotations
@@ -76,8 +76,9 @@ def paths(batch: int, context: int):
     return rows, checks
 
 
-def sweep(batches, contexts) -> None:
-    """The kernel's launch plans (programs per SM, key blocks per split, warps) on the bf16 cache with the mask."""
+def sweep(batches, contexts, codes: bool) -> None:
+    """The kernel's launch plans (programs per SM, key blocks per split, warps, keys per block) with the mask, on the
+    bf16 cache or on e4m3 codes with per-token scales."""
     from fxquant.kernels.decode_attention import decode_attention
 
     rows = []
@@ -87,10 +88,12 @@ def sweep(batches, contexts) -> None:
             q = torch.randn(batch, HEADS_Q, 1, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
             k, v = (torch.randn(batch, HEADS_KV, context, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
                     for _ in range(2))
+            (k, k_scale), (v, v_scale) = (fp8_cache(k), fp8_cache(v)) if codes else ((k, None), (v, None))
             mask = torch.zeros(batch, 1, 1, context, device="cuda", dtype=torch.bfloat16)
             row = {"B": batch, "context": context}
-            for plan in [(2, 2, 4), (4, 1, 4), (8, 1, 4), (4, 1, 2), (8, 1, 2), (2, 4, 4), (1, 4, 8)]:
-                fn = lambda plan=plan: decode_attention(q, k, v, mask, DIM**-0.5, 0.0, None, None, None, None,
+            for plan in [(2, 4, 4, 64), (2, 2, 4, 128), (2, 4, 8, 128), (4, 2, 4, 64), (2, 8, 4, 64), (1, 4, 8, 128),
+                         (2, 4, 2, 64)]:
+                fn = lambda plan=plan: decode_attention(q, k, v, mask, DIM**-0.5, 0.0, None, k_scale, v_scale, None,
                                                         plan=plan)
                 row[str(plan)] = f"{1e3 * graph_time_ms(fn, [()]):.1f}"
             rows.append(row)
@@ -103,10 +106,11 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--sweep", action="store_true", help="time the kernel's launch plans instead")
+    parser.add_argument("--codes", action="store_true", help="sweep over an e4m3 cache")
     args = parser.parse_args()
     print(header())
     if args.sweep:
-        sweep(args.batches, args.contexts)
+        sweep(args.batches, args.contexts, args.codes)
         return
     bandwidth = copy_bandwidth_gbs()
     print(f"copy bandwidth {bandwidth:.0f} GB/s")

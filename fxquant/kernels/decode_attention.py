@@ -19,12 +19,11 @@ from fxquant.kernels.launch import cdiv, next_power_of_2, sm_count
 
 HEAD_DIMS = (64, 128, 256)  # a power of two for the tile's columns; these cover the models served
 MAX_ROWS = 64  # query heads per KV head x query positions in one tile
-BLOCK_N = 64  # keys per step: a [64, 128] bf16 tile of K and of V is 16 KB each
 MAX_SPLITS = 64
-# (programs per SM, key blocks per split, warps): on the H200, four blocks a split was fastest or within 1% at 8 of
-# 9 points from batch 1 to 64 and 1k to 16k keys; more, shorter splits lost to their merge (B1 4k: 14.7 us against
-# 19.1 at two blocks and 29.6 at one; bench/HISTORY.md, "Decode attention: the split-KV kernel").
-DEFAULT_PLAN = (2, 4, 4)
+# (programs per SM, key blocks per split, warps, keys per block): on the H200, four blocks a split was fastest or
+# within 1% at 8 of 9 points from batch 1 to 64 and 1k to 16k keys; more, shorter splits lost to their merge (B1 4k:
+# 14.7 us against 19.1 at two blocks and 29.6 at one; bench/HISTORY.md, "Decode attention: the split-KV kernel").
+DEFAULT_PLAN = (2, 4, 4, 64)  # keys per block: a [64, 128] bf16 tile of K and of V is 16 KB each
 LOG2_E = tl.constexpr(1.4426950408889634)
 FLOAT_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -153,10 +152,10 @@ def decode_attention_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
 
 
 def num_splits(batch_heads: int, keys: int, device: torch.device, programs_per_sm: int = DEFAULT_PLAN[0],
-               blocks_per_split: int = DEFAULT_PLAN[1]) -> int:
+               blocks_per_split: int = DEFAULT_PLAN[1], block_n: int = DEFAULT_PLAN[3]) -> int:
     """Slices of the keys: about `programs_per_sm` programs per SM over the (batch, KV head) pairs, at least
     `blocks_per_split` key blocks a slice. A function of the shapes only, so a CUDA graph replays the same grid."""
-    blocks = cdiv(keys, BLOCK_N)
+    blocks = cdiv(keys, block_n)
     want = cdiv(programs_per_sm * sm_count(device), batch_heads)
     return max(1, min(want, cdiv(blocks, blocks_per_split), MAX_SPLITS))
 
@@ -168,9 +167,9 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
     heads_kv, keys = k.shape[1], k.shape[2]
     groups = heads_q // heads_kv
     block_m = max(16, next_power_of_2(groups * queries))
-    programs_per_sm, blocks_per_split, warps = plan or DEFAULT_PLAN
-    splits = num_splits(batch * heads_kv, keys, q.device, programs_per_sm, blocks_per_split)
-    split_len = cdiv(cdiv(keys, splits), BLOCK_N) * BLOCK_N
+    programs_per_sm, blocks_per_split, warps, block_n = plan or DEFAULT_PLAN
+    splits = num_splits(batch * heads_kv, keys, q.device, programs_per_sm, blocks_per_split, block_n)
+    split_len = cdiv(cdiv(keys, splits), block_n) * block_n
     splits = cdiv(keys, split_len)
     o_part = torch.empty((batch * heads_kv * splits, block_m, dim), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((batch * heads_kv * splits, block_m), device=q.device, dtype=torch.float32)
@@ -191,7 +190,7 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
         v.stride(0), v.stride(1), v.stride(2),
         *(scales.stride() if per_token else (0, 0, 0)),
         *(mask.stride() if mask is not None else (0, 0, 0, 0)),
-        HKV=heads_kv, D=dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLITS=splits, KV_CODES=codes,
+        HKV=heads_kv, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits, KV_CODES=codes,
         SCALE_PER_TOKEN=per_token, MASK=0 if mask is None else 2 if mask.dtype == torch.bool else 1,
         HAS_LENS=kv_lens is not None, SOFTCAP=softcap > 0, DOT=dot,
         PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=warps, num_stages=2,
