@@ -24,6 +24,9 @@ MAX_SPLITS = 64
 # within 1% at 8 of 9 points from batch 1 to 64 and 1k to 16k keys; more, shorter splits lost to their merge (B1 4k:
 # 14.7 us against 19.1 at two blocks and 29.6 at one; bench/HISTORY.md, "Decode attention: the split-KV kernel").
 DEFAULT_PLAN = (2, 4, 4, 64)  # keys per block: a [64, 128] bf16 tile of K and of V is 16 KB each
+# e4m3 codes over 128 (batch, KV head) pairs or more (B16 up, at 8 KV heads): 2 warps. H200, 4k keys: B64 192 us
+# against 318 at 4 warps, B16 67.0 against 67.2; at B1 4 warps stay (11.3 us against 13.1 at 2).
+CODES_PLAN, CODES_PLAN_PAIRS = (2, 4, 2, 64), 128
 LOG2_E = tl.constexpr(1.4426950408889634)
 FLOAT_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -38,7 +41,8 @@ def _decode_attention_split_kernel(
     sqb, sqh, sqq, skb, skh, sks, svb, svh, svs, ssb, ssh, sss, smb, smh, smq, sms,
     # meta-parameters
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    KV_CODES: tl.constexpr, SCALE_PER_TOKEN: tl.constexpr, MASK: tl.constexpr, HAS_LENS: tl.constexpr,
+    KV_CODES: tl.constexpr, SCALE_PER_TOKEN: tl.constexpr, MASK: tl.constexpr, MASK_PER_KEY: tl.constexpr,
+    HAS_LENS: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     bh, split = tl.program_id(0), tl.program_id(1)
@@ -75,14 +79,15 @@ def _decode_attention_split_kernel(
         s *= row_scale
         if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
-        seen = row_ok[:, None] & key_ok[None, :]
+        if MASK_PER_KEY:  # one row of the mask serves every query row (transformers' [B, 1, 1, S] at one position)
+            masked = tl.load(mask_ptr + b * smb + keys * sms, mask=key_ok, other=0)[None, :]
+        elif MASK != 0:
+            masked = tl.load(mask_ptr + b * smb + head[:, None] * smh + pos[:, None] * smq + keys[None, :] * sms,
+                             mask=row_ok[:, None] & key_ok[None, :], other=0)
         if MASK == 1:  # additive
-            s += tl.load(mask_ptr + b * smb + head[:, None] * smh + pos[:, None] * smq + keys[None, :] * sms,
-                         mask=seen, other=0.0).to(tl.float32)
+            s += masked.to(tl.float32)
         elif MASK == 2:  # boolean: True attends
-            kept = tl.load(mask_ptr + b * smb + head[:, None] * smh + pos[:, None] * smq + keys[None, :] * sms,
-                           mask=seen, other=0)
-            s = tl.where(kept != 0, s, float("-inf"))
+            s = tl.where(masked != 0, s, float("-inf"))
         s = tl.where(key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # every key so far masked: nothing to rescale
@@ -162,22 +167,25 @@ def num_splits(batch_heads: int, keys: int, device: torch.device, programs_per_s
 
 def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens, *, plan=None) -> torch.Tensor:
     """q [B, Hq, Q, D] over the cache k, v [B, Hkv, S, D]: reference_attention.decode_attention's result. plan:
-    (programs per SM, key blocks per split, warps) in place of the defaults, for bench.attention's sweep."""
+    (programs per SM, key blocks per split, warps, keys per block) in place of the defaults, for bench.attention's
+    sweep."""
     batch, heads_q, queries, dim = q.shape
     heads_kv, keys = k.shape[1], k.shape[2]
     groups = heads_q // heads_kv
     block_m = max(16, next_power_of_2(groups * queries))
-    programs_per_sm, blocks_per_split, warps, block_n = plan or DEFAULT_PLAN
+    codes = k.dtype == torch.float8_e4m3fn
+    default = CODES_PLAN if codes and batch * heads_kv >= CODES_PLAN_PAIRS else DEFAULT_PLAN
+    programs_per_sm, blocks_per_split, warps, block_n = plan or default
     splits = num_splits(batch * heads_kv, keys, q.device, programs_per_sm, blocks_per_split, block_n)
     split_len = cdiv(cdiv(keys, splits), block_n) * block_n
     splits = cdiv(keys, split_len)
     o_part = torch.empty((batch * heads_kv * splits, block_m, dim), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((batch * heads_kv * splits, block_m), device=q.device, dtype=torch.float32)
-    codes = k.dtype == torch.float8_e4m3fn
     per_token = codes and k_scale.numel() > 1
     scales = k_scale.expand(batch, heads_kv, keys) if per_token else None
     if mask is not None:
         mask = mask.expand(batch, heads_q, queries, keys) if mask.dim() == 4 else mask
+    per_key = mask is not None and mask.stride(1) == 0 and (queries == 1 or mask.stride(2) == 0)
     # Under Triton's interpreter, whose bf16 dot is wrong, the products run in fp32 on the same operands. e4m3 codes
     # multiply in fp16, which holds them exactly (bf16 would too, at two conversions per code on sm_90).
     dot = tl.float32 if interpreting(_decode_attention_split_kernel) else tl.float16 if codes else FLOAT_TL[q.dtype]
@@ -192,6 +200,7 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
         *(mask.stride() if mask is not None else (0, 0, 0, 0)),
         HKV=heads_kv, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits, KV_CODES=codes,
         SCALE_PER_TOKEN=per_token, MASK=0 if mask is None else 2 if mask.dtype == torch.bool else 1,
+        MASK_PER_KEY=per_key,
         HAS_LENS=kv_lens is not None, SOFTCAP=softcap > 0, DOT=dot,
         PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=warps, num_stages=2,
     )

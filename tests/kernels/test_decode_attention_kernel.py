@@ -82,6 +82,20 @@ def test_softcap_sinks_and_sequence_lengths():
     check(q, k, v, torch.bfloat16, softcap=5.0, sinks=sinks, kv_lens=lens)
 
 
+@pytest.mark.parametrize("kind", ["additive", "boolean"])
+def test_a_mask_shared_by_every_query_row_is_read_once_per_key(kind):
+    """transformers' decode mask [B, 1, 1, S] (one position, every head) takes the per-key load; the same mask
+    materialized per head takes the per-row one; both give the reference's result. Keys 301: no multiple of 16."""
+    q, k, v = operands(2, 8, 2, 1, 301, 64, torch.bfloat16, seed=8)
+    hidden = torch.rand(2, 1, 1, 301, generator=torch.Generator().manual_seed(9)) < 0.3
+    hidden[..., -1] = False  # every row attends to something
+    mask = ~hidden if kind == "boolean" else torch.zeros(hidden.shape).masked_fill(hidden, float("-inf"))
+    mask = mask.to(DEVICE) if kind == "boolean" else mask.to(DEVICE, torch.bfloat16)
+    shared, _ = check(q, k, v, torch.bfloat16, mask=mask)
+    per_row, _ = check(q, k, v, torch.bfloat16, mask=mask.expand(2, 8, 1, 301).contiguous())
+    torch.testing.assert_close(shared, per_row, rtol=0, atol=0)
+
+
 def fp8_cache(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = t.float().abs().amax(-1).clamp_min(2**-9) / 448
     return (t.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
