@@ -1,7 +1,7 @@
-"""The pipeline: freeze_params -> detect -> upcast, the numerics lint (and recipe="auto"'s measurements), then
-quantize_linear -> fuse_norm -> merge_linear -> fuse_linear -> decode_attention -> pack_gqa -> cleanup. It sits
-above the passes: they never import the lint or the measurements, and what they hand each other travels in one
-`PipelineState`."""
+"""The pipeline: freeze_params -> localize_shards -> detect -> upcast, the numerics lint (and recipe="auto"'s
+measurements), then quantize_linear -> fuse_norm -> merge_linear -> fuse_linear -> decode_attention -> pack_gqa ->
+cleanup. It sits above the passes: they never import the lint or the measurements, and what they hand each other
+travels in one `PipelineState`."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from fxquant.passes.detect import Detect
 from fxquant.passes.freeze_params import FreezeParams
 from fxquant.passes.fuse_linear import FuseLinear
 from fxquant.passes.fuse_norm import FuseNorm
+from fxquant.passes.localize_shards import LocalizeShards
 from fxquant.passes.merge_linear import MergeLinear
 from fxquant.passes.pack_gqa import PackGQA
 from fxquant.passes.quantize_linear import QuantizeLinear
@@ -46,10 +47,10 @@ class PipelineResult:
 
 def prepare(gm: torch.fx.GraphModule, state: PipelineState, example_inputs=None,
             parameter_names: dict[int, str] | None = None) -> torch.fx.GraphModule:
-    """freeze_params -> detect -> upcast: the graph annotated, with its reductions in fp32, not yet quantized.
-    parameter_names (id of a parameter -> its name in the model) names layers from the model's root where the
+    """freeze_params -> localize_shards -> detect -> upcast: the graph annotated, with its reductions in fp32, not yet
+    quantized. parameter_names (id of a parameter -> its name in the model) names layers from the model's root where the
     caller holds the model: dynamo names them from the compiled frame's module, a submodule after a graph break."""
-    return _run([FreezeParams(example_inputs, parameter_names), Detect(), Upcast(state)], gm)
+    return _run([FreezeParams(example_inputs, parameter_names), LocalizeShards(), Detect(), Upcast(state)], gm)
 
 
 def _run(passes, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -2,6 +2,7 @@
 and an independent fake-quantized copy to bound a quantized model's outputs by."""
 
 import copy
+import functools
 import inspect
 import math
 
@@ -153,23 +154,32 @@ class FakeQuantizedLinear(torch.nn.Module):
     dtype, as a quantized GEMM computes; else the dequantized operands are rounded to the input's dtype and
     multiplied there, as a plain fake-quantized copy in that dtype would."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str, exact: bool):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str, exact: bool, k_shards: int = 1):
         super().__init__()
-        self.scheme, self.exact = RECIPES[recipe], exact
-        q = R.quantize(weight.detach().float(), self.scheme.weight_fmt, self.scheme.weight_granularity)
-        self.dequantized = R.dequantize(q, torch.float32)  # [N, K]
+        self.scheme, self.exact, self.width = RECIPES[recipe], exact, weight.shape[1] // k_shards
+        quantized = lambda w: R.quantize(w.float(), self.scheme.weight_fmt, self.scheme.weight_granularity)
+        self.dequantized = torch.cat([R.dequantize(quantized(w), torch.float32)  # [N, K]
+                                      for w in weight.detach().split(self.width, dim=1)], dim=1)
         self.weight = self.dequantized.to(weight.dtype)  # the model's dtype: T5 casts its input to wo.weight's
         self.bias = None if bias is None else bias.detach().float()
 
     def forward(self, x):
-        return self.multiply(fake_quantized_input(x, self.scheme), x.dtype)
+        """k_shards > 1: a row-parallel layer's numerics, weight and input quantized per slice of K, one per rank."""
+        return self.multiply(torch.cat([fake_quantized_input(part, self.scheme)
+                                        for part in x.split(self.width, dim=-1)], dim=-1), x.dtype)
 
     def multiply(self, x, dtype):
-        """x (already the values the GEMM multiplies) @ W.T + b, rounded to dtype."""
+        """x (already the values the GEMM multiplies) @ W.T + b, rounded to dtype. Not exact, with K in slices: each
+        slice's product rounded to dtype and the partials summed in dtype, as row-parallel ranks and their
+        all-reduce compute it."""
         if self.exact:
             return torch.nn.functional.linear(x.float(), self.dequantized, self.bias).to(dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
-        return torch.nn.functional.linear(x.to(dtype), self.weight.to(dtype), bias)
+        if self.width == self.weight.shape[1]:
+            return torch.nn.functional.linear(x.to(dtype), self.weight.to(dtype), bias)
+        slices = zip(x.to(dtype).split(self.width, dim=-1), self.weight.to(dtype).split(self.width, dim=1), strict=True)
+        out = functools.reduce(torch.add, [torch.nn.functional.linear(*pair) for pair in slices])
+        return out if bias is None else out + bias
 
 
 def fake_quantized_input(x, scheme):
@@ -239,11 +249,12 @@ class FakeQuantizedExperts(torch.nn.Module):
         return out
 
 
-def fake_quantized(model, recipe: str, exact: bool, skip=("lm_head",)):
+def fake_quantized(model, recipe: str, exact: bool, skip=("lm_head",), k_shards=None):
     """A copy of `model` whose nn.Linear and Conv1D (weight [K, N]) layers are FakeQuantizedLinear, and whose
     experts are FakeQuantizedExperts, under `recipe`: the reference's numerics in eager PyTorch, independent of
     the passes. Skipped: names ending in `skip`, routers (transformers' routers are not nn.Linear), and linears
-    whose shape the recipe's blocks do not tile (Qwen2-MoE's [1, H] shared-expert gate)."""
+    whose shape the recipe's blocks do not tile (Qwen2-MoE's [1, H] shared-expert gate). k_shards: {name ending:
+    slices of K}, the row-parallel layers of a tensor-parallel model, quantized per slice as each rank does."""
     copied, scheme = copy.deepcopy(model), RECIPES[recipe]
     tiles = lambda w: w.shape[-1] % scheme.k_multiple == 0 and w.shape[-2] % scheme.n_multiple == 0
     for name, module in list(copied.named_modules()):
@@ -252,7 +263,8 @@ def fake_quantized(model, recipe: str, exact: bool, skip=("lm_head",)):
         if isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):
             replacement = FakeQuantizedExperts(module, recipe, exact)
         elif isinstance(module, torch.nn.Linear) and tiles(module.weight):
-            replacement = FakeQuantizedLinear(module.weight, module.bias, recipe, exact)
+            shards = next((n for end, n in (k_shards or {}).items() if name.endswith(end)), 1)
+            replacement = FakeQuantizedLinear(module.weight, module.bias, recipe, exact, shards)
         elif isinstance(module, T.pytorch_utils.Conv1D) and tiles(module.weight.T):
             replacement = FakeQuantizedLinear(module.weight.T, module.bias, recipe, exact)
         else:

@@ -12,6 +12,7 @@ META_KEY = "fxquant"
 FQN_KEY = "fxquant_fqn"  # on get_attr nodes: the constant's fully qualified name in the user's model
 PARAMETER_KEY = "fxquant_parameter"  # on get_attr nodes: True for the model's parameters (weights), not buffers
 SOURCE_KEY = "fxquant_source"  # on get_attr nodes freeze_params made: the model's nn.Parameter itself
+SHARD_KEY = "fxquant_shard"  # on get_attr nodes localize_shards made: the whole (DTensor) weight's shape
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,10 @@ def fetch_attr(gm, node):
 
 
 def tensor_identity(t: torch.Tensor):
-    """Equal for two get_attr tensors that are one weight (a tied lm_head and embedding share one storage)."""
-    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
+    """Equal for two get_attr tensors that are one weight (a tied lm_head and embedding share one storage). A
+    DTensor, which has no storage of its own, is known by its local shard's."""
+    local = getattr(t, "_local_tensor", t)
+    return local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
 
 
 def module_path(node: torch.fx.Node) -> str | None:

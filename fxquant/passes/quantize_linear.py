@@ -23,6 +23,7 @@ from collections import defaultdict
 from dataclasses import replace
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
@@ -32,6 +33,7 @@ from fxquant.formats import E2M1, E4M3
 from fxquant.linear_ops import emit_dense_experts_linear, emit_linear, emit_routed_linear
 from fxquant.metrics import sqnr_db, worst_row_sqnr_db
 from fxquant.passes.annotations import (
+    SHARD_KEY,
     SOURCE_KEY,
     annotation,
     fetch_attr,
@@ -49,6 +51,10 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 QUANTIZED_KEY = "fxquant_quantized"
 ROUTER_REASON = "router: its output selects experts (top-k)"
 CAST_REASON = "its product reads the weight cast to another dtype (logits wanted in that precision)"
+SHARDED_REASON = ("a DTensor weight outside the tensor-parallel layouts fxquant runs on local shards (column parallel "
+                  "with a replicated input, row parallel without bias, on a 1-D mesh)")
+SHARD_HINT = ("on this rank's shard of a tensor-parallel weight: shard on a multiple of the recipe's block (fewer "
+              "ranks), or take a recipe with smaller blocks (fp8_row)")
 
 
 # Rows quantized at a time: the reference's fp32 temporaries (a dozen for the FP4 encoders) stay a few MB per
@@ -108,13 +114,18 @@ def weight_skip_reason(w, dims: int = 2) -> str | None:
         return f"weight is not a constant {dims}-D tensor"
     if w.dtype not in FLOAT_DTYPES:
         return f"weight dtype {w.dtype} is not a float"
+    if isinstance(w, DTensor):
+        return SHARDED_REASON
     return None
+
+
+ALIGNMENT = "alignment:"
 
 
 def alignment_reason(shape, scheme: LinearScheme) -> str | None:
     n, k = shape[-2:]
     if k % scheme.k_multiple or n % scheme.n_multiple:
-        return (f"alignment: needs K % {scheme.k_multiple} == 0 and N % {scheme.n_multiple} == 0, "
+        return (f"{ALIGNMENT} needs K % {scheme.k_multiple} == 0 and N % {scheme.n_multiple} == 0, "
                 f"has [N={n}, K={k}]")
     return None
 
@@ -218,7 +229,10 @@ class QuantizeLinear(PassBase):
         if getattr(weight_operands(node), "cast", False):
             return CAST_REASON
         dims = 3 if annotation(node).kind == "experts" else 2
-        return skip_reason(w, linear_fqn(node), self.state.config, self.state.auto_reasons, dims)
+        reason = skip_reason(w, linear_fqn(node), self.state.config, self.state.auto_reasons, dims)
+        if reason and reason.startswith(ALIGNMENT) and SHARD_KEY in weight_operands(node).weight.meta:
+            return f"{reason} {SHARD_HINT}"
+        return reason
 
 
 def _emit(call, scheme: LinearScheme, ops, consts, shape, out_dtype):

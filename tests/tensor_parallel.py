@@ -1,0 +1,96 @@
+"""Tensor-parallel runs on the CPU: `world` processes over gloo, each building the same small model from a config,
+sharding it with DTensor's parallel styles, and compiling it under backend="fxquant". The parent gets each rank's
+result, or the rank's traceback as an error."""
+
+import io
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hf_models import decoder, static_decode, traced
+
+TIMEOUT_S = 600
+COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROW = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def plan(model, experts: bool) -> dict:
+    """q/k/v and gate/up column parallel, o and down row parallel, as transformers' Llama tp_plan; experts=True
+    leaves the MLP whole on each rank (an MoE model's experts)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles = {}
+    for name, _ in model.named_modules():
+        if name.endswith(COLUMN) and not (experts and ".mlp." in name):
+            styles[name] = ColwiseParallel()
+        elif name.endswith(ROW) and not (experts and ".mlp." in name):
+            styles[name] = RowwiseParallel()
+    return styles
+
+
+def sharded_decode(arch: str, recipes, prompt, steps, experts=False, **overrides) -> dict:
+    """On each rank: the sharded model's static-cache decode logits, eager and run by dynamo alone (traced), then per
+    recipe the compiled model's
+    logits and its layer records (name, recipe, reason, bytes before and after); recipe None compiles with nothing
+    quantized."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fxquant.backend import fxquant as fxquant_backend
+
+    model = decoder(arch, **overrides)
+    parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)), plan(model, experts))
+    results = {"eager": static_decode(model, model, prompt, steps),
+               "traced": static_decode(model, traced(model), prompt, steps)}
+    for recipe in recipes:
+        records = []
+
+        def backend(gm, inputs, recipe=recipe, records=records):
+            options = {"recipe": recipe} if recipe else {"include": []}
+            compiled = fxquant_backend(gm, inputs, options={**options, "inner": "eager"})
+            records.extend(compiled.result.layers)
+            return compiled
+
+        torch._dynamo.reset()
+        logits = static_decode(model, torch.compile(model, backend=backend), prompt, steps)
+        layers = {r.fqn: (r.recipe, r.reason, r.bytes_before, r.bytes_after) for r in records}
+        results[recipe] = (logits, layers)
+    return results
+
+
+def _worker(rank: int, world: int, port: int, task, kwargs: dict, results) -> None:
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        torch.set_num_threads(1)  # the ranks share CI's two cores
+        payload = io.BytesIO()  # tensors as bytes: shared memory would be gone once this process exits
+        torch.save(task(**kwargs), payload)
+        results.put((rank, payload.getvalue()))
+    except Exception:
+        results.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(world: int, task, **kwargs) -> list:
+    """task(**kwargs) on `world` spawned ranks; their results in rank order. A rank that raised fails the run with
+    its traceback."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    ranks = [context.Process(target=_worker, args=(rank, world, port, task, kwargs, results)) for rank in range(world)]
+    for process in ranks:
+        process.start()
+    got = dict(results.get(timeout=TIMEOUT_S) for _ in range(world))
+    for process in ranks:
+        process.join(timeout=60)
+    failed = [f"rank {rank}:\n{value}" for rank, value in got.items() if isinstance(value, str)]
+    assert not failed, "\n".join(failed)
+    return [torch.load(io.BytesIO(got[rank]), weights_only=False) for rank in range(world)]
+
