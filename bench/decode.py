@@ -11,6 +11,7 @@ Per path, in one process:
 - profile (batch 1): GPU kernel ms per step, and the host ms CUDA graphs leave (dynamo's guards, the graph launch),
   with the table of kernels;
 - prefill: median ms of a compiled prefill of the whole prompt into an emptied cache (batch 1 only);
+- guards skipped (--skip-guards): the decode steps timed again with dynamo's guards skipped after the first steps;
 - generate(): transformers' generate() with cache_implementation="static" and compile_config naming the path;
 - peak GB: the most GPU memory the path held, from its compile to its last step (model, cache, workspace).
 
@@ -18,7 +19,7 @@ The prefill that fills the cache before decoding runs eagerly, as generate() run
 allocated outside dynamo and marked static, which CUDA graphs over a cache written in place require.
 
 Run: python -m bench.decode [path ...] [--batches 1 16 64] [--prefill 1024] [--steps 32] [--mode reduce-overhead]
-[--row-timeout 240] [--warm-jobs 8]
+[--row-timeout 240] [--warm-jobs 8] [--skip-guards]
 paths: inductor, fxquant:<recipe>, fxquant:<recipe>+fp8kv (the same over fxquant.FP8StaticCache), torchao:fp8_row,
 torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv).
 
@@ -85,15 +86,18 @@ class Decoder:
         self._call(self.model, prompt, cache, 0)
         return cache
 
-    def steps(self, prompt, tokens) -> tuple[torch.Tensor, list[float], list[float]]:
+    def steps(self, prompt, tokens, skip_guards: bool = False) -> tuple[torch.Tensor, list[float], list[float]]:
         """Last-position logits, and ms of each decode step (one per column of `tokens`, teacher-forced): until the
         call returns, which with the GPU idle at the start is the host's time before and while it launches the
-        step, and until the step's GPU work has finished."""
+        step, and until the step's GPU work has finished. skip_guards: the steps after the first CHECK_STEPS run
+        under torch.compiler.set_stance(skip_guard_eval_unsafe=True), as README's "Fast decode" says."""
         cache, logits, returned, finished = self.prefilled(prompt), [], [], []
         for i in range(tokens.shape[1]):
+            stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip_guards and i >= CHECK_STEPS)
             sync(self.device)
             start = time.perf_counter()
-            out = self._call(self.forward, tokens[:, i:i + 1], cache, prompt.shape[1] + i)
+            with stance:
+                out = self._call(self.forward, tokens[:, i:i + 1], cache, prompt.shape[1] + i)
             returned.append((time.perf_counter() - start) * 1e3)
             sync(self.device)
             finished.append((time.perf_counter() - start) * 1e3)
@@ -232,6 +236,10 @@ def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: floa
     ms = statistics.median(finished[CHECK_STEPS:])
     row |= {"decode ms": f"{ms:.3f}", "host ms": f"{statistics.median(returned[CHECK_STEPS:]):.3f}",
             "tokens/s": f"{batch * 1e3 / ms:.0f}"}
+    if args.skip_guards:
+        _, returned, finished = decoder.steps(prompt, tokens, skip_guards=True)
+        row |= {"decode ms, guards skipped": f"{statistics.median(finished[CHECK_STEPS:]):.3f}",
+                "host ms, guards skipped": f"{statistics.median(returned[CHECK_STEPS:]):.3f}"}
     if args.device == "cuda":
         row["peak GB"] = f"{torch.cuda.max_memory_allocated() / 2**30:.1f}"
     if batch in args.profile_batches:
@@ -252,6 +260,7 @@ def run_workers(items: list[tuple[str, int]], args, warm: bool = False) -> list[
     eager logits, profiles nothing, and is quiet."""
     forwarded = ("layers", "hidden", "vocab", "prefill", "steps", "mode", "device", "row_timeout")
     passed = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in forwarded]
+    passed += ["--skip-guards"] if args.skip_guards else []
     for option in ("prefill_batches", "generate_batches", "profile_batches"):
         values = [] if warm and option == "profile_batches" else getattr(args, option)
         passed += [f"--{option.replace('_', '-')}", *map(str, values)]
@@ -293,6 +302,8 @@ def main():
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--mode", default="reduce-overhead", choices=["default", "reduce-overhead"])
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--skip-guards", action="store_true",
+                        help="time the decode steps again under set_stance(skip_guard_eval_unsafe=True)")
     parser.add_argument("--row-timeout", type=float, default=240,
                         help="seconds a path may take for one batch's row (compiles included) before it is failed")
     parser.add_argument("--warm-jobs", type=int, default=8,
