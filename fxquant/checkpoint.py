@@ -14,6 +14,7 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from fxquant import kv_cache_scheme
 from fxquant.checkpoint_experts import expert_linear_names, split_experts, stack_experts
 from fxquant.checkpoint_mxfp4 import MXFP4_METHOD, from_mxfp4, mxfp4_experts
 from fxquant.compressed_tensors import SCHEMES, from_checkpoint, group_config, recipe_of, to_checkpoint
@@ -27,11 +28,12 @@ HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 
 
-def save_quantized(model: nn.Module, path) -> None:
+def save_quantized(model: nn.Module, path, kv_scales: list[tuple[float, float]] | None = None) -> None:
     """Write `model` (quantized by quantize_) to the folder `path`: its QuantizedLinear layers in their
     compressed-tensors layout, its QuantizedExperts as the checkpoint's per-expert linears (`checkpoint_experts`),
     every other parameter and persistent buffer as it is (a tied weight once), and config.json with the model's
-    config (a transformers model's) and `quantization_config`."""
+    config (a transformers model's) and `quantization_config`. kv_scales: static fp8 KV-cache scales, one (k, v)
+    pair per attention layer (kv_scales_of), stored in compressed-tensors' kv_cache_scheme."""
     path = Path(path)
     tensors, seen, groups, ignore = {}, set(), defaultdict(list), []
     for name, module in model.named_modules():
@@ -61,6 +63,8 @@ def save_quantized(model: nn.Module, path) -> None:
             if t is not None and id(t) not in seen:  # a tied weight is stored under its first name
                 seen.add(id(t))
                 tensors[prefix + key] = t.detach().contiguous()
+    if kv_scales is not None:
+        tensors.update(kv_cache_scheme.scale_tensors(model, kv_scales))
     if not groups:
         raise ValueError(f"fxquant: {type(model).__name__} holds no layer quantize_ quantized (QuantizedLinear, "
                          "QuantizedExperts): its checkpoint would be a plain one labelled compressed-tensors. Fix: "
@@ -79,6 +83,7 @@ def save_quantized(model: nn.Module, path) -> None:
         "config_groups": {f"group_{i}": group_config(recipe, names)
                           for i, (recipe, names) in enumerate(groups.items())},
         "ignore": ignore,
+        "kv_cache_scheme": kv_cache_scheme.SCHEME if kv_scales is not None else None,
     }
     (path / "config.json").write_text(json.dumps(config, indent=2, default=str))
 
@@ -201,6 +206,8 @@ def load_quantized(model: nn.Module, path, device=None, dtype: torch.dtype | str
         with _opened(file, device) as f:
             for key in f.keys():  # noqa: SIM118  (safe_open handles have keys(), not iteration)
                 name, _, local = key.rpartition(".")
+                if config.get("kv_cache_scheme") and kv_cache_scheme.is_scale_key(key):
+                    continue  # the cache's, read by kv_scales_of(path)
                 if name in recipes and local != "bias" or name in expert_of:
                     pending[name][local] = f.get_tensor(key)
                     continue
@@ -333,3 +340,16 @@ def _assign(model: nn.Module, key: str, tensor: torch.Tensor, owners, dtype) -> 
     value = nn.Parameter(tensor, requires_grad=current is not None and current.requires_grad) if is_param else tensor
     for owner, owner_attr in owners.get(id(current), [(module, attr)]):
         (owner._parameters if is_param else owner._buffers)[owner_attr] = value
+
+
+def stored_kv_scales(path) -> list[tuple[float, float]]:
+    """The static KV-cache scales a checkpoint's kv_cache_scheme holds, one (k, v) pair per attention layer."""
+    path = Path(path)
+    if (_read_config(path).get("quantization_config") or {}).get("kv_cache_scheme") != kv_cache_scheme.SCHEME:
+        raise ValueError(f"fxquant: {path / 'config.json'} has no per-tensor fp8 kv_cache_scheme "
+                         f"({kv_cache_scheme.SCHEME}); per-token scales need none: FP8StaticCache(kv_scales=None)")
+    tensors = {}
+    for file in _files(path):
+        with _opened(file, torch.device("cpu")) as f:
+            tensors.update({key: f.get_tensor(key) for key in f.keys() if kv_cache_scheme.is_scale_key(key)})  # noqa: SIM118
+    return kv_cache_scheme.pairs_from(tensors)

@@ -19,13 +19,15 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
-from fxquant.formats import AMAX_FLOOR, E4M3
-from fxquant.reference import saturate
+from fxquant.checkpoint import stored_kv_scales
+from fxquant.formats import E4M3
+from fxquant.reference import saturate, scale_from_amax
 
 CODES = torch.float8_e4m3fn
 
@@ -101,14 +103,17 @@ class FP8StaticCache(StaticCache):
             self.layers[index] = e4m3
 
 
-def kv_scales_of(cache: StaticCache) -> list[tuple[float, float]]:
-    """Static per-tensor scales from a high-precision StaticCache filled by calibration prompts: each layer's
-    K and V amax / 448, so that nothing the prompts wrote would saturate."""
-    pairs = []
+def kv_scales_of(source: StaticCache | str | os.PathLike) -> list[tuple[float, float]]:
+    """Static per-tensor scales, one (k_scale, v_scale) per layer: from a high-precision StaticCache filled by
+    calibration prompts (each layer's K and V amax / 448, so that nothing the prompts wrote would saturate), or
+    from a checkpoint folder's kv_cache_scheme (save_quantized(..., kv_scales=...), or llm-compressor's)."""
+    if isinstance(source, str | os.PathLike):
+        return stored_kv_scales(source)
+    cache, pairs = source, []
     for index, layer in enumerate(cache.layers):
         if not getattr(layer, "is_initialized", False) or layer.keys.dtype == torch.uint8:
             raise ValueError(f"fxquant: kv_scales_of needs a filled high-precision StaticCache; layer {index} is "
                              f"{'empty' if not getattr(layer, 'is_initialized', False) else 'e4m3 codes'}")
-        pairs.append(tuple(float(t.float().abs().amax().clamp_min(AMAX_FLOOR)) / E4M3.max
+        pairs.append(tuple(float(scale_from_amax(t.float().abs().amax(), E4M3.max))  # fp32, as every scale here
                            for t in (layer.keys, layer.values)))
     return pairs

@@ -4,6 +4,7 @@ dequantize before they are stored; eagerly, compiled, and under a quantized reci
 
 import copy
 import functools
+import json
 
 import pytest
 import torch
@@ -15,11 +16,14 @@ from hf_models import (
     compiled_graphs,
     decoder,
     fake_quantized,
+    skeleton,
     static_decode,
     traced,
     within_bound,
 )
+from safetensors import safe_open
 
+import fxquant
 from fxquant import FP8StaticCache, kv_scales_of, pipeline
 from fxquant import reference as R
 from fxquant.passes.decode_attention import DecodeAttention
@@ -67,10 +71,7 @@ def test_eager_decode_equals_the_fake_quantized_cache(arch, padded):
 
 def test_static_scales_measured_on_a_bf16_cache_equal_the_fake_quantized_cache():
     model = decoder("llama")
-    calibration = T.StaticCache(config=model.config, max_cache_len=32)
-    with torch.no_grad():
-        model(input_ids=PROMPT, past_key_values=calibration, use_cache=True)
-    kv_scales = kv_scales_of(calibration)
+    kv_scales = calibrated(model)
     assert len(kv_scales) == model.config.num_hidden_layers and all(s > 0 for pair in kv_scales for s in pair)
     got = static_decode(model, model, PROMPT, STEPS, cache_class=with_scales(FP8StaticCache, kv_scales))
     fake = static_decode(model, model, PROMPT, STEPS, cache_class=with_scales(FakeQuantizedCache, kv_scales))
@@ -81,13 +82,10 @@ def test_per_token_scales_are_nearer_the_bf16_cache_than_per_tensor_scales():
     """The measurement behind the default: on the same prompts, per-token scales keep the logits nearer the bf16
     cache's than per-tensor scales calibrated on the prompt."""
     model = decoder("llama")
-    calibration = T.StaticCache(config=model.config, max_cache_len=32)
-    with torch.no_grad():
-        model(input_ids=PROMPT, past_key_values=calibration, use_cache=True)
     unquantized = static_decode(model, model, PROMPT, STEPS)
     per_token = static_decode(model, model, PROMPT, STEPS, cache_class=FP8StaticCache)
     per_tensor = static_decode(model, model, PROMPT, STEPS,
-                               cache_class=with_scales(FP8StaticCache, kv_scales_of(calibration)))
+                               cache_class=with_scales(FP8StaticCache, calibrated(model)))
     token_error = sum(angle(per_token[i], unquantized[i]) for i in range(len(unquantized)))
     tensor_error = sum(angle(per_tensor[i], unquantized[i]) for i in range(len(unquantized)))
     assert 0 < token_error < tensor_error
@@ -163,3 +161,43 @@ def test_bad_arguments_are_refused_by_name():
                           num_hidden_layers=2, layer_types=["conv", "full_attention"], vocab_size=VOCAB)
     with pytest.raises(ValueError, match="layer 0 is a .*Use transformers' StaticCache"):
         FP8StaticCache(config=hybrid, max_cache_len=8)
+
+
+def calibrated(model) -> list[tuple[float, float]]:
+    cache = T.StaticCache(config=model.config, max_cache_len=32)
+    with torch.no_grad():
+        model(input_ids=PROMPT, past_key_values=cache, use_cache=True)
+    return kv_scales_of(cache)
+
+
+def test_static_scales_travel_in_the_checkpoints_kv_cache_scheme(tmp_path):
+    """save_quantized writes them as compressed-tensors' kv_cache_scheme (model.layers.N.self_attn.k_scale /
+    v_scale); load_quantized leaves them to the cache; kv_scales_of(path) reads them back exactly."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    model = decoder("llama")
+    kv_scales = calibrated(model)
+    fxquant.quantize_(model, "fp8_row")
+    fxquant.save_quantized(model, tmp_path, kv_scales=kv_scales)
+    config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    scheme = QuantizationConfig.model_validate(config).kv_cache_scheme
+    assert (scheme.num_bits, scheme.type, scheme.strategy, scheme.dynamic) == (8, "float", "tensor", False)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert {"model.layers.1.self_attn.k_scale", "model.layers.1.self_attn.v_scale"} <= set(f.keys())  # noqa: SIM118
+    assert kv_scales_of(tmp_path) == kv_scales
+    loaded = fxquant.load_quantized(skeleton(model), tmp_path)
+    cache = with_scales(FP8StaticCache, kv_scales_of(tmp_path))
+    torch.testing.assert_close(static_decode(loaded, loaded, PROMPT, STEPS, cache_class=cache),
+                               static_decode(model, model, PROMPT, STEPS, cache_class=with_scales(FP8StaticCache,
+                                                                                                   kv_scales)),
+                               rtol=0, atol=0)
+
+
+def test_a_checkpoint_without_kv_scales_and_a_wrong_count_are_refused(tmp_path):
+    model = decoder("llama")
+    fxquant.quantize_(model, "fp8_row")
+    with pytest.raises(ValueError, match="1 kv_scales pairs for the 2 attention layers"):
+        fxquant.save_quantized(model, tmp_path, kv_scales=[(1.0, 1.0)])
+    fxquant.save_quantized(model, tmp_path)
+    with pytest.raises(ValueError, match="no per-tensor fp8 kv_cache_scheme"):
+        kv_scales_of(tmp_path)
