@@ -101,9 +101,10 @@ def test_export_with_auto_pins_layers_on_the_sample_inputs():
 
 
 def test_sqnr_db_edge_cases():
-    x = torch.randn(64)
+    # integers below 2**16 times 1 + 2**-7 are exact in fp32: the noise is x / 128, the SQNR 20 log10(128) dB
+    x = torch.randint(1, 1000, (64,), generator=torch.Generator().manual_seed(0)).float()
     assert math.isinf(sqnr_db(x, x)) and math.isnan(sqnr_db(x * math.inf, x))
-    assert sqnr_db(x * 1.01, x) == pytest.approx(40.0, abs=1e-6)
+    assert sqnr_db(x * (1 + 2**-7), x) == pytest.approx(20 * math.log10(128), abs=1e-9)
 
 
 def test_bad_layer_recipes_and_unmeasured_auto_are_clear_errors():

@@ -85,15 +85,15 @@ def test_softcap_sinks_and_sequence_lengths():
 @pytest.mark.parametrize("kind", ["additive", "boolean"])
 def test_a_mask_shared_by_every_query_row_is_read_once_per_key(kind):
     """transformers' decode mask [B, 1, 1, S] (one position, every head) takes the per-key load; the same mask
-    materialized per head takes the per-row one; both give the reference's result. Keys 301: no multiple of 16."""
+    materialized per head takes the per-row one; both give the reference's result (on the GPU the two compile to
+    different instruction orders, so they may differ from each other by a rounding). Keys 301: no multiple of 16."""
     q, k, v = operands(2, 8, 2, 1, 301, 64, torch.bfloat16, seed=8)
     hidden = torch.rand(2, 1, 1, 301, generator=torch.Generator().manual_seed(9)) < 0.3
     hidden[..., -1] = False  # every row attends to something
     mask = ~hidden if kind == "boolean" else torch.zeros(hidden.shape).masked_fill(hidden, float("-inf"))
     mask = mask.to(DEVICE) if kind == "boolean" else mask.to(DEVICE, torch.bfloat16)
-    shared, _ = check(q, k, v, torch.bfloat16, mask=mask)
-    per_row, _ = check(q, k, v, torch.bfloat16, mask=mask.expand(2, 8, 1, 301).contiguous())
-    torch.testing.assert_close(shared, per_row, rtol=0, atol=0)
+    check(q, k, v, torch.bfloat16, mask=mask)
+    check(q, k, v, torch.bfloat16, mask=mask.expand(2, 8, 1, 301).contiguous())
 
 
 def fp8_cache(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
