@@ -9,7 +9,6 @@ from fxquant.formats import FORMATS, FloatFormat, IntFormat
 from fxquant.granularity import Granularity
 from fxquant.inplace import quantize_
 from fxquant.inspection import InspectReport, inspect
-from fxquant.kv_cache import FP8StaticCache, kv_scales_of
 from fxquant.quantized import Quantized
 from fxquant.quantized_experts import QuantizedExperts
 from fxquant.quantized_linear import QuantizedLinear
@@ -20,3 +19,12 @@ __all__ = [
     "Quantized", "QuantizedExperts", "QuantizedLinear", "backend", "dequantize", "empty_weights", "export",
     "from_options", "inspect", "kv_scales_of", "load", "load_quantized", "quantize", "quantize_", "save_quantized",
 ]
+
+
+def __getattr__(name: str):
+    # They subclass transformers' StaticCache: transformers is imported on their first use, never by `import fxquant`.
+    if name in ("FP8StaticCache", "kv_scales_of"):
+        from fxquant import kv_cache
+
+        return getattr(kv_cache, name)
+    raise AttributeError(f"module 'fxquant' has no attribute {name!r}")
