@@ -37,7 +37,6 @@ class _E4M3Codes:
     every device's index_copy_ and roll serve) and `scales` holds their fp32 scales, or `static_scales` one
     (k, v) pair for the whole layer."""
 
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states: [B, Hkv, Q, D], the new positions
         if self.static_scales is None:
@@ -46,7 +45,8 @@ class _E4M3Codes:
             k_scale, v_scale = self.scales.update(k_scale, v_scale, *args, **kwargs)
             k_scale, v_scale = k_scale[..., 0], v_scale[..., 0]  # [B, Hkv, S]
         else:
-            k_scale, v_scale = (torch.full((1,), s, device=key_states.device) for s in self.static_scales)
+            k_scale, v_scale = (torch.full((1,), s, dtype=torch.float32, device=key_states.device)
+                                for s in self.static_scales)
             k_codes, v_codes = _static_codes(key_states, k_scale), _static_codes(value_states, v_scale)
         keys, values = super().update(k_codes.view(torch.uint8), v_codes.view(torch.uint8), *args, **kwargs)
         return (torch.ops.fxquant.dequantize_kv(keys.view(CODES), k_scale, key_states.dtype),

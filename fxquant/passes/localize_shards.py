@@ -25,7 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from fxquant.passes.annotations import FQN_KEY, PARAMETER_KEY, SHARD_KEY, SOURCE_KEY, fake_value, fetch_attr
+from fxquant.passes.annotations import SHARD_KEY, SOURCE_KEY, fake_value, fetch_attr
 from fxquant.passes.patterns import linear_operands
 
 
@@ -92,6 +92,8 @@ class LocalizeShards(PassBase):
         out = fake_value(linear)
         if out_placements is None or not isinstance(out, DTensor):
             return False
+        if out_placements[0] != Partial() and out._local_tensor.shape[-1] * w.device_mesh.size() != out.shape[-1]:
+            return False  # an uneven column split: from_local, given no global shape, assumes even shards
         graph = linear.graph
         with graph.inserting_before(linear):
             local_w = _local_constant(gm, operands.weight, w)
@@ -110,7 +112,8 @@ class LocalizeShards(PassBase):
 
 
 def _local_constant(gm: torch.fx.GraphModule, node: torch.fx.Node, value: DTensor) -> torch.fx.Node:
-    """A get_attr of this rank's shard of a DTensor constant, named and marked as the constant it comes from."""
+    """A get_attr of this rank's shard of a DTensor constant, with the constant's name and marks (FQN_KEY,
+    PARAMETER_KEY), and SHARD_KEY."""
     attr = f"{node.target}_local"
     if not hasattr(gm, attr):
         gm.register_buffer(attr, value._local_tensor)
@@ -121,7 +124,4 @@ def _local_constant(gm: torch.fx.GraphModule, node: torch.fx.Node, value: DTenso
     # re-quantization reads the shard, never the whole weight.
     const.meta[SOURCE_KEY] = value._local_tensor if node.meta.get(SOURCE_KEY) is not None else None
     const.meta[SHARD_KEY] = tuple(value.shape)
-    for key in (FQN_KEY, PARAMETER_KEY):
-        if key in node.meta:
-            const.meta[key] = node.meta[key]
     return const

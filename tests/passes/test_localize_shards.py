@@ -1,5 +1,5 @@
 """localize_shards, on 2 gloo ranks: column-parallel linears (one with its sharded bias) and a row-parallel one without
-bias run on local shards (no linear left reading a DTensor weight), a row-parallel linear with a bias is left to
+bias run on local shards, a row-parallel linear with a bias and a column split into uneven shards are left to
 DTensor and reported, a buffer written in place keeps its write, and a second run changes nothing."""
 
 import copy
@@ -22,11 +22,12 @@ class Block(nn.Module):
         self.down = nn.Linear(256, 128, bias=False)  # row parallel
         self.up2 = nn.Linear(128, 256, bias=False)  # column parallel
         self.out = nn.Linear(256, 128)  # row parallel with a bias: added once, after the sum, so left to DTensor
+        self.uneven = nn.Linear(128, 257, bias=False)  # column parallel into 129 + 128 rows: left to DTensor
         self.register_buffer("calls", torch.zeros(()))
 
     def forward(self, x):
         self.calls.add_(1)
-        return self.out(torch.relu(self.up2(self.down(torch.relu(self.up(x))))))
+        return self.out(torch.relu(self.up2(self.down(torch.relu(self.up(x)))))) + self.uneven(x)[..., :1]
 
 
 def localize_on_two_ranks():
@@ -41,7 +42,7 @@ def localize_on_two_ranks():
     model = Block().to(torch.bfloat16)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel(), "up2": ColwiseParallel(),
-                                     "out": RowwiseParallel()})
+                                     "out": RowwiseParallel(), "uneven": ColwiseParallel()})
     x = torch.randn(2, 4, 128, dtype=torch.bfloat16)
     with torch.no_grad():
         eager = model(x)
@@ -70,9 +71,9 @@ def localize_on_two_ranks():
 def test_linears_run_on_local_shards_and_a_row_parallel_bias_is_left_and_reported():
     for result in run(2, localize_on_two_ranks):
         assert result["modified"] and not result["again"]
-        assert len(result["reading_dtensors"]) == 1  # out's linear, left to DTensor
+        assert len(result["reading_dtensors"]) == 2  # out's linear and uneven's, left to DTensor
         assert result["shards"] == [(128, 256), (256,), (256, 128), (256, 128)]  # down's, up's bias, up's, up2's
         assert result["writes"] == 1 and result["calls"] == (1.0, 2.0)  # the compiled call wrote the buffer once
         assert all(result["layers"][name][0] == "fp8_row" for name in ("up", "down", "up2"))
-        assert result["layers"]["out"] == (None, SHARDED_REASON)
+        assert result["layers"]["out"] == result["layers"]["uneven"] == (None, SHARDED_REASON)
         assert result["error"] < 0.05  # fp8 per row and per token, against the sharded bf16 model
