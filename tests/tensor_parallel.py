@@ -2,6 +2,7 @@
 sharding it with DTensor's parallel styles, and compiling it under backend="fxquant". The parent gets each rank's
 result, or the rank's traceback as an error."""
 
+import contextlib
 import io
 import os
 import socket
@@ -59,6 +60,25 @@ def sharded_decode(arch: str, recipes, prompt, steps, experts=False, **overrides
         layers = {r.fqn: (r.recipe, r.reason, r.bytes_before, r.bytes_after) for r in records}
         results[recipe] = (logits, layers)
     return results
+
+
+def sharded_quantize_(arch: str, recipe: str, prompt) -> dict:
+    """On each rank: quantize_ on the sharded model; each layer's class, the logits before and after, and the
+    report quantize_ printed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import fxquant
+
+    model = decoder(arch)
+    parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)), plan(model, False))
+    report = io.StringIO()
+    with torch.no_grad(), contextlib.redirect_stdout(report):
+        before = model(prompt).logits
+        fxquant.quantize_(model, {"recipe": recipe, "report": True})
+        after = model(prompt).logits
+    return {"classes": {name: type(m).__name__ for name, m in model.named_modules() if name.endswith(COLUMN + ROW)},
+            "before": before, "after": after, "report": report.getvalue()}
 
 
 def _worker(rank: int, world: int, port: int, task, kwargs: dict, results) -> None:

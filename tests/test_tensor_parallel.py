@@ -7,7 +7,7 @@ over a K-sharded input are per shard)."""
 import pytest
 import torch
 from hf_models import VOCAB, decoder, fake_quantized, static_decode, traced, within_bound
-from tensor_parallel import ROW, run, sharded_decode
+from tensor_parallel import ROW, run, sharded_decode, sharded_quantize_
 
 GENERATOR = torch.Generator().manual_seed(11)
 PROMPT = torch.randint(0, VOCAB, (2, 8), generator=GENERATOR)
@@ -108,3 +108,13 @@ def test_mixtral_with_sharded_attention_and_whole_experts():
     layers = ranks[0]["fp8_row"][1]
     assert layers["model.layers.0.self_attn.q_proj"][0] == "fp8_row"
     assert any("experts" in name and record[0] == "fp8_row" for name, record in layers.items())
+
+
+def test_quantize_on_a_sharded_model_keeps_the_sharded_layers_and_says_so():
+    """quantize_ does not quantize DTensor weights (the backend does, on local shards): every sharded linear stays an
+    nn.Linear, the logits do not move, and the report gives the reason (SHARDED_REASON)."""
+    for result in run(2, sharded_quantize_, arch="llama", recipe="fp8_row", prompt=PROMPT):
+        assert set(result["classes"].values()) == {"Linear"} and len(result["classes"]) == 14
+        torch.testing.assert_close(result["after"], result["before"], rtol=0, atol=0)
+        rows = [line for line in result["report"].splitlines() if line.startswith("model.layers.")]
+        assert len(rows) == 14 and all("DTensor (tensor-parallel) weight" in row for row in rows)

@@ -51,8 +51,9 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 QUANTIZED_KEY = "fxquant_quantized"
 ROUTER_REASON = "router: its output selects experts (top-k)"
 CAST_REASON = "its product reads the weight cast to another dtype (logits wanted in that precision)"
-SHARDED_REASON = ("a DTensor weight outside the tensor-parallel layouts fxquant runs on local shards (column parallel "
-                  "with a replicated input, row parallel without bias, on a 1-D mesh)")
+SHARDED_REASON = ("a DTensor (tensor-parallel) weight not run on local shards: torch.compile(backend='fxquant') runs "
+                  "column parallel over a replicated input and row parallel without bias, on a 1-D mesh, so; "
+                  "quantize_ keeps every DTensor weight")
 SHARD_HINT = ("on this rank's shard of a tensor-parallel weight: shard on a multiple of the recipe's block (fewer "
               "ranks), or take a recipe with smaller blocks (fp8_row)")
 
