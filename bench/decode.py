@@ -13,7 +13,7 @@ Per path, in one process:
 - prefill: median ms of a compiled prefill of the whole prompt into an emptied cache (batch 1 only);
 - guards skipped (--skip-guards): the decode steps timed again with dynamo's guards skipped after the first steps;
 - generate(): transformers' generate() with cache_implementation="static" and compile_config naming the path;
-- peak GB: the most GPU memory the path held, from its compile to its last step (model, cache, workspace).
+- peak GiB: the most GPU memory the path held, from its compile to its last step (model, cache, workspace).
 
 The prefill that fills the cache before decoding runs eagerly, as generate() runs it: the cache's tensors are then
 allocated outside dynamo and marked static, which CUDA graphs over a cache written in place require.
@@ -241,7 +241,7 @@ def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: floa
         row |= {"decode ms, guards skipped": f"{statistics.median(finished[CHECK_STEPS:]):.3f}",
                 "host ms, guards skipped": f"{statistics.median(returned[CHECK_STEPS:]):.3f}"}
     if args.device == "cuda":
-        row["peak GB"] = f"{torch.cuda.max_memory_allocated() / 2**30:.1f}"
+        row["peak GiB"] = f"{torch.cuda.max_memory_allocated() / 2**30:.1f}"
     if batch in args.profile_batches:
         numbers, kernels = decoder.profile(prompt, tokens)
         row |= numbers
