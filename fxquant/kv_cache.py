@@ -30,6 +30,8 @@ from fxquant.formats import E4M3
 from fxquant.reference import saturate, scale_from_amax
 
 CODES = torch.float8_e4m3fn
+# Called by overload, so that graphs record the overload the passes match (a packet call records the packet).
+QUANTIZE, DEQUANTIZE_KV = torch.ops.fxquant.quantize_fp8.default, torch.ops.fxquant.dequantize_kv.default
 
 
 class _E4M3Codes:
@@ -40,8 +42,8 @@ class _E4M3Codes:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states: [B, Hkv, Q, D], the new positions
         if self.static_scales is None:
-            k_codes, k_scale = torch.ops.fxquant.quantize_fp8(key_states, 0)  # per (token, KV head): [..., Q, 1]
-            v_codes, v_scale = torch.ops.fxquant.quantize_fp8(value_states, 0)
+            k_codes, k_scale = QUANTIZE(key_states, 0)  # per (token, KV head): [..., Q, 1]
+            v_codes, v_scale = QUANTIZE(value_states, 0)
             k_scale, v_scale = self.scales.update(k_scale, v_scale, *args, **kwargs)
             k_scale, v_scale = k_scale[..., 0], v_scale[..., 0]  # [B, Hkv, S]
         else:
@@ -49,8 +51,8 @@ class _E4M3Codes:
                                 for s in self.static_scales)
             k_codes, v_codes = _static_codes(key_states, k_scale), _static_codes(value_states, v_scale)
         keys, values = super().update(k_codes.view(torch.uint8), v_codes.view(torch.uint8), *args, **kwargs)
-        return (torch.ops.fxquant.dequantize_kv(keys.view(CODES), k_scale, key_states.dtype),
-                torch.ops.fxquant.dequantize_kv(values.view(CODES), v_scale, key_states.dtype))
+        return (DEQUANTIZE_KV(keys.view(CODES), k_scale, key_states.dtype),
+                DEQUANTIZE_KV(values.view(CODES), v_scale, key_states.dtype))
 
     def reset(self) -> None:
         super().reset()

@@ -31,8 +31,8 @@ from fxquant.passes.decode_attention import DecodeAttention
 GENERATOR = torch.Generator().manual_seed(7)
 PROMPT = torch.randint(0, VOCAB, (2, 8), generator=GENERATOR)
 STEPS = torch.randint(0, VOCAB, (2, 12), generator=GENERATOR)  # 20 positions: Mistral's window of 8 rolls
-DEQUANTIZE_KV = torch.ops.fxquant.dequantize_kv
-ATTENTION = torch.ops.fxquant.decode_attention
+DEQUANTIZE_KV = torch.ops.fxquant.dequantize_kv.default
+ATTENTION = torch.ops.fxquant.decode_attention.default
 SLIDING = {"mistral": dict(sliding_window=8)}
 
 
@@ -92,9 +92,7 @@ def test_per_token_scales_are_nearer_the_bf16_cache_than_per_tensor_scales():
 
 
 def count(gm, op) -> int:
-    """Calls of op, by overload or by packet (dynamo records a custom op called by its packet so)."""
-    return sum(node.op == "call_function" and getattr(node.target, "_overloadpacket", node.target) is op
-               for node in gm.graph.nodes)
+    return sum(node.op == "call_function" and node.target is op for node in gm.graph.nodes)
 
 
 @pytest.fixture

@@ -34,13 +34,12 @@ from fxquant.passes.spellings import SDPA
 
 MAX_QUERIES = 4  # a decode step, or a few speculative or chunked positions; past that, prefill's kernels win
 ATTENTION = torch.ops.fxquant.decode_attention.default
-DEQUANTIZE_KV = torch.ops.fxquant.dequantize_kv
+DEQUANTIZE_KV = torch.ops.fxquant.dequantize_kv.default
 
 
 def dequantized_codes(node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     """(codes, scale) where node is fxquant.dequantize_kv(codes, scale, dtype), else None."""
-    if isinstance(node, torch.fx.Node) and node.op == "call_function" and \
-            getattr(node.target, "_overloadpacket", node.target) is DEQUANTIZE_KV:
+    if isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is DEQUANTIZE_KV:
         return node.args[0], node.args[1]
     return None
 
