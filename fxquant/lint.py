@@ -31,7 +31,7 @@ WEIGHT_SQNR_FLOOR_DB = {"fp8_e4m3": 20.0, "mxfp8": 20.0, "int8": 20.0, "int4": 1
 class Finding:
     severity: str  # "error", "warning" or "info"
     kind: str  # nonfinite_weight, fp16_weight, fp8_cast, fp16_overflow, weight_sqnr, slow_path, skipped, tail,
-    # upcast, fused_norm, experts
+    # upcast, fused_norm, decode_attention, attention_left, experts
     where: str  # layer or node name
     message: str  # what is wrong and the fix
 
@@ -64,7 +64,8 @@ GEMM_MIN = 16  # the tensor cores' smallest tile side
 
 def lint_layers(state, weights=()) -> list[Finding]:
     """Findings from what the pipeline did (its PipelineState): skipped layers and why, masked tails, reductions
-    moved to fp32, norms fused with their fp8 quantizers; and the weight bytes no recipe covers (3-D experts)."""
+    moved to fp32, norms fused with their fp8 quantizers, decode attention on fxquant's kernel and where it was
+    left, with why; and the weight bytes no recipe covers (3-D experts)."""
     findings = _expert_findings(weights)
     for layer in state.layers:
         if layer.recipe is None:
@@ -94,6 +95,10 @@ def lint_layers(state, weights=()) -> list[Finding]:
         findings.append(Finding("info", "upcast", name, "reduction was in bf16/fp16; now in fp32, cast back"))
     for name in state.fused_norms:
         findings.append(Finding("info", "fused_norm", name, "norm and its fp8 quantizers run as one kernel"))
+    for name in state.decode_attention:
+        findings.append(Finding("info", "decode_attention", name, "decode attention runs fxquant's split-KV kernel"))
+    for name, why in state.attention_left:
+        findings.append(Finding("info", "attention_left", name, f"decode attention stays on SDPA: {why}"))
     return findings
 
 

@@ -26,7 +26,7 @@ from fxquant.granularity import Granularity
 from fxquant.kernels.cast import capability
 from fxquant.kernels.cublas_fp8 import cublas_scaled_mm, cublas_takes
 from fxquant.kernels.decode_attention import decode_attention as decode_attention_kernel
-from fxquant.kernels.decode_attention import decode_attention_serves
+from fxquant.kernels.decode_attention import decode_attention_refusal
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm, is_block_scaled
 from fxquant.kernels.gemm_grouped import grouped_fp8_mm, grouped_weight_only_mm
 from fxquant.kernels.gemm_weight_only import weight_only_mm
@@ -332,7 +332,7 @@ def _decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scal
     """Attention of q [B, Hq, Q, D] over a KV cache k, v [B, Hkv, S, D] read as stored (high precision, or e4m3
     codes with fp32 k_scale / v_scale per (batch, KV head, token) or per tensor): reference_attention's numerics.
     CUDA: the split-KV kernel where it serves the operands; else the reference."""
-    if q.is_cuda and decode_attention_serves(q, k, v, mask):
+    if q.is_cuda and decode_attention_refusal(q, k, v, mask) is None:
         return decode_attention_kernel(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens)
     return RA.decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens)
 

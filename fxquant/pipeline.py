@@ -78,8 +78,8 @@ def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=N
         measured = measure_graph(gm, example_inputs, config, usable_recipes(device))
         state.config = config = resolve_auto(config, measured)
         state.auto_reasons = {m.fqn: m.reason for m in measured if m.chosen_by_auto and m.recipe is None}
-    gm = _run([QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseLinear(), DecodeAttention(), PackGQA(),
-               Cleanup()], gm)
+    gm = _run([QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseLinear(), DecodeAttention(state),
+               PackGQA(), Cleanup()], gm)
     findings += lint_layers(state, weights)
     errors = [f for f in findings if f.severity == "error"]
     if errors:

@@ -55,7 +55,10 @@ def format_report(layers, findings=(), weights=()) -> str:
     fused = [f.where for f in findings if f.kind == "fused_norm"]
     if fused:
         lines.append(f"norms fused with their fp8 quantizers: {', '.join(fused)}")
+    attention = [f.where for f in findings if f.kind == "decode_attention"]
+    if attention:
+        lines.append(f"decode attention on fxquant's split-KV kernel: {', '.join(attention)}")
     for finding in findings:
-        if finding.kind not in ("upcast", "skipped", "fused_norm"):  # already shown above
+        if finding.kind not in ("upcast", "skipped", "fused_norm", "decode_attention"):  # already shown above
             lines.append(f"{finding.severity}: {finding.where}: {finding.message}")
     return "fxquant report\n" + "\n".join(lines)

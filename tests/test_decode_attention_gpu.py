@@ -1,6 +1,7 @@
 """On the GPU, at Llama-3-8B's heads: a decode step compiled under backend="fxquant" (nothing quantized, 2 layers, a
 4096-token static cache, a left-padded batch) runs fxquant's decode attention in its graph, over a bf16 cache and
-over fxquant.FP8StaticCache's codes, within twice bf16's own distance of the eager copy it must equal."""
+over fxquant.FP8StaticCache's codes, from SDPA and from transformers' eager attention, within twice bf16's own
+distance of the eager copy it must equal."""
 
 import copy
 
@@ -17,10 +18,11 @@ pytestmark = pytest.mark.gpu
 MAX_LEN = 4096
 
 
-@pytest.fixture(scope="module")
-def llama_3_heads():
+@pytest.fixture(scope="module", params=["sdpa", "eager"])
+def llama_3_heads(request):
     config = T.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                           num_hidden_layers=2, vocab_size=32000, max_position_embeddings=8192)
+                           num_hidden_layers=2, vocab_size=32000, max_position_embeddings=8192,
+                           attn_implementation=request.param)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = T.LlamaForCausalLM(config).to(torch.bfloat16).eval()

@@ -145,15 +145,24 @@ def _decode_attention_merge_kernel(
     tl.store(out_ptr + b * sob + head * soh + pos * soq + cols, cast_float(out, OUT, CAST))
 
 
-def decode_attention_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether the kernel serves these operands: a head dim it tiles, every query row of a KV head in one tile, a
-    cache in the query's dtype or in e4m3 codes, rows of contiguous head dims, and a 4-D mask over the cache."""
-    groups = q.shape[1] // k.shape[1]
-    cache = k.dtype == v.dtype and k.dtype in (q.dtype, torch.float8_e4m3fn)
-    whole_mask = mask is None or (mask.dim() == 4 and mask.shape[-1] == k.shape[2])
-    return (q.shape[-1] in HEAD_DIMS and q.shape[1] % k.shape[1] == 0 and groups * q.shape[2] <= MAX_ROWS
-            and q.dtype in FLOAT_TL and cache and whole_mask
-            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
+def decode_attention_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             mask: torch.Tensor | None) -> str | None:
+    """Why the kernel does not serve these operands, or None where it does: it needs a head dim it tiles, every
+    query row of a KV head in one tile, a cache in the query's dtype or in e4m3 codes, rows of contiguous head dims,
+    and a 4-D mask over the whole cache."""
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head dim {q.shape[-1]}; the kernel tiles {', '.join(map(str, HEAD_DIMS))}"
+    if q.shape[1] % k.shape[1]:
+        return f"{q.shape[1]} query heads over {k.shape[1]} KV heads"
+    if q.shape[1] // k.shape[1] * q.shape[2] > MAX_ROWS:
+        return f"{q.shape[1] // k.shape[1]} query heads x {q.shape[2]} positions per KV head, over {MAX_ROWS} rows"
+    if q.dtype not in FLOAT_TL or k.dtype != v.dtype or k.dtype not in (q.dtype, torch.float8_e4m3fn):
+        return f"a {q.dtype} query over a {k.dtype}/{v.dtype} cache; the kernel reads the query's dtype or e4m3 codes"
+    if mask is not None and (mask.dim() != 4 or mask.shape[-1] != k.shape[2]):
+        return f"a mask of shape {tuple(mask.shape)} over {k.shape[2]} cached positions"
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return "a query or cache whose head dim is not contiguous"
+    return None
 
 
 def num_splits(batch_heads: int, keys: int, device: torch.device, programs_per_sm: int = DEFAULT_PLAN[0],

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fxquant import reference_attention as RA
-from fxquant.kernels.decode_attention import decode_attention, decode_attention_serves, num_splits
+from fxquant.kernels.decode_attention import decode_attention, decode_attention_refusal, num_splits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}  # relative error of the output
@@ -28,7 +28,7 @@ def operands(batch, heads_q, heads_kv, queries, keys, dim, dtype, seed=0, max_le
 def check(q, k, v, dtype, **kwargs):
     scale = q.shape[-1] ** -0.5
     args = dict(mask=None, scale=scale, softcap=0.0, sinks=None, k_scale=None, v_scale=None, kv_lens=None) | kwargs
-    assert decode_attention_serves(q, k, v, args["mask"])
+    assert decode_attention_refusal(q, k, v, args["mask"]) is None
     got = decode_attention(q, k, v, **args)
     want = RA.decode_attention(q, k, v, **args)
     assert got.shape == q.shape and got.dtype == q.dtype and torch.isfinite(got).all()
@@ -144,9 +144,12 @@ def test_llama_3_8b_heads_at_4k_over_an_fp8_cache_on_the_gpu():
 
 def test_operands_it_does_not_serve_are_said():
     q, k, v = operands(1, 4, 2, 1, 16, 64, torch.bfloat16)
-    assert not decode_attention_serves(q[..., :48].contiguous(), k[..., :48], v[..., :48], None)  # head dim 48
-    assert not decode_attention_serves(q, k.float(), v.float(), None)  # a cache in another dtype
-    assert not decode_attention_serves(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, None)
+    refusal = lambda *args: decode_attention_refusal(*args) or ""
+    assert "head dim 48" in refusal(q[..., :48].contiguous(), k[..., :48], v[..., :48], None)
+    assert "torch.float32" in refusal(q, k.float(), v.float(), None)  # a cache in another dtype
+    assert "not contiguous" in refusal(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, None)
+    assert "over 16 cached positions" in refusal(q, k, v, torch.zeros(1, 1, 1, 8))
+    assert "3 query heads over 2" in refusal(q[:, :3], k, v, None)
 
 
 def test_the_op_runs_the_kernel_or_the_reference_and_passes_opcheck():
