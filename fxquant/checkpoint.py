@@ -10,9 +10,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 
 from fxquant import kv_cache_scheme
 from fxquant.checkpoint_experts import expert_linear_names, split_experts, stack_experts
@@ -21,6 +23,7 @@ from fxquant.compressed_tensors import SCHEMES, from_checkpoint, group_config, r
 from fxquant.inplace import linear_weight
 from fxquant.quantized_experts import QuantizedExperts, is_experts
 from fxquant.quantized_linear import QuantizedLinear
+from fxquant.sharded_linear import gathered, whole
 
 SHARD_BYTES = 5 * 2**30  # the file size transformers shards at by default
 INDEX = "model.safetensors.index.json"
@@ -33,8 +36,13 @@ def save_quantized(model: nn.Module, path, kv_scales: list[tuple[float, float]] 
     compressed-tensors layout, its QuantizedExperts as the checkpoint's per-expert linears (`checkpoint_experts`),
     every other parameter and persistent buffer as it is (a tied weight once), and config.json with the model's
     config (a transformers model's) and `quantization_config`. kv_scales: static fp8 KV-cache scales, one (k, v)
-    pair per attention layer (kv_scales_of), stored in compressed-tensors' kv_cache_scheme."""
+    pair per attention layer (kv_scales_of), stored in compressed-tensors' kv_cache_scheme.
+
+    A tensor-parallel model (DTensor parameters, quantize_'d shard by shard) is saved whole: every rank calls
+    save_quantized, its shards are all-gathered, and rank 0 writes the checkpoint the unsharded model would
+    (`sharded_linear.gathered`, which refuses a row-parallel per-channel scale by name)."""
     path = Path(path)
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
     tensors, seen, groups, ignore = {}, set(), defaultdict(list), []
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
@@ -51,6 +59,7 @@ def save_quantized(model: nn.Module, path, kv_scales: list[tuple[float, float]] 
             if module.recipe not in SCHEMES:
                 raise ValueError(f"fxquant: {name} is quantized with {module.recipe}, which has no compressed-tensors "
                                  f"scheme here; save_quantized writes {', '.join(SCHEMES)}")
+            module = gathered(module, name)
             groups[module.recipe].append(name)
             tensors.update({prefix + key: t.contiguous() for key, t in to_checkpoint(module, module.recipe).items()})
             if module.bias is not None:
@@ -62,13 +71,15 @@ def save_quantized(model: nn.Module, path, kv_scales: list[tuple[float, float]] 
         for key, t in [*module.named_parameters(recurse=False), *((n, getattr(module, n)) for n in persistent)]:
             if t is not None and id(t) not in seen:  # a tied weight is stored under its first name
                 seen.add(id(t))
-                tensors[prefix + key] = t.detach().contiguous()
+                tensors[prefix + key] = whole(t).detach().contiguous()
     if kv_scales is not None:
         tensors.update(kv_cache_scheme.scale_tensors(model, kv_scales))
     if not groups:
         raise ValueError(f"fxquant: {type(model).__name__} holds no layer quantize_ quantized (QuantizedLinear, "
                          "QuantizedExperts): its checkpoint would be a plain one labelled compressed-tensors. Fix: "
                          "fxquant.quantize_(model, config) first, or save it with save_pretrained or torch.save")
+    if sharded and dist.get_rank() != 0:
+        return  # every rank gathered the shards above; the first one writes
     path.mkdir(parents=True, exist_ok=True)
     _write_shards(tensors, path)
     config = model.config.to_dict() if hasattr(model, "config") and hasattr(model.config, "to_dict") else {}

@@ -7,10 +7,11 @@ import warnings
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from fxquant.config import AUTO, QuantConfig, from_options
 from fxquant.passes.annotations import annotation
-from fxquant.passes.quantize_linear import ROUTER_REASON, skip_reason
+from fxquant.passes.quantize_linear import ALIGNMENT, ROUTER_REASON, SHARD_HINT, skip_reason
 from fxquant.passes.state import LayerRecord, PipelineState
 from fxquant.pipeline import prepare
 from fxquant.quantized_experts import (
@@ -22,6 +23,7 @@ from fxquant.quantized_experts import (
 )
 from fxquant.quantized_linear import FrozenParts, QuantizedLinear
 from fxquant.report import format_report
+from fxquant.sharded_linear import LAYOUT_REASON, local, move_hooks, shard_dim
 from fxquant.weights import WeightEntry, weight_role
 
 
@@ -49,6 +51,17 @@ def _routers(model: nn.Module, example_inputs) -> set[str]:
         torch.compile(model, backend=capture)(*example_inputs)
     torch._dynamo.reset()
     return found
+
+
+def sharded_reason(weight: torch.Tensor, bias, fqn: str, config: QuantConfig) -> str | None:
+    """skip_reason for the weight as this rank holds it: a tensor-parallel weight's local shard, in a layout
+    `shard_dim` takes, with the hint to reshard where the shard splits the recipe's blocks."""
+    reason = skip_reason(local(weight), fqn, config)
+    if not isinstance(weight, DTensor):
+        return reason
+    if reason is None and shard_dim(weight, bias, config.recipe_for(fqn)) is None:
+        return LAYOUT_REASON
+    return f"{reason} {SHARD_HINT}" if reason and reason.startswith(ALIGNMENT) else reason
 
 
 def _shared(model: nn.Module) -> dict[int, list[str]]:
@@ -92,18 +105,23 @@ def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, exa
         others = [name for name in shared.get(id(module.weight), ()) if name != fqn]
         reason = ROUTER_REASON if fqn in routers else (
             f"its weight is shared with {', '.join(others)}, which keeps it in high precision" if others
-            else skip_reason(weight, fqn, config))
-        before = weight.numel() * weight.element_size()
+            else sharded_reason(weight, module.bias, fqn, config))
+        before = local(weight).numel() * weight.element_size()  # a tensor-parallel layer: this rank's share
         if reason:
             layers.append(LayerRecord(fqn, tuple(weight.shape), None, reason, before, before))
             continue
         recipe = config.recipe_for(fqn)
         with torch.no_grad():
-            quantized = QuantizedLinear.from_weight(weight, module.bias, recipe)
+            if isinstance(weight, DTensor):
+                dim = shard_dim(weight, module.bias, recipe)
+                quantized = QuantizedLinear.from_sharded_weight(weight, module.bias, recipe, dim)
+            else:
+                quantized = QuantizedLinear.from_weight(weight, module.bias, recipe)
+        move_hooks(module, quantized)
         parent, _, attr = fqn.rpartition(".")
         setattr(model.get_submodule(parent), attr, quantized)
         del module, weight  # the last references to the high-precision weight: freed before the next layer
-        after = sum(p.numel() * p.element_size() for name, p in quantized.named_parameters() if name != "bias")
+        after = sum(local(p).numel() * p.element_size() for name, p in quantized.named_parameters() if name != "bias")
         layers.append(LayerRecord(fqn, (quantized.out_features, quantized.in_features), recipe, "", before, after))
     for fqn in [fqn for fqn, module in model.named_modules() if is_experts(module)]:
         layers += _quantize_experts(model, fqn, config)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from fxquant.config import RECIPES
 from fxquant.linear_ops import emit_linear, run_now
 from fxquant.passes.quantize_linear import quantize_weight
+from fxquant.sharded_linear import sharded_forward, sharded_parts
 
 # (name of the parameter, field of Quantized); None fields are registered as None parameters
 PARTS = (("weight", "data"), ("weight_scale", "scale"), ("weight_global_scale", "global_scale"),
@@ -63,6 +65,14 @@ class QuantizedLinear(FrozenParts):
         return cls(weight.shape[1], weight.shape[0], recipe, parts, bias)
 
     @classmethod
+    def from_sharded_weight(cls, weight: DTensor, bias: torch.Tensor | None, recipe: str, dim: int) -> QuantizedLinear:
+        """Quantize this rank's shard of a tensor-parallel `weight` (sharded along `dim`, as `shard_dim` found):
+        the parts are DTensors whose local tensors are the shard's codes and scales."""
+        q = quantize_weight(weight.to_local(), recipe)
+        parts = sharded_parts({name: getattr(q, field) for name, field in PARTS}, weight, dim)
+        return cls(weight.shape[1], weight.shape[0], recipe, parts, bias)
+
+    @classmethod
     def empty(cls, in_features: int, out_features: int, recipe: str, *, bias: bool, dtype: torch.dtype,
               device=None) -> QuantizedLinear:
         """A skeleton with uninitialized parts of the right shapes and dtypes (device "meta" allocates nothing),
@@ -81,6 +91,8 @@ class QuantizedLinear(FrozenParts):
         return [name for name, _ in PARTS]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features]
+        if isinstance(self.weight, DTensor):
+            return sharded_forward(self, x)
         consts = (self.weight, self.weight_scale, self.weight_global_scale, self.weight_zero_point)
         return emit_linear(run_now, RECIPES[self.recipe], x, consts, self.bias, self.out_features, x.dtype)
 

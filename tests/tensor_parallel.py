@@ -62,23 +62,49 @@ def sharded_decode(arch: str, recipes, prompt, steps, experts=False, **overrides
     return results
 
 
-def sharded_quantize_(arch: str, recipe: str, prompt) -> dict:
-    """On each rank: quantize_ on the sharded model; each layer's class, the logits before and after, and the
-    report quantize_ printed."""
+def sharded_quantize_(arch: str, recipe: str, prompt, steps, **overrides) -> dict:
+    """On each rank: quantize_ on the sharded model; each sharded layer's class, the placements and local bytes of
+    its parts, the report quantize_ printed, and the static-cache decode logits before, after (eager) and compiled
+    under backend="fxquant"."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import fxquant
+
+    model = decoder(arch, **overrides)
+    parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)), plan(model, False))
+    before = static_decode(model, model, prompt, steps)
+    report = io.StringIO()
+    with torch.no_grad(), contextlib.redirect_stdout(report):
+        fxquant.quantize_(model, {"recipe": recipe, "report": True})
+    sharded = {name: m for name, m in model.named_modules() if name.endswith(COLUMN + ROW)}
+    parts = {name: {p: (tuple(t.placements), t.to_local().numel() * t.element_size())
+                    for p, t in m.named_parameters() if isinstance(t, DTensor) and p != "bias"}
+             for name, m in sharded.items()}
+    after = static_decode(model, model, prompt, steps)
+    torch._dynamo.reset()
+    compiled = static_decode(model, torch.compile(model, backend="fxquant", options={"inner": "eager"}), prompt, steps)
+    return {"classes": {name: type(m).__name__ for name, m in sharded.items()}, "parts": parts,
+            "report": report.getvalue(), "before": before, "after": after, "compiled": compiled}
+
+
+def sharded_save(arch: str, recipe: str, path: str, **overrides) -> str | None:
+    """On each rank: quantize_ the sharded model and save_quantized it to `path` (rank 0 writes); the error's text
+    where save_quantized refuses."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     import fxquant
 
-    model = decoder(arch)
+    model = decoder(arch, **overrides)
     parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)), plan(model, False))
-    report = io.StringIO()
-    with torch.no_grad(), contextlib.redirect_stdout(report):
-        before = model(prompt).logits
-        fxquant.quantize_(model, {"recipe": recipe, "report": True})
-        after = model(prompt).logits
-    return {"classes": {name: type(m).__name__ for name, m in model.named_modules() if name.endswith(COLUMN + ROW)},
-            "before": before, "after": after, "report": report.getvalue()}
+    fxquant.quantize_(model, recipe)
+    try:
+        fxquant.save_quantized(model, path)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _worker(rank: int, world: int, port: int, task, kwargs: dict, results) -> None:

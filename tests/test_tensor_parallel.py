@@ -7,7 +7,7 @@ over a K-sharded input are per shard)."""
 import pytest
 import torch
 from hf_models import VOCAB, decoder, fake_quantized, static_decode, traced, within_bound
-from tensor_parallel import ROW, run, sharded_decode, sharded_quantize_
+from tensor_parallel import ROW, run, sharded_decode, sharded_quantize_, sharded_save
 
 GENERATOR = torch.Generator().manual_seed(11)
 PROMPT = torch.randint(0, VOCAB, (2, 8), generator=GENERATOR)
@@ -110,11 +110,68 @@ def test_mixtral_with_sharded_attention_and_whole_experts():
     assert any("experts" in name and record[0] == "fp8_row" for name, record in layers.items())
 
 
-def test_quantize_on_a_sharded_model_keeps_the_sharded_layers_and_says_so():
-    """quantize_ does not quantize DTensor weights (the backend does, on local shards): every sharded linear stays an
-    nn.Linear, the logits do not move, and the report gives the reason (SHARDED_REASON)."""
-    for result in run(2, sharded_quantize_, arch="llama", recipe="fp8_row", prompt=PROMPT):
-        assert set(result["classes"].values()) == {"Linear"} and len(result["classes"]) == 14
-        torch.testing.assert_close(result["after"], result["before"], rtol=0, atol=0)
-        rows = [line for line in result["report"].splitlines() if line.startswith("model.layers.")]
-        assert len(rows) == 14 and all("DTensor (tensor-parallel) weight" in row for row in rows)
+@pytest.mark.parametrize("recipe", ["fp8_row", "int4_wo"])
+def test_quantize_shards_each_rank_s_weights_and_decodes_within_the_bound(recipe):
+    """quantize_ on the sharded model: every sharded linear becomes a QuantizedLinear whose codes and scales are
+    DTensors sharded as its weight was (column parallel Shard(0), row parallel Shard(1)), each rank holding its own
+    quantized shard. Its decode, eager and compiled, is within the per-shard fake-quantized bound."""
+    from torch.distributed.tensor import Shard
+
+    model = decoder("llama", **WIDE_KV)
+    whole = unsharded_records(model, recipe)
+    exact, plain, eager = bound(model, recipe, 2)
+    ranks = run(2, sharded_quantize_, arch="llama", recipe=recipe, prompt=PROMPT, steps=STEPS, **WIDE_KV)
+    for result in ranks:
+        assert set(result["classes"].values()) == {"QuantizedLinear"} and len(result["classes"]) == 14
+        for name, parts in result["parts"].items():
+            placement = (Shard(1),) if name.endswith(ROW) else (Shard(0),)
+            assert parts and all(got == placement for got, _ in parts.values()), (name, parts)
+            held = sum(nbytes for _, nbytes in parts.values())
+            assert whole[name][3] <= 2 * held <= 1.02 * whole[name][3], name  # half, plus per-shard row scales
+        assert "quantized" in result["report"] and "DTensor" not in result["report"]
+        for logits in (result["after"], result["compiled"]):
+            assert not within_bound(logits, exact, plain, eager)
+    torch.testing.assert_close(ranks[0]["after"], ranks[1]["after"], rtol=0, atol=0)  # replicated
+
+
+def test_quantize_leaves_a_layer_whose_shard_splits_a_block_and_says_why():
+    """At 4 ranks q/k/v's shards are 64 rows: fp8_block's 128-row blocks do not tile them. quantize_ keeps those
+    layers, with the alignment reason and the resharding hint, and quantizes gate/up/down (128-row shards)."""
+    for result in run(4, sharded_quantize_, arch="llama", recipe="fp8_block", prompt=PROMPT, steps=STEPS,
+                      **WIDE_KV):
+        classes = result["classes"]
+        assert {classes[n] for n in classes if ".self_attn." in n} == {"Linear"}
+        assert {classes[n] for n in classes if ".mlp." in n} == {"QuantizedLinear"}
+        rows = [line for line in result["report"].splitlines() if ".self_attn." in line]
+        assert rows and all("alignment" in row and "tensor-parallel weight" in row for row in rows)
+
+
+@pytest.mark.parametrize("recipe", ["int4_wo", "fp8_block"])
+def test_a_sharded_model_saves_the_unsharded_model_s_checkpoint(tmp_path, recipe):
+    """save_quantized on every rank of the quantize_'d sharded model writes, from rank 0, the checkpoint the unsharded
+    model quantize_'d the same way writes: the same tensors bit for bit and the same quantization_config (int4's
+    groups and fp8_block's blocks fall inside the shards)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    import fxquant
+
+    assert run(2, sharded_save, arch="llama", recipe=recipe, path=str(tmp_path / "sharded"), **WIDE_KV) == [None] * 2
+    model = fxquant.quantize_(decoder("llama", **WIDE_KV), recipe)
+    fxquant.save_quantized(model, tmp_path / "whole")
+    sharded, whole = (load_file(tmp_path / kind / "model.safetensors") for kind in ("sharded", "whole"))
+    assert sharded.keys() == whole.keys()
+    for key in whole:
+        assert torch.equal(sharded[key], whole[key]), key
+    config = lambda kind: json.loads((tmp_path / kind / "config.json").read_text())["quantization_config"]
+    assert config("sharded") == config("whole")
+
+
+def test_saving_a_row_parallel_per_channel_scale_is_refused_by_name(tmp_path):
+    """fp8_row's row-parallel shards each keep their own per-channel scale: no checkpoint's per-row scale holds
+    them, so save_quantized says which layer and the fix, on every rank, and writes nothing."""
+    errors = run(2, sharded_save, arch="llama", recipe="fp8_row", path=str(tmp_path / "sharded"), **WIDE_KV)
+    for error in errors:
+        assert "model.layers.0.self_attn.o_proj is row parallel under fp8_row" in error and "Fix:" in error
+    assert not (tmp_path / "sharded").exists()
