@@ -85,3 +85,54 @@ def test_an_exported_decode_step_keeps_its_static_cache_writes_in_a_fresh_proces
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert torch.equal(torch.load(out_path), got)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_an_exported_decode_step_attends_with_the_decode_op(tmp_path, monkeypatch, attention):
+    """The decode pass runs on export's aten graphs too, SDPA and transformers' eager spelling alike (export writes
+    the value cache after the key cache's repeat: a write to another tensor, which the pass lets stand). Enabled
+    for the CPU here, where the op runs its fp32 reference. Each step is within twice bf16's own distance of the
+    eager model, and the saved program gives the same logits in a fresh process."""
+    import copy
+    import functools
+
+    from hf_models import VOCAB, angle, decoder
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    from fxquant import pipeline
+    from fxquant.passes.decode_attention import DecodeAttention
+
+    monkeypatch.setattr(pipeline, "DecodeAttention", functools.partial(DecodeAttention, devices=("cpu",)))
+    model = decoder("llama", attn_implementation=attention)
+    model.generation_config.cache_implementation = "static"
+    tokens = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
+    path, tokens_path, out_path = tmp_path / "decode.pt2", tmp_path / "tokens.pt", tmp_path / "out.pt"
+    exportable = lambda m: TorchExportableModuleWithStaticCache(m, batch_size=1, max_cache_len=16)
+
+    def decode(step) -> torch.Tensor:
+        return torch.stack([step(input_ids=tokens[:, i:i + 1], cache_position=torch.tensor([i]))[0, -1].float()
+                            for i in range(tokens.shape[1])])
+
+    with torch.no_grad():
+        ep = fxquant.export(exportable(model), (), {"input_ids": tokens[:, :1], "cache_position": torch.tensor([0])},
+                            config={"include": []})
+        torch.export.save(ep, path)
+        got = decode(ep.module())
+        eager = decode(exportable(model))
+        wide = copy.deepcopy(model).float()
+        exact = decode(exportable(wide))
+    attends = [node for node in ep.graph.nodes if node.target is torch.ops.fxquant.decode_attention.default]
+    assert len(attends) == model.config.num_hidden_layers
+    for step in range(len(got)):
+        assert angle(got[step], eager[step]) <= 2 * angle(eager[step], exact[step]), step
+    torch.save(tokens, tokens_path)
+    code = (
+        "import torch, fxquant\n"
+        f"step, tokens = fxquant.load({str(path)!r}).module(), torch.load({str(tokens_path)!r})\n"
+        "out = [step(input_ids=tokens[:, i:i + 1], cache_position=torch.tensor([i]))[0, -1].float()\n"
+        "       for i in range(6)]\n"
+        f"torch.save(torch.stack(out), {str(out_path)!r})\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert torch.equal(torch.load(out_path), got)

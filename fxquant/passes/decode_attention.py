@@ -20,7 +20,8 @@ over it is handed the codes and scales, so the kernel dequantizes in registers a
 The mask carries what transformers puts in it (left padding, sliding windows, causality among the Q positions),
 so a call without a mask is taken only for one query position. Left as they are: prefill (more than
 MAX_QUERIES positions), dropout, is_causal, operands the kernel does not serve, and a graph where the cache is
-written between the repeat and the attention (the repeat's copy is then what attention must read).
+written between the repeat and the attention (the repeat's copy is then what attention must read); a write to
+another tensor between them (export orders the value cache's write after the key cache's repeat) is no obstacle.
 
 Given the pipeline's state, the pass records each decode attention it rewrote (`state.decode_attention`) and each
 one it left, with why (`state.attention_left`), for the report.
@@ -38,7 +39,7 @@ from fxquant.kernels.decode_attention import decode_attention_refusal
 from fxquant.passes.annotations import fake_value, module_path
 from fxquant.passes.attention_patterns import eager_attention
 from fxquant.passes.patterns import SDPA_ARGS, repeated_kv
-from fxquant.passes.side_effects import mutation_epochs
+from fxquant.passes.side_effects import overwritten
 from fxquant.passes.spellings import SDPA
 from fxquant.passes.state import PipelineState
 
@@ -95,7 +96,7 @@ class DecodeAttention(PassBase):
         self.devices = devices  # where the kernel runs; elsewhere the op's reference would be slower than SDPA
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
-        modified, epochs = False, mutation_epochs(gm.graph)
+        modified = False
         for node in list(gm.graph.nodes):
             if node.op != "call_function":
                 continue
@@ -103,7 +104,7 @@ class DecodeAttention(PassBase):
             if attention is None:
                 continue
             where = module_path(node) or node.name
-            left = self._rewrite(gm.graph, node, attention, epochs)
+            left = self._rewrite(gm.graph, node, attention)
             if left is None:
                 modified = True
                 if self.state is not None:
@@ -115,7 +116,7 @@ class DecodeAttention(PassBase):
             gm.recompile()
         return PassResult(gm, modified)
 
-    def _rewrite(self, graph: torch.fx.Graph, out: torch.fx.Node, attention: Attention, epochs) -> str | None:
+    def _rewrite(self, graph: torch.fx.Graph, out: torch.fx.Node, attention: Attention) -> str | None:
         """Replaces the attention ending at `out` with the op and returns None; else, graph untouched, returns
         why a decode step's attention was left, or "" for a call that is not one (prefill, another device)."""
         query = fake_value(attention.query)
@@ -124,17 +125,16 @@ class DecodeAttention(PassBase):
             return ""
         if attention.refusal is not None:
             return attention.refusal
-        repeats = [read for read, cache in zip(attention.reads, (attention.keys, attention.values), strict=True)
-                  if read is not cache]  # repeat_kv's copies; the cache itself is read where the op reads it
-        if any(epochs[repeat] != epochs[out] for repeat in repeats):
-            return "the cache is written between the repeat and the attention, which must read the copy"
+        for read, cache in zip(attention.reads, (attention.keys, attention.values), strict=True):
+            if read is not cache and overwritten(graph, [cache], read, out):  # a repeat_kv copy
+                return "the cache is written between the repeat and the attention, which must read the copy"
         keys, values = attention.keys, attention.values
         k_codes, v_codes = dequantized_codes(keys), dequantized_codes(values)
         if (k_codes is None) != (v_codes is None):
             return "one of keys and values is read from e4m3 codes, the other not"
         scales = (None, None)
         if k_codes is not None:
-            if any(epochs[n] != epochs[out] for n in (keys, values)):
+            if any(overwritten(graph, codes, copy, out) for codes, copy in ((k_codes, keys), (v_codes, values))):
                 return "the cache is written between its dequantize and the attention, which must read the copy"
             (keys, k_scale), (values, v_scale) = k_codes, v_codes
             scales = (k_scale, v_scale)

@@ -10,6 +10,8 @@ across one changes what the read sees. Every pass asks this module:
   `out=` tensor, and Python's mutating operators (`x[i] = v`, `x += y`).
 - `mutation_epochs(graph)`: per node, how many writes come before it. A rewrite may merge or move computations
   only within one epoch.
+- `overwritten(graph, tensors, first, last)`: whether a write between two nodes may reach one of `tensors`,
+  following in-place results and views back to the memory they alias; a write whose target is unknown counts.
 """
 
 from __future__ import annotations
@@ -72,3 +74,82 @@ def mutation_epochs(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
 def eliminate_dead_code(graph: torch.fx.Graph) -> bool:
     """graph.eliminate_dead_code, keeping every node with side effects."""
     return graph.eliminate_dead_code(is_impure_node=has_side_effects)
+
+
+def _schema(node: torch.fx.Node):
+    """The aten schema a node runs: its overload's, or for a torch-level call, None (its name decides)."""
+    return node.target._schema if isinstance(node.target, torch._ops.OpOverload) else None
+
+
+def _name(node: torch.fx.Node) -> str | None:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
+    return name if isinstance(name, str) else None
+
+
+def _aliases_first_argument(node: torch.fx.Node) -> bool:
+    """Whether node's result may share its first argument's memory: an in-place result or a view (an indexing,
+    whose slices are views; a reshape or contiguous, views where they can be), by the aten schema."""
+    if node.op not in ("call_function", "call_method") or not node.args:
+        return False
+    if node.target is operator.getitem:
+        return True
+    schema = _schema(node)
+    if schema is not None:
+        return bool(schema.arguments and schema.returns and schema.arguments[0].alias_info is not None
+                    and schema.returns[0].alias_info is not None)
+    name = _name(node)
+    return name is not None and (_aten_writes_self(name) or _aten_returns_view(name))
+
+
+@functools.cache
+def _aten_returns_view(name: str) -> bool:
+    """Whether some overload of aten::<name> returns an alias of its first argument (Tensor(a) self -> Tensor(a))."""
+    packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return False
+    for overload in packet.overloads():
+        schema = getattr(packet, overload)._schema
+        if schema.arguments and schema.returns and schema.arguments[0].alias_info is not None \
+                and schema.returns[0].alias_info is not None:
+            return True
+    return False
+
+
+def alias_root(node):
+    """The node whose memory `node` may alias: followed back through in-place results and views."""
+    while isinstance(node, torch.fx.Node) and _aliases_first_argument(node):
+        node = node.args[0]
+    return node
+
+
+def _written(node: torch.fx.Node) -> list | None:
+    """The tensors a write targets (the arguments an aten schema marks written, an in-place method's or setitem's
+    first argument, an out= tensor), [] for an effectful op that writes none (an assert), or None where they are not
+    known (a module, a torch-level callable of unknown schema)."""
+    if isinstance(node.kwargs.get("out"), torch.fx.Node):
+        return [node.kwargs["out"]]
+    schema = _schema(node)
+    if schema is not None:
+        written = [i for i, arg in enumerate(schema.arguments)
+                   if arg.alias_info is not None and arg.alias_info.is_write]
+        return [node.args[i] for i in written] if all(i < len(node.args) for i in written) else None
+    name = _name(node)
+    if node.op in ("call_function", "call_method") and node.args and (
+            node.target in _PYTHON_MUTATORS or (name is not None and _aten_writes_self(name))):
+        return [node.args[0]]
+    return None
+
+
+def overwritten(graph: torch.fx.Graph, tensors, first: torch.fx.Node, last: torch.fx.Node) -> bool:
+    """Whether a write after `first` and before `last` (graph order) may reach the memory of one of `tensors`."""
+    roots = {alias_root(t) for t in tensors}
+    between = False
+    for node in graph.nodes:
+        if node is last:
+            return False
+        if between and node.op in ("call_function", "call_method", "call_module") and has_side_effects(node):
+            written = _written(node)
+            if written is None or any(alias_root(t) in roots for t in written):
+                return True
+        between = between or node is first
+    return False

@@ -18,7 +18,7 @@ from fxquant.passes.fuse_linear import FuseLinear
 from fxquant.passes.fuse_norm import FuseNorm
 from fxquant.passes.merge_linear import MergeLinear
 from fxquant.passes.quantize_linear import QuantizeLinear
-from fxquant.passes.side_effects import has_side_effects
+from fxquant.passes.side_effects import has_side_effects, overwritten
 from fxquant.passes.state import PipelineState
 from fxquant.passes.upcast import Upcast
 
@@ -77,6 +77,23 @@ def test_side_effects_come_from_schemas():
               graph.call_function(torch.ops.aten.index_put_.default, (x, [x], x))]
     assert [has_side_effects(n) for n in pure] == [False] * len(pure)
     assert [has_side_effects(n) for n in impure] == [True] * len(impure)
+
+
+def test_a_write_between_two_nodes_counts_where_it_may_reach_the_memory_read():
+    """overwritten() follows in-place results and views back to the memory they alias: k's own write through a
+    view reaches k; v's write does not; an assert (effectful, writing nothing by its aten schema) does not."""
+    graph = torch.fx.Graph()
+    k, v, x = graph.placeholder("k"), graph.placeholder("v"), graph.placeholder("x")
+    written_k = graph.call_method("index_copy_", (k, 2, x, x))
+    read = graph.call_method("expand", (written_k, 2, -1))
+    graph.call_method("index_copy_", (v, 2, x, x))
+    graph.call_function(torch.ops.aten._assert_tensor_metadata.default, (x,))
+    last = graph.call_function(torch.matmul, (read, x))
+    assert not overwritten(graph, [written_k], read, last)
+    assert overwritten(graph, [v], read, last)
+    with graph.inserting_before(last):
+        graph.call_function(operator.setitem, (graph.call_function(operator.getitem, (k, 0)), 0, x))
+    assert overwritten(graph, [written_k], read, last)  # k[0][0] = x
 
 
 class NormLinearsWrite(nn.Module):
