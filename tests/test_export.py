@@ -54,7 +54,7 @@ def test_an_exported_decode_step_keeps_its_static_cache_writes_in_a_fresh_proces
     model = decoder("llama")
     model.generation_config.cache_implementation = "static"
     tokens = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
-    path, tokens_path, out_path = tmp_path / "decode.pt2", tmp_path / "tokens.pt", tmp_path / "out.pt"
+    path = tmp_path / "decode.pt2"
 
     def decode(step) -> torch.Tensor:
         return torch.stack([step(input_ids=tokens[:, i:i + 1], cache_position=torch.tensor([i]))[0, -1].float()
@@ -74,17 +74,7 @@ def test_an_exported_decode_step_keeps_its_static_cache_writes_in_a_fresh_proces
                                   [0, -1].float() for i in range(tokens.shape[1])])
     assert not within_bound(got, exact, plain, eager)
     assert within_bound(no_history, exact, plain, eager)  # a program without its cache writes fails the bound
-    torch.save(tokens, tokens_path)
-    code = (
-        "import torch, fxquant\n"
-        f"step, tokens = fxquant.load({str(path)!r}).module(), torch.load({str(tokens_path)!r})\n"
-        "out = [step(input_ids=tokens[:, i:i + 1], cache_position=torch.tensor([i]))[0, -1].float()\n"
-        "       for i in range(6)]\n"
-        f"torch.save(torch.stack(out), {str(out_path)!r})\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert torch.equal(torch.load(out_path), got)
+    assert torch.equal(replayed_in_a_fresh_process(path, tokens, tmp_path), got)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -106,7 +96,7 @@ def test_an_exported_decode_step_attends_with_the_decode_op(tmp_path, monkeypatc
     model = decoder("llama", attn_implementation=attention)
     model.generation_config.cache_implementation = "static"
     tokens = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
-    path, tokens_path, out_path = tmp_path / "decode.pt2", tmp_path / "tokens.pt", tmp_path / "out.pt"
+    path = tmp_path / "decode.pt2"
     exportable = lambda m: TorchExportableModuleWithStaticCache(m, batch_size=1, max_cache_len=16)
 
     def decode(step) -> torch.Tensor:
@@ -125,14 +115,21 @@ def test_an_exported_decode_step_attends_with_the_decode_op(tmp_path, monkeypatc
     assert len(attends) == model.config.num_hidden_layers
     for step in range(len(got)):
         assert angle(got[step], eager[step]) <= 2 * angle(eager[step], exact[step]), step
+    assert torch.equal(replayed_in_a_fresh_process(path, tokens, tmp_path), got)
+
+
+def replayed_in_a_fresh_process(path, tokens, tmp_path) -> torch.Tensor:
+    """The last position's logits of each token's decode step, run by the program saved at `path` in a new
+    process (which imports fxquant, so the program's ops are registered)."""
+    tokens_path, out_path = tmp_path / "tokens.pt", tmp_path / "out.pt"
     torch.save(tokens, tokens_path)
     code = (
         "import torch, fxquant\n"
         f"step, tokens = fxquant.load({str(path)!r}).module(), torch.load({str(tokens_path)!r})\n"
         "out = [step(input_ids=tokens[:, i:i + 1], cache_position=torch.tensor([i]))[0, -1].float()\n"
-        "       for i in range(6)]\n"
+        f"       for i in range({tokens.shape[1]})]\n"
         f"torch.save(torch.stack(out), {str(out_path)!r})\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert torch.equal(torch.load(out_path), got)
+    return torch.load(out_path)
