@@ -7,6 +7,12 @@
     [%p = dropout(%p, p=0.0 or training=False)]
     %o = matmul(%p, repeat_kv(V))
 
+and GPT-OSS's attention sinks, a learned logit per head joined to every row and dropped after the softmax:
+
+    %c = cat([%s, sinks.reshape(1, -1, 1, 1).expand(...)], -1)
+    [%c = %c - %c.max(-1, keepdim=True).values]                 (a shift the softmax does not see)
+    %p = softmax(%c, dim=-1, ...)[..., :-1]
+
 `eager_attention` returns the operands an attention op takes; keys and values are the cache itself where the model
 repeats them (`repeat_kv`) or reads them as they are (one query head per KV head).
 """
@@ -19,7 +25,24 @@ import torch
 
 from fxquant.passes.annotations import fake_value
 from fxquant.passes.patterns import repeated_kv
-from fxquant.passes.spellings import ADD, DIV, DROPOUT, DTYPE_CASTS, MATMUL, MUL, SOFTMAX, TANH, TRANSPOSE, target_of
+from fxquant.passes.spellings import (
+    ADD,
+    AMAX,
+    CAT,
+    DIV,
+    DROPOUT,
+    DTYPE_CASTS,
+    EXPAND,
+    GATHER_ROWS,
+    MATMUL,
+    MUL,
+    RESHAPE,
+    SOFTMAX,
+    SUB,
+    TANH,
+    TRANSPOSE,
+    target_of,
+)
 
 
 @dataclass
@@ -31,6 +54,7 @@ class EagerAttention:
     mask: torch.fx.Node | None
     scale: float
     softcap: float  # 0.0: none
+    sinks: torch.fx.Node | None  # [query heads]: one logit each, in every row's softmax and no value
 
 
 def _arg(node, index, name, default=None):
@@ -57,12 +81,14 @@ def _without_dropout(node):
 
 
 def _softmax_input(node):
-    """x where node is softmax(x) over the last dim, in fp32 or in x's dtype, else None."""
+    """x where node is softmax(x) over the last dim, in any float dtype (the op's softmax, in fp32, is at least as
+    accurate), else None."""
     if not isinstance(node, torch.fx.Node) or target_of(node) not in SOFTMAX:
         return None
     value, dim = fake_value(node.args[0]), _arg(node, 1, "dim")
     last = dim == -1 or (isinstance(value, torch.Tensor) and dim == value.dim() - 1)
-    return node.args[0] if last and _arg(node, 2, "dtype") in (None, torch.float32) else None
+    floating = (None, torch.float32, torch.bfloat16, torch.float16)
+    return node.args[0] if last and _arg(node, 2, "dtype") in floating else None
 
 
 def _operand_pair(node, targets):
@@ -129,14 +155,63 @@ def _cache(node):
     return (source, repeats) if source is not None else (node, 1)
 
 
+def _without_last_column(node):
+    """x where node is x[..., :-1], else None."""
+    if not isinstance(node, torch.fx.Node) or target_of(node) not in GATHER_ROWS or len(node.args) != 2:
+        return None
+    index = node.args[1]
+    if isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis and index[1] == slice(None, -1, None):
+        return node.args[0]
+    return None
+
+
+def _unshifted(node):
+    """x where node is x - x.max(-1, keepdim=True).values (or amax), else node."""
+    if not isinstance(node, torch.fx.Node) or target_of(node) not in SUB or len(node.args) != 2:
+        return node
+    x, top = node.args
+    if isinstance(top, torch.fx.Node) and target_of(top) in GATHER_ROWS and top.args[1] == 0:
+        top = top.args[0]  # max(...) returns (values, indices)
+    reduces = isinstance(top, torch.fx.Node) and target_of(top) in AMAX and top.args[0] is x
+    dim = _arg(top, 1, "dim") if reduces else None
+    return x if reduces and dim == -1 and _arg(top, 2, "keepdim") is True else node
+
+
+def _with_sinks(node):
+    """(logits, sinks) where node is cat([logits, sinks.reshape(1, -1, 1, 1).expand(...)], -1), else None."""
+    if not isinstance(node, torch.fx.Node) or target_of(node) not in CAT:
+        return None
+    parts, dim = node.args[0], _arg(node, 1, "dim", 0)
+    if not isinstance(parts, list | tuple) or len(parts) != 2 or dim not in (-1, 3):
+        return None
+    logits, expanded = parts
+    if not isinstance(expanded, torch.fx.Node) or target_of(expanded) not in EXPAND:
+        return None
+    shaped = expanded.args[0]
+    if not isinstance(shaped, torch.fx.Node) or target_of(shaped) not in RESHAPE:
+        return None
+    sinks, value, shape = shaped.args[0], fake_value(shaped.args[0]), fake_value(shaped)
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or tuple(shape.shape) != (1, value.shape[0], 1, 1):
+        return None
+    return logits, sinks
+
+
 def eager_attention(out: torch.fx.Node) -> EagerAttention | None:
     """The eager spelling ending at `out` (the matmul of probabilities and values), or None."""
     if target_of(out) not in MATMUL or len(out.args) != 2:
         return None
     probs, values_read = out.args
-    logits = _softmax_input(_skip_casts(_without_dropout(probs)))
+    probs = _skip_casts(_without_dropout(_skip_casts(probs)))
+    kept = _without_last_column(probs)
+    logits = _softmax_input(_skip_casts(kept if kept is not None else probs))
     if logits is None:
         return None
+    sinks = None
+    if kept is not None:
+        joined = _with_sinks(_unshifted(_skip_casts(logits)))
+        if joined is None:
+            return None
+        logits, sinks = joined
     logits, mask = _scores(_skip_casts(logits))
     capped, softcap = _soft_capped(logits)
     scores, scale = _scaled(capped)
@@ -147,4 +222,4 @@ def eager_attention(out: torch.fx.Node) -> EagerAttention | None:
     (keys, k_repeats), (values, v_repeats) = _cache(keys_read), _cache(values_read)
     if k_repeats != v_repeats:
         return None
-    return EagerAttention(query, keys, values, (keys_read, values_read), mask, scale, softcap)
+    return EagerAttention(query, keys, values, (keys_read, values_read), mask, scale, softcap, sinks)

@@ -9,7 +9,8 @@ enable_gqa=True, or as is), on a device in `devices`, with operands the kernel s
         ->  %o = fxquant.decode_attention(%q, K, V, %m, %s, 0.0, None, None, None, None)
 
 and transformers' eager attention (`attention_patterns.eager_attention`: the two matmuls around a softmax, with
-Gemma2's logit soft-capping), which becomes the same op with the cap as its softcap.
+Gemma2's logit soft-capping and GPT-OSS's attention sinks), which becomes the same op with the cap as its softcap
+and the sinks as its sinks.
 
 An e4m3 cache (fxquant.FP8StaticCache) is read through `fxquant.dequantize_kv(codes, scale, dtype)`; attention
 over it is handed the codes and scales, so the kernel dequantizes in registers and the high-precision copy goes:
@@ -59,6 +60,7 @@ class Attention:
     mask: torch.fx.Node | None
     scale: float | None  # None: the default, head dim ** -0.5
     softcap: float
+    sinks: torch.fx.Node | None
     refusal: str | None  # an argument the kernel does not take (dropout, is_causal)
 
 
@@ -79,14 +81,15 @@ def sdpa_attention(sdpa: torch.fx.Node) -> Attention | None:
     if args.get("dropout_p", 0.0) != 0.0 or args.get("is_causal", False):
         refusal = "dropout or is_causal, which the kernel does not take"
     return Attention(args["query"], keys, values, (args["key"], args["value"]), args.get("attn_mask"),
-                     args.get("scale"), 0.0, refusal)
+                     args.get("scale"), 0.0, None, refusal)
 
 
 def eager_spelled(out: torch.fx.Node) -> Attention | None:
     found = eager_attention(out)
     if found is None:
         return None
-    return Attention(found.query, found.keys, found.values, found.reads, found.mask, found.scale, found.softcap, None)
+    return Attention(found.query, found.keys, found.values, found.reads, found.mask, found.scale, found.softcap,
+                     found.sinks, None)
 
 
 class DecodeAttention(PassBase):
@@ -155,7 +158,7 @@ class DecodeAttention(PassBase):
             return "a scale computed in the graph; the kernel takes a constant"
         with graph.inserting_before(out):
             op = graph.call_function(ATTENTION, (attention.query, keys, values, attention.mask, float(scale),
-                                                 float(attention.softcap), None, *scales, None))
+                                                 float(attention.softcap), attention.sinks, *scales, None))
         op.meta.update(out.meta)
         out.replace_all_uses_with(op)
         graph.erase_node(out)

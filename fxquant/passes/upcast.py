@@ -7,6 +7,7 @@ edited only when its whole pattern still matches (`patterns.match_rms_variance`)
 
     %y = softmax(%x_bf16, -1)       ->  %x32 = _to_copy(%x_bf16, fp32); %s = softmax(%x32, -1)
                                         %y = _to_copy(%s, bf16)
+    (a softmax given dtype=bf16, as GPT-OSS's sinks attention, takes dtype=fp32 with it)
     %v = pow(%h_bf16, 2) ... rsqrt  ->  %v = pow(_to_copy(%h_bf16, fp32), 2) ... %r = _to_copy(rsqrt, bf16)
 """
 
@@ -53,6 +54,9 @@ class Upcast(PassBase):
                 out = matched.rsqrt
             else:
                 out = node
+            if found.kind == "softmax" and node.kwargs.get("dtype") in LOW_PRECISION:
+                # softmax(x, dim, dtype=bf16) casts its input to bf16 first: an fp32 input alone would not upcast it
+                node.update_kwarg("dtype", torch.float32)
             with graph.inserting_before(node):
                 node.replace_input_with(x, _cast(graph, x, torch.float32))
                 for arg in node.args[1:]:  # norm weight / bias follow the input into fp32

@@ -39,6 +39,7 @@ CASES = {
     "llama_one_query_head_per_kv_head": ("llama", dict(num_key_value_heads=4)),
     "llama_eager": ("llama", dict(attn_implementation="eager")),
     "gemma2_eager_soft_capped": ("gemma2", dict(attn_implementation="eager")),
+    "gpt_oss_eager_sinks": ("gpt_oss", dict(attn_implementation="eager")),
 }
 
 
@@ -67,9 +68,10 @@ def test_decode_steps_attend_over_the_cache_as_stored(case, padded, on_the_cpu):
     assert count(decode, {ATTENTION}) == layers and count(decode, SDPA) == 0
     # the eager spelling's two matmuls per layer go; others (the rotary embedding's) stay
     assert count(decode, MATMUL) == count(prefill, MATMUL) - (2 * layers if "eager" in case else 0)
+    attends = [node for node in decode.graph.nodes if node.target is ATTENTION]
     if "soft_capped" in case:
-        assert all(node.args[5] == model.config.attn_logit_softcapping for node in decode.graph.nodes
-                   if node.target is ATTENTION)
+        assert all(node.args[5] == model.config.attn_logit_softcapping for node in attends)
+    assert all((node.args[6] is not None) == ("sinks" in case) for node in attends)
     assert writes(decode) >= 2 * layers  # every cache write kept
 
 

@@ -89,6 +89,26 @@ def test_upcast_runs_reductions_in_fp32_and_keeps_dtypes():
     assert rel_err(out, model(X)) < 0.02
 
 
+def test_upcast_reaches_a_softmax_given_a_low_precision_dtype():
+    """softmax(x, dim=-1, dtype=bf16) casts its input to bf16 before the reduction: the upcast gives it dtype=fp32
+    too, so it reduces in fp32 (its output, cast back to bf16, is the fp32 softmax's rounding). The CPU's bf16
+    softmax reduces in fp32 inside, so the kwarg is what tells the two apart here."""
+
+    class Softmax(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.softmax(x, dim=-1, dtype=torch.bfloat16)
+
+    x = torch.randn(4, 4096, dtype=torch.bfloat16) * 4
+    gm = torch.fx.symbolic_trace(Softmax())
+    for node in gm.graph.nodes:
+        node.meta["val"] = x if node.op == "placeholder" else None
+    Detect()(gm)
+    assert Upcast(PipelineState(QuantConfig()))(gm).modified
+    softmax = next(n for n in gm.graph.nodes if n.op == "call_function" and "softmax" in str(n.target))
+    assert softmax.kwargs["dtype"] == torch.float32
+    torch.testing.assert_close(gm(x), torch.softmax(x.float(), -1).bfloat16(), rtol=0, atol=0)
+
+
 def test_quantize_then_fuse_counts_and_numbers():
     model = tiny_block()
     gm, inputs = frozen(model)
