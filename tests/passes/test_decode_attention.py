@@ -36,6 +36,7 @@ CASES = {
     "llama": ("llama", {}),
     "qwen2": ("qwen2", {}),
     "mixtral": ("mixtral", {}),
+    "mistral_sliding_window": ("mistral", dict(sliding_window=4)),  # rolls: 5 prompt tokens and 3 steps over 4
     "llama_one_query_head_per_kv_head": ("llama", dict(num_key_value_heads=4)),
     "llama_eager": ("llama", dict(attn_implementation="eager")),
     "gemma2_eager_soft_capped": ("gemma2", dict(attn_implementation="eager")),
