@@ -57,11 +57,11 @@ def sharded_reason(weight: torch.Tensor, bias, fqn: str, config: QuantConfig) ->
     """skip_reason for the weight as this rank holds it: a tensor-parallel weight's local shard, in a layout
     `shard_dim` takes, with the hint to reshard where the shard splits the recipe's blocks."""
     reason = skip_reason(local(weight), fqn, config)
-    if not isinstance(weight, DTensor):
+    if not isinstance(weight, DTensor) or (reason and not reason.startswith(ALIGNMENT)):
         return reason
-    if reason is None and shard_dim(weight, bias, config.recipe_for(fqn)) is None:
+    if shard_dim(weight, bias, config.recipe_for(fqn)) is None:  # before alignment: every rank gives one reason
         return LAYOUT_REASON
-    return f"{reason} {SHARD_HINT}" if reason and reason.startswith(ALIGNMENT) else reason
+    return f"{reason} {SHARD_HINT}" if reason else None
 
 
 def _shared(model: nn.Module) -> dict[int, list[str]]:

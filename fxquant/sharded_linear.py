@@ -10,8 +10,8 @@ that replaces it holds DTensor codes and scales whose local tensors are this ran
 The forward runs fxquant's ops on the local tensors and gives DTensor the output it would have computed: Shard(-1)
 for column parallel, Partial() (summed by the parallel style's output hook) for row parallel. The parallel style's
 input and output hooks move with the layer. Left as they are, with `LAYOUT_REASON`: other placements, meshes of
-more than one dimension, a row-parallel bias (it must be added once, after the sum), and per-tensor weight scales
-(fp8_tensor's, NVFP4's global scale), which would differ per shard.
+more than one dimension, uneven shards, a row-parallel bias (it must be added once, after the sum), and per-tensor
+weight scales (fp8_tensor's, NVFP4's global scale), which would differ per shard.
 
 `gathered` all-gathers a sharded layer into the whole one, for `save_quantized`: the checkpoint a sharded model
 writes is the unsharded model's wherever the shards' scales are the unsharded weight's.
@@ -27,8 +27,9 @@ from fxquant.config import RECIPES
 from fxquant.linear_ops import emit_linear, run_now
 
 LAYOUT_REASON = ("a DTensor (tensor-parallel) weight in a layout quantize_ does not shard: it takes column parallel "
-                 "(weight and bias Shard(0)) and row parallel without bias (weight Shard(1)) on a 1-D mesh, under "
-                 "recipes without a per-tensor weight scale (not fp8_tensor or nvfp4_wo: it would differ per shard)")
+                 "(weight and bias Shard(0)) and row parallel without bias (weight Shard(1)) on a 1-D mesh, in even "
+                 "shards, under recipes without a per-tensor weight scale (not fp8_tensor or nvfp4_wo: it would "
+                 "differ per shard)")
 
 
 def shard_dim(weight: torch.Tensor, bias: torch.Tensor | None, recipe: str) -> int | None:
@@ -39,6 +40,8 @@ def shard_dim(weight: torch.Tensor, bias: torch.Tensor | None, recipe: str) -> i
         return None
     placement = weight.placements[0]
     dim = placement.dim % 2 if isinstance(placement, Shard) else None
+    if dim is None or weight.shape[dim] % weight.device_mesh.size():
+        return None  # uneven shards: from_local's global shape would not be the weight's
     if dim == 0 and (bias is None or (isinstance(bias, DTensor) and bias.placements[0] == Shard(0))):
         return 0
     return 1 if dim == 1 and bias is None else None
@@ -84,7 +87,7 @@ def gathered(layer, name: str):
                          "per-channel weight scale, which a checkpoint's one scale per row cannot hold. Fix: "
                          "save_quantized the model quantized before sharding, or quantize with a recipe whose scales "
                          "follow K's groups or blocks (int4_wo, fp8_block, mxfp4_wo)")
-    parts = {name: whole(getattr(layer, name)) for name in layer.part_names()}
+    parts = {part: whole(getattr(layer, part)) for part in layer.part_names()}
     return type(layer)(layer.in_features, layer.out_features, layer.recipe, parts, whole(layer.bias))
 
 

@@ -88,7 +88,8 @@ def _name(node: torch.fx.Node) -> str | None:
 
 def _aliases_first_argument(node: torch.fx.Node) -> bool:
     """Whether node's result may share its first argument's memory: an in-place result or a view (an indexing,
-    whose slices are views; a reshape or contiguous, views where they can be), by the aten schema."""
+    whose slices are views; a reshape or contiguous, views where they can be), by the aten schema; and, not
+    knowing, any call aten has no op of that name for (x.float() returns x itself when x is fp32)."""
     if node.op not in ("call_function", "call_method") or not node.args:
         return False
     if node.target is operator.getitem:
@@ -98,7 +99,9 @@ def _aliases_first_argument(node: torch.fx.Node) -> bool:
         return bool(schema.arguments and schema.returns and schema.arguments[0].alias_info is not None
                     and schema.returns[0].alias_info is not None)
     name = _name(node)
-    return name is not None and (_aten_writes_self(name) or _aten_returns_view(name))
+    known = name is not None and name.isidentifier() and isinstance(getattr(torch.ops.aten, name, None),
+                                                                    torch._ops.OpOverloadPacket)
+    return not known or _aten_writes_self(name) or _aten_returns_view(name)
 
 
 @functools.cache

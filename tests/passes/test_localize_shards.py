@@ -1,8 +1,11 @@
 """localize_shards, on 2 gloo ranks: column-parallel linears (one with its sharded bias) and a row-parallel one without
 bias run on local shards, a row-parallel linear with a bias and a column split into uneven shards are left to
-DTensor and reported, a buffer written in place keeps its write, and a second run changes nothing."""
+DTensor and reported, a buffer written in place keeps its write, and a second run changes nothing. quantize_ on the
+same sharded model quantizes the same three and keeps the other two, with its reason."""
 
+import contextlib
 import copy
+import io
 
 import torch
 import torch.nn as nn
@@ -13,6 +16,7 @@ from fxquant.passes.freeze_params import FreezeParams
 from fxquant.passes.localize_shards import LocalizeShards
 from fxquant.passes.quantize_linear import SHARDED_REASON
 from fxquant.passes.side_effects import has_side_effects
+from fxquant.sharded_linear import LAYOUT_REASON
 
 
 class Block(nn.Module):
@@ -58,6 +62,15 @@ def localize_on_two_ranks():
 
         calls = float(model.calls)
         got = torch.compile(model, backend=backend)(x)
+        torch.manual_seed(0)  # quantize_ on the same sharded model, built again
+        in_place = Block().to(torch.bfloat16)
+        parallelize_module(in_place, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel(),
+                                            "up2": ColwiseParallel(), "out": RowwiseParallel(),
+                                            "uneven": ColwiseParallel()})
+        report = io.StringIO()
+        with contextlib.redirect_stdout(report):
+            fxquant.quantize_(in_place, {"recipe": "fp8_row", "report": True})
+        quantized = in_place(x)
     modified, again, gm = graphs[0]
     reading_dtensors = [n.name for n in gm.graph.nodes if n.op == "call_function" and
                         any(isinstance(fetch_attr(gm, a), DTensor) for a in n.all_input_nodes)]
@@ -65,7 +78,11 @@ def localize_on_two_ranks():
     return dict(modified=modified, again=again, reading_dtensors=reading_dtensors, shards=shards,
                 writes=sum(n.op.startswith("call") and has_side_effects(n) for n in gm.graph.nodes),
                 calls=(calls, float(model.calls)), layers={r.fqn: (r.recipe, r.reason) for r in layers},
-                error=float((got.float() - eager.float()).norm() / eager.float().norm()))
+                error=float((got.float() - eager.float()).norm() / eager.float().norm()),
+                classes={name: type(getattr(in_place, name)).__name__
+                         for name in ("up", "down", "up2", "out", "uneven")},
+                report=report.getvalue(),
+                quantize_error=float((quantized.float() - eager.float()).norm() / eager.float().norm()))
 
 
 def test_linears_run_on_local_shards_and_a_row_parallel_bias_is_left_and_reported():
@@ -77,3 +94,9 @@ def test_linears_run_on_local_shards_and_a_row_parallel_bias_is_left_and_reporte
         assert all(result["layers"][name][0] == "fp8_row" for name in ("up", "down", "up2"))
         assert result["layers"]["out"] == result["layers"]["uneven"] == (None, SHARDED_REASON)
         assert result["error"] < 0.05  # fp8 per row and per token, against the sharded bf16 model
+        # quantize_ takes the same three; the row-parallel bias and the uneven split stay, with quantize_'s reasons
+        assert result["classes"] == {"up": "QuantizedLinear", "down": "QuantizedLinear", "up2": "QuantizedLinear",
+                                     "out": "Linear", "uneven": "Linear"}
+        rows = {line.split()[0]: line for line in result["report"].splitlines() if line.split()}
+        assert LAYOUT_REASON in rows["out"] and LAYOUT_REASON in rows["uneven"]  # on both ranks, 129 rows or 128
+        assert result["quantize_error"] < 0.05

@@ -18,7 +18,7 @@ from fxquant.passes.fuse_linear import FuseLinear
 from fxquant.passes.fuse_norm import FuseNorm
 from fxquant.passes.merge_linear import MergeLinear
 from fxquant.passes.quantize_linear import QuantizeLinear
-from fxquant.passes.side_effects import has_side_effects, overwritten
+from fxquant.passes.side_effects import alias_root, has_side_effects, overwritten
 from fxquant.passes.state import PipelineState
 from fxquant.passes.upcast import Upcast
 
@@ -94,6 +94,9 @@ def test_a_write_between_two_nodes_counts_where_it_may_reach_the_memory_read():
     with graph.inserting_before(last):
         graph.call_function(operator.setitem, (graph.call_function(operator.getitem, (k, 0)), 0, x))
     assert overwritten(graph, [written_k], read, last)  # k[0][0] = x
+    # a call aten has no op for may return its input itself (x.float() of an fp32 x); a product never does
+    assert alias_root(graph.call_method("float", (read,))) is k
+    assert alias_root(graph.call_function(torch.matmul, (read, x))).target is torch.matmul
 
 
 class NormLinearsWrite(nn.Module):
