@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from fxquant.passes.annotations import fake_value
-from fxquant.passes.patterns import repeated_kv
+from fxquant.passes.patterns import call_arg, repeated_kv
 from fxquant.passes.spellings import (
     ADD,
     AMAX,
@@ -57,10 +57,6 @@ class EagerAttention:
     sinks: torch.fx.Node | None  # [query heads]: one logit each, in every row's softmax and no value
 
 
-def _arg(node, index, name, default=None):
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
-
-
 def _constant(value) -> bool:
     return isinstance(value, float | int) and not isinstance(value, bool)
 
@@ -76,8 +72,8 @@ def _without_dropout(node):
     """x where node is dropout(x) that drops nothing (p=0.0 or training=False), else node."""
     if not isinstance(node, torch.fx.Node) or target_of(node) not in DROPOUT:
         return node
-    training = _arg(node, 2, "train" if node.target is torch.dropout else "training", True)
-    return node.args[0] if _arg(node, 1, "p", 0.5) == 0.0 or training is False else node
+    training = call_arg(node, 2, "training", "train", default=True)  # F.dropout's name, torch.dropout's
+    return node.args[0] if call_arg(node, 1, "p", default=0.5) == 0.0 or training is False else node
 
 
 def _softmax_input(node):
@@ -85,10 +81,10 @@ def _softmax_input(node):
     accurate), else None."""
     if not isinstance(node, torch.fx.Node) or target_of(node) not in SOFTMAX:
         return None
-    value, dim = fake_value(node.args[0]), _arg(node, 1, "dim")
+    value, dim = fake_value(node.args[0]), call_arg(node, 1, "dim")
     last = dim == -1 or (isinstance(value, torch.Tensor) and dim == value.dim() - 1)
     floating = (None, torch.float32, torch.bfloat16, torch.float16)
-    return node.args[0] if last and _arg(node, 2, "dtype") in floating else None
+    return node.args[0] if last and call_arg(node, 2, "dtype") in floating else None
 
 
 def _operand_pair(node, targets):
@@ -173,15 +169,15 @@ def _unshifted(node):
     if isinstance(top, torch.fx.Node) and target_of(top) in GATHER_ROWS and top.args[1] == 0:
         top = top.args[0]  # max(...) returns (values, indices)
     reduces = isinstance(top, torch.fx.Node) and target_of(top) in AMAX and top.args[0] is x
-    dim = _arg(top, 1, "dim") if reduces else None
-    return x if reduces and dim == -1 and _arg(top, 2, "keepdim") is True else node
+    dim = call_arg(top, 1, "dim") if reduces else None
+    return x if reduces and dim == -1 and call_arg(top, 2, "keepdim") is True else node
 
 
 def _with_sinks(node):
     """(logits, sinks) where node is cat([logits, sinks.reshape(1, -1, 1, 1).expand(...)], -1), else None."""
     if not isinstance(node, torch.fx.Node) or target_of(node) not in CAT:
         return None
-    parts, dim = node.args[0], _arg(node, 1, "dim", 0)
+    parts, dim = node.args[0], call_arg(node, 1, "dim", default=0)
     if not isinstance(parts, list | tuple) or len(parts) != 2 or dim not in (-1, 3):
         return None
     logits, expanded = parts

@@ -40,7 +40,7 @@ from fxquant.kernels.decode_attention import decode_attention_refusal
 from fxquant.passes.annotations import fake_value, module_path
 from fxquant.passes.attention_patterns import eager_attention
 from fxquant.passes.patterns import SDPA_ARGS, repeated_kv
-from fxquant.passes.side_effects import overwritten
+from fxquant.passes.side_effects import Writes
 from fxquant.passes.spellings import SDPA
 from fxquant.passes.state import PipelineState
 
@@ -99,7 +99,7 @@ class DecodeAttention(PassBase):
         self.devices = devices  # where the kernel runs; elsewhere the op's reference would be slower than SDPA
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
-        modified = False
+        modified, writes = False, Writes(gm.graph)
         for node in list(gm.graph.nodes):
             if node.op != "call_function":
                 continue
@@ -107,7 +107,7 @@ class DecodeAttention(PassBase):
             if attention is None:
                 continue
             where = module_path(node) or node.name
-            left = self._rewrite(gm.graph, node, attention)
+            left = self._rewrite(gm.graph, node, attention, writes)
             if left is None:
                 modified = True
                 if self.state is not None:
@@ -119,7 +119,7 @@ class DecodeAttention(PassBase):
             gm.recompile()
         return PassResult(gm, modified)
 
-    def _rewrite(self, graph: torch.fx.Graph, out: torch.fx.Node, attention: Attention) -> str | None:
+    def _rewrite(self, graph: torch.fx.Graph, out: torch.fx.Node, attention: Attention, writes: Writes) -> str | None:
         """Replaces the attention ending at `out` with the op and returns None; else, graph untouched, returns
         why a decode step's attention was left, or "" for a call that is not one (prefill, another device)."""
         query = fake_value(attention.query)
@@ -129,7 +129,7 @@ class DecodeAttention(PassBase):
         if attention.refusal is not None:
             return attention.refusal
         for read, cache in zip(attention.reads, (attention.keys, attention.values), strict=True):
-            if read is not cache and overwritten(graph, [cache], read, out):  # a repeat_kv copy
+            if read is not cache and writes.reaches([cache], read, out):  # a repeat_kv copy
                 return "the cache is written between the repeat and the attention, which must read the copy"
         keys, values = attention.keys, attention.values
         k_codes, v_codes = dequantized_codes(keys), dequantized_codes(values)
@@ -137,7 +137,7 @@ class DecodeAttention(PassBase):
             return "one of keys and values is read from e4m3 codes, the other not"
         scales = (None, None)
         if k_codes is not None:
-            if any(overwritten(graph, codes, copy, out) for codes, copy in ((k_codes, keys), (v_codes, values))):
+            if any(writes.reaches(codes, copy, out) for codes, copy in ((k_codes, keys), (v_codes, values))):
                 return "the cache is written between its dequantize and the attention, which must read the copy"
             (keys, k_scale), (values, v_scale) = k_codes, v_codes
             scales = (k_scale, v_scale)

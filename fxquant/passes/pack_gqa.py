@@ -25,7 +25,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fxquant.passes.annotations import fake_value
 from fxquant.passes.patterns import SDPA_ARGS, repeated_kv
-from fxquant.passes.side_effects import mutation_epochs
+from fxquant.passes.side_effects import Writes
 from fxquant.passes.spellings import SDPA
 
 # Packed, attention runs one (batch, KV head) group per program: below 16 groups the H200's cuDNN kernel took ~30 us
@@ -38,9 +38,9 @@ MIN_KV_GROUPS = 16
 
 class PackGQA(PassBase):
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
-        modified, epochs = False, mutation_epochs(gm.graph)
+        modified, writes = False, Writes(gm.graph)
         for sdpa in list(gm.graph.nodes):
-            if sdpa.op == "call_function" and sdpa.target in SDPA and _pack(gm.graph, sdpa, epochs):
+            if sdpa.op == "call_function" and sdpa.target in SDPA and _pack(gm.graph, sdpa, writes):
                 modified = True
         if modified:  # the repeats left unread go with cleanup's dead-code pass
             gm.graph.lint()
@@ -48,7 +48,7 @@ class PackGQA(PassBase):
         return PassResult(gm, modified)
 
 
-def _pack(graph: torch.fx.Graph, sdpa: torch.fx.Node, epochs) -> bool:
+def _pack(graph: torch.fx.Graph, sdpa: torch.fx.Node, writes: Writes) -> bool:
     """Rewrite one attention call as the module docstring shows; False (graph untouched) where it does not match."""
     args = {**dict(zip(SDPA_ARGS, sdpa.args, strict=False)), **sdpa.kwargs}  # positionals: a prefix of SDPA_ARGS
     if args.get("dropout_p", 0.0) != 0.0 or args.get("is_causal", False) or args.get("enable_gqa", False):
@@ -57,7 +57,7 @@ def _pack(graph: torch.fx.Graph, sdpa: torch.fx.Node, epochs) -> bool:
     query, mask = fake_value(args["query"]), fake_value(args.get("attn_mask"))
     if keys is None or values is None or k_rep != v_rep or not isinstance(query, torch.Tensor) or query.dim() != 4:
         return False
-    if any(epochs[args[name]] != epochs[sdpa] for name in ("key", "value")):
+    if writes.reaches([keys], args["key"], sdpa) or writes.reaches([values], args["value"], sdpa):
         return False  # a write between the repeat and the attention: the repeat's copy is what attention must read
     batch, heads, positions, dim = query.shape
     if not all(isinstance(size, int) for size in query.shape) or positions != 1:

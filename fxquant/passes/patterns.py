@@ -66,7 +66,7 @@ class LinearOperands:
         return w.T if self.transposed else w
 
 
-def _arg(node, index, *names, default=None):
+def call_arg(node, index, *names, default=None):
     """A call's argument by position, or by any of its names (torch's and aten's spellings differ: input / self)."""
     if len(node.args) > index:
         return node.args[index]
@@ -92,7 +92,7 @@ def _is_2d_parameter(node) -> bool:
 
 def _swapped_2d_parameter(node) -> torch.fx.Node | None:
     """The 2-D parameter `node` transposes (w.T, w.t(), w.mT, w.transpose(0, 1), w.permute(1, 0)), or None."""
-    if not isinstance(node, torch.fx.Node) or not _is_2d_parameter(source := _arg(node, 0, "input", "self")):
+    if not isinstance(node, torch.fx.Node) or not _is_2d_parameter(source := call_arg(node, 0, "input", "self")):
         return None
     if is_swap_2d_attribute(node):
         return source
@@ -110,19 +110,19 @@ def _swapped_2d_parameter(node) -> torch.fx.Node | None:
 def linear_operands(node: torch.fx.Node) -> LinearOperands | None:
     target = target_of(node)
     if target in LINEAR:
-        x, w, bias = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
+        x, w, bias = call_arg(node, 0, "input"), call_arg(node, 1, "weight"), call_arg(node, 2, "bias")
         if isinstance(w, torch.fx.Node) and target_of(w) in DTYPE_CASTS and _is_2d_parameter(w.args[0]):
             return LinearOperands(x, w.args[0], bias, False, cast=True)
         return LinearOperands(x, w, bias, False)
     if target in ADDMM:
-        bias, x, w = (_arg(node, i, *names) for i, names in enumerate((("input", "self"), ("mat1",), ("mat2",))))
-        plain = _arg(node, 3, "beta", default=1) == 1 and _arg(node, 4, "alpha", default=1) == 1
+        bias, x, w = (call_arg(node, i, *names) for i, names in enumerate((("input", "self"), ("mat1",), ("mat2",))))
+        plain = call_arg(node, 3, "beta", default=1) == 1 and call_arg(node, 4, "alpha", default=1) == 1
         bias_is_row = isinstance(fake_value(bias), torch.Tensor) and fake_value(bias).dim() == 1
         if plain and bias_is_row and _is_2d_parameter(w):
             return LinearOperands(x, w, bias, True)
         return None
     if target in MM | MATMUL:
-        x, w = _arg(node, 0, "input", "self"), _arg(node, 1, "mat2", "other")
+        x, w = call_arg(node, 0, "input", "self"), call_arg(node, 1, "mat2", "other")
         rows = fake_value(x)
         if _is_constant(x) or not isinstance(rows, torch.Tensor) or rows.dim() < 2:
             return None  # a constant on the left, or a vector: not a layer's activations
@@ -162,8 +162,8 @@ def expert_operands(node: torch.fx.Node) -> ExpertOperands | None:
     target = target_of(node)
     if is_grouped_mm(target):
         x, w = node.args[:2]
-        offs = _arg(node, 2, "offs")
-        if offs is None or _arg(node, 3, "bias") is not None:
+        offs = call_arg(node, 2, "offs")
+        if offs is None or call_arg(node, 3, "bias") is not None:
             return None
         if isinstance(w, torch.fx.Node) and _swaps_last_dims(w) and _is_parameter(w.args[0], 3):
             return ExpertOperands(x, w.args[0], False, offs=offs)  # transformers' W [E, N, K].transpose(-2, -1)
@@ -204,11 +204,11 @@ def _only_user(node):
 
 
 def _reduces_last_dim(mean) -> bool:
-    dim = _arg(mean, 1, "dim")
+    dim = call_arg(mean, 1, "dim")
     dims = list(dim) if isinstance(dim, list | tuple) else [dim]
     value = fake_value(mean.args[0])
     rank = value.dim() if isinstance(value, torch.Tensor) else None
-    return _arg(mean, 2, "keepdim", default=False) is True and len(dims) == 1 and dims[0] in (-1, rank and rank - 1)
+    return call_arg(mean, 2, "keepdim", default=False) is True and len(dims) == 1 and dims[0] in (-1, rank and rank - 1)
 
 
 def match_rms_variance(pow_node: torch.fx.Node) -> RmsVariance | None:

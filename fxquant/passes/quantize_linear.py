@@ -52,7 +52,7 @@ QUANTIZED_KEY = "fxquant_quantized"
 ROUTER_REASON = "router: its output selects experts (top-k)"
 CAST_REASON = "its product reads the weight cast to another dtype (logits wanted in that precision)"
 SHARDED_REASON = ("a DTensor (tensor-parallel) weight not run on local shards: torch.compile(backend='fxquant') runs "
-                  "column parallel over a replicated input and row parallel without bias, on a 1-D mesh, so")
+                  "column parallel over a replicated input and row parallel without bias, on a 1-D mesh, only")
 SHARD_HINT = ("on this rank's shard of a tensor-parallel weight: shard on a multiple of the recipe's block (fewer "
               "ranks), or take a recipe with smaller blocks (fp8_row)")
 

@@ -10,7 +10,7 @@ across one changes what the read sees. Every pass asks this module:
   `out=` tensor, and Python's mutating operators (`x[i] = v`, `x += y`).
 - `mutation_epochs(graph)`: per node, how many writes come before it. A rewrite may merge or move computations
   only within one epoch.
-- `overwritten(graph, tensors, first, last)`: whether a write between two nodes may reach one of `tensors`,
+- `Writes(graph).reaches(tensors, first, last)`: whether a write between two nodes may reach one of `tensors`,
   following in-place results and views back to the memory they alias; a write whose target is unknown counts.
 """
 
@@ -143,16 +143,22 @@ def _written(node: torch.fx.Node) -> list | None:
     return None
 
 
-def overwritten(graph: torch.fx.Graph, tensors, first: torch.fx.Node, last: torch.fx.Node) -> bool:
-    """Whether a write after `first` and before `last` (graph order) may reach the memory of one of `tensors`."""
-    roots = {alias_root(t) for t in tensors}
-    between = False
-    for node in graph.nodes:
-        if node is last:
-            return False
-        if between and node.op in ("call_function", "call_method", "call_module") and has_side_effects(node):
-            written = _written(node)
-            if written is None or any(alias_root(t) in roots for t in written):
-                return True
-        between = between or node is first
-    return False
+class Writes:
+    """A graph's memory writes in order, read once: `reaches(tensors, first, last)` says whether a write after
+    `first` and before `last` may reach the memory of one of `tensors`. Nodes added later are not indexed: ask only
+    about nodes the graph held when this was made."""
+
+    def __init__(self, graph: torch.fx.Graph):
+        self.order = {node: i for i, node in enumerate(graph.nodes)}
+        self.writes = [(self.order[node], node) for node in graph.nodes
+                       if node.op in ("call_function", "call_method", "call_module") and has_side_effects(node)]
+
+    def reaches(self, tensors, first: torch.fx.Node, last: torch.fx.Node) -> bool:
+        roots = {alias_root(t) for t in tensors}
+        start, stop = self.order[first], self.order[last]
+        for index, node in self.writes:
+            if start < index < stop:
+                written = _written(node)
+                if written is None or any(alias_root(t) in roots for t in written):
+                    return True
+        return False

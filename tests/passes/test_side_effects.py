@@ -18,7 +18,7 @@ from fxquant.passes.fuse_linear import FuseLinear
 from fxquant.passes.fuse_norm import FuseNorm
 from fxquant.passes.merge_linear import MergeLinear
 from fxquant.passes.quantize_linear import QuantizeLinear
-from fxquant.passes.side_effects import alias_root, has_side_effects, overwritten
+from fxquant.passes.side_effects import Writes, alias_root, has_side_effects
 from fxquant.passes.state import PipelineState
 from fxquant.passes.upcast import Upcast
 
@@ -80,7 +80,7 @@ def test_side_effects_come_from_schemas():
 
 
 def test_a_write_between_two_nodes_counts_where_it_may_reach_the_memory_read():
-    """overwritten() follows in-place results and views back to the memory they alias: k's own write through a
+    """Writes.reaches follows in-place results and views back to the memory they alias: k's own write through a
     view reaches k; v's write does not; an assert (effectful, writing nothing by its aten schema) does not."""
     graph = torch.fx.Graph()
     k, v, x = graph.placeholder("k"), graph.placeholder("v"), graph.placeholder("x")
@@ -89,11 +89,11 @@ def test_a_write_between_two_nodes_counts_where_it_may_reach_the_memory_read():
     graph.call_method("index_copy_", (v, 2, x, x))
     graph.call_function(torch.ops.aten._assert_tensor_metadata.default, (x,))
     last = graph.call_function(torch.matmul, (read, x))
-    assert not overwritten(graph, [written_k], read, last)
-    assert overwritten(graph, [v], read, last)
+    assert not Writes(graph).reaches([written_k], read, last)
+    assert Writes(graph).reaches([v], read, last)
     with graph.inserting_before(last):
         graph.call_function(operator.setitem, (graph.call_function(operator.getitem, (k, 0)), 0, x))
-    assert overwritten(graph, [written_k], read, last)  # k[0][0] = x
+    assert Writes(graph).reaches([written_k], read, last)  # k[0][0] = x
     # a call aten has no op for may return its input itself (x.float() of an fp32 x); a product never does
     assert alias_root(graph.call_method("float", (read,))) is k
     assert alias_root(graph.call_function(torch.matmul, (read, x))).target is torch.matmul
