@@ -23,7 +23,8 @@ from fxquant.compressed_tensors import SCHEMES, from_checkpoint, group_config, r
 from fxquant.inplace import linear_weight
 from fxquant.quantized_experts import QuantizedExperts, is_experts
 from fxquant.quantized_linear import QuantizedLinear
-from fxquant.sharded_linear import gathered, whole
+from fxquant.sharded_checkpoint import read_parameter, sharded_layer
+from fxquant.sharded_linear import gathered, move_hooks, whole
 
 SHARD_BYTES = 5 * 2**30  # the file size transformers shards at by default
 INDEX = "model.safetensors.index.json"
@@ -182,7 +183,11 @@ def load_quantized(model: nn.Module, path, device=None, dtype: torch.dtype | str
     (`checkpoint_mxfp4`). Every other parameter and persistent buffer is read as stored; tied parameters stay
     tied. High-precision tensors take the checkpoint's dtype (dtype="auto": config.json's `dtype`, else the first
     floating tensor's, as transformers' from_pretrained does), whatever dtype the skeleton was built in; a dtype
-    given casts them to it. Codes and scales keep their formats. Returns the model."""
+    given casts them to it. Codes and scales keep their formats. Returns the model.
+
+    A skeleton sharded with DTensor's parallel styles (after empty_weights(), before loading) is filled shard by
+    shard: each rank reads only its slice of every sharded tensor, and a sharded quantized linear becomes the
+    QuantizedLinear quantize_ gives that shard (`sharded_checkpoint`)."""
     path, device = Path(path), torch.device(device or "cpu")
     if dtype != "auto" and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"fxquant: load_quantized's dtype must be 'auto' or a floating torch.dtype, got {dtype!r}")
@@ -198,6 +203,7 @@ def load_quantized(model: nn.Module, path, device=None, dtype: torch.dtype | str
     mxfp4 = [] if compressed else mxfp4_experts(model)
     expert_of = {linear: name for _, linears in experts.values() for linear, name in linears.items()}
     expert_of |= {name: name for name in mxfp4}  # its tensors are named after the experts module itself
+    sharded = {}  # tensor-parallel layers (DTensor weights in the skeleton): each rank reads its shard
     for name, recipe in recipes.items():
         module = model.get_submodule(name)
         if isinstance(module, QuantizedLinear):
@@ -205,6 +211,10 @@ def load_quantized(model: nn.Module, path, device=None, dtype: torch.dtype | str
         weight = linear_weight(module)
         skeleton = QuantizedLinear.empty(weight.shape[1], weight.shape[0], recipe, bias=module.bias is not None,
                                          dtype=weight.dtype, device="meta")
+        if isinstance(weight, DTensor):
+            sharded[name] = sharded_layer(name, module, weight, recipe)
+            skeleton.bias = module.bias  # a column-parallel bias: this rank's slice is read into it
+            move_hooks(module, skeleton)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, skeleton)
     owners = defaultdict(list)  # id(tensor) -> every (module, attribute) holding it: ties are kept
@@ -220,16 +230,19 @@ def load_quantized(model: nn.Module, path, device=None, dtype: torch.dtype | str
                 if config.get("kv_cache_scheme") and kv_cache_scheme.is_scale_key(key):
                     continue  # the cache's, read by kv_scales_of(path)
                 if name in recipes and local != "bias" or name in expert_of:
-                    pending[name][local] = f.get_tensor(key)
+                    pending[name][local] = sharded[name].read(f, key) if name in sharded else f.get_tensor(key)
                     continue
-                _assign(model, key, f.get_tensor(key), owners, dtype)
+                _assign(model, key, read_parameter(f, key, _held(model, key)), owners, dtype)
     for name, tensors in pending.items():
         if name in expert_of:
             continue
         module = model.get_submodule(name)
-        parts = from_checkpoint(tensors, recipes[name], module.out_features, name)
-        for key, t in _conformed(parts, name, recipes[name], module.out_features, module.in_features).items():
-            setattr(module, key, nn.Parameter(t, requires_grad=False))
+        rows, cols = sharded[name].shape if name in sharded else (module.out_features, module.in_features)
+        parts = _conformed(from_checkpoint(tensors, recipes[name], rows, name), name, recipes[name], rows, cols)
+        params = (sharded[name].parameters(parts) if name in sharded
+                  else {key: nn.Parameter(t, requires_grad=False) for key, t in parts.items()})
+        for key, param in params.items():
+            setattr(module, key, param)
     for name in mxfp4:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, from_mxfp4(name, model.get_submodule(name), pending[name]))
@@ -336,6 +349,16 @@ def _files(path: Path) -> list[Path]:
         raise FileNotFoundError(f"fxquant: {path / INDEX} names {missing}, which {path} does not hold. Fix: download "
                                 "or save the checkpoint again")
     return files
+
+
+def _held(model: nn.Module, key: str) -> torch.Tensor | None:
+    """The skeleton's tensor at `key`, or None where the model has none (which _assign then names)."""
+    name, _, attr = key.rpartition(".")
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        return None
+    return module._parameters.get(attr, module._buffers.get(attr))
 
 
 def _assign(model: nn.Module, key: str, tensor: torch.Tensor, owners, dtype) -> None:

@@ -77,17 +77,20 @@ def sharded_forward(layer, x: torch.Tensor) -> DTensor:
 
 def gathered(layer, name: str):
     """The whole layer of a tensor-parallel QuantizedLinear, its parts all-gathered (every rank must call it);
-    `layer` itself where it is not sharded. Raises, naming the layer and the fix, for a row-parallel layer with a
-    per-channel weight scale: each shard has its own ([N, world] in all), which a checkpoint's per-channel scale
-    ([N, 1]) cannot hold."""
+    `layer` itself where it is not sharded. A row-parallel layer's per-channel weight scales ([N, world] in all)
+    become the checkpoint's one per row where the shards share them (a model load_quantized sharded); where they
+    differ (quantize_ on the shards), it raises, naming the layer and the fix."""
     if not isinstance(layer.weight, DTensor):
         return layer
-    if layer.weight.placements[0] == Shard(1) and RECIPES[layer.recipe].weight_granularity == "channel":
-        raise ValueError(f"fxquant: {name} is row parallel under {layer.recipe}: each rank's shard has its own "
-                         "per-channel weight scale, which a checkpoint's one scale per row cannot hold. Fix: "
-                         "save_quantized the model quantized before sharding, or quantize with a recipe whose scales "
-                         "follow K's groups or blocks (int4_wo, fp8_block, mxfp4_wo)")
     parts = {part: whole(getattr(layer, part)) for part in layer.part_names()}
+    if layer.weight.placements[0] == Shard(1) and RECIPES[layer.recipe].weight_granularity == "channel":
+        scales = parts["weight_scale"]
+        if not torch.equal(scales, scales[:, :1].expand_as(scales)):
+            raise ValueError(f"fxquant: {name} is row parallel under {layer.recipe}: each rank's shard has its own "
+                             "per-channel weight scale, which a checkpoint's one scale per row cannot hold. Fix: "
+                             "save_quantized the model quantized before sharding, or quantize with a recipe whose "
+                             "scales follow K's groups or blocks (int4_wo, fp8_block, mxfp4_wo)")
+        parts["weight_scale"] = scales[:, :1].contiguous()
     return type(layer)(layer.in_features, layer.out_features, layer.recipe, parts, whole(layer.bias))
 
 

@@ -107,6 +107,70 @@ def sharded_save(arch: str, recipe: str, path: str, **overrides) -> str | None:
     return None
 
 
+def sharded_load(checkpoints: dict, prompt, steps, **overrides) -> dict:
+    """On each rank, per label of checkpoints {label: (architecture, folder)}: a skeleton built under empty_weights()
+    and sharded, then load_quantized from the folder; the checkpoint keys read whole rather than sliced, each
+    sharded layer's local parameters (codes, scales, bias) with their placements, the static-cache decode logits
+    eager and compiled, and save_quantized of the loaded model to `<folder>-resaved` (rank 0 writes). The error's
+    text where loading refuses."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import fxquant
+    from fxquant import checkpoint
+
+    read_whole = []
+
+    class Reads:
+        """A safetensors handle that records the keys read whole."""
+
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def keys(self):
+            return self.handle.keys()
+
+        def get_slice(self, key):
+            return self.handle.get_slice(key)
+
+        def get_tensor(self, key):
+            read_whole.append(key)
+            return self.handle.get_tensor(key)
+
+    opened, checkpoint._opened = checkpoint._opened, lambda file, device: Reads(opened(file, device))
+    results = {}
+    for label, (arch, folder) in checkpoints.items():
+        read_whole.clear()
+        built = decoder(arch, **overrides)  # its class and config
+        with fxquant.empty_weights():
+            model = type(built)(built.config)
+        model.to(torch.bfloat16)  # the rotary frequencies as the saved model held them
+        parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)), plan(model, False))
+        try:
+            fxquant.load_quantized(model, folder)
+        except ValueError as error:
+            results[label] = str(error)
+            continue
+        parts = {name: {p: (tuple(t.placements), t.to_local()) for p, t in m.named_parameters()
+                        if isinstance(t, DTensor)}
+                 for name, m in model.named_modules() if name.endswith(COLUMN + ROW)}
+        eager = static_decode(model, model, prompt, steps)
+        torch._dynamo.reset()
+        compiled = static_decode(model, torch.compile(model, backend="fxquant", options={"inner": "eager"}), prompt,
+                                 steps)
+        fxquant.save_quantized(model, f"{folder}-resaved")
+        results[label] = {"read_whole": list(read_whole), "parts": parts, "eager": eager, "compiled": compiled}
+    return results
+
+
 def _worker(rank: int, world: int, port: int, task, kwargs: dict, results) -> None:
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

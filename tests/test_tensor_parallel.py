@@ -7,7 +7,7 @@ over a K-sharded input are per shard)."""
 import pytest
 import torch
 from hf_models import VOCAB, decoder, fake_quantized, static_decode, traced, within_bound
-from tensor_parallel import ROW, run, sharded_decode, sharded_quantize_, sharded_save
+from tensor_parallel import ROW, run, sharded_decode, sharded_load, sharded_quantize_, sharded_save
 
 GENERATOR = torch.Generator().manual_seed(11)
 PROMPT = torch.randint(0, VOCAB, (2, 8), generator=GENERATOR)
@@ -175,3 +175,95 @@ def test_saving_a_row_parallel_per_channel_scale_is_refused_by_name(tmp_path):
     for error in errors:
         assert "model.layers.0.self_attn.o_proj is row parallel under fp8_row" in error and "Fix:" in error
     assert not (tmp_path / "sharded").exists()
+
+
+
+LOADED = {"fp8_row": ("llama", "fp8_row"), "fp8_block": ("llama", "fp8_block"), "int4_wo": ("llama", "int4_wo"),
+          "qwen2 int4_wo": ("qwen2", "int4_wo")}  # Qwen2: column-parallel q/k/v with biases
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    """The unsharded quantize_'d models, their checkpoints, and what each of 2 ranks loads from them into a sharded
+    skeleton."""
+    import fxquant
+
+    folder = tmp_path_factory.mktemp("checkpoints")
+    models = {label: fxquant.quantize_(decoder(arch, **WIDE_KV), recipe) for label, (arch, recipe) in LOADED.items()}
+    for label, model in models.items():
+        fxquant.save_quantized(model, folder / label)
+    checkpoints = {label: (arch, str(folder / label)) for label, (arch, _) in LOADED.items()}
+    ranks = run(2, sharded_load, checkpoints=checkpoints, prompt=PROMPT, steps=STEPS, **WIDE_KV)
+    return folder, models, ranks
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+@pytest.mark.parametrize("label", LOADED)
+def test_a_sharded_skeleton_loads_each_rank_s_slice_of_the_checkpoint(loaded, label):
+    """load_quantized into a skeleton sharded before loading: each rank's codes, scales and bias are bit for bit its
+    slice of the unsharded model's (Shard(0) rows for column parallel, Shard(1) columns for row parallel, where a
+    row-parallel per-channel scale is the whole row's on each rank), and no sharded tensor of the checkpoint is
+    read whole but those scales and `weight_shape`."""
+    from torch.distributed.tensor import Shard
+
+    _, models, ranks = loaded
+    model, recipe = models[label], LOADED[label][1]
+    for rank, result in enumerate(ranks):
+        got = result[label]
+        assert len(got["parts"]) == 14
+        for name, parts in got["parts"].items():
+            layer, dim = model.get_submodule(name), 1 if name.endswith(ROW) else 0
+            held = {p for p in [*layer.part_names(), "bias"] if getattr(layer, p) is not None}
+            assert set(parts) == held, name
+            for part, (placements, local) in parts.items():
+                assert placements == (Shard(dim),), (name, part)
+                whole = getattr(layer, part).detach()
+                expected = whole if whole.shape[dim] == 1 else whole.chunk(2, dim)[rank]
+                assert local.dtype == whole.dtype and torch.equal(_bytes(local), _bytes(expected)), (name, part)
+        for key in got["read_whole"]:
+            name, _, stored = key.rpartition(".")
+            if name in got["parts"]:
+                assert stored == "weight_shape" or (recipe == "fp8_row" and name.endswith(ROW)
+                                                    and stored == "weight_scale"), key
+
+
+@pytest.mark.parametrize("label", ["fp8_block", "int4_wo", "qwen2 int4_wo"])
+def test_a_loaded_sharded_model_decodes_within_the_bound(loaded, label):
+    """Where the checkpoint's groups and blocks fall inside the shards, the loaded sharded model computes the
+    unsharded quantized model: its decode, eager and compiled, is within the fake-quantized bound, and replicated."""
+    _, _, ranks = loaded
+    arch, recipe = LOADED[label]
+    exact, plain, eager = bound(decoder(arch, **WIDE_KV), recipe, 2)
+    for result in ranks:
+        for logits in (result[label]["eager"], result[label]["compiled"]):
+            assert not within_bound(logits, exact, plain, eager)
+    assert torch.equal(ranks[0][label]["eager"], ranks[1][label]["eager"])
+
+
+@pytest.mark.parametrize("label", LOADED)
+def test_a_loaded_sharded_model_saves_the_checkpoint_it_loaded(loaded, label):
+    """save_quantized from the loaded sharded model writes the checkpoint it was loaded from, bit for bit: fp8_row's
+    row-parallel shards share each row's scale, so they gather into the checkpoint's one scale per row."""
+    from safetensors.torch import load_file
+
+    folder, _, _ = loaded
+    resaved, original = (load_file(folder / name / "model.safetensors") for name in (f"{label}-resaved", label))
+    assert resaved.keys() == original.keys()
+    for key in original:
+        assert torch.equal(_bytes(resaved[key]), _bytes(original[key])), key
+
+
+def test_a_shard_that_splits_the_checkpoint_s_blocks_is_refused_by_name(tmp_path):
+    """With 2 KV heads of 64, k_proj and v_proj have 128 rows: shards of 64 rows at 2 ranks split fp8_block's
+    128x128 blocks, so loading refuses, naming the layer and the fix, on every rank."""
+    import fxquant
+
+    fxquant.save_quantized(fxquant.quantize_(decoder("llama"), "fp8_block"), tmp_path / "fp8_block")
+    for result in run(2, sharded_load, checkpoints={"fp8_block": ("llama", str(tmp_path / "fp8_block"))},
+                      prompt=PROMPT, steps=STEPS):
+        error = result["fp8_block"]
+        assert "model.layers.0.self_attn.k_proj's shard on each of 2 ranks is [64, 256]" in error
+        assert "Fix: shard over fewer ranks" in error
