@@ -17,19 +17,38 @@ from fxquant.pipeline import PipelineResult, run_pipeline
 from fxquant.report import format_report
 
 
+VERSION = operator.attrgetter("_version")
+
+
 @dataclass
 class Variant:
     """The graph compiled for one set of parameters: the compiled callable, the pipeline's result, the inputs the
-    compiled graph takes, and the parameters frozen into it (in the graph's input order)."""
+    compiled graph takes, and the parameters frozen into it (in the graph's input order).
+
+    The per-call checks iterate in C (itemgetter, map), not in Python: a 32-layer decode graph takes about 400
+    inputs, 290 of them frozen parameters, and quantizes 224 weights whose versions are checked on every call."""
 
     compiled: object
     result: PipelineResult
     kept: list[int]
     params: list[torch.Tensor]
     tracked: list = field(default_factory=list)  # layers whose source weight's version is checked on each call
+    sources: tuple = ()  # their source weights
+    versions: tuple = ()  # the versions their quantized buffers hold
+    take: object = None  # args -> the inputs the compiled graph takes, as a tuple
 
     def __post_init__(self):
         self.tracked = [layer for layer in self.result.layers if layer.source is not None]
+        self.sources = tuple(layer.source for layer in self.tracked)
+        self.versions = tuple(layer.version for layer in self.tracked)
+        self.take = _getter(self.kept)
+
+
+def _getter(indices: list[int]):
+    """args -> tuple(args[i] for i in indices), in C."""
+    if len(indices) == 1:
+        return lambda args, index=indices[0]: (args[index],)
+    return operator.itemgetter(*indices) if indices else lambda args: ()
 
 
 class QuantizedCallable:
@@ -48,6 +67,7 @@ class QuantizedCallable:
         self.variant = compile_variant(_graph_copy(original) if frozen else original, example_inputs)
         self.variants = {self._key(example_inputs): self.variant}
         self.warned = set()
+        self.take_frozen = _getter(frozen)
 
     @property
     def result(self) -> PipelineResult:
@@ -58,16 +78,18 @@ class QuantizedCallable:
 
     def __call__(self, *args):
         variant = self.variant
-        if self.frozen and not all(map(operator.is_, map(args.__getitem__, self.frozen), variant.params)):
+        if self.frozen and not all(map(operator.is_, self.take_frozen(args), variant.params)):
             variant = self.variant = self._variant_for(args)
-        for layer in variant.tracked:
-            if layer.source._version != layer.version:
-                self._requantize(variant, layer)
-        return variant.compiled(*[args[i] for i in variant.kept])
+        if tuple(map(VERSION, variant.sources)) != variant.versions:
+            for layer in variant.tracked:
+                if layer.source._version != layer.version:
+                    self._requantize(variant, layer)
+            variant.versions = tuple(layer.version for layer in variant.tracked)
+        return variant.compiled(*variant.take(args))
 
     def _variant_for(self, args) -> Variant:
         found = self.variants.get(self._key(args))
-        if found is not None and all(map(operator.is_, map(args.__getitem__, self.frozen), found.params)):
+        if found is not None and all(map(operator.is_, self.take_frozen(args), found.params)):
             return found
         if "variant" not in self.warned:
             warnings.warn("fxquant: dynamo reuses this compiled graph for another module's parameters; compiling a "
