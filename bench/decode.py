@@ -8,8 +8,10 @@ Per path, in one process:
   non-finite logits fail the path;
 - decode: median ms per step over the steps after those, on the same static cache, the host's share of it (until
   the call returns), and tokens/s;
-- profile (batch 1): GPU kernel ms per step, and the host ms CUDA graphs leave (dynamo's guards, the graph launch),
-  with the table of kernels;
+- profile (batch 1): GPU kernel ms per step, with the table of kernels, and where the host's time goes, from the
+  profiler's host ranges per step: dynamo's guards, the compiled region (dynamo's frame running the backend's
+  callable), Inductor's compiled-graph call within it (CUDA-graph tree bookkeeping and the launch), and the graph
+  launch itself; for fxquant, its wrapper's own per-call checks, timed alone (the graph it calls replaced by a no-op);
 - prefill: median ms of a compiled prefill of the whole prompt into an emptied cache (batch 1 only);
 - guards skipped (--skip-guards): the decode steps timed again with dynamo's guards skipped after the first steps;
 - generate(): transformers' generate() with cache_implementation="static" and compile_config naming the path;
@@ -49,6 +51,7 @@ import transformers as T
 import fxquant
 from bench import peers, workers
 from bench.common import LLAMA_3_VOCAB, header, llama, table
+from fxquant.backend import fxquant as fxquant_backend
 
 CHECK_STEPS = 4  # the first decode steps: they compile, their logits are compared with eager's, and go untimed
 PREFILL_REPEATS = 5
@@ -67,9 +70,10 @@ def sync(device: str):
 class Decoder:
     """One path's model and compiled forward, over static caches of max_len tokens (prompt and decode steps)."""
 
-    def __init__(self, model, forward, device: str, max_len: int, cache_class=T.StaticCache):
+    def __init__(self, model, forward, device: str, max_len: int, cache_class=T.StaticCache, callables=()):
         self.model, self.forward, self.device, self.max_len = model, forward, device, max_len
         self.keyword, self.caches, self.cache_class = cache_keyword(model), {}, cache_class
+        self.callables = callables  # fxquant's compiled callables (QuantizedCallable), for wrapper_us
 
     def _call(self, forward, ids, cache, start: int):
         positions = torch.arange(start, start + ids.shape[1], device=self.device)
@@ -117,6 +121,7 @@ class Decoder:
             sync(self.device)
         events = prof.key_averages()
         host = {e.key: e.cpu_time_total for e in events}
+        spans = lambda prefix: sum(t for key, t in host.items() if key.startswith(prefix)) / steps / 1e3
         # A device event that shares its name with a host range is that range's annotation on the GPU timeline
         # (Inductor's "## Call CompiledFxGraph"), spanning its kernels: counting it would count their time twice.
         ranges = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU}
@@ -124,9 +129,46 @@ class Decoder:
                    and e.name not in ranges]
         numbers = {"GPU ms": f"{sum(e.device_time_total for e in kernels) / steps / 1e3:.3f}",
                    "kernels": f"{len(kernels) / steps:.0f}",
-                   "guards ms": f"{host.get('TorchDynamo Cache Lookup', 0) / steps / 1e3:.3f}",
-                   "graph launch ms": f"{host.get('cudaGraphLaunch', 0) / steps / 1e3:.3f}"}
+                   "guards ms": f"{spans('TorchDynamo Cache Lookup'):.3f}",
+                   "compiled region ms": f"{spans('Torch-Compiled Region'):.3f}",
+                   "Inductor call ms": f"{spans('## Call CompiledFxGraph'):.3f}",
+                   "graph launch ms": f"{spans('cudaGraphLaunch'):.3f}"}
+        if self.callables:
+            numbers["fxquant wrapper us"] = f"{self.wrapper_us(prompt, tokens):.1f}"
         return numbers, events.table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=70)
+
+    def wrapper_us(self, prompt, tokens, calls: int = 200, repeats: int = 15) -> float:
+        """Microseconds of host time per decode step in fxquant's QuantizedCallable itself (its checks of the
+        frozen parameters and of the weights' versions, and the inputs it passes on): each callable a step calls
+        is called again with that step's arguments and its compiled graph replaced by a no-op; the best of
+        `repeats` runs of `calls` calls, summed over the callables."""
+        cls, seen = type(self.callables[0]), {}
+        call = cls.__call__
+
+        def recording(callable_, *args):
+            seen[id(callable_)] = (callable_, args)
+            return call(callable_, *args)
+
+        cls.__call__ = recording
+        try:
+            self._call(self.forward, tokens[:, :1], self.prefilled(prompt), prompt.shape[1])
+        finally:
+            cls.__call__ = call
+        total = 0.0
+        for callable_, args in seen.values():
+            variant = callable_.variant
+            compiled, variant.compiled = variant.compiled, lambda *inputs: None
+            try:
+                best = float("inf")
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        callable_(*args)
+                    best = min(best, (time.perf_counter() - start) / calls * 1e6)
+            finally:
+                variant.compiled = compiled
+            total += best
+        return total
 
     def prefill_ms(self, prompt) -> float:
         """Median ms of a compiled prefill of the prompt into a cache emptied before each (outside the timing)."""
@@ -148,17 +190,30 @@ def recipe_of(path: str) -> str:
     return path.split(":", 1)[1].removesuffix(FP8_KV)
 
 
+class Recording:
+    """The fxquant backend, keeping each callable it returns."""
+
+    def __init__(self):
+        self.callables = []
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        self.callables.append(fxquant_backend(gm, example_inputs, **kwargs))
+        return self.callables[-1]
+
+
 def compiled_forward(model, path: str, mode: str):
-    """The path's model (a quantized copy for peers) and its compiled forward, or (None, reason)."""
+    """The path's model (a quantized copy for peers), its compiled forward (or the reason there is none), and the
+    callables fxquant's backend returned, filled as it compiles."""
     if path == "inductor":
-        return model, torch.compile(model.forward, mode=mode, dynamic=False)
+        return model, torch.compile(model.forward, mode=mode, dynamic=False), ()
     if path.startswith("fxquant:"):
-        return model, torch.compile(model.forward, backend="fxquant", dynamic=False,
-                                    options={"recipe": recipe_of(path), "mode": mode})
+        backend = Recording()
+        return model, torch.compile(model.forward, backend=backend, dynamic=False,
+                                    options={"recipe": recipe_of(path), "mode": mode}), backend.callables
     quantized = peers.quantized(model, path)
     if quantized is None:
-        return None, f"{path.split(':')[0]} does not import here"
-    return quantized, torch.compile(quantized.forward, mode=mode, dynamic=False)
+        return None, f"{path.split(':')[0]} does not import here", ()
+    return quantized, torch.compile(quantized.forward, mode=mode, dynamic=False), ()
 
 
 def generate_rate(model, path: str, prompt, args) -> str:
@@ -208,11 +263,11 @@ def work(items: list[tuple[str, int]], args):
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
                 start = time.perf_counter()
-                runner, forward = compiled_forward(model, path, args.mode)
+                runner, forward, callables = compiled_forward(model, path, args.mode)
                 quantize_s = time.perf_counter() - start
                 if runner is not None:
                     cache_class = fxquant.FP8StaticCache if path.endswith(FP8_KV) else T.StaticCache
-                    decoder = Decoder(runner, forward, args.device, max_len, cache_class)
+                    decoder = Decoder(runner, forward, args.device, max_len, cache_class, callables)
             if decoder is None:
                 workers.print_row({"path": path, "batch": batch, "check": forward})
                 continue
