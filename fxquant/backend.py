@@ -16,7 +16,6 @@ from fxquant.passes.quantize_linear import quantize_weight
 from fxquant.pipeline import PipelineResult, run_pipeline
 from fxquant.report import format_report
 
-
 VERSION = operator.attrgetter("_version")
 
 

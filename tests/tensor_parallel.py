@@ -1,6 +1,9 @@
-"""Tensor-parallel runs on the CPU: `world` processes over gloo, each building the same small model from a config,
-sharding it with DTensor's parallel styles, and compiling it under backend="fxquant". The parent gets each rank's
-result, or the rank's traceback as an error."""
+"""Tensor-parallel runs: `world` processes, each building the same small model from a config, sharding it with
+DTensor's parallel styles, and compiling it under backend="fxquant". The parent gets each rank's result (its
+tensors on the CPU), or the rank's traceback as an error.
+
+DEVICE: "cpu" (the default, as CI runs it) over gloo; with FXQUANT_TP_DEVICE=cuda, one GPU per rank over NCCL,
+the model, its inputs and the device mesh on the rank's GPU."""
 
 import contextlib
 import io
@@ -8,12 +11,14 @@ import os
 import socket
 import traceback
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from hf_models import decoder, static_decode, traced
 
 TIMEOUT_S = 600
+DEVICE = os.environ.get("FXQUANT_TP_DEVICE", "cpu")
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW = ("self_attn.o_proj", "mlp.down_proj")
 
@@ -32,18 +37,29 @@ def plan(model, experts: bool) -> dict:
     return styles
 
 
+def mesh():
+    """The 1-D device mesh of every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(DEVICE, (dist.get_world_size(),))
+
+
+def on_device(model, *tensors):
+    """The model (None: none) and tensors on this rank's device."""
+    return (None if model is None else model.to(DEVICE), *(t.to(DEVICE) for t in tensors))
+
+
 def sharded_decode(arch: str, recipes, prompt, steps, experts=False, **overrides) -> dict:
     """On each rank: the sharded model's static-cache decode logits, eager and run by dynamo alone (traced), then per
     recipe the compiled model's
     logits and its layer records (name, recipe, reason, bytes before and after); recipe None compiles with nothing
     quantized."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     from fxquant.backend import fxquant as fxquant_backend
 
-    model = decoder(arch, **overrides)
-    parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)), plan(model, experts))
+    model, prompt, steps = on_device(decoder(arch, **overrides), prompt, steps)
+    parallelize_module(model, mesh(), plan(model, experts))
     results = {"eager": static_decode(model, model, prompt, steps),
                "traced": static_decode(model, traced(model), prompt, steps)}
     for recipe in recipes:
@@ -66,14 +82,13 @@ def sharded_quantize_(arch: str, recipe: str, prompt, steps, **overrides) -> dic
     """On each rank: quantize_ on the sharded model; each sharded layer's class, the placements and local bytes of
     its parts, the report quantize_ printed, and the static-cache decode logits before, after (eager) and compiled
     under backend="fxquant"."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
     import fxquant
 
-    model = decoder(arch, **overrides)
-    parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)), plan(model, False))
+    model, prompt, steps = on_device(decoder(arch, **overrides), prompt, steps)
+    parallelize_module(model, mesh(), plan(model, False))
     before = static_decode(model, model, prompt, steps)
     report = io.StringIO()
     with torch.no_grad(), contextlib.redirect_stdout(report):
@@ -92,13 +107,12 @@ def sharded_quantize_(arch: str, recipe: str, prompt, steps, **overrides) -> dic
 def sharded_save(arch: str, recipe: str, path: str, **overrides) -> str | None:
     """On each rank: quantize_ the sharded model and save_quantized it to `path` (rank 0 writes); the error's text
     where save_quantized refuses."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     import fxquant
 
-    model = decoder(arch, **overrides)
-    parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)), plan(model, False))
+    model = on_device(decoder(arch, **overrides))[0]
+    parallelize_module(model, mesh(), plan(model, False))
     fxquant.quantize_(model, recipe)
     try:
         fxquant.save_quantized(model, path)
@@ -113,7 +127,6 @@ def sharded_load(checkpoints: dict, prompt, steps, **overrides) -> dict:
     sharded layer's local parameters (codes, scales, bias) with their placements, the static-cache decode logits
     eager and compiled, and save_quantized of the loaded model to `<folder>-resaved` (rank 0 writes). The error's
     text where loading refuses."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -146,16 +159,16 @@ def sharded_load(checkpoints: dict, prompt, steps, **overrides) -> dict:
             return self.handle.get_tensor(key)
 
     opened, checkpoint._opened = checkpoint._opened, lambda file, device: Reads(opened(file, device))
-    results = {}
+    results, (prompt, steps) = {}, on_device(None, prompt, steps)[1:]
     for label, (arch, folder) in checkpoints.items():
         read_whole.clear()
         built = decoder(arch, **overrides)  # its class and config
-        with fxquant.empty_weights():
+        with torch.device(DEVICE), fxquant.empty_weights():  # the buffers no checkpoint holds, on the device
             model = type(built)(built.config)
         model.to(torch.bfloat16)  # the rotary frequencies as the saved model held them
-        parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)), plan(model, False))
+        parallelize_module(model, mesh(), plan(model, False))
         try:
-            fxquant.load_quantized(model, folder)
+            fxquant.load_quantized(model, folder, device=DEVICE)
         except ValueError as error:
             results[label] = str(error)
             continue
@@ -174,7 +187,9 @@ def sharded_load(checkpoints: dict, prompt, steps, **overrides) -> dict:
 def _worker(rank: int, world: int, port: int, task, kwargs: dict, results) -> None:
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if DEVICE == "cuda":
+            torch.cuda.set_device(rank)
+        dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", rank=rank, world_size=world)
         torch.set_num_threads(1)  # the ranks share CI's two cores
         payload = io.BytesIO()  # tensors as bytes: shared memory would be gone once this process exits
         torch.save(task(**kwargs), payload)
@@ -189,6 +204,8 @@ def _worker(rank: int, world: int, port: int, task, kwargs: dict, results) -> No
 def run(world: int, task, **kwargs) -> list:
     """task(**kwargs) on `world` spawned ranks; their results in rank order. A rank that raised fails the run with
     its traceback."""
+    if DEVICE == "cuda" and torch.cuda.device_count() < world:
+        pytest.skip(f"{world} ranks need {world} GPUs, this machine has {torch.cuda.device_count()}")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -202,5 +219,5 @@ def run(world: int, task, **kwargs) -> list:
         process.join(timeout=60)
     failed = [f"rank {rank}:\n{value}" for rank, value in got.items() if isinstance(value, str)]
     assert not failed, "\n".join(failed)
-    return [torch.load(io.BytesIO(got[rank]), weights_only=False) for rank in range(world)]
+    return [torch.load(io.BytesIO(got[rank]), weights_only=False, map_location="cpu") for rank in range(world)]
 
