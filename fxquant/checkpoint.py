@@ -41,7 +41,8 @@ def save_quantized(model: nn.Module, path, kv_scales: list[tuple[float, float]] 
 
     A tensor-parallel model (DTensor parameters, quantize_'d shard by shard) is saved whole: every rank calls
     save_quantized, its shards are all-gathered, and rank 0 writes the checkpoint the unsharded model would
-    (`sharded_linear.gathered`, which refuses a row-parallel per-channel scale by name)."""
+    (`sharded_linear.gathered`, which refuses by name a row-parallel per-channel scale that differs between
+    shards)."""
     path = Path(path)
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
     tensors, seen, groups, ignore = {}, set(), defaultdict(list), []
