@@ -45,15 +45,14 @@ def mesh():
 
 
 def on_device(model, *tensors):
-    """The model (None: none) and tensors on this rank's device."""
-    return (None if model is None else model.to(DEVICE), *(t.to(DEVICE) for t in tensors))
+    """The model and tensors on this rank's device."""
+    return (model.to(DEVICE), *(t.to(DEVICE) for t in tensors))
 
 
 def sharded_decode(arch: str, recipes, prompt, steps, experts=False, **overrides) -> dict:
     """On each rank: the sharded model's static-cache decode logits, eager and run by dynamo alone (traced), then per
-    recipe the compiled model's
-    logits and its layer records (name, recipe, reason, bytes before and after); recipe None compiles with nothing
-    quantized."""
+    recipe the compiled model's logits and its layer records (name, recipe, reason, bytes before and after); recipe
+    None compiles with nothing quantized."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from fxquant.backend import fxquant as fxquant_backend
@@ -125,8 +124,9 @@ def sharded_load(checkpoints: dict, prompt, steps, **overrides) -> dict:
     """On each rank, per label of checkpoints {label: (architecture, folder)}: a skeleton built under empty_weights()
     and sharded, then load_quantized from the folder; the checkpoint keys read whole rather than sliced, each
     sharded layer's local parameters (codes, scales, bias) with their placements, the static-cache decode logits
-    eager and compiled, and save_quantized of the loaded model to `<folder>-resaved` (rank 0 writes). The error's
-    text where loading refuses."""
+    (eager: the loaded layers are the QuantizedLinear quantize_ gives a shard, whose compiled decode
+    sharded_quantize_ checks), and save_quantized of the loaded model to `<folder>-resaved` (rank 0 writes). The
+    error's text where loading refuses."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -159,7 +159,7 @@ def sharded_load(checkpoints: dict, prompt, steps, **overrides) -> dict:
             return self.handle.get_tensor(key)
 
     opened, checkpoint._opened = checkpoint._opened, lambda file, device: Reads(opened(file, device))
-    results, (prompt, steps) = {}, on_device(None, prompt, steps)[1:]
+    results, prompt, steps = {}, prompt.to(DEVICE), steps.to(DEVICE)
     for label, (arch, folder) in checkpoints.items():
         read_whole.clear()
         built = decoder(arch, **overrides)  # its class and config
@@ -176,11 +176,8 @@ def sharded_load(checkpoints: dict, prompt, steps, **overrides) -> dict:
                         if isinstance(t, DTensor)}
                  for name, m in model.named_modules() if name.endswith(COLUMN + ROW)}
         eager = static_decode(model, model, prompt, steps)
-        torch._dynamo.reset()
-        compiled = static_decode(model, torch.compile(model, backend="fxquant", options={"inner": "eager"}), prompt,
-                                 steps)
         fxquant.save_quantized(model, f"{folder}-resaved")
-        results[label] = {"read_whole": list(read_whole), "parts": parts, "eager": eager, "compiled": compiled}
+        results[label] = {"read_whole": list(read_whole), "parts": parts, "eager": eager}
     return results
 
 
