@@ -8,10 +8,11 @@ Per path, in one process:
   non-finite logits fail the path;
 - decode: median ms per step over the steps after those, on the same static cache, the host's share of it (until
   the call returns), and tokens/s;
-- profile (batch 1): GPU kernel ms per step, with the table of kernels, and where the host's time goes, from the
-  profiler's host ranges per step: dynamo's guards, the compiled region (dynamo's frame running the backend's
-  callable), Inductor's compiled-graph call within it (CUDA-graph tree bookkeeping and the launch), and the graph
-  launch itself; for fxquant, its wrapper's own per-call checks, timed alone (the graph it calls replaced by a no-op);
+- profile (--profile-batches): GPU kernel ms per step, with the table of kernels, and where the host's time goes,
+  from the profiler's host ranges per step: dynamo's guards, the compiled region (dynamo's frame running the
+  backend's callable), Inductor's compiled-graph call within it (CUDA-graph tree bookkeeping and the launch), and
+  the graph launch itself; for fxquant, its wrapper's own per-call checks, timed alone (the graph it calls replaced
+  by a no-op);
 - prefill: median ms of a compiled prefill of the whole prompt into an emptied cache (batch 1 only);
 - guards skipped (--skip-guards): the decode steps timed again with dynamo's guards skipped after the first steps;
 - generate(): transformers' generate() with cache_implementation="static" and compile_config naming the path;
