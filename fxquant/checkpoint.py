@@ -233,7 +233,7 @@ def load_quantized(model: nn.Module, path, device=None, dtype: torch.dtype | str
                 if name in recipes and local != "bias" or name in expert_of:
                     pending[name][local] = sharded[name].read(f, key) if name in sharded else f.get_tensor(key)
                     continue
-                _assign(model, key, read_parameter(f, key, _held(model, key)), owners, dtype)
+                _assign(model, key, functools.partial(read_parameter, f, key), owners, dtype)
     for name, tensors in pending.items():
         if name in expert_of:
             continue
@@ -352,23 +352,15 @@ def _files(path: Path) -> list[Path]:
     return files
 
 
-def _held(model: nn.Module, key: str) -> torch.Tensor | None:
-    """The skeleton's tensor at `key`, or None where the model has none (which _assign then names)."""
-    name, _, attr = key.rpartition(".")
-    try:
-        module = model.get_submodule(name)
-    except AttributeError:
-        return None
-    return module._parameters.get(attr, module._buffers.get(attr))
-
-
-def _assign(model: nn.Module, key: str, tensor: torch.Tensor, owners, dtype) -> None:
-    """Put a checkpoint tensor in place of the model's `key`, and of every attribute tied to it."""
+def _assign(model: nn.Module, key: str, read, owners, dtype) -> None:
+    """Put checkpoint tensor `key`, read(the model's tensor there), in place of the model's `key` and of every
+    attribute tied to it."""
     name, _, attr = key.rpartition(".")
     module = model.get_submodule(name)
     if attr not in module._parameters and attr not in module._buffers:
         raise KeyError(f"fxquant: checkpoint tensor {key} has no place in the model")
     current = module._parameters.get(attr, module._buffers.get(attr))
+    tensor = read(current)
     if current is not None:
         tensor = _matching(key, tensor, current, dtype)
     is_param = attr in module._parameters

@@ -22,7 +22,7 @@ from fxquant.compressed_tensors import to_checkpoint
 from fxquant.config import RECIPES
 from fxquant.passes.quantize_linear import alignment_reason
 from fxquant.quantized_linear import QuantizedLinear
-from fxquant.sharded_linear import LAYOUT_REASON, shard_dim, sharded_parts
+from fxquant.sharded_linear import SHARDED_LAYOUTS, shard_dim, sharded_parts
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,9 @@ def sharded_layer(name: str, module: nn.Module, weight: DTensor, recipe: str) ->
     its shards cannot hold the checkpoint's codes and scales."""
     dim = shard_dim(weight, module.bias, recipe)
     if dim is None:
-        raise ValueError(f"fxquant: {name} is {weight.placements} on a {weight.device_mesh.ndim}-D mesh, where "
-                         f"load_quantized takes {LAYOUT_REASON}. Fix: shard {name} with ColwiseParallel or "
-                         "RowwiseParallel on a 1-D mesh, or leave it out of the parallel plan")
+        raise ValueError(f"fxquant: {name} is {recipe}, {weight.placements} on a {weight.device_mesh.ndim}-D mesh, "
+                         f"which load_quantized does not shard: it takes {SHARDED_LAYOUTS}. Fix: shard {name} with "
+                         "ColwiseParallel or RowwiseParallel on a 1-D mesh, or leave it out of the parallel plan")
     layer = ShardedLayer(name, weight, dim, recipe)
     reason = alignment_reason(layer.shape, RECIPES[recipe])
     if reason:

@@ -26,10 +26,10 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 from fxquant.config import RECIPES
 from fxquant.linear_ops import emit_linear, run_now
 
-LAYOUT_REASON = ("a DTensor (tensor-parallel) weight in a layout quantize_ does not shard: it takes column parallel "
-                 "(weight and bias Shard(0)) and row parallel without bias (weight Shard(1)) on a 1-D mesh, in even "
-                 "shards, under recipes without a per-tensor weight scale (not fp8_tensor or nvfp4_wo: it would "
-                 "differ per shard)")
+SHARDED_LAYOUTS = ("column parallel (weight and bias Shard(0)) and row parallel without bias (weight Shard(1)) on a "
+                   "1-D mesh, in even shards, under recipes without a per-tensor weight scale (not fp8_tensor or "
+                   "nvfp4_wo: it would differ per shard)")
+LAYOUT_REASON = f"a DTensor (tensor-parallel) weight in a layout quantize_ does not shard: it takes {SHARDED_LAYOUTS}"
 
 
 def shard_dim(weight: torch.Tensor, bias: torch.Tensor | None, recipe: str) -> int | None:

@@ -265,14 +265,19 @@ def test_a_loaded_sharded_model_saves_the_checkpoint_it_loaded(loaded, label):
         assert torch.equal(_bytes(resaved[key]), _bytes(original[key])), key
 
 
-def test_a_shard_that_splits_the_checkpoint_s_blocks_is_refused_by_name(tmp_path):
+def test_a_shard_that_splits_the_checkpoint_s_blocks_or_its_scale_is_refused_by_name(tmp_path):
     """With 2 KV heads of 64, k_proj and v_proj have 128 rows: shards of 64 rows at 2 ranks split fp8_block's
-    128x128 blocks, so loading refuses, naming the layer and the fix, on every rank."""
+    128x128 blocks. fp8_tensor's one weight scale per tensor would differ per shard. Loading either refuses,
+    naming the layer and the fix, on every rank."""
     import fxquant
 
-    fxquant.save_quantized(fxquant.quantize_(decoder("llama"), "fp8_block"), tmp_path / "fp8_block")
-    for result in run(2, sharded_load, checkpoints={"fp8_block": ("llama", str(tmp_path / "fp8_block"))},
-                      prompt=PROMPT, steps=STEPS):
+    for recipe in ("fp8_block", "fp8_tensor"):
+        fxquant.save_quantized(fxquant.quantize_(decoder("llama"), recipe), tmp_path / recipe)
+    checkpoints = {recipe: ("llama", str(tmp_path / recipe)) for recipe in ("fp8_block", "fp8_tensor")}
+    for result in run(2, sharded_load, checkpoints=checkpoints, prompt=PROMPT, steps=STEPS):
         error = result["fp8_block"]
         assert "model.layers.0.self_attn.k_proj's shard on each of 2 ranks is [64, 256]" in error
         assert "Fix: shard over fewer ranks" in error
+        error = result["fp8_tensor"]
+        assert "model.layers.0.self_attn.q_proj is fp8_tensor, (Shard(dim=0),) on a 1-D mesh" in error
+        assert "not fp8_tensor or nvfp4_wo" in error and "Fix: shard model.layers.0.self_attn.q_proj" in error
