@@ -7,7 +7,7 @@ Per path, in one process:
 - check: the first decode steps' logits (teacher-forced, the same tokens as eager's) against eager bf16's;
   non-finite logits fail the path;
 - decode: median ms per step over the steps after those, on the same static cache, the host's share of it (until
-  the call returns), and tokens/s;
+  the call returns), tokens/s, and the host ms inside CUDA graph replay() calls, unprofiled (graph replay ms);
 - profile (--profile-batches): GPU kernel ms per step, with the table of kernels, and where the host's time goes,
   from the profiler's host ranges per step: dynamo's guards, the compiled region (dynamo's frame running the
   backend's callable), Inductor's compiled-graph call within it (CUDA-graph tree bookkeeping and the launch), and
@@ -36,6 +36,7 @@ handled as bench/workers.py says; a path that failed in the first phase is not r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import inspect
 import json
@@ -91,19 +92,24 @@ class Decoder:
         self._call(self.model, prompt, cache, 0)
         return cache
 
-    def steps(self, prompt, tokens, skip_guards: bool = False) -> tuple[torch.Tensor, list[float], list[float]]:
+    def steps(self, prompt, tokens, skip_guards: bool = False,
+              replays: list[float] | None = None) -> tuple[torch.Tensor, list[float], list[float]]:
         """Last-position logits, and ms of each decode step (one per column of `tokens`, teacher-forced): until the
         call returns, which with the GPU idle at the start is the host's time before and while it launches the
         step, and until the step's GPU work has finished. skip_guards: the steps after the first CHECK_STEPS run
-        under torch.compiler.set_stance(skip_guard_eval_unsafe=True), as README's "Fast decode" says."""
+        under torch.compiler.set_stance(skip_guard_eval_unsafe=True), as README's "Fast decode" says. replays: gets
+        each step's host ms inside CUDA graph replay() calls (`graph_replays`)."""
         cache, logits, returned, finished = self.prefilled(prompt), [], [], []
         for i in range(tokens.shape[1]):
             stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip_guards and i >= CHECK_STEPS)
             sync(self.device)
+            launches = []
             start = time.perf_counter()
-            with stance:
+            with stance, graph_replays(launches):
                 out = self._call(self.forward, tokens[:, i:i + 1], cache, prompt.shape[1] + i)
             returned.append((time.perf_counter() - start) * 1e3)
+            if replays is not None:
+                replays.append(sum(launches))
             sync(self.device)
             finished.append((time.perf_counter() - start) * 1e3)
             logits.append(out[:, -1].float())
@@ -185,6 +191,24 @@ class Decoder:
 
 
 FP8_KV = "+fp8kv"
+
+
+@contextlib.contextmanager
+def graph_replays(times: list[float]):
+    """Appends the host ms of every CUDA graph replay() run inside the block: the graph launch timed without a
+    profiler (the profile's cudaGraphLaunch range may hold the profiler's own cost)."""
+    replay = torch.cuda.CUDAGraph.replay
+
+    def timed(graph):
+        start = time.perf_counter()
+        replay(graph)
+        times.append((time.perf_counter() - start) * 1e3)
+
+    torch.cuda.CUDAGraph.replay = timed
+    try:
+        yield times
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
 
 
 def recipe_of(path: str) -> str:
@@ -282,7 +306,8 @@ def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: floa
     """The item's row. The first CHECK_STEPS steps compile and record, and their logits are checked against eager's
     (in the first phase, which has no eager logits, only for being finite); the steps after them are timed."""
     prompt, tokens = inputs
-    got, returned, finished = decoder.steps(prompt, tokens)
+    replays = []
+    got, returned, finished = decoder.steps(prompt, tokens, replays=replays)
     got = got[:CHECK_STEPS]
     if not torch.isfinite(got).all():
         raise RuntimeError(f"{path}, batch {batch}: non-finite logits")
@@ -291,7 +316,7 @@ def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: floa
            "first steps s": f"{quantize_s + sum(finished[:CHECK_STEPS]) / 1e3:.1f}"}
     ms = statistics.median(finished[CHECK_STEPS:])
     row |= {"decode ms": f"{ms:.3f}", "host ms": f"{statistics.median(returned[CHECK_STEPS:]):.3f}",
-            "tokens/s": f"{batch * 1e3 / ms:.0f}"}
+            "tokens/s": f"{batch * 1e3 / ms:.0f}", "graph replay ms": f"{statistics.median(replays[CHECK_STEPS:]):.3f}"}
     if args.skip_guards:
         _, returned, finished = decoder.steps(prompt, tokens, skip_guards=True)
         row |= {"decode ms, guards skipped": f"{statistics.median(finished[CHECK_STEPS:]):.3f}",

@@ -1,8 +1,10 @@
-"""bench.decode's host breakdown on the CPU: timing fxquant's wrapper alone leaves the compiled step as it was."""
+"""bench.decode's host breakdown: timing fxquant's wrapper alone leaves the compiled step as it was, and timing CUDA
+graph replays counts each replay and restores replay()."""
+import pytest
 import torch
 from hf_models import VOCAB, decoder
 
-from bench.decode import Decoder, compiled_forward
+from bench.decode import Decoder, compiled_forward, graph_replays
 from fxquant.backend import QuantizedCallable
 
 
@@ -22,3 +24,37 @@ def test_timing_the_wrapper_alone_restores_the_compiled_step():
         after = step.steps(prompt, tokens)[0]
     assert QuantizedCallable.__call__ is call
     torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+def test_graph_replay_timing_restores_replay_and_counts_only_replays():
+    """Steps on the CPU launch no CUDA graph: each step's replay time is 0, one per step, and replay() is the
+    original afterwards."""
+    replay = torch.cuda.CUDAGraph.replay
+    model = decoder("llama", dtype=torch.float32)
+    runner, forward, callables = compiled_forward(model, "fxquant:fp8_row", "default")
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=generator)
+    tokens = torch.randint(0, VOCAB, (1, 3), generator=generator)
+    replays = []
+    with torch.no_grad():
+        Decoder(runner, forward, "cpu", 16, callables=callables).steps(prompt, tokens, replays=replays)
+    assert replays == [0.0, 0.0, 0.0]
+    assert torch.cuda.CUDAGraph.replay is replay
+
+
+@pytest.mark.gpu
+def test_graph_replays_times_each_replay():
+    """A captured graph replayed twice inside graph_replays gives two positive host times; replay() is restored."""
+    replay = torch.cuda.CUDAGraph.replay
+    x = torch.zeros(8, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.add_(1)
+    times = []
+    with graph_replays(times):
+        graph.replay()
+        graph.replay()
+    torch.cuda.synchronize()
+    assert len(times) == 2 and all(t > 0 for t in times)
+    assert torch.cuda.CUDAGraph.replay is replay
+    assert x.tolist() == [2.0] * 8  # capturing runs nothing; each replay adds 1
