@@ -196,7 +196,7 @@ FP8_KV = "+fp8kv"
 @contextlib.contextmanager
 def graph_replays(times: list[float]):
     """Appends the host ms of every CUDA graph replay() run inside the block: the graph launch timed without a
-    profiler (the profile's cudaGraphLaunch range may hold the profiler's own cost)."""
+    profiler, whose cudaGraphLaunch range is mostly its own cost (BENCHMARKS.md, the host goal)."""
     replay = torch.cuda.CUDAGraph.replay
 
     def timed(graph):
