@@ -104,8 +104,9 @@ class Decoder:
             stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip_guards and i >= CHECK_STEPS)
             sync(self.device)
             launches = []
+            timing = graph_replays(launches) if replays is not None else contextlib.nullcontext()
             start = time.perf_counter()
-            with stance, graph_replays(launches):
+            with stance, timing:
                 out = self._call(self.forward, tokens[:, i:i + 1], cache, prompt.shape[1] + i)
             returned.append((time.perf_counter() - start) * 1e3)
             if replays is not None:
