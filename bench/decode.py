@@ -369,21 +369,27 @@ def warm_groups(items: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
                                                        group[0][0] not in peers.PATHS))
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("paths", nargs="*", default=["inductor", *(f"fxquant:{r}" for r in fxquant.RECIPES),
-                                                      *peers.PATHS])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--prefill-batches", type=int, nargs="*", default=[1])
-    parser.add_argument("--generate-batches", type=int, nargs="*", default=[1])
-    parser.add_argument("--profile-batches", type=int, nargs="*", default=[1])
+def step_options(parser: argparse.ArgumentParser, batches: list[int], steps: int):
+    """The options of a decode-step benchmark: the model's shape, the prompt, the steps timed, the compile mode and
+    the device (shared with bench.decode_tp)."""
+    parser.add_argument("--batches", type=int, nargs="+", default=batches)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=LLAMA_3_VOCAB)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--prefill", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--mode", default="reduce-overhead", choices=["default", "reduce-overhead"])
     parser.add_argument("--device", default="cuda")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("paths", nargs="*", default=["inductor", *(f"fxquant:{r}" for r in fxquant.RECIPES),
+                                                      *peers.PATHS])
+    step_options(parser, batches=[1, 16, 64], steps=32)
+    parser.add_argument("--prefill-batches", type=int, nargs="*", default=[1])
+    parser.add_argument("--generate-batches", type=int, nargs="*", default=[1])
+    parser.add_argument("--profile-batches", type=int, nargs="*", default=[1])
     parser.add_argument("--skip-guards", action="store_true",
                         help="time the decode steps again under set_stance(skip_guard_eval_unsafe=True)")
     parser.add_argument("--row-timeout", type=float, default=240,

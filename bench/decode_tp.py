@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from bench.common import LLAMA_3_VOCAB, header, llama, table
-from bench.decode import CHECK_STEPS, Decoder, compiled_forward, cosine
+from bench.common import header, llama, table
+from bench.decode import CHECK_STEPS, Decoder, compiled_forward, cosine, step_options
 
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW = ("self_attn.o_proj", "mlp.down_proj")
@@ -37,14 +37,7 @@ def tp_plan(model) -> dict:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("paths", nargs="*", default=["inductor", "fxquant:fp8_row"])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--vocab", type=int, default=LLAMA_3_VOCAB)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--prefill", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--mode", default="reduce-overhead", choices=["default", "reduce-overhead"])
-    parser.add_argument("--device", default="cuda")
+    step_options(parser, batches=[1, 16], steps=24)
     args = parser.parse_args()
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
