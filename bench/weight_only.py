@@ -16,6 +16,7 @@ import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from bench.common import copy_bandwidth_gbs, graph_time_ms, header, rotating, table
 from fxquant import reference as R
 from fxquant.kernels import gemm_weight_only
+from fxquant.kernels.gemm_int4_mma import pack_lanes
 from fxquant.kernels.gemm_weight_only import weight_only_mm, wo_gemm_config
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8
 
@@ -37,14 +38,21 @@ def run(x, q, fmt, config=None):
                           global_scale=q.global_scale, config=config)
 
 
+def run_lanes(x, q, lane_scale, lane_zero):
+    """int4 through linear_int4_lanes, the op the backend puts on its int4 weights: at M = 1 the mma.sync kernel."""
+    return torch.ops.fxquant.linear_int4_lanes(x, q.data, q.scale, q.zero_point, lane_scale, lane_zero, None, 128,
+                                               q.shape[0])
+
+
 def check() -> list[dict]:
     rows = []
-    for fmt in FORMATS:
+    for fmt in [*FORMATS, "int4 lanes"]:
         for m, n, k in [(1, 4096, 4096), (16, 14336, 4096), (300, 4096, 14336)]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            q = quantized_weight(n, k, fmt)
+            q = quantized_weight(n, k, fmt.split()[0])
             exact = x.double() @ R.dequantize(q, torch.float64).T
-            err = float((run(x, q, fmt).double() - exact).norm() / exact.norm())
+            out = run_lanes(x, q, *pack_lanes(q.scale, q.zero_point)) if fmt == "int4 lanes" else run(x, q, fmt)
+            err = float((out.double() - exact).norm() / exact.norm())
             rows.append({"format": fmt, "M": m, "N": n, "K": k, "rel_err_vs_fp64": f"{err:.2e}"})
     return rows
 
@@ -63,6 +71,11 @@ def bench_gemms(ceiling) -> list[dict]:
                                               _copy(q)), q.nbytes + m * k * 2)
                 ms = graph_time_ms(lambda x, q, f=fmt: run(x, q, f), wsets)
                 rows.append(_row(m, n, k, f"fxq {fmt}", ms, bf16, q.nbytes, ceiling))
+            q = quantized_weight(n, k, "int4")
+            lsets = rotating(lambda q=q: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16), _copy(q),
+                                          *pack_lanes(q.scale, q.zero_point)), q.nbytes + m * k * 2)
+            ms = graph_time_ms(run_lanes, lsets)
+            rows.append(_row(m, n, k, "fxq int4, linear_int4_lanes", ms, bf16, q.nbytes, ceiling))
     return rows
 
 

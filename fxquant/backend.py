@@ -12,6 +12,7 @@ from torch._dynamo import list_backends, register_backend
 from torch._dynamo.source import ConstantSource
 
 from fxquant.config import MODES, from_options
+from fxquant.passes.pack_int4_lanes import refresh_lanes
 from fxquant.passes.quantize_linear import quantize_weight
 from fxquant.pipeline import PipelineResult, run_pipeline
 from fxquant.report import format_report
@@ -83,6 +84,7 @@ class QuantizedCallable:
             for layer in variant.tracked:
                 if layer.source._version != layer.version:
                     self._requantize(variant, layer)
+            refresh_lanes(variant.result.gm)
             variant.versions = tuple(layer.version for layer in variant.tracked)
         return variant.compiled(*variant.take(args))
 

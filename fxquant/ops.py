@@ -29,6 +29,7 @@ from fxquant.kernels.decode_attention import decode_attention as decode_attentio
 from fxquant.kernels.decode_attention import decode_attention_refusal
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm, is_block_scaled
 from fxquant.kernels.gemm_grouped import grouped_fp8_mm, grouped_weight_only_mm
+from fxquant.kernels.gemm_int4_mma import int4_mma_fits, int4_mma_mm, lane_layout_shape
 from fxquant.kernels.gemm_weight_only import weight_only_mm
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8 as norm_quant_kernel
 from fxquant.kernels.norm_quant_fp8 import serves as norm_quant_serves
@@ -199,6 +200,31 @@ linear_weight_only = _op("linear_weight_only(Tensor x, Tensor w, Tensor w_scale,
 
 @_fake("linear_weight_only")
 def _(x, w, w_scale, w_global_scale, w_zero_point, bias, fmt, group_size, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _linear_int4_lanes(x: Tensor, w: Tensor, w_scale: Tensor, w_zero_point: Tensor | None, lane_scale: Tensor,
+                       lane_zero: Tensor | None, bias: Tensor | None, group_size: int, out_features: int) -> Tensor:
+    """linear_weight_only for an int4 weight whose scales and zero points are also held in the mma.sync decode
+    kernel's per-lane layout (`gemm_int4_mma.pack_lanes`). One activation row on the GPU takes that kernel;
+    every other case takes linear_weight_only on the row-major scales. At M = 8 the kernel ran 13-34% slower than
+    the in-register one on four of five Llama shapes (bench/HISTORY.md, "Thirteenth session"), so it serves M = 1."""
+    rows = x.reshape(-1, x.shape[-1])
+    K = rows.shape[1]
+    if (rows.shape[0] == 1 and w.shape == (out_features, K // 2) and w.is_contiguous()
+            and lane_scale.shape == lane_layout_shape(out_features, K, group_size) and int4_mma_fits(rows, group_size)):
+        out = int4_mma_mm(rows, w.view(torch.int32), lane_scale, lane_zero, group_size, bias)
+        return out.reshape(*x.shape[:-1], out_features)
+    return _linear_weight_only(x, w, w_scale, None, w_zero_point, bias, "int4", group_size, out_features)
+
+
+linear_int4_lanes = _op("linear_int4_lanes(Tensor x, Tensor w, Tensor w_scale, Tensor? w_zero_point, "
+                        "Tensor lane_scale, Tensor? lane_zero, Tensor? bias, int group_size, int out_features) "
+                        "-> Tensor", _linear_int4_lanes)
+
+
+@_fake("linear_int4_lanes")
+def _(x, w, w_scale, w_zero_point, lane_scale, lane_zero, bias, group_size, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 

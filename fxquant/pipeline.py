@@ -1,7 +1,7 @@
 """The pipeline: freeze_params -> localize_shards -> detect -> upcast, the numerics lint (and recipe="auto"'s
-measurements), then quantize_linear -> fuse_norm -> merge_linear -> fuse_linear -> decode_attention -> pack_gqa ->
-cleanup. It sits above the passes: they never import the lint or the measurements, and what they hand each other
-travels in one `PipelineState`."""
+measurements), then quantize_linear -> fuse_norm -> merge_linear -> fuse_linear -> pack_int4_lanes ->
+decode_attention -> pack_gqa -> cleanup. It sits above the passes: they never import the lint or the measurements,
+and what they hand each other travels in one `PipelineState`."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from fxquant.passes.fuse_norm import FuseNorm
 from fxquant.passes.localize_shards import LocalizeShards
 from fxquant.passes.merge_linear import MergeLinear
 from fxquant.passes.pack_gqa import PackGQA
+from fxquant.passes.pack_int4_lanes import PackInt4Lanes
 from fxquant.passes.quantize_linear import QuantizeLinear
 from fxquant.passes.state import LayerRecord, PipelineState
 from fxquant.passes.upcast import Upcast
@@ -78,8 +79,8 @@ def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=N
         measured = measure_graph(gm, example_inputs, config, usable_recipes(device))
         state.config = config = resolve_auto(config, measured)
         state.auto_reasons = {m.fqn: m.reason for m in measured if m.chosen_by_auto and m.recipe is None}
-    gm = _run([QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseLinear(), DecodeAttention(state),
-               PackGQA(), Cleanup()], gm)
+    gm = _run([QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseLinear(), PackInt4Lanes(state),
+               DecodeAttention(state), PackGQA(), Cleanup()], gm)
     findings += lint_layers(state, weights)
     errors = [f for f in findings if f.severity == "error"]
     if errors:

@@ -1,0 +1,248 @@
+"""The int4 decode GEMM on mma.sync: out[M <= 8, N] = A[M, K] @ dequantize(W)[N, K].T (+ bias), int4 groups of a
+multiple of 128 along K, with the codes read in the order `quantize` stores them, through inline PTX (sm_80+).
+
+Each program is one warp and owns 64 weight rows: four 16-row blocks, each the A operand of
+`mma.sync.m16n8k16`, whose B operand is the activations (K by up to 8 rows of A), so one MMA serves a whole
+decode batch. Lane (g, t) = (lane / 4, lane % 4) holds A rows g and g + 8 of a block and B column g.
+
+The MMA sums over its 16 K slots, so any one-to-one map of K onto the slots gives the same product if weights and
+activations follow it. The map is chosen so that a lane reads its codes in stored order: in each 128-long K step,
+lane t takes codes 32t .. 32t + 31 of its rows, four int32 words in one 16-byte load per row. Word u (codes
+8u + j) feeds MMAs 2u and 2u + 1: a bf16x2 (or f16x2) register holds codes j and j + 4, which one `lop3` extracts
+together. MMA 2u + e takes codes (2e, 2e + 4) into K slots (2t, 2t + 1) and (2e + 1, 2e + 5) into slots
+(2t + 8, 2t + 9). The activations are paired the same way from the lane's own 32 values.
+
+Scales and zero points are read in a layout packed per lane (`pack_lanes`): a lane's eight scales of a group (its
+two rows in each of the four blocks) are one 32-byte copy, its eight zero points one 8-byte copy. Row-major scales
+cost each K step 16 scattered 4-byte copies per warp, which kept the L1 busiest at 63% while DRAM ran at 29%
+(bench/HISTORY.md, "Thirteenth session").
+
+A code q becomes the exact integer q - z from bits, with no int -> float conversion: q ORed into the mantissa of
+128.0 (bf16, ulp 1) or 1024.0 (f16) is 128 + q, and one packed FMA adds -(128 + z). The eight MMAs of a step chain
+through one fp32 accumulator, which the group's fp32 scale then multiplies, as in `gemm_weight_only`'s int4 path.
+K is split across programs, each writing fp32 partials that `reduce_partials` sums in a fixed order and casts.
+`tl.range`'s pipeliner keeps STAGES steps of codes, scales, zero points and activations in flight as asynchronous
+copies while one is multiplied.
+
+Inline PTX does not run under Triton's interpreter: there `int4_mma_fits` is false and the caller takes
+`gemm_weight_only`, which computes the same product. tests/kernels/test_gemm_int4_mma.py runs this kernel's data
+flow under the interpreter with the MMA emulated per warp, and on the GPU against an fp64 reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from fxquant.kernels.cast import capability, interpreting
+from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
+from fxquant.kernels.launch import cdiv
+from fxquant.kernels.splitk import reduce_partials
+
+STEP_K = 128  # codes per row per K step: 4 lanes x 32; int4 groups must be multiples of it
+ROWS = 64  # weight rows per program: four 16-row MMA blocks
+MAX_M = 8  # activation rows one m16n8k16 MMA takes as its B operand
+
+
+def _step_asm(magic: str, fma: str, one: str, dtype: str) -> str:
+    """PTX for one 16-row block and one K step. Operands: $0-$3 the fp32 accumulator out (C fragment); $4-$7 row
+    g's four words, $8-$11 row g + 8's; $12, $13 -(magic + z) for the two rows as x2 pairs; $14 + 2c, $15 + 2c the
+    activation pairs of MMA c."""
+    lines = ["{", ".reg .b32 s, a0, a1, a2, a3, zero, one;", "mov.b32 zero, 0;", f"mov.b32 one, {one};"]
+    for c in range(8):
+        u, e = divmod(c, 2)
+        lo, hi = 8 * e, 8 * e + 4  # bit shifts of nibbles 2e and 2e + 1 (each with its partner 4 nibbles up)
+        for reg, word, shift in ((0, 4 + u, lo), (1, 8 + u, lo), (2, 4 + u, hi), (3, 8 + u, hi)):
+            src = f"${word}"
+            if shift:
+                lines.append(f"shr.u32 s, ${word}, {shift};")
+                src = "s"
+            # (w & 0x000f000f) | magic: two codes in the mantissas of a packed pair, exactly magic + q
+            lines.append(f"lop3.b32 a{reg}, {src}, 0x000f000f, {magic}, 0xea;")
+        for reg in range(4):  # (magic + q) * 1 - (magic + z) = q - z, exact: |q - z| <= 15 and the ulp is 1
+            lines.append(f"{fma} a{reg}, a{reg}, one, ${12 + reg % 2};")
+        acc = "zero, zero, zero, zero" if c == 0 else "$0, $1, $2, $3"
+        lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32 {{$0, $1, $2, $3}}, "
+                     f"{{a0, a1, a2, a3}}, {{${14 + 2 * c}, ${15 + 2 * c}}}, {{{acc}}};")
+    return "\n".join(lines + ["}"])
+
+
+STEP_BF16 = tl.constexpr(_step_asm("0x43004300", "fma.rn.bf16x2", "0x3F803F80", "bf16"))  # 128.0 in bf16
+STEP_F16 = tl.constexpr(_step_asm("0x64006400", "fma.rn.f16x2", "0x3C003C00", "f16"))  # 1024.0 in f16
+STEP_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 26))
+
+
+@triton.jit
+def _columns(x):
+    """x [32, 4] as its four [32] columns."""
+    even, odd = tl.split(tl.reshape(x, (x.shape[0], 2, 2)))  # x[:, 0::2], x[:, 1::2]
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _stack(x0, x1, x2, x3):
+    """Four [32] tensors as the columns of one [32, 4]."""
+    return tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), (x0.shape[0], 4))
+
+
+@triton.jit
+def _offsets(z, BF16: tl.constexpr):
+    """Zero points as packed pairs of -(magic + z), the addend that turns magic + q into q - z."""
+    neg = z | (0xC300 if BF16 else 0xE400)  # -128.0 (bf16) or -1024.0 (f16) with z in its ulp-1 mantissa bits
+    return neg | (neg << 16)
+
+
+@triton.jit
+def _activation_pairs(ptr, mask):
+    """The B registers of MMAs 2u and 2u + 1 from the 4 words (8 values) at ptr: (values 0, 4) and (1, 5) for the
+    first, (2, 6) and (3, 7) for the second, matching the codes one lop3 takes from a word."""
+    w0, w1, w2, w3 = _columns(tl.load(ptr[:, None] + tl.arange(0, 4)[None, :], mask=mask, other=0))
+    return ((w0 & 0xFFFF) | (w2 << 16), ((w0 >> 16) & 0xFFFF) | (w2 & -65536),
+            (w1 & 0xFFFF) | (w3 << 16), ((w1 >> 16) & 0xFFFF) | (w3 & -65536))
+
+
+@triton.jit
+def _block_step(w_ptr, row0, stride_wn, t, step, N, z0, z1, x0, x1, x2, x3, x4, x5, x6, x7,
+                y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP: tl.constexpr, BF16: tl.constexpr):
+    """One K step of one 16-row block: its C fragment ([32] each) from rows row0 (g) and row0 + 8 (g + 8).
+    Every asm operand is [32], element i in lane i: Triton 3.6 spread lanes across the first dimension of [4, 32]
+    operands, which mma.sync cannot take."""
+    word = tl.arange(0, 4)[None, :]
+    row1 = row0 + 8
+    w0 = tl.load(w_ptr + row0[:, None].to(tl.int64) * stride_wn + t[:, None] * 4 + step * 16 + word,
+                 mask=(row0 < N)[:, None], other=0)  # [32, 4]: codes 32t .. 32t + 31 of the step, row g
+    w1 = tl.load(w_ptr + row1[:, None].to(tl.int64) * stride_wn + t[:, None] * 4 + step * 16 + word,
+                 mask=(row1 < N)[:, None], other=0)
+    if not HAS_ZP:  # a symmetric code c is (c ^ 8) - 8
+        w0 = w0 ^ -0x77777778  # 0x88888888 as int32: bit 3 of every nibble
+        w1 = w1 ^ -0x77777778
+    r0, r1, r2, r3 = _columns(w0)
+    q0, q1, q2, q3 = _columns(w1)
+    return tl.inline_asm_elementwise(
+        STEP_BF16 if BF16 else STEP_F16, STEP_CONSTRAINTS,
+        [r0, r1, r2, r3, q0, q1, q2, q3, _offsets(z0, BF16), _offsets(z1, BF16),
+         x0, y0, x1, y1, x2, y2, x3, y3, x4, y4, x5, y5, x6, y6, x7, y7],
+        dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+
+
+@triton.jit
+def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, M, N, K, G, stride_am, stride_wn, stride_ws,
+                     GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr, SPLIT_K: tl.constexpr,
+                     STAGES: tl.constexpr):
+    lane = tl.arange(0, 32)
+    g = lane // 4
+    t = lane % 4
+    tile = tl.program_id(0)
+    row = tile * 64 + g  # [32]: row g of the first 16-row block
+    rows0 = row[:, None] + tl.arange(0, 4)[None, :] * 16  # [32, 4]: row g of each block; row g + 8 follows
+    rows1 = rows0 + 8
+    a_row = a_ptr + g * stride_am + t * 16  # the lane's 32 activations of a step, as 16 words (value pairs)
+    a_in = (g < M)[:, None]
+    steps = K // 128
+    per_slice = tl.cdiv(steps, SPLIT_K)
+    first = tl.program_id(1) * per_slice
+    last = tl.minimum(first + per_slice, steps)
+    acc0 = tl.zeros((32, 4), tl.float32)
+    acc1 = tl.zeros((32, 4), tl.float32)
+    acc2 = tl.zeros((32, 4), tl.float32)
+    acc3 = tl.zeros((32, 4), tl.float32)
+    for step in tl.range(first, last, num_stages=STAGES):
+        group = step * 128 // GROUP
+        lane_pack = (tile * G + group) * 8 + g  # this lane's record in pack_lanes' [tiles, G, 8 g, ...]
+        s01 = tl.load(s_ptr + lane_pack[:, None] * 8 + tl.arange(0, 8)[None, :])  # [32, 8]: (block, half)
+        s0, s1 = tl.split(tl.reshape(s01, (32, 4, 2)))  # [32, 4] each: half 0 (row g), half 1 (row g + 8)
+        if HAS_ZP:  # eight uint8 zero points as two words: (block 0, halves 0-1), (block 1, halves 0-1), ...
+            zw0, zw1 = tl.split(tl.load(z_ptr + lane_pack[:, None] * 2 + tl.arange(0, 2)[None, :]))
+            za0, za1, zb0, zb1 = zw0 & 0xFF, (zw0 >> 8) & 0xFF, (zw0 >> 16) & 0xFF, (zw0 >> 24) & 0xFF
+            zc0, zc1, zd0, zd1 = zw1 & 0xFF, (zw1 >> 8) & 0xFF, (zw1 >> 16) & 0xFF, (zw1 >> 24) & 0xFF
+        else:
+            za0 = tl.full((32,), 8, tl.int32)
+            za1, zb0, zb1, zc0, zc1, zd0, zd1 = za0, za0, za0, za0, za0, za0, za0
+        x0, y0, x1, y1 = _activation_pairs(a_row + step * 64, a_in)
+        x2, y2, x3, y3 = _activation_pairs(a_row + step * 64 + 4, a_in)
+        x4, y4, x5, y5 = _activation_pairs(a_row + step * 64 + 8, a_in)
+        x6, y6, x7, y7 = _activation_pairs(a_row + step * 64 + 12, a_in)
+        a0, a1, a2, a3 = _block_step(w_ptr, row, stride_wn, t, step, N, za0, za1, x0, x1, x2, x3, x4, x5, x6, x7,
+                                     y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16)
+        b0, b1, b2, b3 = _block_step(w_ptr, row + 16, stride_wn, t, step, N, zb0, zb1, x0, x1, x2, x3, x4, x5, x6,
+                                     x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16)
+        c0, c1, c2, c3 = _block_step(w_ptr, row + 32, stride_wn, t, step, N, zc0, zc1, x0, x1, x2, x3, x4, x5, x6,
+                                     x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16)
+        d0, d1, d2, d3 = _block_step(w_ptr, row + 48, stride_wn, t, step, N, zd0, zd1, x0, x1, x2, x3, x4, x5, x6,
+                                     x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16)
+        # the group's scale multiplies the step's exact-operand fp32 sums, as gemm_weight_only's int4 path does
+        acc0 += _stack(a0, b0, c0, d0) * s0
+        acc1 += _stack(a1, b1, c1, d1) * s0
+        acc2 += _stack(a2, b2, c2, d2) * s1
+        acc3 += _stack(a3, b3, c3, d3) * s1
+    m = (2 * t)[:, None]  # C fragment: lane (g, t) holds columns (activation rows) 2t and 2t + 1
+    out = ws_ptr + tl.program_id(1) * stride_ws
+    tl.store(out + m * N + rows0, acc0, mask=(rows0 < N) & (m < M))
+    tl.store(out + (m + 1) * N + rows0, acc1, mask=(rows0 < N) & (m + 1 < M))
+    tl.store(out + m * N + rows1, acc2, mask=(rows1 < N) & (m < M))
+    tl.store(out + (m + 1) * N + rows1, acc3, mask=(rows1 < N) & (m + 1 < M))
+
+
+def lane_layout_shape(N: int, K: int, group: int) -> tuple[int, ...]:
+    """The shape of `pack_lanes`' scales for an [N, K] weight in groups of `group`."""
+    return (cdiv(N, ROWS), K // group, 8, 4, 2)
+
+
+def lane_order(t: torch.Tensor) -> torch.Tensor:
+    """Per-group values [N, G] (scales, zero points) in the kernel's per-lane layout: [N / 64 (rounded up,
+    zero-padded), G, 8 g, 4 blocks, 2 halves], row = 64 tile + 16 block + 8 half + g."""
+    N, G = t.shape
+    tiles = lane_layout_shape(N, G, 1)[0]
+    padded = torch.zeros((tiles * ROWS, G), dtype=t.dtype, device=t.device)
+    padded[:N] = t
+    return padded.reshape(tiles, 4, 2, 8, G).permute(0, 4, 3, 1, 2).contiguous()
+
+
+def pack_lanes(scale: torch.Tensor, zero_point: torch.Tensor | None):
+    """int4 scales [N, G] fp32 and zero points [N, G] uint8 as the kernel reads them: `lane_order`, the zero points
+    then viewed as int32 words [tiles, G, 8, 2]. Returns (scales, zero points or None)."""
+    zeros = None if zero_point is None else lane_order(zero_point).reshape(-1, scale.shape[1], 8, 8).view(torch.int32)
+    return lane_order(scale), zeros
+
+
+def int4_mma_fits(a: torch.Tensor, group: int) -> bool:
+    """Whether `int4_mma_mm` takes activations a [M, K] with int4 groups of `group`: M <= 8 on an sm_80+ GPU (not
+    the interpreter), K and the group multiples of 128, bf16/fp16 rows viewable as int32 value pairs."""
+    M, K = a.shape
+    if not (a.is_cuda and 0 < M <= MAX_M and K % STEP_K == 0 and group % STEP_K == 0):
+        return False
+    if a.dtype not in (torch.bfloat16, torch.float16) or interpreting(_int4_mma_kernel):
+        return False
+    pairs = a.stride(1) == 1 and a.stride(0) % 2 == 0 and a.data_ptr() % 4 == 0
+    return pairs and capability(a.device) >= (8, 0)
+
+
+@functools.lru_cache(maxsize=256)
+def int4_mma_split(N: int, K: int) -> int:
+    """K slices: at least 480 programs (3.6 per SM of an H200) and at most 8 K steps per slice. The per-shape
+    winners of an M = 1 sweep (bench/HISTORY.md, "Thirteenth session"): 5 slices on 6144x4096, 8 on 4096x4096, 4
+    on 28672x4096 and 14336x4096; 16 on 4096x14336, where this gives 14."""
+    steps = K // STEP_K
+    return max(1, min(steps, max(cdiv(480, cdiv(N, ROWS)), cdiv(steps, 8))))
+
+
+def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split: int | None = None,
+                stages: int = 3):
+    """a [M <= 8, K] bf16/fp16 @ dequantize(codes)[N, K].T (+ bias): codes [N, K / 8] int32 words (8 codes each,
+    as `quantize` packs them), lane_scale and lane_zero from `pack_lanes`. Returns [M, N] in a's dtype. The caller
+    checks `int4_mma_fits`."""
+    M, K = a.shape
+    N = codes.shape[0]
+    split = split or int4_mma_split(N, K)
+    ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device)
+    _int4_mma_kernel[(cdiv(N, ROWS), split)](
+        a.view(torch.int32), codes, lane_scale, lane_zero if lane_zero is not None else lane_scale, ws,
+        M, N, K, K // group, a.stride(0) // 2, codes.stride(0), ws.stride(0),
+        GROUP=group, HAS_ZP=lane_zero is not None, BF16=a.dtype == torch.bfloat16, SPLIT_K=split, STAGES=stages,
+        num_warps=1, num_stages=stages)
+    return reduce_partials(ws, torch.empty((M, N), dtype=a.dtype, device=a.device), bias, TORCH_TO_TL[a.dtype])

@@ -1,0 +1,117 @@
+"""pack_int4_lanes: int4 linears whose weights this graph quantized also get their scales and zero points in the
+per-lane layout of the mma.sync decode kernel (`kernels/gemm_int4_mma.py`), which serves one activation row.
+
+Pre:  quantize_linear and merge_linear have run. Post: each int4 linear_weight_only over weights a layer record
+owns, with groups and K multiples of 128, on an sm_80+ GPU, is linear_int4_lanes over the same tensors plus the
+per-lane copy (7.8% of the codes' bytes: 6.25% scales, 1.6% zero points). Other row counts keep the row-major
+tensors and the in-register kernel.
+
+    %y = fxquant.linear_weight_only(%x, %w, %s, None, %z, %b, "int4", 128, N)
+        ->  %y = fxquant.linear_int4_lanes(%x, %w, %s, %z, %s_lanes, %z_lanes, %b, 128, N)
+
+Weights quantize_ quantized are left as they are: no record tracks their versions, so a copy could go stale.
+The copy is shared by every graph that reads the same scales, and re-packed in place whenever they may have
+changed: when a graph is compiled (another graph's weight_cache may have re-quantized shared weights), and on
+`refresh_lanes` after the backend re-quantizes a changed weight.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
+from fxquant.kernels.cast import capability
+from fxquant.kernels.gemm_int4_mma import STEP_K, pack_lanes
+from fxquant.passes.annotations import fetch_attr
+from fxquant.passes.state import PipelineState
+
+WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default
+LANES = torch.ops.fxquant.linear_int4_lanes.default
+META_KEY = "fxquant_int4_lanes"  # gm.meta: (scale buffer, zero point buffer) of each packed weight
+
+# The per-lane copy of each scale or zero point tensor, by where its values live: graphs of one model read the same
+# storage through their own tensors (merge_linear builds a stacked buffer as a new view per graph). Held weakly, it
+# lives as long as a graph holds it; that graph holds the source too, so the storage is not reused meanwhile.
+_COPIES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def kernel_serves(scale: torch.Tensor) -> bool:
+    """Whether the mma.sync kernel can run where this weight lives."""
+    return scale.is_cuda and capability(scale.device) >= (8, 0)
+
+
+def _where(t: torch.Tensor) -> tuple:
+    return t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+
+
+def lanes_of(scale: torch.Tensor, zero_point: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The per-lane copies of (scale, zero point), one for every graph, packed afresh into them on each call: the
+    sources may have been re-quantized in place since (by another graph's weight_cache, or by the backend)."""
+    copies = []
+    for source, packed in zip((scale, zero_point), pack_lanes(scale, zero_point), strict=True):
+        found = None if source is None else _COPIES.get(_where(source))
+        if found is None:
+            found = packed
+            if source is not None:
+                _COPIES[_where(source)] = packed
+        else:
+            with torch.no_grad():
+                found.copy_(packed)
+        copies.append(found)
+    return copies[0], copies[1]
+
+
+def refresh_lanes(gm: torch.fx.GraphModule) -> None:
+    """Re-pack the per-lane copies of gm's int4 weights, after the backend re-quantized some in place."""
+    for scale_name, zero_name in gm.meta.get(META_KEY, ()):
+        lanes_of(getattr(gm, scale_name), getattr(gm, zero_name) if zero_name else None)
+
+
+class PackInt4Lanes(PassBase):
+    def __init__(self, state: PipelineState):
+        super().__init__()
+        self.state = state  # its layer records name the buffers this graph quantized
+
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
+        owned = {layer.buffers[1] for layer in self.state.layers if len(layer.buffers) > 1}
+        packed = {}  # (scale buffer, zero point buffer) -> None, in order
+        modified = False
+        for node in list(gm.graph.nodes):
+            if node.target is not WEIGHT_ONLY:
+                continue
+            x, w, scale, _, zero_point, bias, fmt, group, out_features = node.args
+            if fmt != "int4" or scale.op != "get_attr" or scale.target not in owned or group % STEP_K:
+                continue
+            scale_t, zero_t = fetch_attr(gm, scale), fetch_attr(gm, zero_point)
+            if 2 * fetch_attr(gm, w).shape[-1] % STEP_K or not kernel_serves(scale_t):  # codes [N, K / 2]
+                continue
+            lane_scale, lane_zero = lanes_of(scale_t, zero_t)
+            names = (scale.target, zero_point.target if zero_point is not None else None)
+            with gm.graph.inserting_before(node):
+                attrs = [self._attr(gm, name, tensor) for name, tensor in zip(names, (lane_scale, lane_zero),
+                                                                               strict=True)]
+                lanes = gm.graph.call_function(LANES, (x, w, scale, zero_point, *attrs, bias, group, out_features))
+            lanes.meta.update(node.meta)
+            node.replace_all_uses_with(lanes)
+            gm.graph.erase_node(node)
+            packed[names] = None
+            modified = True
+        if not modified:
+            return PassResult(gm, False)
+        gm.meta[META_KEY] = list(packed)
+        gm.graph.lint()
+        gm.recompile()
+        return PassResult(gm, True)
+
+    @staticmethod
+    def _attr(gm: torch.fx.GraphModule, name: str | None, tensor: torch.Tensor | None):
+        """A get_attr node for the per-lane copy of buffer `name`, registered once per graph."""
+        if tensor is None:
+            return None
+        lanes = f"{name}_lanes"
+        if not hasattr(gm, lanes):
+            gm.register_buffer(lanes, tensor)
+        return gm.graph.get_attr(lanes)

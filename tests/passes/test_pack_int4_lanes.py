@@ -1,0 +1,119 @@
+"""pack_int4_lanes: int4 linears a graph quantized get the mma.sync decode kernel's per-lane scales, one copy shared
+by every graph and re-packed when the weight is re-quantized.
+
+On the CPU the pass is made to run (`kernel_serves` patched) and linear_int4_lanes runs linear_weight_only's
+reference, so outputs match the unpacked graph bit for bit; the GPU tests run the kernel in a decode."""
+
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+from hf_models import compiled, decoder, fake_quantized, static_decode, traced, within_bound
+
+import fxquant
+from fxquant import ops
+from fxquant.backend import fxquant as fxquant_backend
+from fxquant.kernels.gemm_int4_mma import pack_lanes
+from fxquant.passes import pack_int4_lanes
+from fxquant.passes.pack_int4_lanes import META_KEY
+
+LANES = torch.ops.fxquant.linear_int4_lanes.default
+WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PROMPT = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture
+def serves(monkeypatch):
+    """The pass runs on the CPU too: its rewrite and bookkeeping are device-independent."""
+    monkeypatch.setattr(pack_int4_lanes, "kernel_serves", lambda scale: True)
+
+
+def compile_collecting(model, recipe="int4_wo"):
+    """The model under the fxquant backend, and the list of its compiled callables (one per graph)."""
+    callables = []
+
+    def backend(gm, inputs):
+        callables.append(fxquant_backend(gm, inputs, options={"recipe": recipe, "inner": "eager"}))
+        return callables[-1]
+
+    torch._dynamo.reset()
+    return torch.compile(model, backend=backend, fullgraph=True), callables
+
+
+def lanes_buffers(gm):
+    """(scale, zero point, their per-lane copies) of each packed weight of gm."""
+    return [(getattr(gm, s), getattr(gm, z), getattr(gm, f"{s}_lanes"), getattr(gm, f"{z}_lanes"))
+            for s, z in gm.meta[META_KEY]]
+
+
+def test_int4_linears_take_the_lanes_op_with_the_same_numbers(serves, monkeypatch):
+    model = decoder("llama", num_hidden_layers=1)
+    fn, callables = compile_collecting(model)
+    with torch.no_grad():
+        logits = fn(PROMPT, use_cache=False).logits
+    gm = callables[0].result.gm
+    counts = Counter(node.target for node in gm.graph.nodes)
+    assert counts[LANES] == 4 and counts[WEIGHT_ONLY] == 0  # q/k/v and gate/up merged, o and down alone
+    for scale, zero, lane_scale, lane_zero in lanes_buffers(gm):
+        packed = pack_lanes(scale, zero)
+        assert torch.equal(lane_scale, packed[0]) and torch.equal(lane_zero, packed[1])
+
+    monkeypatch.setattr(pack_int4_lanes, "kernel_serves", lambda scale: False)
+    fn, callables = compile_collecting(model)
+    with torch.no_grad():
+        assert torch.equal(fn(PROMPT, use_cache=False).logits, logits)
+    assert Counter(node.target for node in callables[0].result.gm.graph.nodes)[WEIGHT_ONLY] == 4
+
+
+def test_a_second_graph_shares_the_lanes_and_a_changed_weight_repacks_them(serves):
+    model = decoder("llama", num_hidden_layers=1)
+    fn, callables = compile_collecting(model)
+    k_proj = model.model.layers[0].self_attn.k_proj.weight
+    saved = k_proj.detach().clone()
+    try:
+        with torch.no_grad():
+            fn(PROMPT, use_cache=False)
+            fn(PROMPT[:, :5], use_cache=False)  # another static shape: a second graph
+            assert len(callables) == 2
+            first, second = (lanes_buffers(c.result.gm) for c in callables)
+            assert [t.data_ptr() for entry in first for t in entry[2:]] == [
+                t.data_ptr() for entry in second for t in entry[2:]]
+            k_proj.mul_(-3.0)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fn(PROMPT, use_cache=False)
+    finally:
+        with torch.no_grad():
+            k_proj.copy_(saved)
+    assert any("k_proj changed after compile" in str(w.message) for w in caught)
+    for scale, zero, lane_scale, lane_zero in lanes_buffers(callables[0].result.gm):
+        packed = pack_lanes(scale, zero)
+        assert torch.equal(lane_scale, packed[0]) and torch.equal(lane_zero, packed[1])
+    fresh = fxquant.quantize(saved.mul(-3.0), "int4", ("group", 128))  # the qkv rows 256..384 now hold k_proj's
+    qkv_scale = lanes_buffers(callables[1].result.gm)[0][0]
+    assert torch.equal(qkv_scale[256:384], fresh.scale)
+
+
+def test_quantize_inplace_weights_keep_the_row_major_kernel(serves):
+    """Their versions are not tracked by the backend, so a per-lane copy could go stale."""
+    model = fxquant.quantize_(decoder("llama", num_hidden_layers=1), {"recipe": "int4_wo"})
+    fn, callables = compile_collecting(model)
+    with torch.no_grad():
+        fn(PROMPT, use_cache=False)
+    counts = Counter(node.target for node in callables[0].result.gm.graph.nodes)
+    assert counts[LANES] == 0 and counts[WEIGHT_ONLY] == 4
+
+
+@pytest.mark.gpu
+def test_a_batch_one_decode_runs_the_kernel_within_the_bound_of_its_fake_quantized_copy(monkeypatch):
+    calls = []
+    kernel = ops.int4_mma_mm
+    monkeypatch.setattr(ops, "int4_mma_mm", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
+    model = decoder("llama", num_hidden_layers=2).to(DEVICE)
+    prompt, steps = PROMPT.to(DEVICE), torch.randint(0, 64, (1, 3), device=DEVICE)
+    got = static_decode(model, compiled(model, recipe="int4_wo"), prompt, steps)
+    assert len(calls) >= 3 * 8  # every decode step's 8 int4 GEMMs (2 layers) on the kernel
+    copies = fake_quantized(model, "int4_wo", exact=True), fake_quantized(model, "int4_wo", exact=False), model
+    assert not within_bound(got, *(static_decode(m, traced(m), prompt, steps) for m in copies))
