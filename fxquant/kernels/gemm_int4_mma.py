@@ -224,11 +224,13 @@ def int4_mma_fits(a: torch.Tensor, group: int) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def int4_mma_split(N: int, K: int) -> int:
-    """K slices: at least 480 programs (3.6 per SM of an H200) and at most 8 K steps per slice. The per-shape
-    winners of an M = 1 sweep (bench/HISTORY.md, "Thirteenth session"): 5 slices on 6144x4096, 8 on 4096x4096, 4
-    on 28672x4096 and 14336x4096; 16 on 4096x14336, where this gives 14."""
+    """K slices: toward 900 programs (6.8 per SM of an H200), keeping at least 3 K steps per slice and at most 16
+    slices for the reduce to sum. An M = 1 sweep of split and stages on the Llama-3-8B shapes (bench/HISTORY.md,
+    "Fourteenth session") found 10 slices best on 6144x4096 (10.4 us), 5 on 14336x4096 (18.7), 15 within 0.1 us of
+    the best 14 on 4096x14336, and 3 at 34.1 us on 28672x4096, where 4 took 37.6; on 4096x4096, 9 and 8 took 8.2 and
+    8.3 us, 16 more than 8.6, and this gives 10."""
     steps = K // STEP_K
-    return max(1, min(steps, max(cdiv(480, cdiv(N, ROWS)), cdiv(steps, 8))))
+    return max(1, min(16, steps // 3, cdiv(900, cdiv(N, ROWS))))
 
 
 def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split: int | None = None,

@@ -41,7 +41,7 @@ def _splitk_reduce_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLIT_K):  # a fixed order: the same bits on every run
+    for s in tl.static_range(SPLIT_K):  # a fixed order: the same bits on every run; unrolled, all loads in flight
         acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
     m, n = offs // N, offs % N
     if HAS_BIAS:
@@ -52,10 +52,13 @@ def _splitk_reduce_kernel(
 def reduce_partials(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, out_tl) -> torch.Tensor:
     """out = sum(ws [SPLIT_K, M, N], 0) + bias, cast once to out's dtype."""
     split, M, N = ws.shape
-    block = 1024
+    # 256 outputs on 2 warps, one 16-byte load per thread per slice: at decode's M = 1 the reduce spreads over
+    # N / 256 programs. Against 1024 on 4 warps with a rolled loop it took 1.2 against 1.9 us after a 4096x4096 int4
+    # GEMM split 8, and 1.4 against 2.6 after 4096x14336 split 14 (bench/HISTORY.md, "Fourteenth session").
+    block = 256
     _splitk_reduce_kernel[(cdiv(M * N, block),)](
         ws, out, bias if bias is not None else ws, M, N, out.stride(0), out.stride(1),
         SPLIT_K=split, HAS_BIAS=bias is not None, OUT=out_tl, CAST=float_cast_mode(_splitk_reduce_kernel),
-        BLOCK=block, num_warps=4,
+        BLOCK=block, num_warps=2,
     )
     return out

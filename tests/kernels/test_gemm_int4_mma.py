@@ -123,7 +123,6 @@ def test_what_the_kernel_refuses():
     assert int4_mma_fits(x, 128) == GPU
 
 
-def test_split_k_keeps_programs_and_steps_per_slice_in_range():
-    assert [gemm_int4_mma.int4_mma_split(N, K) for N, K in [(6144, 4096), (4096, 4096), (28672, 4096),
-                                                               (14336, 4096), (4096, 14336), (64, 256)]] == [
-        5, 8, 4, 4, 14, 2]
+def test_split_k_aims_at_900_programs_with_3_steps_per_slice_and_16_slices_at_most():
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (14336, 4096), (4096, 14336), (64, 256), (64, 65536)]
+    assert [gemm_int4_mma.int4_mma_split(N, K) for N, K in shapes] == [10, 10, 3, 5, 15, 1, 16]
