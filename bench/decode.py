@@ -8,11 +8,11 @@ Per path, in one process:
   non-finite logits fail the path;
 - decode: median ms per step over the steps after those, on the same static cache, the host's share of it (until
   the call returns), tokens/s, and the host ms inside CUDA graph replay() calls, unprofiled (graph replay ms);
-- profile (--profile-batches): GPU kernel ms per step, with the table of kernels, and where the host's time goes,
-  from the profiler's host ranges per step: dynamo's guards, the compiled region (dynamo's frame running the
-  backend's callable), Inductor's compiled-graph call within it (CUDA-graph tree bookkeeping and the launch), and
-  the graph launch itself; for fxquant, its wrapper's own per-call checks, timed alone (the graph it calls replaced
-  by a no-op);
+- profile (--profile-batches, in a worker process of its own after the timed one): GPU kernel ms per step, with the
+  table of kernels, and where the host's time goes, from the profiler's host ranges per step: dynamo's guards, the
+  compiled region (dynamo's frame running the backend's callable), Inductor's compiled-graph call within it
+  (CUDA-graph tree bookkeeping and the launch), and the graph launch itself; for fxquant, its wrapper's own per-call
+  checks, timed alone (the graph it calls replaced by a no-op);
 - prefill: median ms of a compiled prefill of the whole prompt into an emptied cache (batch 1 only);
 - guards skipped (--skip-guards): the decode steps timed again with dynamo's guards skipped after the first steps;
 - generate(): transformers' generate() with cache_implementation="static" and compile_config naming the path;
@@ -26,11 +26,12 @@ Run: python -m bench.decode [path ...] [--batches 1 16 64] [--prefill 1024] [--s
 paths: inductor, fxquant:<recipe>, fxquant:<recipe>+fp8kv (the same over fxquant.FP8StaticCache), torchao:fp8_row,
 torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv).
 
-Two phases. First, untimed, every path runs once in worker processes, --warm-jobs at a time, the longest first
+Three phases. First, untimed, every path runs once in worker processes, --warm-jobs at a time, the longest first
 (warm_groups): each compile and autotune fills the on-disk caches (Inductor's FX graph and AOT caches, Triton's
 kernels, gemlite's tuned configs), and each row keeps its cold compile seconds. Then all paths are timed in one worker
-process, which finds their compiles in those caches, as a restarted server does. A worker that crashes or hangs is
-handled as bench/workers.py says; a path that failed in the first phase is not run again.
+process, which finds their compiles in those caches, as a restarted server does. Last, the --profile-batches rows are
+profiled in a worker of their own. A worker that crashes or hangs is handled as bench/workers.py says; a path that
+failed in the first phase is not run again.
 """
 
 from __future__ import annotations
@@ -277,8 +278,9 @@ def work(items: list[tuple[str, int]], args):
                 prompt = torch.randint(0, args.vocab, (batch, args.prefill), generator=generator).to(args.device)
                 tokens = torch.randint(0, args.vocab, (batch, args.steps), generator=generator).to(args.device)
                 inputs[batch] = prompt, tokens
-                eager[batch] = None if args.warm else Decoder(model, model, args.device, max_len).steps(
-                    prompt, tokens[:, :CHECK_STEPS])[0]
+                compared = not (args.warm or args.profile_only)
+                eager[batch] = Decoder(model, model, args.device, max_len).steps(
+                    prompt, tokens[:, :CHECK_STEPS])[0] if compared else None
         current = None
         for path, batch in items:
             if path != current:
@@ -307,6 +309,11 @@ def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: floa
     """The item's row. The first CHECK_STEPS steps compile and record, and their logits are checked against eager's
     (in the first phase, which has no eager logits, only for being finite); the steps after them are timed."""
     prompt, tokens = inputs
+    if args.profile_only:
+        decoder.steps(prompt, tokens[:, :CHECK_STEPS])  # compile and record first
+        numbers, kernels = decoder.profile(prompt, tokens)
+        print(f"{path}, batch {batch}, 3 decode steps:\n{kernels}", flush=True)
+        return {"path": path, "batch": batch, "check": "profiled", **numbers}
     replays = []
     got, returned, finished = decoder.steps(prompt, tokens, replays=replays)
     got = got[:CHECK_STEPS]
@@ -324,10 +331,6 @@ def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: floa
                 "host ms, guards skipped": f"{statistics.median(returned[CHECK_STEPS:]):.3f}"}
     if args.device == "cuda":
         row["peak GiB"] = f"{torch.cuda.max_memory_allocated() / 2**30:.1f}"
-    if batch in args.profile_batches:
-        numbers, kernels = decoder.profile(prompt, tokens)
-        row |= numbers
-        print(f"{path}, batch {batch}, 3 decode steps:\n{kernels}", flush=True)
     start = time.perf_counter()
     row["prefill ms"] = f"{decoder.prefill_ms(prompt):.2f}" if batch in args.prefill_batches else "-"
     prefill_s, start = time.perf_counter() - start, time.perf_counter()
@@ -337,16 +340,17 @@ def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: floa
     return row
 
 
-def run_workers(items: list[tuple[str, int]], args, warm: bool = False) -> list[dict]:
+def run_workers(items: list[tuple[str, int]], args, warm: bool = False, profile: bool = False) -> list[dict]:
     """The items' rows from worker processes of this module. A `warm` worker (the first phase) compares with no
-    eager logits, profiles nothing, and is quiet."""
+    eager logits and is quiet. Only a `profile` worker profiles, and it times nothing: a step timed in a process
+    after a profile ran took 0.19-0.21 ms in replay() where unprofiled processes took 0.02 (bench/HISTORY.md,
+    "Fourteenth session")."""
     forwarded = ("layers", "hidden", "vocab", "prefill", "steps", "mode", "device", "row_timeout")
     passed = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in forwarded]
     passed += ["--skip-guards"] if args.skip_guards else []
-    for option in ("prefill_batches", "generate_batches", "profile_batches"):
-        values = [] if warm and option == "profile_batches" else getattr(args, option)
-        passed += [f"--{option.replace('_', '-')}", *map(str, values)]
-    passed += ["--warm"] if warm else []
+    for option in ("prefill_batches", "generate_batches"):
+        passed += [f"--{option.replace('_', '-')}", *map(str, getattr(args, option))]
+    passed += ["--warm"] if warm else ["--profile-only"] if profile else []
     return workers.run([sys.executable, "-m", "bench.decode", *passed], items, args.row_timeout, quiet=warm)
 
 
@@ -398,6 +402,7 @@ def main():
                         help="workers compiling at once in the untimed first phase (0: no first phase)")
     parser.add_argument("--worker", help="internal: the JSON list of (path, batch) a worker runs")
     parser.add_argument("--warm", action="store_true", help="internal: the worker runs in the first phase")
+    parser.add_argument("--profile-only", action="store_true", help="internal: the worker profiles, timing nothing")
     args = parser.parse_args()
     if args.worker:
         work([tuple(item) for item in json.loads(args.worker)], args)
@@ -411,7 +416,12 @@ def main():
         if cold:
             print(f"first phase, every compile cold: {time.perf_counter() - start:.0f} s", flush=True)
         timed = run_workers([item for item in items if not workers.failed(cold.get(item, {"check": ""}))], args)
+        profiled = run_workers([(row["path"], row["batch"]) for row in timed if row["batch"] in args.profile_batches
+                                and not workers.failed(row)], args, profile=True)
     by_item = {(row["path"], row["batch"]): row for row in timed}
+    for row in profiled:  # the profile's columns join the timed row; a failed profile says so in its own column
+        numbers = {"profile": row["check"]} if workers.failed(row) else row
+        by_item[row["path"], row["batch"]] |= {k: v for k, v in numbers.items() if k not in ("path", "batch", "check")}
     rows = []
     for item in items:
         row = by_item.get(item) or cold[item]
