@@ -307,7 +307,8 @@ def work(items: list[tuple[str, int]], args):
 
 def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: float, args) -> dict:
     """The item's row. The first CHECK_STEPS steps compile and record, and their logits are checked against eager's
-    (in the first phase, which has no eager logits, only for being finite); the steps after them are timed."""
+    (in the first phase, which has no eager logits, only for being finite); the steps after them are timed. A
+    profile worker's row holds only the profile, taken after the steps that compile."""
     prompt, tokens = inputs
     if args.profile_only:
         decoder.steps(prompt, tokens[:, :CHECK_STEPS])  # compile and record first
