@@ -113,14 +113,20 @@ def test_the_kernel_on_the_gpu(dtype, M, N, K, group, symmetric):
         assert within_bound(out, x, R.dequantize(q, torch.float64), bias)
 
 
-def test_what_the_kernel_refuses():
-    x = torch.randn(1, 256, dtype=torch.bfloat16, device=DEVICE)
+def test_tensors_off_the_gpu_take_the_in_register_kernel():
+    assert not int4_mma_fits(torch.randn(1, 256, dtype=torch.bfloat16), 128)
+
+
+@pytest.mark.gpu
+def test_what_the_kernel_refuses_on_the_gpu():
+    """Each refusal differs from an accepted product in one thing."""
+    x = torch.randn(1, 256, dtype=torch.bfloat16, device="cuda")
+    assert int4_mma_fits(x, 128) and int4_mma_fits(x, 256)
     assert not int4_mma_fits(x, 64)  # groups narrower than a 128-long K step
-    assert not int4_mma_fits(torch.randn(1, 200, dtype=torch.bfloat16, device=DEVICE), 128)  # K not whole steps
-    assert not int4_mma_fits(torch.randn(9, 256, dtype=torch.bfloat16, device=DEVICE), 128)  # past one MMA's B
+    assert not int4_mma_fits(torch.randn(1, 200, dtype=torch.bfloat16, device="cuda"), 128)  # K not whole steps
+    assert not int4_mma_fits(torch.randn(9, 256, dtype=torch.bfloat16, device="cuda"), 128)  # past one MMA's B
     assert not int4_mma_fits(x.float(), 128)
-    assert not int4_mma_fits(torch.randn(1, 257, dtype=torch.bfloat16, device=DEVICE)[:, 1:], 128)  # odd address
-    assert int4_mma_fits(x, 128) == GPU
+    assert not int4_mma_fits(torch.randn(1, 257, dtype=torch.bfloat16, device="cuda")[:, 1:], 128)  # odd address
 
 
 def test_split_k_aims_at_900_programs_with_3_steps_per_slice_and_16_slices_at_most():
