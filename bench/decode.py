@@ -28,10 +28,11 @@ torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv).
 
 Three phases. First, untimed, every path runs once in worker processes, --warm-jobs at a time, the longest first
 (warm_groups): each compile and autotune fills the on-disk caches (Inductor's FX graph and AOT caches, Triton's
-kernels, gemlite's tuned configs), and each row keeps its cold compile seconds. Then all paths are timed in one worker
-process, which finds their compiles in those caches, as a restarted server does. Last, the --profile-batches rows are
-profiled in a worker of their own. A worker that crashes or hangs is handled as bench/workers.py says; a path that
-failed in the first phase is not run again.
+kernels, gemlite's tuned configs), and each row keeps its cold compile seconds; no more workers run at once than the
+GPU's free memory holds. Then all paths are timed in one worker process, which finds their compiles in those caches,
+as a restarted server does. Last, the --profile-batches rows are profiled in a worker of their own. A worker that
+crashes or hangs is handled as bench/workers.py says; an item that crashed in the first phase is run again in the
+timed phase, alone on the GPU, and one that hung is not run again.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import transformers as T
 
 import fxquant
 from bench import peers, workers
-from bench.common import LLAMA_3_VOCAB, header, llama, table
+from bench.common import LLAMA_3_VOCAB, header, llama, llama_config, table
 from fxquant.backend import fxquant as fxquant_backend
 
 CHECK_STEPS = 4  # the first decode steps: they compile, their logits are compared with eager's, and go untimed
@@ -355,12 +356,47 @@ def run_workers(items: list[tuple[str, int]], args, warm: bool = False, profile:
     return workers.run([sys.executable, "-m", "bench.decode", *passed], items, args.row_timeout, quiet=warm)
 
 
+def worker_bytes(args) -> int:
+    """A first-phase worker's GPU memory at the largest batch, by arithmetic: the bf16 weights twice (the backend
+    keeps a quantized copy beside them, and a peer quantizes a deep copy), the static cache, and the eager prefill's
+    logits over the whole prompt and vocabulary (bf16, and the fp32 copy of the last position's is small)."""
+    config = llama_config(args.layers, args.hidden, args.vocab)
+    with torch.device("meta"):
+        weights = sum(p.numel() for p in T.LlamaForCausalLM(config).parameters()) * 2
+    batch, tokens = max(args.batches), args.prefill + args.steps
+    head_dim = config.hidden_size // config.num_attention_heads
+    cache = 2 * config.num_hidden_layers * batch * tokens * config.num_key_value_heads * head_dim * 2
+    logits = batch * args.prefill * config.vocab_size * 2
+    return 2 * weights + cache + logits
+
+
+def warm_jobs(asked: int, free_bytes: int, per_worker: int) -> int:
+    """Workers at once in the first phase: as many as asked, but no more than the free GPU memory holds (nine
+    tenths of it, for the CUDA contexts and the allocators' slack), and at least one. Four 32-layer workers at
+    batch 16 and a 4k prompt ran out of memory on the H200 and lost their rows."""
+    return max(1, min(asked, int(0.9 * free_bytes) // max(per_worker, 1)))
+
+
 def warm_caches(items: list[tuple[str, int]], args) -> dict[tuple[str, int], dict]:
-    """The untimed first phase: args.warm_jobs workers at a time, each running its items once without profiling.
-    Returns each item's row, which holds its cold compile seconds or why it failed."""
-    with ThreadPoolExecutor(args.warm_jobs) as pool:
+    """The untimed first phase: workers run their items once without profiling, as many at a time as args.warm_jobs
+    and the GPU's free memory allow (warm_jobs). Returns each item's row, which holds its cold compile seconds or
+    why it failed."""
+    jobs = args.warm_jobs
+    if args.device == "cuda":
+        per_worker = worker_bytes(args)
+        jobs = warm_jobs(args.warm_jobs, torch.cuda.mem_get_info()[0], per_worker)
+        print(f"first phase: {jobs} worker(s) at once, each up to {per_worker / 2**30:.0f} GiB by arithmetic",
+              flush=True)
+    with ThreadPoolExecutor(jobs) as pool:
         done = pool.map(lambda group: run_workers(group, args, warm=True), warm_groups(items))
     return {(row["path"], row["batch"]): row for rows in done for row in rows}
+
+
+def to_time(items: list[tuple[str, int]], cold: dict[tuple[str, int], dict]) -> list[tuple[str, int]]:
+    """The items the timed phase runs: every one but those that hung in the first phase (they would hang again, for
+    the whole row timeout). An item that crashed there (out of memory beside the other workers, say) runs again
+    alone; if it fails again, its row says why."""
+    return [item for item in items if not workers.hung(cold.get(item, {"check": ""}))]
 
 
 def warm_groups(items: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
@@ -416,7 +452,7 @@ def main():
         cold = warm_caches(items, args) if args.warm_jobs else {}
         if cold:
             print(f"first phase, every compile cold: {time.perf_counter() - start:.0f} s", flush=True)
-        timed = run_workers([item for item in items if not workers.failed(cold.get(item, {"check": ""}))], args)
+        timed = run_workers(to_time(items, cold), args)
         profiled = run_workers([(row["path"], row["batch"]) for row in timed if row["batch"] in args.profile_batches
                                 and not workers.failed(row)], args, profile=True)
     by_item = {(row["path"], row["batch"]): row for row in timed}

@@ -33,8 +33,16 @@ def dump_stack_on_signal() -> None:
     faulthandler.register(DUMP_SIGNAL, all_threads=True)
 
 
+HUNG = "no row within"
+
+
 def failed(row: dict) -> bool:
     return row["check"].startswith(("failed", "not run"))
+
+
+def hung(row: dict) -> bool:
+    """The item hung, or was not run because its path hung at another batch."""
+    return failed(row) and (HUNG in row["check"] or row["check"].endswith("hung"))
 
 
 def _lines_within(lines: queue.Queue, seconds: float) -> list[str]:
@@ -66,7 +74,7 @@ def run(command: list[str], items: list[tuple[str, int]], row_timeout: float, qu
     while items:
         worker = subprocess.Popen([*command, "--worker", json.dumps(items)], stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
-        lines, last, error, tail, stack, hung = queue.Queue(), "no output", None, [], [], False
+        lines, last, error, tail, stack, timed_out = queue.Queue(), "no output", None, [], [], False
         threading.Thread(target=_pump, args=(worker.stdout, lines), daemon=True).start()
         while True:
             try:
@@ -75,7 +83,7 @@ def run(command: list[str], items: list[tuple[str, int]], row_timeout: float, qu
                 worker.send_signal(DUMP_SIGNAL)
                 stack = _lines_within(lines, DUMP_WAIT)
                 worker.kill()
-                last, error, hung = f"no row within {row_timeout} s", None, True
+                last, error, timed_out = f"{HUNG} {row_timeout} s", None, True
                 break
             if line is None:
                 break
@@ -96,7 +104,7 @@ def run(command: list[str], items: list[tuple[str, int]], row_timeout: float, qu
                          "check": f"failed (rc {worker.returncode}): {(error or last)[:160]}"})
             print("".join((tail if quiet else []) + stack), end="", flush=True)
             print(rows[-1], flush=True)
-            if hung:
+            if timed_out:
                 rows += [{"path": path, "batch": other, "check": f"not run: batch {batch} hung"}
                          for same, other in items if same == path]
                 items = [item for item in items if item[0] != path]

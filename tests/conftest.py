@@ -2,12 +2,33 @@ import os
 
 import pytest
 import torch
+from _pytest.monkeypatch import derive_importpath, notset
+from torch.utils._config_module import ConfigModule
 
 # Without a GPU, Triton kernels run under the interpreter; it is chosen when kernels are decorated.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # pytest-xdist's workers share the cores: each takes its part rather than all of them.
 torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
+
+_config = []  # the run's config, in the process that prints the run
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # xdist's workers print nothing; their reports reach the controller
+        _config.append(config)
+
+
+def pytest_runtest_logreport(report):
+    """Each failure the moment it happens, with its last line, on the process that prints the run (xdist's
+    controller gets every worker's reports): a run cut by a time limit still names what failed."""
+    terminal = _config[-1].pluginmanager.get_plugin("terminalreporter") if _config else None
+    if not report.failed or terminal is None:
+        return
+    crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", None) or str(report.longrepr)
+    terminal.write("\n")  # off the progress line
+    terminal.write_line(f"FAILED {report.nodeid} ({report.when}): {crash.strip().splitlines()[0][:200]}", red=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -22,3 +43,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+class ConfigRefusingMonkeyPatch(pytest.MonkeyPatch):
+    """monkeypatch, refusing torch's config modules (torch._dynamo.config, torch._inductor.config, ...): undoing such
+    a patch broke torch's config for every later test in the same worker (`enable_autograd_cache does not exist`),
+    so the suite failed or passed by which worker got which test. The config's own patch() undoes cleanly."""
+
+    def setattr(self, target, name, value=notset, raising=True):
+        self._refuse_config(target, name, value)
+        return super().setattr(target, name, value, raising)
+
+    def delattr(self, target, name=notset, raising=True):
+        self._refuse_config(target, name, name)
+        return super().delattr(target, name, raising)
+
+    @staticmethod
+    def _refuse_config(target, name, value):
+        # The dotted form ("torch._inductor.config.x", value) names the attribute inside the target string.
+        dotted = isinstance(target, str) and value is notset
+        attr, owner = derive_importpath(target, False) if dotted else (name, target)
+        if isinstance(owner, ConfigModule):
+            raise TypeError(f"monkeypatch of torch's config {owner.__name__}.{attr}: use the config's own patch() "
+                            f"context instead, `with {owner.__name__}.patch({attr}=...)`")
+
+
+@pytest.fixture
+def monkeypatch():
+    with ConfigRefusingMonkeyPatch.context() as patch:
+        yield patch

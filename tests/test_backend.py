@@ -226,7 +226,6 @@ def test_inputs_written_in_place_that_dynamo_marked_static_stay_static_for_cuda_
         return inductor.compile_fx_inner(gm, example_inputs, **kwargs)
 
     monkeypatch.setattr(inductor, "compile_fx", lambda *a, **k: compile_fx(*a, inner_compile=spy_inner, **k))
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)  # a cache hit skips the spy
     layer = torch.nn.Linear(256, 256).to(torch.bfloat16)
     cache = torch.zeros(4, 256, dtype=torch.bfloat16)
     torch._dynamo.mark_static_address(cache)
@@ -239,7 +238,9 @@ def test_inputs_written_in_place_that_dynamo_marked_static_stay_static_for_cuda_
     torch._dynamo.reset()
     run = torch.compile(step, backend="fxquant", options={"recipe": "fp8_row"})
     x = torch.randn(1, 256, dtype=torch.bfloat16)
-    with torch.no_grad():
+    # The config's own patch: a cache hit would skip the spy, and undoing a monkeypatch of torch's config broke it
+    # for every later test in the worker.
+    with torch.no_grad(), torch._functorch.config.patch(enable_autograd_cache=False):
         out = run(x, torch.tensor([2]))
     mutated, static = seen[-1]
     assert mutated and mutated <= static, (mutated, static)

@@ -65,3 +65,34 @@ def test_the_first_phase_gives_each_peer_batch_a_worker_and_starts_the_longest()
     assert warm_groups(items) == [[("gemlite:fp8", 1)], [("gemlite:fp8", 16)], [("torchao:fp8_row", 1)],
                                   [("torchao:fp8_row", 16)], [("inductor", 1), ("inductor", 16)],
                                   [("fxquant:fp8_row", 1), ("fxquant:fp8_row", 16)]]
+
+
+def test_the_first_phase_runs_no_more_workers_than_the_free_memory_holds():
+    from bench.decode import warm_jobs
+
+    gib = 2**30
+    assert warm_jobs(4, 140 * gib, 60 * gib) == 2  # four 60 GiB workers on a 140 GiB GPU ran out of memory
+    assert warm_jobs(8, 140 * gib, 10 * gib) == 8
+    assert warm_jobs(4, 20 * gib, 60 * gib) == 1  # one worker at least: the timed phase needs the same memory anyway
+
+
+def test_the_first_phase_worker_estimate_grows_with_the_batch_and_counts_the_prefill_logits():
+    import argparse
+
+    from bench.decode import worker_bytes
+
+    args = argparse.Namespace(layers=2, hidden=512, vocab=1000, prefill=64, steps=8, batches=[1])
+    one = worker_bytes(args)
+    args.batches = [1, 16]
+    sixteen = worker_bytes(args)
+    cache_and_logits = lambda batch: 2 * 2 * batch * 72 * 1 * 128 * 2 + batch * 64 * 1000 * 2
+    assert sixteen - one == cache_and_logits(16) - cache_and_logits(1)
+
+
+def test_items_that_crashed_in_the_first_phase_are_timed_again_and_hung_ones_are_not():
+    from bench.decode import to_time
+
+    items = [("a", 1), ("a", 16), ("b", 1), ("b", 16), ("c", 1)]
+    cold = {("a", 1): {"check": "finite"}, ("a", 16): {"check": "failed (rc 1): torch.OutOfMemoryError: CUDA out"},
+            ("b", 1): {"check": "failed (rc -9): no row within 240 s"}, ("b", 16): {"check": "not run: batch 1 hung"}}
+    assert to_time(items, cold) == [("a", 1), ("a", 16), ("c", 1)]

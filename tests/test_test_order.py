@@ -1,0 +1,50 @@
+"""The suite passes in any order: no test may monkeypatch torch's config modules (conftest's monkeypatch refuses),
+since undoing such a patch broke the config for every later test in the same worker."""
+import pytest
+import torch
+import torch._dynamo.config
+import torch._functorch.config
+import torch._inductor.config
+
+
+@pytest.mark.parametrize("patch", [
+    lambda mp: mp.setattr(torch._functorch.config, "enable_autograd_cache", False),
+    lambda mp: mp.setattr("torch._inductor.config.max_autotune", True),
+    lambda mp: mp.delattr(torch._dynamo.config, "cache_size_limit"),
+], ids=["object", "dotted", "delattr"])
+def test_monkeypatch_refuses_torch_config_and_names_the_fix(monkeypatch, patch):
+    with pytest.raises(TypeError, match=r"use the config's own patch\(\) context"):
+        patch(monkeypatch)
+    assert torch._functorch.config.enable_autograd_cache in (True, False)  # still there, whatever was tried
+    assert torch._dynamo.config.cache_size_limit > 0
+
+
+def test_monkeypatch_still_patches_and_undoes_everything_else(monkeypatch):
+    import fxquant.passes.quantize_linear as quantize_linear
+
+    before = quantize_linear.QUANTIZE_ROWS, quantize_linear.ROUTER_REASON
+    monkeypatch.setattr(quantize_linear, "QUANTIZE_ROWS", 7)
+    monkeypatch.setattr("fxquant.passes.quantize_linear.ROUTER_REASON", "patched")
+    assert (quantize_linear.QUANTIZE_ROWS, quantize_linear.ROUTER_REASON) == (7, "patched")
+    monkeypatch.undo()
+    assert before == (quantize_linear.QUANTIZE_ROWS, quantize_linear.ROUTER_REASON)
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_a_failure_is_printed_the_moment_it_happens(tmp_path, workers):
+    """A run cut by a time limit (the GPU machine's call) still names what failed: the failure's line comes before
+    the run ends (with -q, before the last test's progress mark), under xdist too."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_cut.py").write_text(
+        "import time\n"
+        "def test_fails():\n    assert 1 == 2, 'one is not two'\n"
+        "def test_after():\n    time.sleep(1)\n")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", workers,
+                          str(tmp_path)], cwd=tmp_path, capture_output=True, text=True).stdout
+    live = "FAILED test_cut.py::test_fails (call): AssertionError: one is not two"
+    assert live in out and out.index(live) < out.index("[100%]"), out  # before the run's last test has ended
