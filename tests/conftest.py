@@ -1,8 +1,8 @@
 import os
+import pkgutil
 
 import pytest
 import torch
-from _pytest.monkeypatch import derive_importpath, notset
 from torch.utils._config_module import ConfigModule
 
 # Without a GPU, Triton kernels run under the interpreter; it is chosen when kernels are decorated.
@@ -45,27 +45,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_UNSET = object()  # an argument not given
+
+
 class ConfigRefusingMonkeyPatch(pytest.MonkeyPatch):
     """monkeypatch, refusing torch's config modules (torch._dynamo.config, torch._inductor.config, ...): undoing such
     a patch broke torch's config for every later test in the same worker (`enable_autograd_cache does not exist`),
     so the suite failed or passed by which worker got which test. The config's own patch() undoes cleanly."""
 
-    def setattr(self, target, name, value=notset, raising=True):
+    def setattr(self, target, name, value=_UNSET, raising=True):
         self._refuse_config(target, name, value)
-        return super().setattr(target, name, value, raising)
+        if value is _UNSET:  # the dotted form, setattr("package.module.attr", value)
+            return super().setattr(target, name, raising=raising)
+        return super().setattr(target, name, value, raising=raising)
 
-    def delattr(self, target, name=notset, raising=True):
+    def delattr(self, target, name=_UNSET, raising=True):
         self._refuse_config(target, name, name)
-        return super().delattr(target, name, raising)
+        if name is _UNSET:
+            return super().delattr(target, raising=raising)
+        return super().delattr(target, name, raising=raising)
 
     @staticmethod
     def _refuse_config(target, name, value):
         # The dotted form ("torch._inductor.config.x", value) names the attribute inside the target string.
-        dotted = isinstance(target, str) and value is notset
-        attr, owner = derive_importpath(target, False) if dotted else (name, target)
-        if isinstance(owner, ConfigModule):
-            raise TypeError(f"monkeypatch of torch's config {owner.__name__}.{attr}: use the config's own patch() "
-                            f"context instead, `with {owner.__name__}.patch({attr}=...)`")
+        if isinstance(target, str) and value is _UNSET:
+            path, _, name = target.rpartition(".")
+            target = pkgutil.resolve_name(path)
+        if isinstance(target, ConfigModule):
+            raise TypeError(f"monkeypatch of torch's config {target.__name__}.{name}: use the config's own patch() "
+                            f"context instead, `with {target.__name__}.patch({name}=...)`")
 
 
 @pytest.fixture
