@@ -9,15 +9,17 @@ from fxquant.formats import FORMATS, FloatFormat, IntFormat
 from fxquant.granularity import Granularity
 from fxquant.inplace import quantize_
 from fxquant.inspection import InspectReport, inspect
+from fxquant.lint import NumericsError
 from fxquant.quantized import Quantized
 from fxquant.quantized_experts import QuantizedExperts
 from fxquant.quantized_linear import QuantizedLinear
 from fxquant.skeleton import empty_weights
 
 __all__ = [
-    "FORMATS", "FP8StaticCache", "RECIPES", "FloatFormat", "Granularity", "InspectReport", "IntFormat", "QuantConfig",
-    "Quantized", "QuantizedExperts", "QuantizedLinear", "backend", "dequantize", "empty_weights", "export",
-    "from_options", "inspect", "kv_scales_of", "load", "load_quantized", "quantize", "quantize_", "save_quantized",
+    "FORMATS", "FP8StaticCache", "RECIPES", "FloatFormat", "Granularity", "InspectReport", "IntFormat", "NumericsError",
+    "QuantConfig", "Quantized", "QuantizedExperts", "QuantizedLinear", "backend", "dequantize", "empty_weights",
+    "export", "from_options", "inspect", "kv_scales_of", "load", "load_quantized", "quantize", "quantize_",
+    "save_quantized",
 ]
 
 

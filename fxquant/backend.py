@@ -138,7 +138,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs, *, config, mode, frozen) 
     _refuse_gradients(result.gm, example_inputs)
     result.warn()
     if config.report:
-        print(format_report(result.layers, result.findings, result.weights))
+        print(format_report(result.layers, result.findings, result.weights, result.auto))
     lowered, kept = _without_frozen_parameters(result.gm, example_inputs)
     inputs = [example_inputs[i] for i in kept]
     if config.inner == "eager":

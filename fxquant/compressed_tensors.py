@@ -8,7 +8,8 @@ compressors write them).
   low bits, every code offset by 2**(bits - 1) (the signed value q is stored as q + 8 for int4); `weight_scale`;
   `weight_shape`; for asymmetric int4, `weight_zero_point`, signed like the codes and packed the same way down the
   rows. Dequantized as (q - zero_point) * weight_scale. fxquant's unsigned int4 codes and zero points are exactly
-  those offset values, so (q - z) is unchanged.
+  those offset values, so (q - z) is unchanged. Symmetric int4 (int4_sym_wo, GPTQ's layout) has no zero point:
+  fxquant's two's complement nibbles become the offset ones by flipping each nibble's top bit, and back.
 - mxfp4-pack-quantized (mxfp4_wo): `weight_packed`, two e2m1 codes a byte, low nibble first, sign in bit 3, as
   fxquant packs them; `weight_scale`, the E8M0 exponent bits as uint8. Dequantized as value * 2**(e - 127).
 - mxfp8-quantized (mxfp8): `weight`, e4m3 codes; `weight_scale`, E8M0 exponent bits of each 32 along K as uint8;
@@ -25,6 +26,7 @@ import torch
 
 FLOAT_QUANTIZED, PACK_QUANTIZED = "float-quantized", "pack-quantized"
 SIGN_BIT = 0x80
+NIBBLE_SIGN_BITS = 0x88  # both nibbles' top bits: a signed int4 code q becomes q + 8 by flipping it, and back
 MXFP4_PACKED, NVFP4_PACKED, MXFP8_QUANTIZED = "mxfp4-pack-quantized", "nvfp4-pack-quantized", "mxfp8-quantized"
 _FP8_ACTIVATIONS = dict(num_bits=8, type="float", symmetric=True, dynamic=True)
 # recipe -> (format, weights args, input activation args or None)
@@ -42,6 +44,8 @@ SCHEMES = {
     "int8_wo": (PACK_QUANTIZED, dict(num_bits=8, type="int", symmetric=True, strategy="channel", dynamic=False), None),
     "int4_wo": (PACK_QUANTIZED, dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128,
                                      dynamic=False), None),
+    "int4_sym_wo": (PACK_QUANTIZED, dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128,
+                                         dynamic=False), None),
     "mxfp4_wo": (MXFP4_PACKED, dict(num_bits=4, type="float", symmetric=True, strategy="group", group_size=32,
                                     dynamic=False, scale_dtype="torch.uint8"), None),
     "nvfp4_wo": (NVFP4_PACKED, dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16,
@@ -83,7 +87,7 @@ def recipe_of(group: dict, where: str) -> str:
         if bits == 8 and strategy == "channel" and weights.get("symmetric", True):
             recipe = "int8_wo"
         elif bits == 4 and strategy == "group" and weights.get("group_size") == 128:
-            recipe = "int4_wo"  # a symmetric checkpoint loads with every zero point at the offset, 8
+            recipe = "int4_sym_wo" if weights.get("symmetric", True) else "int4_wo"
     if recipe is None:
         raise NotImplementedError(
             f"fxquant: {where}: no fxquant recipe computes this compressed-tensors scheme (weights {weights}, "
@@ -136,6 +140,8 @@ def to_checkpoint(layer, recipe: str) -> dict[str, torch.Tensor]:
     tensors = {"weight_scale": scale, "weight_shape": torch.tensor([n, k])}
     if recipe == "int8_wo":
         tensors["weight_packed"] = _pack_rows(_offset_binary(layer.weight.detach().view(torch.uint8)))
+    elif recipe == "int4_sym_wo":
+        tensors["weight_packed"] = _pack_rows(layer.weight.detach() ^ NIBBLE_SIGN_BITS)
     else:
         tensors["weight_packed"] = _pack_rows(layer.weight.detach())
         tensors["weight_zero_point"] = _nibbles_down(layer.weight_zero_point.detach())
@@ -183,7 +189,9 @@ def from_checkpoint(tensors: dict[str, torch.Tensor], recipe: str, out_features:
     packed = tensors["weight_packed"].contiguous().view(torch.uint8)
     if recipe == "int8_wo":  # in place: the layer's codes are the stored bytes, never a second copy of the layer
         return {"weight": packed.bitwise_xor_(SIGN_BIT).view(torch.int8), "weight_scale": scale}
+    if recipe == "int4_sym_wo":
+        return {"weight": packed.bitwise_xor_(NIBBLE_SIGN_BITS), "weight_scale": scale}
     zero_point = tensors.get("weight_zero_point")
     zero_point = (_unnibble_down(zero_point, out_features) if zero_point is not None
-                  else torch.full(scale.shape, 8, dtype=torch.uint8, device=scale.device))  # symmetric: q - 8
+                  else torch.full(scale.shape, 8, dtype=torch.uint8, device=scale.device))  # none stored: q - 8
     return {"weight": packed, "weight_scale": scale, "weight_zero_point": zero_point}

@@ -29,10 +29,11 @@ class LinearScheme:
     act_group: int = 0
     k_multiple: int = 16  # the weight's K must divide by this (group or block size; 16 for tensor cores)
     n_multiple: int = 16
+    symmetric: bool = False  # int4: codes -7..7 with no zero point, rather than 0..15 with one per group
 
     def __str__(self) -> str:
         if self.kind == "weight_only":
-            return f"{self.weight_fmt} weight-only"
+            return f"{self.weight_fmt}{' symmetric' if self.symmetric else ''} weight-only"
         act = {0: "token", -1: "tensor"}.get(self.act_group, f"1x{self.act_group}")
         return f"{self.kind}: act {act}, weight {self.weight_granularity}"
 
@@ -46,6 +47,8 @@ RECIPES = {
     "nvfp4_wo": LinearScheme("weight_only", "nvfp4", None, k_multiple=16),
     "int8_wo": LinearScheme("weight_only", "int8", "channel"),
     "int4_wo": LinearScheme("weight_only", "int4", ("group", 128), k_multiple=128),
+    # GPTQ's layout, which vLLM's Marlin kernels serve: no zero points, so 4.25 bits a weight against int4_wo's 4.31.
+    "int4_sym_wo": LinearScheme("weight_only", "int4", ("group", 128), k_multiple=128, symmetric=True),
 }
 AUTO = "auto"
 KEEP = "none"  # in layer_recipes: keep this layer in high precision

@@ -8,8 +8,11 @@ import warnings
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from tqdm.auto import tqdm
 
 from fxquant.config import AUTO, QuantConfig, from_options
+from fxquant.lint import Finding, lint_layers, refuse_errors, warn_findings, weight_findings
+from fxquant.metrics import sqnr_db, worst_row_sqnr_db
 from fxquant.passes.annotations import annotation
 from fxquant.passes.quantize_linear import ALIGNMENT, ROUTER_REASON, SHARD_HINT, skip_reason
 from fxquant.passes.state import LayerRecord, PipelineState
@@ -22,6 +25,7 @@ from fxquant.quantized_experts import (
     stored_transposed,
 )
 from fxquant.quantized_linear import FrozenParts, QuantizedLinear
+from fxquant.reference import dequantize
 from fxquant.report import format_report
 from fxquant.sharded_linear import LAYOUT_REASON, local, move_hooks, shard_dim
 from fxquant.weights import WeightEntry, weight_role
@@ -73,7 +77,8 @@ def _shared(model: nn.Module) -> dict[int, list[str]]:
     return {key: names for key, names in owners.items() if len(names) > 1}
 
 
-def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, example_inputs=None) -> nn.Module:
+def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, example_inputs=None,
+              progress: bool | None = None) -> nn.Module:
     """Replace each linear layer the config selects (nn.Linear, Conv1D) by a `QuantizedLinear`, and each MoE
     layer's experts (transformers' 3-D gate_up_proj / down_proj) by `QuantizedExperts`, in place, one layer at a
     time on the weight's device, and drop the high-precision weights: peak memory stays near the model's plus one
@@ -83,23 +88,32 @@ def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, exa
     lets routers be found by structure, as the backend finds them (their output feeds a top-k), and is required
     by recipe="auto", which measures each layer on them. A weight that another module also reads (a tied
     lm_head and its embedding) stays in high precision. With report=True the per-layer table is printed.
+
+    It speaks as the backend's numerics lint does: a weight holding inf or NaN is refused (`NumericsError`, naming
+    the layer) before anything is changed, and one warning names each layer kept for its shape and each weight
+    whose scales outliers made coarse. `progress` shows a bar over the layers (None: on a terminal only).
     """
     config = from_options(config)
     args = tuple(example_inputs) if isinstance(example_inputs, tuple | list) else (
         () if example_inputs is None else (example_inputs,))
+    # Names, not modules: a list of the modules would keep every replaced layer's high-precision weight alive
+    # until the end, and the peak would be the whole model twice over.
+    names = [fqn for fqn, module in model.named_modules() if linear_weight(module) is not None]
+    experts = [fqn for fqn, module in model.named_modules() if is_experts(module)]
+    findings = _weight_findings(model, names, experts)
+    refuse_errors(findings, "quantize_")
+    auto = []
     if config.recipe == AUTO:
         if not args:
             raise ValueError("fxquant: quantize_ with recipe='auto' needs example_inputs to measure each layer on")
         from fxquant.inspection import inspect
 
-        config = inspect(model, args, config).config
+        report = inspect(model, args, config)
+        config, auto = report.config, report.layers
     routers = _routers(model, args) if args else set()
     shared = _shared(model)
     layers = _already_quantized(model, config)
-    # Names, not modules: a list of the modules would keep every replaced layer's high-precision weight alive
-    # until the end, and the peak would be the whole model twice over.
-    names = [fqn for fqn, module in model.named_modules() if linear_weight(module) is not None]
-    for fqn in names:
+    for fqn in tqdm(names, desc="fxquant quantize_", unit="layer", disable=_hidden(progress)):
         module = model.get_submodule(fqn)
         weight = linear_weight(module)
         others = [name for name in shared.get(id(module.weight), ()) if name != fqn]
@@ -120,14 +134,38 @@ def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, exa
         move_hooks(module, quantized)
         parent, _, attr = fqn.rpartition(".")
         setattr(model.get_submodule(parent), attr, quantized)
-        del module, weight  # the last references to the high-precision weight: freed before the next layer
+        exact, approx = local(weight).float(), dequantize(quantized.quantized_weight(), torch.float32)
+        sqnr, worst = sqnr_db(approx, exact), worst_row_sqnr_db(approx, exact)
+        del module, weight, exact, approx  # the last references to the high-precision weight: freed now
         after = sum(local(p).numel() * p.element_size() for name, p in quantized.named_parameters() if name != "bias")
-        layers.append(LayerRecord(fqn, (quantized.out_features, quantized.in_features), recipe, "", before, after))
-    for fqn in [fqn for fqn, module in model.named_modules() if is_experts(module)]:
+        layers.append(LayerRecord(fqn, (quantized.out_features, quantized.in_features), recipe, "", before, after,
+                                  weight_sqnr=sqnr, worst_row_sqnr=worst))
+    for fqn in experts:
         layers += _quantize_experts(model, fqn, config)
+    weights = _other_weights(model, layers)
+    findings += lint_layers(PipelineState(config, layers=layers), weights)
+    warn_findings(findings, stacklevel=2)
     if config.report:
-        print(format_report(layers, weights=_other_weights(model, layers)))
+        print(format_report(layers, findings, weights, auto))
     return model
+
+
+def _hidden(progress: bool | None) -> bool | None:
+    """tqdm's `disable`: None hides the bar where the output is no terminal (logs, CI)."""
+    return None if progress is None else not progress
+
+
+def _weight_findings(model: nn.Module, linears: list[str], experts: list[str]) -> list[Finding]:
+    """The lint's findings on every linear and experts weight (inf/NaN: errors; past fp16's range: warnings), all
+    found before any layer is changed, so that a refusal leaves the model as it was."""
+    findings = []
+    for fqn in linears:
+        findings += weight_findings(fqn, local(linear_weight(model.get_submodule(fqn))))
+    for fqn in experts:
+        module = model.get_submodule(fqn)
+        for projection in PROJECTIONS:
+            findings += weight_findings(f"{fqn}.{projection}", getattr(module, projection))
+    return findings
 
 
 def _already_quantized(model: nn.Module, config: QuantConfig) -> list[LayerRecord]:
@@ -199,8 +237,11 @@ def _other_weights(model: nn.Module, layers: list[LayerRecord]) -> list[WeightEn
             if id(param) in seen or (isinstance(module, FrozenParts) and key in module.part_names()):
                 continue
             seen.add(id(param))
+            # No graph says what reads a 3-D parameter here: a module or parameter named for experts (a MoE layer
+            # quantize_ does not recognise) holds expert stacks; others (ViT's position embeddings) do not.
             role = weight_role(param, embedding=isinstance(module, nn.Embedding),
-                               convolution=isinstance(module, nn.modules.conv._ConvNd))
+                               convolution=isinstance(module, nn.modules.conv._ConvNd),
+                               product="expert" in f"{type(module).__name__}.{key}".lower())
             entries.append(WeightEntry(f"{name}.{key}" if name else key, tuple(param.shape),
                                        param.numel() * param.element_size(), role, name))
     return entries

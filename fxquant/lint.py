@@ -6,6 +6,7 @@ likely bug that runs (warned once per compile); "info" goes in the report only.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,22 @@ class Finding:
 
 class NumericsError(ValueError):
     """Compile refused: running the graph as quantized would produce inf or NaN."""
+
+
+def warn_findings(findings: list[Finding], stacklevel: int) -> None:
+    """One warning listing every warning-level finding, if any."""
+    found = [f for f in findings if f.severity == "warning"]
+    if found:
+        warnings.warn("fxquant numerics lint:\n" + "\n".join(f"  {f.where}: {f.message}" for f in found),
+                      stacklevel=stacklevel + 1)
+
+
+def refuse_errors(findings: list[Finding], what: str) -> None:
+    """NumericsError listing every error-level finding, if any: `what` (compile, quantize_) would produce inf/NaN."""
+    errors = [f for f in findings if f.severity == "error"]
+    if errors:
+        raise NumericsError(f"fxquant: refusing to {what}, running would produce inf/NaN:\n"
+                            + "\n".join(f"  {f.where}: {f.message}" for f in errors))
 
 
 def lint_graph(gm: torch.fx.GraphModule, example_inputs=None) -> list[Finding]:
@@ -133,9 +150,13 @@ def _linear_dtype(node):
 
 
 def _weight_findings(node, w) -> list[Finding]:
+    return weight_findings(linear_fqn(node), w)
+
+
+def weight_findings(fqn: str, w) -> list[Finding]:
+    """A weight's non-finite values (an error: its outputs would be NaN) or its range past fp16's (a warning)."""
     if not isinstance(w, torch.Tensor) or not w.is_floating_point():
         return []
-    fqn = linear_fqn(node)
     bad = int((~torch.isfinite(w.detach())).sum())
     if bad:
         return [Finding("error", "nonfinite_weight", fqn, f"weight holds {bad} inf/NaN value(s): every output "

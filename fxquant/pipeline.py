@@ -5,14 +5,13 @@ and what they hand each other travels in one `PipelineState`."""
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from fxquant.capability import check_config, graph_device, usable_recipes
 from fxquant.config import AUTO, QuantConfig
-from fxquant.lint import Finding, NumericsError, lint_graph, lint_layers
+from fxquant.lint import Finding, lint_graph, lint_layers, refuse_errors, warn_findings
 from fxquant.passes.cleanup import Cleanup
 from fxquant.passes.decode_attention import DecodeAttention
 from fxquant.passes.detect import Detect
@@ -37,13 +36,11 @@ class PipelineResult:
     config: QuantConfig  # with recipe="auto" resolved to per-layer recipes
     findings: list[Finding]  # the numerics lint's, errors excluded (those refuse the compile)
     weights: list[WeightEntry]  # every parameter the graph reads, for the report's totals
+    auto: list = field(default_factory=list)  # recipe="auto"'s measurements (measure.LayerError), for the report
 
     def warn(self) -> None:
         """One warning per compile listing every warning-level finding."""
-        found = [f for f in self.findings if f.severity == "warning"]
-        if found:
-            warnings.warn("fxquant numerics lint:\n" + "\n".join(f"  {f.where}: {f.message}" for f in found),
-                          stacklevel=3)
+        warn_findings(self.findings, stacklevel=3)
 
 
 def prepare(gm: torch.fx.GraphModule, state: PipelineState, example_inputs=None,
@@ -70,20 +67,17 @@ def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=N
     state = PipelineState(config)
     gm = prepare(gm, state, example_inputs)
     weights = weight_inventory(gm)
-    findings = lint_graph(gm, example_inputs)
+    findings, auto = lint_graph(gm, example_inputs), []
     if config.recipe == AUTO:
         from fxquant.measure import measure_graph, resolve_auto
 
         if example_inputs is None:
             raise ValueError("fxquant: recipe='auto' needs sample inputs to measure each layer on")
-        measured = measure_graph(gm, example_inputs, config, usable_recipes(device))
+        measured = auto = measure_graph(gm, example_inputs, config, usable_recipes(device))
         state.config = config = resolve_auto(config, measured)
         state.auto_reasons = {m.fqn: m.reason for m in measured if m.chosen_by_auto and m.recipe is None}
     gm = _run([QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseLinear(), PackInt4Lanes(state),
                DecodeAttention(state), PackGQA(), Cleanup()], gm)
     findings += lint_layers(state, weights)
-    errors = [f for f in findings if f.severity == "error"]
-    if errors:
-        raise NumericsError("fxquant: refusing to compile, running would produce inf/NaN:\n"
-                            + "\n".join(f"  {f.where}: {f.message}" for f in errors))
-    return PipelineResult(gm, state.layers, state.upcast, config, findings, weights)
+    refuse_errors(findings, "compile")
+    return PipelineResult(gm, state.layers, state.upcast, config, findings, weights, auto)

@@ -15,13 +15,17 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fxquant.config import RECIPES
+from fxquant.granularity import as_granularity
 from fxquant.linear_ops import emit_linear, run_now
 from fxquant.passes.quantize_linear import quantize_weight
+from fxquant.quantized import Quantized
+from fxquant.reference import DEFAULT_SCALE_MODE, default_granularity
 from fxquant.sharded_linear import sharded_forward, sharded_parts
 
 # (name of the parameter, field of Quantized); None fields are registered as None parameters
 PARTS = (("weight", "data"), ("weight_scale", "scale"), ("weight_global_scale", "global_scale"),
          ("weight_zero_point", "zero_point"))
+PACKED_FORMATS = ("int4", "mxfp4", "nvfp4")
 SHAPE_ROWS = 128  # rows quantized to learn each part's shape: a multiple of every block's rows (16, 32, 128)
 
 
@@ -89,6 +93,22 @@ class QuantizedLinear(FrozenParts):
 
     def part_names(self) -> list[str]:
         return [name for name, _ in PARTS]
+
+    def quantized_weight(self) -> Quantized:
+        """The weight as a `Quantized` (this rank's shard of a tensor-parallel layer), for `fxquant.dequantize`,
+        which gives it in fp32 by default (the bias's dtype where there is one): the layer keeps no other dtype."""
+        scheme = RECIPES[self.recipe]
+        parts = {field: getattr(self, name) for name, field in PARTS}
+        parts = {field: None if t is None else (t.to_local() if isinstance(t, DTensor) else t).detach()
+                 for field, t in parts.items()}
+        codes = parts["data"]
+        packed = scheme.weight_fmt in PACKED_FORMATS  # two 4-bit codes a byte
+        shape = torch.Size((codes.shape[0], codes.shape[1] * (2 if packed else 1)))
+        granularity = (default_granularity(scheme.weight_fmt) if scheme.weight_granularity is None
+                       else as_granularity(scheme.weight_granularity))
+        dtype = self.bias.dtype if self.bias is not None else torch.float32
+        return Quantized(fmt=scheme.weight_fmt, granularity=granularity, shape=shape, dtype=dtype,
+                         scale_mode=DEFAULT_SCALE_MODE.get(scheme.weight_fmt), **parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features]
         if isinstance(self.weight, DTensor):

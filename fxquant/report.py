@@ -1,16 +1,37 @@
-"""The per-layer report: name, shape, scheme or why skipped, bytes before and after, weight SQNR; the totals over
-every weight of the model (not only the linears'); and the lint's findings."""
+"""The per-layer report: name, shape, recipe, bytes before and after, weight SQNR, with why a layer was kept and what
+recipe="auto" measured under its row; the totals over every weight of the model (not only the linears'); and the
+lint's findings. Lines fit WIDTH columns: notes and findings wrap, a name too long for its row gets a line of its own.
+"""
 
 from __future__ import annotations
 
+import math
+import textwrap
+from collections import Counter
+
 from fxquant.config import RECIPES
 from fxquant.weights import ROLES
+
+WIDTH = 120  # a terminal's width: the report is read there, and in logs
+ALREADY = "already quantized, kept"  # a layer quantize_ or a checkpoint quantized before this call
+HEADER = ("layer", "shape [E,] N, K", "recipe", "bytes before", "bytes after", "weight SQNR dB")
+SQNR_LEGEND = "weight SQNR dB (worst channel): the quantized weight against the original, whole and its worst row"
+NO_SQNR = {ALREADY: "quantized before this call (quantize_ or a checkpoint): no high-precision weight is left to "
+                    "measure it against; fxquant.inspect measures a layer before it is quantized",
+           "": "not measured: quantize_ measures the linear layers it quantizes, not experts; fxquant.inspect "
+               "measures both"}
 
 
 def format_rows(rows: list[tuple[str, ...]]) -> list[str]:
     """Rows of strings as left-aligned columns."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+def wrapped(text: str, indent: str = "", first: str = "") -> list[str]:
+    """text in lines of at most WIDTH columns, the first after `first`, the rest after `indent`."""
+    return textwrap.wrap(text, WIDTH, initial_indent=first or indent, subsequent_indent=indent,
+                         break_on_hyphens=False) or [first.rstrip()]
 
 
 def format_totals(layers, weights=()) -> list[str]:
@@ -25,40 +46,71 @@ def format_totals(layers, weights=()) -> list[str]:
             kept[label] = sum(w.nbytes for w in weights if w.role == role)
     total = done_before + sum(kept.values())
     after = total - done_before + done_after
-    lines = [f"weights: quantized {done_before:,} of {total:,} bytes ({100 * done_before / max(total, 1):.0f}%); "
-             f"{total:,} -> {after:,} bytes" + (f" ({total / after:.2f}x smaller)" if after else "")]
+    share = f"weights: quantized {done_before:,} of {total:,} bytes ({100 * done_before / max(total, 1):.0f}%)"
+    lines = [f"{share}; {total:,} -> {after:,} bytes ({total / after:.2f}x smaller)" if done_before and after
+             else f"{share}: nothing quantized, the model keeps its size"]
     held = [f"{label} {nbytes:,}" for label, nbytes in kept.items() if nbytes]
     if already:
         lines.append(f"{ROLES['quantized']}: {already:,} bytes, counted at their quantized size")
     if held:
-        lines.append(f"kept in high precision (bytes): {'; '.join(held)}")
+        lines += wrapped(f"kept in high precision (bytes): {'; '.join(held)}", indent="  ")
     return lines
 
 
-def format_report(layers, findings=(), weights=()) -> str:
-    """The report; `weights` (the pipeline's weight inventory) makes the totals count every weight."""
-    rows = [("layer", "shape [E,] N, K", "scheme", "bytes before", "bytes after", "weight SQNR dB (worst channel)")]
+def _auto_lines(auto) -> tuple[dict[str, str], list[str]]:
+    """recipe="auto"'s measurements (measure.LayerError, chosen_by_auto): a note per layer it chose for, and one line
+    of what it chose."""
+    chosen = [m for m in auto if m.chosen_by_auto]
+    if not chosen:
+        return {}, []
+    notes = {m.fqn: f"auto chose it: output SQNR {_db(m.out_sqnr)} dB" for m in chosen if m.recipe}
+    counts = Counter(m.recipe or "kept (no recipe reaches the floor)" for m in chosen)
+    summary = ", ".join(f"{recipe} x {n}" for recipe, n in counts.most_common())
+    return notes, wrapped(f"recipe='auto' measured {len(chosen)} layer(s) on the sample inputs: {summary}",
+                          indent="  ")
+
+
+def _db(value: float | None) -> str:
+    return "-" if value is None else "exact" if math.isinf(value) else f"{value:.1f}"
+
+
+def format_report(layers, findings=(), weights=(), auto=()) -> str:
+    """The report; `weights` (the pipeline's weight inventory) makes the totals count every weight; `auto` holds
+    recipe="auto"'s measurements (fxquant.measure.LayerError), where it chose."""
+    auto_notes, auto_summary = _auto_lines(auto)
+    rows, notes, missing = [HEADER], [[]], set()
     for layer in layers:
-        scheme = f"{layer.recipe} ({RECIPES[layer.recipe]})" if layer.recipe else f"skipped: {layer.reason}"
-        if layer.recipe and layer.reason:  # quantized before this call, and kept
-            scheme += f", {layer.reason}"
+        sqnr = "-" if layer.weight_sqnr is None else f"{layer.weight_sqnr:.1f} ({layer.worst_row_sqnr:.1f})"
+        rows.append((layer.fqn, "x".join(map(str, layer.shape)), layer.recipe or "kept", f"{layer.bytes_before:,}",
+                     f"{layer.bytes_after:,}", sqnr))
+        why = [f"kept in high precision: {layer.reason}" if not layer.recipe else layer.reason]
         if layer.rows:
             first, stop, of = layer.rows
-            scheme += f", rows {first}:{stop} of a merged {of}-row GEMM"
-        sqnr = "-" if layer.weight_sqnr is None else f"{layer.weight_sqnr:.1f} ({layer.worst_row_sqnr:.1f})"
-        rows.append((layer.fqn, "x".join(map(str, layer.shape)), scheme, f"{layer.bytes_before:,}",
-                     f"{layer.bytes_after:,}", sqnr))
-    lines = format_rows(rows) + format_totals(layers, weights)
-    upcast = [f.where for f in findings if f.kind == "upcast"]
-    if upcast:
-        lines.append(f"reductions moved to fp32: {', '.join(upcast)}")
-    fused = [f.where for f in findings if f.kind == "fused_norm"]
-    if fused:
-        lines.append(f"norms fused with their fp8 quantizers: {', '.join(fused)}")
-    attention = [f.where for f in findings if f.kind == "decode_attention"]
-    if attention:
-        lines.append(f"decode attention on fxquant's split-KV kernel: {', '.join(attention)}")
+            why.append(f"rows {first}:{stop} of a merged {of}-row GEMM")
+        why.append(auto_notes.get(layer.fqn, ""))
+        notes.append(wrapped("; ".join(w for w in why if w), indent="    ") if any(why) else [])
+        if layer.recipe and layer.weight_sqnr is None:
+            missing.add(layer.reason if layer.reason in NO_SQNR else "")
+    # A name too long for its row goes on a line of its own, over the row's other cells.
+    others = [max(len(row[i]) for row in rows) for i in range(1, len(HEADER))]
+    name_room = WIDTH - sum(others) - 2 * len(others)
+    table = format_rows([("" if len(row[0]) > name_room else row[0], *row[1:]) for row in rows])
+    lines = []
+    for row, line, row_notes in zip(rows, table, notes, strict=True):
+        lines += ([row[0]] if len(row[0]) > name_room else []) + [line] + row_notes
+    legend = [f"{recipe}: {RECIPES[recipe]}" for recipe in dict.fromkeys(layer.recipe for layer in layers) if recipe]
+    if legend:
+        lines += wrapped("recipes: " + "; ".join(legend), indent="  ")
+    if any(layer.weight_sqnr is not None for layer in layers):
+        lines.append(SQNR_LEGEND)
+    lines += [line for why in sorted(missing) for line in wrapped(f"weight SQNR -: {NO_SQNR[why]}")]
+    lines += auto_summary + format_totals(layers, weights)
+    for kind, label in (("upcast", "reductions moved to fp32"), ("fused_norm", "norms fused with their fp8 "
+                        "quantizers"), ("decode_attention", "decode attention on fxquant's split-KV kernel")):
+        found = [f.where for f in findings if f.kind == kind]
+        if found:
+            lines += wrapped(f"{label}: {', '.join(found)}", indent="  ")
     for finding in findings:
         if finding.kind not in ("upcast", "skipped", "fused_norm", "decode_attention"):  # already shown above
-            lines.append(f"{finding.severity}: {finding.where}: {finding.message}")
+            lines += wrapped(f"{finding.severity}: {finding.where}: {finding.message}", indent="    ")
     return "fxquant report\n" + "\n".join(lines)

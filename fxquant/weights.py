@@ -9,7 +9,28 @@ import torch
 
 from fxquant.passes.annotations import FQN_KEY, PARAMETER_KEY, annotation, fetch_attr, module_path, tensor_identity
 from fxquant.passes.patterns import weight_operands
-from fxquant.passes.spellings import CONVOLUTION, EMBEDDING, target_of
+from fxquant.passes.spellings import (
+    BMM,
+    CASTS,
+    CONVOLUTION,
+    EMBEDDING,
+    EXPAND,
+    GATHER_ROWS,
+    GROUPED_MM,
+    MATMUL,
+    PERMUTE,
+    RESHAPE,
+    SWAP_2D,
+    TRANSPOSE,
+    UNSQUEEZE,
+    target_of,
+)
+
+# A 3-D weight is an expert stack where a batched product reads it through views and indexing alone (W[ids], W.mT):
+# a position embedding or a CLS token reaches products too, but only after an add to activations.
+PRODUCTS = BMM | GROUPED_MM | MATMUL | {torch.einsum}
+VIEWS = TRANSPOSE | PERMUTE | SWAP_2D | UNSQUEEZE | EXPAND | RESHAPE | GATHER_ROWS | CASTS | {getattr}
+VIEW_HOPS = 4
 
 # role -> how the report names it; "linear" weights (of linears and of the expert products fxquant finds) are
 # accounted by their layer records instead
@@ -17,6 +38,7 @@ ROLES = {
     "linear": "linear weights",
     "quantized": "weights quantized before compile (quantize_)",
     "expert": "3-D expert weights in no expert product fxquant recognises",
+    "tensor": "other 3-D and larger weights (position embeddings, class tokens)",
     "embedding": "embeddings (a gather, kept by design)",
     "norm_or_bias": "norm weights and biases",
     "other": "other weights",
@@ -42,6 +64,17 @@ def _multiplied(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     return found
 
 
+def _read_by_product(reads: list[torch.fx.Node]) -> bool:
+    """Whether a batched matrix product takes the weight as an operand, through views and indexing only."""
+    frontier = reads
+    for _ in range(VIEW_HOPS):
+        users = [user for node in frontier for user in node.users]
+        if any(target_of(user) in PRODUCTS for user in users):
+            return True
+        frontier = [user for user in users if target_of(user) in VIEWS]
+    return False
+
+
 def _role(tensor: torch.Tensor, reads: list[torch.fx.Node], multiplied: set[torch.fx.Node]) -> str:
     users = [user for read in reads for user in read.users]
     targets = {target_of(user) for user in users}
@@ -49,13 +82,15 @@ def _role(tensor: torch.Tensor, reads: list[torch.fx.Node], multiplied: set[torc
         return "linear"
     if any(str(target).startswith("fxquant.") for target in targets if target is not None):
         return "quantized"  # codes or scales an fxquant op reads: a QuantizedLinear's
-    return weight_role(tensor, embedding=bool(targets & EMBEDDING), convolution=bool(targets & CONVOLUTION))
+    return weight_role(tensor, embedding=bool(targets & EMBEDDING), convolution=bool(targets & CONVOLUTION),
+                       product=tensor.dim() >= 3 and _read_by_product(reads))
 
 
-def weight_role(tensor: torch.Tensor, *, embedding: bool, convolution: bool = False) -> str:
-    """The role of a weight no linear multiplies by, from its rank and what reads it."""
+def weight_role(tensor: torch.Tensor, *, embedding: bool, convolution: bool = False, product: bool = False) -> str:
+    """The role of a weight no linear multiplies by, from its rank and what reads it. product: a batched matrix
+    product reads it (a stack of expert matrices [E, N, K])."""
     if tensor.dim() >= 3 and not convolution:
-        return "expert"  # [E, N, K] stacks of expert matrices, read by grouped / batched GEMMs or per expert
+        return "expert" if product else "tensor"
     if embedding:
         return "embedding"
     return "norm_or_bias" if tensor.dim() <= 1 else "other"

@@ -157,7 +157,8 @@ class FakeQuantizedLinear(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str, exact: bool, k_shards: int = 1):
         super().__init__()
         self.scheme, self.exact, self.width = RECIPES[recipe], exact, weight.shape[1] // k_shards
-        quantized = lambda w: R.quantize(w.float(), self.scheme.weight_fmt, self.scheme.weight_granularity)
+        quantized = lambda w: R.quantize(w.float(), self.scheme.weight_fmt, self.scheme.weight_granularity,
+                                         symmetric=self.scheme.symmetric)
         self.dequantized = torch.cat([R.dequantize(quantized(w), torch.float32)  # [N, K]
                                       for w in weight.detach().split(self.width, dim=1)], dim=1)
         self.weight = self.dequantized.to(weight.dtype)  # the model's dtype: T5 casts its input to wo.weight's

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
@@ -31,7 +32,7 @@ CT_SCHEMES = {
     "FP8_DYNAMIC": (PRESET_SCHEMES["FP8_DYNAMIC"], "float-quantized", "fp8_row"),
     "FP8_BLOCK": (PRESET_SCHEMES["FP8_BLOCK"], "float-quantized", "fp8_block"),
     "W4A16_ASYM": (PRESET_SCHEMES["W4A16_ASYM"], "pack-quantized", "int4_wo"),
-    "W4A16": (PRESET_SCHEMES["W4A16"], "pack-quantized", "int4_wo"),
+    "W4A16": (PRESET_SCHEMES["W4A16"], "pack-quantized", "int4_sym_wo"),
     "W8A16_CHANNEL": (INT8_CHANNEL, "pack-quantized", "int8_wo"),
     "MXFP4A16": (PRESET_SCHEMES["MXFP4A16"], "mxfp4-pack-quantized", "mxfp4_wo"),
     "NVFP4A16": (PRESET_SCHEMES["NVFP4A16"], "nvfp4-pack-quantized", "nvfp4_wo"),
@@ -421,3 +422,19 @@ def test_saving_a_model_with_nothing_quantized_is_refused_with_the_fix(tmp_path)
     with pytest.raises(ValueError, match=r"holds no layer quantize_ quantized.*Fix: fxquant\.quantize_"):
         fxquant.save_quantized(decoder("llama"), tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_symmetric_int4_checkpoint_loads_in_plain_transformers(tmp_path):
+    """int4_sym_wo writes GPTQ's layout (no zero points), which transformers' compressed-tensors integration loads
+    (int4_wo's zero points are refused there, as compressed-tensors' own asymmetric checkpoints are); in fp32 its
+    logits are fxquant's own, both dequantizing the same codes."""
+    model = fxquant.quantize_(decoder("llama", dtype=torch.float32), "int4_sym_wo")
+    fxquant.save_quantized(model, tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        assert not [key for key in f.keys() if key.endswith("zero_point")]  # noqa: SIM118
+    written = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert [group["weights"]["symmetric"] for group in written["config_groups"].values()] == [True]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert not any(isinstance(m, fxquant.QuantizedLinear) for m in loaded.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(PROMPT).logits, model(PROMPT).logits, rtol=1e-5, atol=1e-5)

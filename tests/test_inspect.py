@@ -66,8 +66,9 @@ def test_auto_in_the_backend_reports_the_missed_floor_not_layer_recipes(capsys):
     with torch.no_grad():
         torch.compile(tiny_block(), backend="fxquant",
                       options={"recipe": "auto", "min_sqnr_db": 80, "inner": "eager", "report": True})(X)
-    up = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("up "))
-    assert "auto: no recipe reaches 80 dB (best int8_wo at" in up and "layer_recipes" not in up
+    lines = capsys.readouterr().out.splitlines()
+    row = next(i for i, line in enumerate(lines) if line.startswith("up "))
+    assert "auto: no recipe reaches 80 dB (best int8_wo at" in lines[row + 1] and "layer_recipes" not in lines[row + 1]
 
 
 def test_auto_in_the_backend_matches_the_inspected_config():

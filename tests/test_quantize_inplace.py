@@ -212,8 +212,10 @@ def test_a_second_quantize_with_another_recipe_keeps_the_first_and_says_so(capsy
         fxquant.quantize_(model, {"recipe": "fp8_row", "report": True})
     assert model.model.layers[0].mlp.up_proj.weight is codes and model.model.layers[0].mlp.up_proj.recipe == "int4_wo"
     report = capsys.readouterr().out
-    row = next(line for line in report.splitlines() if line.startswith("model.layers.0.mlp.up_proj "))
-    assert "int4_wo" in row and "already quantized, kept" in row
+    lines = report.splitlines()
+    row = next(i for i, line in enumerate(lines) if line.startswith("model.layers.0.mlp.up_proj "))
+    assert "int4_wo" in lines[row] and lines[row + 1].strip() == "already quantized, kept"
+    assert "weight SQNR -: quantized before this call" in report
     quantized, total = map(lambda n: int(n.replace(",", "")),
                            re.search(r"weights: quantized ([\d,]+) of ([\d,]+) bytes", report).groups())
     assert quantized == sum(p.numel() * p.element_size() for m in model.modules()
@@ -222,3 +224,35 @@ def test_a_second_quantize_with_another_recipe_keeps_the_first_and_says_so(capsy
         warnings.simplefilter("error")  # the same recipe again, or the layers skipped: nothing to say
         fxquant.quantize_(model, {"recipe": "int4_wo"})
         fxquant.quantize_(model, {"recipe": "fp8_row", "skip": [r"layers\."]})
+
+
+def test_quantize_warns_naming_each_layer_its_shape_keeps_in_high_precision():
+    """quantize_ said nothing where the backend's lint warned: a Linear(200, 200) under int4_wo stayed in bf16
+    silently. One warning now names each layer kept for its shape, with the alignment it needs."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 200), torch.nn.Linear(200, 200))
+    with pytest.warns(UserWarning, match="numerics lint") as caught:
+        fxquant.quantize_(model.to(torch.bfloat16), "int4_wo")
+    message = str(caught[0].message)
+    assert "1: stays in high precision: alignment: needs K % 128 == 0" in message
+    assert "2: stays in high precision: alignment" in message and "0:" not in message
+    assert isinstance(model[0], fxquant.QuantizedLinear) and isinstance(model[2], torch.nn.Linear)
+
+
+def test_quantize_refuses_a_non_finite_weight_by_name_before_changing_anything():
+    """A weight holding inf was quantized without a word and its outputs turned NaN; the backend refuses it. So does
+    quantize_ now, naming the layer, and the model is left as it was (no layer half swapped)."""
+    model = decoder("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[3, 5] = float("inf")
+    with pytest.raises(fxquant.NumericsError, match=r"model\.layers\.1\.mlp\.down_proj: weight holds 1 inf/NaN"):
+        fxquant.quantize_(model, "fp8_row")
+    assert not any(isinstance(m, fxquant.QuantizedLinear) for m in model.modules())
+
+
+def test_quantize_report_gives_each_layers_weight_sqnr_as_the_backend_does(capsys):
+    model = decoder("llama")
+    fxquant.quantize_(model, {"recipe": "int4_wo", "report": True})
+    lines = capsys.readouterr().out.splitlines()
+    q_proj = next(line for line in lines if line.startswith("model.layers.0.self_attn.q_proj"))
+    sqnr, worst = re.fullmatch(r".* (\d+\.\d) \((\d+\.\d)\)", q_proj).groups()
+    assert 15 < float(worst) <= float(sqnr) < 30  # int4 in groups of 128 keeps about 20 dB

@@ -74,7 +74,7 @@ def quantize_weight(w: torch.Tensor, recipe: str):
     scheme = RECIPES[recipe]
     # contiguous: a [K, N]-stored weight arrives as a transposed view, and the kernels read row-major codes.
     whole = lambda t, scale=None: R.quantize(t.detach().contiguous(), scheme.weight_fmt, scheme.weight_granularity,
-                                             scale=scale)
+                                             scale=scale, symmetric=scheme.symmetric)
     if w.shape[0] <= QUANTIZE_ROWS:
         return whole(w)
     starts = range(0, w.shape[0], QUANTIZE_ROWS)

@@ -285,7 +285,8 @@ def test_weights_quantized_in_row_chunks_equal_the_whole(monkeypatch, recipe, po
     if poison:
         w[300, 17] = float("nan")  # in the second chunk: a per-tensor scale is poisoned whole, a block one locally
     got = quantize_linear.quantize_weight(w, recipe)
-    want = R.quantize(w, RECIPES[recipe].weight_fmt, RECIPES[recipe].weight_granularity)
+    scheme = RECIPES[recipe]
+    want = R.quantize(w, scheme.weight_fmt, scheme.weight_granularity, symmetric=scheme.symmetric)
     for field in ("data", "scale", "global_scale", "zero_point"):
         a, b = getattr(got, field), getattr(want, field)
         same_bits = a is not None and b is not None and torch.equal(a.reshape(-1).view(torch.uint8),
