@@ -8,7 +8,9 @@ the model, its inputs and the device mesh on the rank's GPU."""
 import contextlib
 import io
 import os
+import queue
 import socket
+import time
 import traceback
 
 import pytest
@@ -211,7 +213,18 @@ def run(world: int, task, **kwargs) -> list:
     ranks = [context.Process(target=_worker, args=(rank, world, port, task, kwargs, results)) for rank in range(world)]
     for process in ranks:
         process.start()
-    got = dict(results.get(timeout=TIMEOUT_S) for _ in range(world))
+    got, deadline = {}, time.monotonic() + TIMEOUT_S
+    while len(got) < world:
+        try:
+            rank, value = results.get(timeout=1)
+            got[rank] = value
+        except queue.Empty:
+            # A rank killed (or crashed in the interpreter) before it put its result would leave the run waiting
+            # for the whole timeout: name it at once.
+            dead = {rank: p.exitcode for rank, p in enumerate(ranks) if rank not in got and p.exitcode not in (None, 0)}
+            assert not dead and time.monotonic() < deadline, (
+                f"ranks {sorted(dead)} ended with exit codes {list(dead.values())} and no result" if dead
+                else f"no result from ranks {sorted(set(range(world)) - set(got))} within {TIMEOUT_S} s")
     for process in ranks:
         process.join(timeout=60)
     failed = [f"rank {rank}:\n{value}" for rank, value in got.items() if isinstance(value, str)]

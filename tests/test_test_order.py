@@ -48,3 +48,26 @@ def test_a_failure_is_printed_the_moment_it_happens(tmp_path, workers):
                           str(tmp_path)], cwd=tmp_path, capture_output=True, text=True).stdout
     live = "FAILED test_cut.py::test_fails (call): AssertionError: one is not two"
     assert live in out and out.index(live) < out.index("[100%]"), out  # before the run's last test has ended
+
+
+def _rank_that_dies() -> dict:
+    import os
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os._exit(3)  # as a rank the OOM killer ends, or one that crashes in the interpreter: no result, no traceback
+    return {}
+
+
+def test_a_rank_that_dies_without_a_result_fails_the_run_at_once_naming_it():
+    """The ranks' results come through a queue; a rank killed before it put its own left the test waiting for the
+    whole timeout (600 s), with nothing to say why."""
+    import time
+
+    from tensor_parallel import run
+
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"ranks \[1\] ended with exit codes \[3\] and no result"):
+        run(2, _rank_that_dies)
+    assert time.monotonic() - start < 120

@@ -6,12 +6,14 @@ The unused parameter placeholders stay: they are the calling convention.
 from __future__ import annotations
 
 import torch
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
+from fxquant.passes.order import FxquantPass
 from fxquant.passes.side_effects import eliminate_dead_code
 
 
-class Cleanup(PassBase):
+class Cleanup(FxquantPass):
+    name = 'cleanup'
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         modified = eliminate_dead_code(gm.graph)
         if modified:

@@ -33,12 +33,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.kernels.decode_attention import decode_attention_refusal
 from fxquant.passes.annotations import fake_value, module_path
 from fxquant.passes.attention_patterns import eager_attention
+from fxquant.passes.order import FxquantPass
 from fxquant.passes.patterns import SDPA_ARGS, repeated_kv
 from fxquant.passes.side_effects import Writes
 from fxquant.passes.spellings import SDPA
@@ -92,7 +93,8 @@ def eager_spelled(out: torch.fx.Node) -> Attention | None:
                      found.sinks, None)
 
 
-class DecodeAttention(PassBase):
+class DecodeAttention(FxquantPass):
+    name = 'decode_attention'
     def __init__(self, state: PipelineState | None = None, devices: tuple[str, ...] = ("cuda",)):
         super().__init__()
         self.state = state

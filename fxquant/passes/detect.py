@@ -16,9 +16,10 @@ a module that reads another's weight (a tied lm_head on the embedding's) is name
 from __future__ import annotations
 
 import torch
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 from fxquant.passes.annotations import FQN_KEY, META_KEY, Annotation, module_path
+from fxquant.passes.order import FxquantPass
 from fxquant.passes.patterns import expert_operands, linear_operands, match_rms_variance, selects_experts
 from fxquant.passes.spellings import LAYER_NORM, RMS_NORM, SOFTMAX, target_of
 
@@ -36,7 +37,8 @@ def _linear_fqn(node: torch.fx.Node, weight) -> str | None:
     return weight_fqn or path
 
 
-class Detect(PassBase):
+class Detect(FxquantPass):
+    name = 'detect'
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         for node in gm.graph.nodes:
             target = target_of(node)

@@ -18,9 +18,10 @@ from __future__ import annotations
 import re
 
 import torch
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 from fxquant.passes.annotations import FQN_KEY, PARAMETER_KEY, SOURCE_KEY
+from fxquant.passes.order import FxquantPass
 
 
 def placeholder_fqn(node: torch.fx.Node) -> str:
@@ -34,7 +35,8 @@ def placeholder_fqn(node: torch.fx.Node) -> str:
     return re.sub(r"(^|_)(modules|parameters|buffers)_", ".", name).strip(".")
 
 
-class FreezeParams(PassBase):
+class FreezeParams(FxquantPass):
+    name = 'freeze_params'
     def __init__(self, example_inputs, parameter_names: dict[int, str] | None = None):
         super().__init__()
         self.example_inputs = list(example_inputs or [])

@@ -14,14 +14,17 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.passes.annotations import node_dtype
+from fxquant.passes.order import FxquantPass
 from fxquant.passes.side_effects import mutation_epochs
 
 
-class FuseLinear(PassBase):
+class FuseLinear(FxquantPass):
+    name = 'fuse_linear'
+    needs = ('quantize_linear',)
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         modified, epochs = False, mutation_epochs(gm.graph)
         for mm in list(gm.graph.nodes):

@@ -20,10 +20,11 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.passes.annotations import annotation, module_path, node_dtype
+from fxquant.passes.order import FxquantPass
 from fxquant.passes.patterns import match_rms_variance
 from fxquant.passes.side_effects import mutation_epochs
 from fxquant.passes.spellings import ADD, CASTS, LAYER_NORM, MUL, RMS_NORM, RSQRT, target_of
@@ -114,7 +115,9 @@ def _placed(node, epochs, order):
     return node
 
 
-class FuseNorm(PassBase):
+class FuseNorm(FxquantPass):
+    name = 'fuse_norm'
+    needs = ('quantize_linear',)
     def __init__(self, state: PipelineState):
         super().__init__()
         self.state = state

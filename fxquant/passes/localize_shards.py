@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 from fxquant.passes.annotations import SHARD_KEY, SOURCE_KEY, fake_value, fetch_attr
+from fxquant.passes.order import FxquantPass
 from fxquant.passes.patterns import linear_operands
 
 
@@ -66,7 +67,8 @@ def local_layout(x: DTensor, w: DTensor, bias) -> tuple | None:
     return None
 
 
-class LocalizeShards(PassBase):
+class LocalizeShards(FxquantPass):
+    name = 'localize_shards'
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         modified = False
         for node in list(gm.graph.nodes):

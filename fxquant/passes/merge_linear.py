@@ -18,10 +18,11 @@ import operator
 from collections import Counter, defaultdict
 
 import torch
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.passes.annotations import PARAMETER_KEY, SOURCE_KEY, fake_value, fetch_attr
+from fxquant.passes.order import FxquantPass
 from fxquant.passes.side_effects import mutation_epochs
 from fxquant.passes.state import LayerRecord, PipelineState
 
@@ -34,7 +35,9 @@ BIAS_ARG = {SCALED_MM: 4, WEIGHT_ONLY: 5}
 WIDTH_ARG = {WEIGHT_ONLY: 8}
 
 
-class MergeLinear(PassBase):
+class MergeLinear(FxquantPass):
+    name = 'merge_linear'
+    needs = ('quantize_linear',)
     def __init__(self, state: PipelineState):
         super().__init__()
         self.state = state  # its layers' buffer names and rows are updated, so a changed weight re-quantizes in place

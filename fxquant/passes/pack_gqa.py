@@ -21,9 +21,10 @@ written between the repeat and the attention.
 from __future__ import annotations
 
 import torch
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 from fxquant.passes.annotations import fake_value
+from fxquant.passes.order import FxquantPass
 from fxquant.passes.patterns import SDPA_ARGS, repeated_kv
 from fxquant.passes.side_effects import Writes
 from fxquant.passes.spellings import SDPA
@@ -36,7 +37,8 @@ from fxquant.passes.spellings import SDPA
 MIN_KV_GROUPS = 16
 
 
-class PackGQA(PassBase):
+class PackGQA(FxquantPass):
+    name = 'pack_gqa'
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         modified, writes = False, Writes(gm.graph)
         for sdpa in list(gm.graph.nodes):

@@ -20,12 +20,13 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.kernels.cast import capability
 from fxquant.kernels.gemm_int4_mma import STEP_K, pack_lanes
 from fxquant.passes.annotations import fetch_attr
+from fxquant.passes.order import FxquantPass
 from fxquant.passes.state import PipelineState
 
 WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default
@@ -70,7 +71,9 @@ def refresh_lanes(gm: torch.fx.GraphModule) -> None:
         lanes_of(getattr(gm, scale_name), getattr(gm, zero_name) if zero_name else None)
 
 
-class PackInt4Lanes(PassBase):
+class PackInt4Lanes(FxquantPass):
+    name = 'pack_int4_lanes'
+    needs = ('quantize_linear',)
     def __init__(self, state: PipelineState):
         super().__init__()
         self.state = state  # its layer records name the buffers this graph quantized

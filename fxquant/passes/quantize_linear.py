@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant import reference as R
@@ -42,6 +42,7 @@ from fxquant.passes.annotations import (
     node_dtype,
     tensor_identity,
 )
+from fxquant.passes.order import FxquantPass
 from fxquant.passes.patterns import ExpertOperands, weight_operands
 from fxquant.passes.spellings import EMBEDDING, target_of
 from fxquant.passes.state import LayerRecord, PipelineState
@@ -153,7 +154,9 @@ def _describe(node: torch.fx.Node) -> str:
     return f"{module_path(node) or node.name} ({kind})"
 
 
-class QuantizeLinear(PassBase):
+class QuantizeLinear(FxquantPass):
+    name = 'quantize_linear'
+    needs = ('detect',)
     def __init__(self, state: PipelineState):
         super().__init__()
         self.state = state

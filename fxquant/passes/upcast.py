@@ -14,9 +14,10 @@ edited only when its whole pattern still matches (`patterns.match_rms_variance`)
 from __future__ import annotations
 
 import torch
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 from fxquant.passes.annotations import META_KEY, annotation, module_path, node_dtype
+from fxquant.passes.order import FxquantPass
 from fxquant.passes.patterns import match_rms_variance
 from fxquant.passes.spellings import LOW_PRECISION, aten
 from fxquant.passes.state import PipelineState
@@ -30,7 +31,9 @@ def _cast(graph, node, dtype):
     return new
 
 
-class Upcast(PassBase):
+class Upcast(FxquantPass):
+    name = 'upcast'
+    needs = ('detect',)
     def __init__(self, state: PipelineState):
         super().__init__()
         self.state = state

@@ -1,0 +1,43 @@
+"""What each pass needs to have run before it, checked rather than only stated in its docstring.
+
+A pass run out of order finds nothing to do (upcast on a graph detect has not annotated sees no reduction) and would
+return modified=False in silence. Each pass names itself and the passes it needs; running it records its name on the
+graph (`gm.meta`), and a pass whose needs are not recorded there refuses, naming them and the fix. To run the
+pipeline up to a pass, `fxquant.pipeline.run_pipeline(gm, config, example_inputs, stop_after=name)`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+RAN_KEY = "fxquant_passes_ran"  # in gm.meta: the names of the passes run on this graph, in order
+
+
+class PassOrderError(RuntimeError):
+    """A pass was run on a graph where a pass it needs has not run."""
+
+
+def passes_run(gm: torch.fx.GraphModule) -> tuple[str, ...]:
+    return tuple(gm.meta.get(RAN_KEY, ()))
+
+
+class FxquantPass(PassBase):
+    """A pass of the pipeline: `name` is how the pipeline and the errors call it; `needs`, the passes that must have
+    run on the graph before it."""
+
+    name: str = ""
+    needs: tuple[str, ...] = ()
+
+    def requires(self, graph_module: torch.fx.GraphModule) -> None:
+        missing = [need for need in self.needs if need not in passes_run(graph_module)]
+        if missing:
+            raise PassOrderError(
+                f"fxquant: pass {self.name} needs {', '.join(missing)} to have run on this graph first (ran: "
+                f"{', '.join(passes_run(graph_module)) or 'none'}). Fix: run those passes first, or the pipeline up to "
+                f"this one: fxquant.pipeline.run_pipeline(gm, config, example_inputs, stop_after={self.name!r})")
+
+    def __call__(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        result = super().__call__(graph_module)
+        result.graph_module.meta[RAN_KEY] = (*passes_run(graph_module), self.name)
+        return result
