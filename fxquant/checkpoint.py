@@ -15,12 +15,13 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
+from tqdm.auto import tqdm
 
 from fxquant import kv_cache_scheme
 from fxquant.checkpoint_experts import expert_linear_names, split_experts, stack_experts
 from fxquant.checkpoint_mxfp4 import MXFP4_METHOD, from_mxfp4, mxfp4_experts
 from fxquant.compressed_tensors import SCHEMES, from_checkpoint, group_config, recipe_of, to_checkpoint
-from fxquant.inplace import linear_weight
+from fxquant.inplace import linear_weight, progress_hidden
 from fxquant.quantized_experts import QuantizedExperts, is_experts
 from fxquant.quantized_linear import QuantizedLinear
 from fxquant.sharded_checkpoint import read_parameter, sharded_layer
@@ -137,7 +138,7 @@ def _matches(name: str, module: nn.Module | None, target: str) -> bool:
     return target == name or target in classes
 
 
-def _recipe_of_layer(name: str, module: nn.Module | None, quantization_config: dict) -> str | None:
+def recipe_of_layer(name: str, module: nn.Module | None, quantization_config: dict) -> str | None:
     """The recipe of the config group that targets the layer `name` and `ignore` does not name, or None."""
     if any(_matches(name, module, t) for t in quantization_config.get("ignore") or []):
         return None
@@ -152,7 +153,7 @@ def _recipes(model: nn.Module, quantization_config: dict) -> dict[str, str]:
     found = {}
     for name, module in model.named_modules():
         if linear_weight(module) is not None or isinstance(module, QuantizedLinear):
-            recipe = _recipe_of_layer(name, module, quantization_config)
+            recipe = recipe_of_layer(name, module, quantization_config)
             if recipe is not None:
                 found[name] = recipe
     return found
@@ -166,7 +167,7 @@ def _expert_recipes(model: nn.Module, quantization_config: dict) -> dict[str, tu
         if not is_experts(module):
             continue
         linears = [n for names in expert_linear_names(model, name, module.gate_up_proj.shape[0]) for n in names]
-        recipes = {_recipe_of_layer(linear, None, quantization_config) for linear in linears}
+        recipes = {recipe_of_layer(linear, None, quantization_config) for linear in linears}
         if recipes == {None}:
             continue
         if len(recipes) > 1:
@@ -176,7 +177,8 @@ def _expert_recipes(model: nn.Module, quantization_config: dict) -> dict[str, tu
     return found
 
 
-def load_quantized(model: nn.Module, path, device=None, dtype: torch.dtype | str = "auto") -> nn.Module:
+def load_quantized(model: nn.Module, path, device=None, dtype: torch.dtype | str = "auto",
+                   progress: bool | None = None) -> nn.Module:
     """Fill `model`, a skeleton (built on the meta device, or anywhere), from the compressed-tensors checkpoint in
     the folder `path`, in place: each quantized linear becomes a QuantizedLinear whose codes and scales are read
     straight from safetensors onto `device` (default: the CPU); no high-precision copy of a quantized weight is ever
@@ -188,12 +190,13 @@ def load_quantized(model: nn.Module, path, device=None, dtype: torch.dtype | str
 
     A skeleton sharded with DTensor's parallel styles (after empty_weights(), before loading) is filled shard by
     shard: each rank reads only its slice of every sharded tensor, and a sharded quantized linear becomes the
-    QuantizedLinear quantize_ gives that shard (`sharded_checkpoint`)."""
+    QuantizedLinear quantize_ gives that shard (`sharded_checkpoint`). `progress` shows a bar over the tensors read
+    (None: on a terminal only)."""
     path, device = Path(path), torch.device(device or "cpu")
     if dtype != "auto" and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"fxquant: load_quantized's dtype must be 'auto' or a floating torch.dtype, got {dtype!r}")
-    stored = _read_config(path)
-    dtype = _checkpoint_dtype(path, stored) if dtype == "auto" else dtype
+    stored = read_config(path)
+    dtype = checkpoint_dtype(path, stored) if dtype == "auto" else dtype
     config = stored.get("quantization_config") or {}
     method = config.get("quant_method")
     if method not in ("compressed-tensors", MXFP4_METHOD):
@@ -224,16 +227,21 @@ def load_quantized(model: nn.Module, path, device=None, dtype: torch.dtype | str
             if t is not None:
                 owners[id(t)].append((module, key))
     pending = defaultdict(dict)  # quantized layer -> its checkpoint tensors, converted once all have arrived
-    for file in _files(path):
+    files = checkpoint_files(path)
+    bar = tqdm(total=sum(len(stored_keys(file)) for file in files), desc="fxquant load_quantized", unit="tensor",
+               disable=progress_hidden(progress))
+    for file in files:
         with _opened(file, device) as f:
             for key in f.keys():  # noqa: SIM118  (safe_open handles have keys(), not iteration)
+                bar.update()
                 name, _, local = key.rpartition(".")
                 if config.get("kv_cache_scheme") and kv_cache_scheme.is_scale_key(key):
                     continue  # the cache's, read by kv_scales_of(path)
                 if name in recipes and local != "bias" or name in expert_of:
                     pending[name][local] = sharded[name].read(f, key) if name in sharded else f.get_tensor(key)
                     continue
-                _assign(model, key, functools.partial(read_parameter, f, key), owners, dtype)
+                assign_tensor(model, key, functools.partial(read_parameter, f, key), owners, dtype)
+    bar.close()
     for name, tensors in pending.items():
         if name in expert_of:
             continue
@@ -265,7 +273,7 @@ def load_quantized(model: nn.Module, path, device=None, dtype: torch.dtype | str
     return model
 
 
-def _read_config(path: Path) -> dict:
+def read_config(path: Path) -> dict:
     """config.json of the checkpoint folder `path`, or an error naming what is missing or malformed."""
     if not path.is_dir():
         raise FileNotFoundError(f"fxquant: no checkpoint folder {path}. Fix: pass the folder save_quantized (or "
@@ -280,13 +288,13 @@ def _read_config(path: Path) -> dict:
         raise ValueError(f"fxquant: {file} is not valid JSON ({exc}). Fix: download or save it again") from exc
 
 
-def _checkpoint_dtype(path: Path, config: dict) -> torch.dtype:
+def checkpoint_dtype(path: Path, config: dict) -> torch.dtype:
     """The model's dtype a checkpoint declares (config.json's dtype, torch_dtype before transformers 5), else the
     dtype of its first floating-point high-precision tensor."""
     declared = config.get("dtype") or config.get("torch_dtype")
     if isinstance(declared, str) and isinstance(getattr(torch, declared.removeprefix("torch."), None), torch.dtype):
         return getattr(torch, declared.removeprefix("torch."))
-    for file in _files(path):
+    for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118  (safe_open handles have keys(), not iteration)
                 stored = SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype())
@@ -335,7 +343,13 @@ def _matching(key: str, tensor: torch.Tensor, current: torch.Tensor, dtype) -> t
     raise ValueError(f"fxquant: checkpoint tensor {key} is {tensor.dtype}, the model's is {current.dtype}")
 
 
-def _files(path: Path) -> list[Path]:
+def stored_keys(file: Path) -> list[str]:
+    """The tensors' names in a safetensors file, from its header."""
+    with safe_open(str(file), framework="pt") as f:
+        return list(f.keys())  # noqa: SIM118  (safe_open handles have keys(), not iteration)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
     """The checkpoint's safetensors files: those its index names, or model.safetensors; an error naming the file
     that is missing."""
     if (path / INDEX).exists():
@@ -352,7 +366,7 @@ def _files(path: Path) -> list[Path]:
     return files
 
 
-def _assign(model: nn.Module, key: str, read, owners, dtype) -> None:
+def assign_tensor(model: nn.Module, key: str, read, owners, dtype) -> None:
     """Put checkpoint tensor `key`, read(the model's tensor there), in place of the model's `key` and of every
     attribute tied to it."""
     name, _, attr = key.rpartition(".")
@@ -372,11 +386,11 @@ def _assign(model: nn.Module, key: str, read, owners, dtype) -> None:
 def stored_kv_scales(path) -> list[tuple[float, float]]:
     """The static KV-cache scales a checkpoint's kv_cache_scheme holds, one (k, v) pair per attention layer."""
     path = Path(path)
-    if (_read_config(path).get("quantization_config") or {}).get("kv_cache_scheme") != kv_cache_scheme.SCHEME:
+    if (read_config(path).get("quantization_config") or {}).get("kv_cache_scheme") != kv_cache_scheme.SCHEME:
         raise ValueError(f"fxquant: {path / 'config.json'} has no per-tensor fp8 kv_cache_scheme "
                          f"({kv_cache_scheme.SCHEME}); per-token scales need none: FP8StaticCache(kv_scales=None)")
     tensors = {}
-    for file in _files(path):
+    for file in checkpoint_files(path):
         with _opened(file, torch.device("cpu")) as f:
             tensors.update({key: f.get_tensor(key) for key in f.keys() if kv_cache_scheme.is_scale_key(key)})  # noqa: SIM118
     return kv_cache_scheme.pairs_from(tensors)

@@ -40,7 +40,7 @@ def linear_weight(module: nn.Module) -> torch.Tensor | None:
     return None
 
 
-def _routers(model: nn.Module, example_inputs) -> set[str]:
+def find_routers(model: nn.Module, example_inputs) -> set[str]:
     """Names of the linears whose output selects experts, found in the graphs of one run on example_inputs."""
     found: set[str] = set()
     names = {id(param): name for name, param in model.named_parameters()}  # as quantize_ names the layers
@@ -100,7 +100,7 @@ def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, exa
     # until the end, and the peak would be the whole model twice over.
     names = [fqn for fqn, module in model.named_modules() if linear_weight(module) is not None]
     experts = [fqn for fqn, module in model.named_modules() if is_experts(module)]
-    findings = _weight_findings(model, names, experts)
+    findings = weight_findings_of(model, names, experts)
     refuse_errors(findings, "quantize_")
     auto = []
     if config.recipe == AUTO:
@@ -110,10 +110,19 @@ def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, exa
 
         report = inspect(model, args, config)
         config, auto = report.config, report.layers
-    routers = _routers(model, args) if args else set()
-    shared = _shared(model)
+    routers = find_routers(model, args) if args else set()
     layers = _already_quantized(model, config)
-    for fqn in tqdm(names, desc="fxquant quantize_", unit="layer", disable=_hidden(progress)):
+    layers += quantize_layers(model, names, experts, config, routers, progress)
+    finish(model, config, layers, findings, auto)
+    return model
+
+
+def quantize_layers(model: nn.Module, names: list[str], experts: list[str], config: QuantConfig,
+                    routers: set[str] = frozenset(), progress: bool | None = None) -> list[LayerRecord]:
+    """quantize_'s swaps: each linear of `names` and each experts module of `experts` quantized in place unless a
+    reason keeps it; a record for each. Their weights' findings are the caller's to have checked."""
+    shared, layers = _shared(model), []
+    for fqn in tqdm(names, desc="fxquant quantize_", unit="layer", disable=progress_hidden(progress)):
         module = model.get_submodule(fqn)
         weight = linear_weight(module)
         others = [name for name in shared.get(id(module.weight), ()) if name != fqn]
@@ -142,20 +151,25 @@ def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, exa
                                   weight_sqnr=sqnr, worst_row_sqnr=worst))
     for fqn in experts:
         layers += _quantize_experts(model, fqn, config)
+    return layers
+
+
+def finish(model: nn.Module, config: QuantConfig, layers: list[LayerRecord], findings: list[Finding],
+           auto=()) -> None:
+    """After the swaps: the lint's findings on what was kept and how (one warning), and the report if asked."""
     weights = _other_weights(model, layers)
-    findings += lint_layers(PipelineState(config, layers=layers), weights)
-    warn_findings(findings, stacklevel=2)
+    findings = findings + lint_layers(PipelineState(config, layers=layers), weights)
+    warn_findings(findings, stacklevel=3)
     if config.report:
         print(format_report(layers, findings, weights, auto))
-    return model
 
 
-def _hidden(progress: bool | None) -> bool | None:
+def progress_hidden(progress: bool | None) -> bool | None:
     """tqdm's `disable`: None hides the bar where the output is no terminal (logs, CI)."""
     return None if progress is None else not progress
 
 
-def _weight_findings(model: nn.Module, linears: list[str], experts: list[str]) -> list[Finding]:
+def weight_findings_of(model: nn.Module, linears: list[str], experts: list[str]) -> list[Finding]:
     """The lint's findings on every linear and experts weight (inf/NaN: errors; past fp16's range: warnings), all
     found before any layer is changed, so that a refusal leaves the model as it was."""
     findings = []
