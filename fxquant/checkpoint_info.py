@@ -48,10 +48,9 @@ def summary(path) -> str:
     total = sum(nbytes(key) for key in tensors)
     others = total - sum(by_format.values())
     lines = [*wrapped(f"checkpoint {path}: {len(rows) - 1} layers with a weight, {total:,} bytes in {len(tensors)} "
-                      "tensors", indent="  "), *format_rows(rows)]
+                      "tensors"), *format_rows(rows)]
     lines += wrapped("bytes by format: " + "; ".join(f"{fmt} {size:,}" for fmt, size in by_format.most_common())
-                     + (f"; other tensors (norms, buffers) {others:,}" if others else ""),
-                     indent="  ")
+                     + (f"; other tensors (norms, buffers) {others:,}" if others else ""))
     return "\n".join(lines)
 
 

@@ -28,10 +28,9 @@ def format_rows(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
-def wrapped(text: str, indent: str = "", first: str = "") -> list[str]:
+def wrapped(text: str, indent: str = "  ", first: str = "") -> list[str]:
     """text in lines of at most WIDTH columns, the first after `first`, the rest after `indent`."""
-    return textwrap.wrap(text, WIDTH, initial_indent=first or indent, subsequent_indent=indent,
-                         break_on_hyphens=False) or [first.rstrip()]
+    return textwrap.wrap(text, WIDTH, initial_indent=first, subsequent_indent=indent, break_on_hyphens=False)
 
 
 def format_totals(layers, weights=()) -> list[str]:
@@ -53,7 +52,7 @@ def format_totals(layers, weights=()) -> list[str]:
     if already:
         lines.append(f"{ROLES['quantized']}: {already:,} bytes, counted at their quantized size")
     if held:
-        lines += wrapped(f"kept in high precision (bytes): {'; '.join(held)}", indent="  ")
+        lines += wrapped(f"kept in high precision (bytes): {'; '.join(held)}")
     return lines
 
 
@@ -66,8 +65,7 @@ def _auto_lines(auto) -> tuple[dict[str, str], list[str]]:
     notes = {m.fqn: f"auto chose it: output SQNR {_db(m.out_sqnr)} dB" for m in chosen if m.recipe}
     counts = Counter(m.recipe or "kept (no recipe reaches the floor)" for m in chosen)
     summary = ", ".join(f"{recipe} x {n}" for recipe, n in counts.most_common())
-    return notes, wrapped(f"recipe='auto' measured {len(chosen)} layer(s) on the sample inputs: {summary}",
-                          indent="  ")
+    return notes, wrapped(f"recipe='auto' measured {len(chosen)} layer(s) on the sample inputs: {summary}")
 
 
 def _db(value: float | None) -> str:
@@ -88,7 +86,7 @@ def format_report(layers, findings=(), weights=(), auto=()) -> str:
             first, stop, of = layer.rows
             why.append(f"rows {first}:{stop} of a merged {of}-row GEMM")
         why.append(auto_notes.get(layer.fqn, ""))
-        notes.append(wrapped("; ".join(w for w in why if w), indent="    ") if any(why) else [])
+        notes.append(wrapped("; ".join(w for w in why if w), indent="    ", first="    "))
         if layer.recipe and layer.weight_sqnr is None:
             missing.add(layer.reason if layer.reason in NO_SQNR else "")
     # A name too long for its row goes on a line of its own, over the row's other cells.
@@ -98,9 +96,10 @@ def format_report(layers, findings=(), weights=(), auto=()) -> str:
     lines = []
     for row, line, row_notes in zip(rows, table, notes, strict=True):
         lines += ([row[0]] if len(row[0]) > name_room else []) + [line] + row_notes
+    lines.append("")  # the table ends
     legend = [f"{recipe}: {RECIPES[recipe]}" for recipe in dict.fromkeys(layer.recipe for layer in layers) if recipe]
     if legend:
-        lines += wrapped("recipes: " + "; ".join(legend), indent="  ")
+        lines += wrapped("recipes: " + "; ".join(legend))
     if any(layer.weight_sqnr is not None for layer in layers):
         lines.append(SQNR_LEGEND)
     lines += [line for why in sorted(missing) for line in wrapped(f"weight SQNR -: {NO_SQNR[why]}")]
@@ -109,7 +108,7 @@ def format_report(layers, findings=(), weights=(), auto=()) -> str:
                         "quantizers"), ("decode_attention", "decode attention on fxquant's split-KV kernel")):
         found = [f.where for f in findings if f.kind == kind]
         if found:
-            lines += wrapped(f"{label}: {', '.join(found)}", indent="  ")
+            lines += wrapped(f"{label}: {', '.join(found)}")
     for finding in findings:
         if finding.kind not in ("upcast", "skipped", "fused_norm", "decode_attention"):  # already shown above
             lines += wrapped(f"{finding.severity}: {finding.where}: {finding.message}", indent="    ")

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 from hf_models import SWEEP, VOCAB, compiled, decoder, fake_quantized, static_decode, traced, within_bound
+from reports import layer_rows
 
 import fxquant
 
@@ -72,7 +73,7 @@ def test_a_router_that_casts_its_weight_is_reported_and_inspected(capsys):
     with torch.no_grad():
         compiled(model, recipe="fp8_row", report=True)(PROMPT)
     router = "model.layers.1.mlp.gate"
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(router + " "))
+    row = layer_rows(capsys.readouterr().out)[router]
     weight = model.get_submodule(router).weight
     assert f"{weight.shape[0]}x{weight.shape[1]}" in row and f"{weight.numel() * weight.element_size():,}" in row
     assert "router" in row

@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 from models import rel_err, residual_norm_mlp, tiny_block
+from reports import layer_rows
 
 import fxquant
 from fxquant.config import RECIPES
@@ -68,7 +69,7 @@ def test_report_prints_once_per_compile(capsys):
         fn(X)
     out = capsys.readouterr().out
     assert out.count("fxquant report") == 1
-    assert "lm_head" in out and "skipped: default exclusion" in out and "bytes" in out
+    assert "kept in high precision: default exclusion" in layer_rows(out)["lm_head"] and "bytes" in out
 
 
 @pytest.mark.parametrize("inner", ["eager", "inductor"])

@@ -1,12 +1,12 @@
 """An HF LlamaForCausalLM from a config (random weights, nothing downloaded) through backend="fxquant" on the CPU:
 every recipe with fullgraph=True, the hand-written RMSNorms fused with their quantizers, one compile for every shape."""
 
-import itertools
 from collections import Counter
 
 import pytest
 import torch
 from models import rel_err
+from reports import section
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
@@ -43,9 +43,7 @@ def test_every_recipe_compiles_the_whole_model(llama, recipe, capsys):
     report = capsys.readouterr().out
     table = [line for line in report.splitlines() if line.startswith("model.layers.")]
     assert len(table) == 7 * LAYERS  # q, k, v, o, gate, up, down in every layer
-    section = report.split("norms fused with their fp8 quantizers: ")[-1].split("\n")
-    wrapped = [section[0], *itertools.takewhile(lambda line: line.startswith("  ") and ":" not in line, section[1:])]
-    fused = " ".join(wrapped).split(", ")
+    fused = section(report, "norms fused with their fp8 quantizers: ").split(", ")
     # Both norms of every layer feed fp8 quantizers of one group; weight-only recipes quantize no activations.
     assert len(fused) == 2 * LAYERS if RECIPES[recipe].kind == "fp8" and RECIPES[recipe].act_group >= 0 else \
         "norms fused" not in report

@@ -12,6 +12,7 @@ import pytest
 import safetensors.torch
 import torch
 from hf_models import VOCAB, angle, compiled, decoder, fake_quantized, skeleton, static_decode, traced, within_bound
+from reports import layer_rows
 
 import fxquant
 from fxquant import reference as R
@@ -89,7 +90,7 @@ def test_experts_are_quantized_reported_and_within_the_bound(arch, recipe, capsy
     assert not within_bound(got, exact, plain, eager)
     report = capsys.readouterr().out
     for name, param in expert_parameters(model).items():
-        row = next(line for line in report.splitlines() if line.startswith(name.removesuffix(".weight") + " "))
+        row = layer_rows(report)[name.removesuffix(".weight")]
         transposed = getattr(model.get_submodule(name.rpartition(".")[0]), "is_transposed", False)
         experts, n, k = param.shape if not transposed else (param.shape[0], param.shape[2], param.shape[1])
         assert recipe in row and f"{experts}x{n}x{k}" in row  # the report's [E,] N, K

@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers as T
 from hf_models import ARCHITECTURES, VOCAB, compiled, cosine, decoder, fake_quantized, static_decode, within_bound
+from reports import layer_rows
 from torch_faults import avoid_indirect_index_check_fault
 
 import fxquant
@@ -102,7 +103,7 @@ def report_of(model, capsys, *args, **options):
 
 
 def row(report: str, layer: str) -> str:
-    return next(line for line in report.splitlines() if line.startswith(layer + " "))
+    return layer_rows(report)[layer]
 
 
 @pytest.mark.parametrize("default_skip", [None, ()])
@@ -114,7 +115,7 @@ def test_tied_lm_head_stays_in_high_precision_and_is_named_lm_head(capsys, defau
     options = {"recipe": "int8_wo"} | ({} if default_skip is None else {"default_skip": default_skip})
     out, report = report_of(model, capsys, PROMPT, **options)
     lm_head = row(report, "lm_head")
-    assert "skipped" in lm_head and "model.embed_tokens (embedding)" in lm_head
+    assert "kept in high precision" in lm_head and "model.embed_tokens (embedding)" in lm_head
     assert not re.search(r"^model\.embed_tokens\b", report, re.M)
     assert "int8_wo" in row(report, "model.layers.0.mlp.down_proj")
 

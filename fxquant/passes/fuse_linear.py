@@ -24,7 +24,6 @@ from fxquant.passes.side_effects import mutation_epochs
 
 class FuseLinear(FxquantPass):
     name = 'fuse_linear'
-    needs = ('quantize_linear',)
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         modified, epochs = False, mutation_epochs(gm.graph)
         for mm in list(gm.graph.nodes):

@@ -117,7 +117,7 @@ def _placed(node, epochs, order):
 
 class FuseNorm(FxquantPass):
     name = 'fuse_norm'
-    needs = ('quantize_linear',)
+    needs = ("detect",)  # it matches the norms detect annotated
     def __init__(self, state: PipelineState):
         super().__init__()
         self.state = state

@@ -37,7 +37,6 @@ WIDTH_ARG = {WEIGHT_ONLY: 8}
 
 class MergeLinear(FxquantPass):
     name = 'merge_linear'
-    needs = ('quantize_linear',)
     def __init__(self, state: PipelineState):
         super().__init__()
         self.state = state  # its layers' buffer names and rows are updated, so a changed weight re-quantizes in place

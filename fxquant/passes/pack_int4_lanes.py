@@ -73,7 +73,6 @@ def refresh_lanes(gm: torch.fx.GraphModule) -> None:
 
 class PackInt4Lanes(FxquantPass):
     name = 'pack_int4_lanes'
-    needs = ('quantize_linear',)
     def __init__(self, state: PipelineState):
         super().__init__()
         self.state = state  # its layer records name the buffers this graph quantized

@@ -156,7 +156,7 @@ def _describe(node: torch.fx.Node) -> str:
 
 class QuantizeLinear(FxquantPass):
     name = 'quantize_linear'
-    needs = ('detect',)
+    needs = ("detect",)  # it reads the annotations detect wrote
     def __init__(self, state: PipelineState):
         super().__init__()
         self.state = state

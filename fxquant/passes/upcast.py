@@ -33,7 +33,7 @@ def _cast(graph, node, dtype):
 
 class Upcast(FxquantPass):
     name = 'upcast'
-    needs = ('detect',)
+    needs = ("detect",)  # it reads the annotations detect wrote
     def __init__(self, state: PipelineState):
         super().__init__()
         self.state = state

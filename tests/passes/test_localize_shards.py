@@ -9,6 +9,7 @@ import io
 
 import torch
 import torch.nn as nn
+from reports import layer_rows
 from tensor_parallel import run
 
 from fxquant.passes.annotations import SHARD_KEY, fetch_attr
@@ -97,6 +98,6 @@ def test_linears_run_on_local_shards_and_a_row_parallel_bias_is_left_and_reporte
         # quantize_ takes the same three; the row-parallel bias and the uneven split stay, with quantize_'s reasons
         assert result["classes"] == {"up": "QuantizedLinear", "down": "QuantizedLinear", "up2": "QuantizedLinear",
                                      "out": "Linear", "uneven": "Linear"}
-        rows = {line.split()[0]: line for line in result["report"].splitlines() if line.split()}
+        rows = layer_rows(result["report"])
         assert LAYOUT_REASON in rows["out"] and LAYOUT_REASON in rows["uneven"]  # on both ranks, 129 rows or 128
         assert result["quantize_error"] < 0.05

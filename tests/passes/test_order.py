@@ -5,7 +5,6 @@ import torch
 
 from fxquant.config import QuantConfig
 from fxquant.passes.fuse_norm import FuseNorm
-from fxquant.passes.merge_linear import MergeLinear
 from fxquant.passes.order import PassOrderError, passes_run
 from fxquant.passes.quantize_linear import QuantizeLinear
 from fxquant.passes.state import PipelineState
@@ -23,9 +22,8 @@ def exported():
 @pytest.mark.parametrize("make, missing", [
     (lambda: Upcast(PipelineState(QuantConfig())), "detect"),
     (lambda: QuantizeLinear(PipelineState(QuantConfig())), "detect"),
-    (lambda: FuseNorm(PipelineState(QuantConfig())), "quantize_linear"),
-    (lambda: MergeLinear(PipelineState(QuantConfig())), "quantize_linear"),
-], ids=["upcast", "quantize_linear", "fuse_norm", "merge_linear"])
+    (lambda: FuseNorm(PipelineState(QuantConfig())), "detect"),
+], ids=["upcast", "quantize_linear", "fuse_norm"])
 def test_a_pass_whose_precondition_has_not_run_refuses_naming_it(make, missing):
     """Upcast alone on an exported graph returned modified=False and said nothing: it needs detect's annotations."""
     gm = exported()
