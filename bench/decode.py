@@ -346,7 +346,7 @@ def run_workers(items: list[tuple[str, int]], args, warm: bool = False, profile:
     """The items' rows from worker processes of this module. A `warm` worker (the first phase) compares with no
     eager logits and is quiet. Only a `profile` worker profiles, and it times nothing: a step timed in a process
     after a profile ran took 0.19-0.21 ms in replay() where unprofiled processes took 0.02 (bench/HISTORY.md,
-    "Fourteenth session")."""
+    "2026-12-02: the stored-order int4 kernel in the product")."""
     forwarded = ("layers", "hidden", "vocab", "prefill", "steps", "mode", "device", "row_timeout")
     passed = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in forwarded]
     passed += ["--skip-guards"] if args.skip_guards else []

@@ -208,7 +208,8 @@ def _linear_int4_lanes(x: Tensor, w: Tensor, w_scale: Tensor, w_zero_point: Tens
     """linear_weight_only for an int4 weight whose scales and zero points are also held in the mma.sync decode
     kernel's per-lane layout (`gemm_int4_mma.pack_lanes`). One activation row on the GPU takes that kernel;
     every other case takes linear_weight_only on the row-major scales. At M = 8 the kernel ran 13-34% slower than
-    the in-register one on four of five Llama shapes (bench/HISTORY.md, "Thirteenth session"), so it serves M = 1."""
+    the in-register one on four of five Llama shapes (bench/HISTORY.md, "2026-12-02: int4 on mma.sync in the stored
+    code order"), so it serves M = 1."""
     rows = x.reshape(-1, x.shape[-1])
     K = rows.shape[1]
     if (rows.shape[0] == 1 and w.shape == (out_features, K // 2) and w.is_contiguous()

@@ -152,7 +152,7 @@ def test_quantize_again_leaves_quantized_experts_as_they_are_and_out_of_the_repo
         fxquant.quantize_(model, {"recipe": "fp8_row", "report": True})
     assert [m for m in model.modules() if isinstance(m, QuantizedExperts)] == experts
     assert isinstance(model.model.layers[0].self_attn.q_proj, fxquant.QuantizedLinear)
-    rows = [line for line in capsys.readouterr().out.splitlines() if ".experts" in line]
+    rows = [row for name, row in layer_rows(capsys.readouterr().out).items() if ".experts" in name]
     assert len(rows) == 2 and all("mxfp4_wo" in row and "already quantized, kept" in row for row in rows)
 
 
@@ -177,7 +177,8 @@ def test_experts_whose_shapes_contradict_their_declared_layout_stay_whole_and_sa
     experts.down_proj = torch.nn.Parameter(experts.down_proj.detach().transpose(1, 2).contiguous())
     fxquant.quantize_(model, {"recipe": "int4_wo", "report": True})
     assert not any(isinstance(m, QuantizedExperts) for m in model.modules())
-    assert "are not the layout [E, 2I, H] and [E, H, I] the module declares" in capsys.readouterr().out
+    down_proj = layer_rows(capsys.readouterr().out)["model.layers.0.mlp.experts.down_proj"]
+    assert "are not the layout [E, 2I, H] and [E, H, I] the module declares" in down_proj
 
 
 def test_gpt_oss_experts_keep_their_biases_and_gate_and_refuse_a_checkpoint_layout_that_would_drop_them(tmp_path):
@@ -279,9 +280,9 @@ def test_inspect_and_auto_measure_experts_and_pick_a_recipe_for_them(implementat
         assert m.out_sqnr >= 25 and m.weight_sqnr > 25
     with torch.no_grad():
         compiled(model, report=True, recipe="auto", layer_recipes=report.config.layer_recipes)(PROMPT)
-    rows = capsys.readouterr().out.splitlines()
+    rows = layer_rows(capsys.readouterr().out)
     for m in experts:  # the backend quantizes each as inspect chose
-        assert m.recipe in next(line for line in rows if line.startswith(m.fqn + " "))
+        assert m.recipe in rows[m.fqn]
 
 
 def test_auto_keeps_experts_it_could_not_measure_and_says_why(capsys):
@@ -291,8 +292,7 @@ def test_auto_keeps_experts_it_could_not_measure_and_says_why(capsys):
     model.set_experts_implementation("eager")
     fxquant.quantize_(model, {"recipe": "auto", "report": True}, example_inputs=(PROMPT,))
     assert not any(isinstance(m, QuantizedExperts) for m in model.modules())
-    row = next(line for line in capsys.readouterr().out.splitlines()
-               if line.startswith("model.layers.0.mlp.experts.gate_up_proj "))
+    row = layer_rows(capsys.readouterr().out)["model.layers.0.mlp.experts.gate_up_proj"]
     assert "auto' measured no recipe for these experts" in row and "layer_recipes" in row
 
 
