@@ -344,8 +344,8 @@ def _matching(key: str, tensor: torch.Tensor, current: torch.Tensor, dtype) -> t
 
 
 def stored_keys(file: Path) -> list[str]:
-    """The tensors' names in a safetensors file, from its header."""
-    with safe_open(str(file), framework="pt") as f:
+    """The tensors' names in a safetensors file, from its header (a truncated file is refused naming it)."""
+    with _opened(file, torch.device("cpu")) as f:
         return list(f.keys())  # noqa: SIM118  (safe_open handles have keys(), not iteration)
 
 
