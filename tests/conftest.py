@@ -10,12 +10,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # pytest-xdist's workers share the cores: each takes its part rather than all of them.
 torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    import torch._inductor.config
-
-    # Inductor compiles in a pool of one subprocess per core: every worker's pool would be 16 x 16 processes on the
-    # GPU machine's 16 cores. The workers are the parallelism; each compiles in its own process.
-    torch._inductor.config.compile_threads = 1
 
 
 _config = []  # the run's config, in the process that prints the run

@@ -7,6 +7,7 @@ over a K-sharded input are per shard)."""
 import pytest
 import torch
 from hf_models import VOCAB, decoder, fake_quantized, static_decode, traced, within_bound
+from reports import layer_rows
 from tensor_parallel import ROW, run, sharded_decode, sharded_load, sharded_quantize_, sharded_save
 
 GENERATOR = torch.Generator().manual_seed(11)
@@ -152,7 +153,7 @@ def test_quantize_leaves_a_layer_whose_shard_splits_a_block_and_says_why():
         classes = result["classes"]
         assert {classes[n] for n in classes if ".self_attn." in n} == {"Linear"}
         assert {classes[n] for n in classes if ".mlp." in n} == {"QuantizedLinear"}
-        rows = [line for line in result["report"].splitlines() if ".self_attn." in line]
+        rows = [row for name, row in layer_rows(result["report"]).items() if ".self_attn." in name]
         assert rows and all("alignment" in row and "tensor-parallel weight" in row for row in rows)
 
 
