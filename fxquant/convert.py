@@ -27,12 +27,12 @@ from fxquant.checkpoint import (
     stored_keys,
 )
 from fxquant.config import AUTO, QuantConfig, from_options
-from fxquant.inplace import find_routers, finish, linear_weight, progress_hidden, quantize_layers, weight_findings_of
+from fxquant.inplace import finish, linear_weight, progress_hidden, quantize_, quantize_layers, weight_findings_of
 from fxquant.lint import refuse_errors
 from fxquant.quantized_experts import is_experts
 from fxquant.skeleton import empty_weights
 
-PROMPT = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])  # tokens a whole model runs once on, to find its routers
+PROMPT = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
 
 
 def quantize_checkpoint(source, target, config: QuantConfig | dict | str | None = None, *, device="cpu",
@@ -63,7 +63,8 @@ def quantize_checkpoint(source, target, config: QuantConfig | dict | str | None 
         how = "streamed"
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device)
-        _quantize_whole(model, config, progress)
+        # a few tokens to run the model on once: quantize_ finds its routers by structure, as the backend does
+        quantize_(model, config, example_inputs=(PROMPT.to(device),), progress=progress)
         how = "loaded whole"
     save_quantized(model, target)
     return how
@@ -93,13 +94,3 @@ def _stream(model, files: list[Path], config: QuantConfig, device, dtype, progre
     if left:
         raise ValueError(f"fxquant: the checkpoint holds no values for {left[:8]}: an incomplete download?")
     finish(model, config, layers, findings)
-
-
-def _quantize_whole(model, config: QuantConfig, progress) -> None:
-    """quantize_ on the loaded model, its routers found by structure on a few tokens."""
-    names = [name for name, m in model.named_modules() if linear_weight(m) is not None]
-    experts = [name for name, m in model.named_modules() if is_experts(m)]
-    findings = weight_findings_of(model, names, experts)
-    refuse_errors(findings, "quantize")
-    routers = find_routers(model, (PROMPT.to(model.device),)) if experts else set()
-    finish(model, config, quantize_layers(model, names, experts, config, routers, progress), findings)

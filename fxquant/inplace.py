@@ -40,7 +40,7 @@ def linear_weight(module: nn.Module) -> torch.Tensor | None:
     return None
 
 
-def find_routers(model: nn.Module, example_inputs) -> set[str]:
+def _routers(model: nn.Module, example_inputs) -> set[str]:
     """Names of the linears whose output selects experts, found in the graphs of one run on example_inputs."""
     found: set[str] = set()
     names = {id(param): name for name, param in model.named_parameters()}  # as quantize_ names the layers
@@ -110,7 +110,7 @@ def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, exa
 
         report = inspect(model, args, config)
         config, auto = report.config, report.layers
-    routers = find_routers(model, args) if args else set()
+    routers = _routers(model, args) if args else set()
     layers = _already_quantized(model, config)
     layers += quantize_layers(model, names, experts, config, routers, progress)
     finish(model, config, layers, findings, auto)
