@@ -22,9 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     quantize = commands.add_parser("quantize", help="a transformers checkpoint folder in, a compressed-tensors one out",
                                    description="Quantize the checkpoint in SOURCE (config.json and safetensors) and "
-                                               "write it to TARGET, which vLLM, SGLang, transformers (int4_sym_wo, fp8 "
-                                               "and the FP4 recipes) and fxquant.load_quantized load. A dense model is "
-                                               "read one safetensors file at a time; others are loaded whole.")
+                                               "write it to TARGET, which vLLM, SGLang and fxquant.load_quantized "
+                                               "load, and plain transformers for every recipe but int4_wo. A dense "
+                                               "model is read one safetensors file at a time; others are loaded whole.")
     quantize.add_argument("source", help="folder of a transformers checkpoint")
     quantize.add_argument("target", help="folder to write (created)")
     quantize.add_argument("--recipe", default="fp8_block", choices=list(RECIPES), help="default: %(default)s")
