@@ -18,6 +18,8 @@ _config = []  # the run's config, in the process that prints the run
 def pytest_configure(config):
     if not hasattr(config, "workerinput"):  # xdist's workers print nothing; their reports reach the controller
         _config.append(config)
+    if getattr(config.option, "maxschedchunk", False) is None:  # xdist's, unless given: see SLOWEST_FIRST
+        config.option.maxschedchunk = 1
 
 
 def pytest_runtest_logreport(report):
@@ -31,15 +33,18 @@ def pytest_runtest_logreport(report):
     terminal.write_line(f"FAILED {report.nodeid} ({report.when}): {crash.strip().splitlines()[0][:200]}", red=True)
 
 
-# The files whose tests took longest on the H200 (a minute or more each in the suite at e483093: Inductor compiles,
-# tensor-parallel ranks, whole models): collected first, so that xdist starts them first and no worker is left with a
-# long test at the end of the run.
-SLOWEST_FIRST = ("test_real_models.py", "test_tensor_parallel.py", "test_quantize_inplace.py", "test_readme.py",
-                 "test_backend.py", "test_moe.py", "test_bench_decode.py", "test_hf_llama.py")
+# The files in the order of their slowest test on the H200, then of their total (the suite at 3811cb6: Inductor
+# compiles of whole models took 65-92 s each, test_moe.py 594 s in all). Collected first, and handed to xdist's
+# workers one test at a time (pytest_configure), so that the longest tests start first and no worker is left with
+# one at the end of the run: with xdist's default chunks of consecutive tests, one worker took the first 20.
+SLOWEST_FIRST = ("test_real_models.py", "test_quantize_inplace.py", "test_hf_llama.py", "test_backend.py",
+                 "test_readme.py", "test_architectures.py", "test_moe.py", "test_torch_faults.py",
+                 "test_tensor_parallel.py", "test_export.py", "test_decode_attention.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.path.name not in SLOWEST_FIRST)  # stable: the order within each part is kept
+    rank = {name: place for place, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order within a file is kept
     if os.environ.get("CI") == "true":  # CI's 2 cores: the slowest cases run on the GPU machine and locally
         slow = pytest.mark.skip(reason="slow: skipped where CI=true; .ci/gpu runs it")
         for item in items:

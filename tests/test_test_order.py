@@ -50,6 +50,28 @@ def test_a_failure_is_printed_the_moment_it_happens(tmp_path, workers):
     assert live in out and out.index(live) < out.index("[100%]"), out  # before the run's last test has ended
 
 
+def test_the_slowest_files_come_first_and_each_worker_takes_one_test_at_a_time(tmp_path):
+    """xdist's default hands each worker a chunk of consecutive tests first (5 of 40 here): the slowest tests, collected
+    first, would all land on one worker. conftest collects SLOWEST_FIRST's files first and hands out one at a time."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    record = ("import os, pathlib, pytest\n"
+              "@pytest.mark.parametrize('i', range(20))\n"
+              "def test_one(i):\n"
+              "    pathlib.Path(f'{__name__}-{i}').write_text(os.environ['PYTEST_XDIST_WORKER'])\n")
+    (tmp_path / "test_a_fast.py").write_text(record)
+    (tmp_path / "test_real_models.py").write_text(record)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                          "-n", "2", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True)
+    assert "40 passed" in out.stdout, out.stdout + out.stderr
+    first = {(tmp_path / f"test_real_models-{i}").read_text() for i in range(4)}
+    assert first == {"gw0", "gw1"}, first  # the slow file's first four tests started on both workers
+
+
 def _rank_that_dies() -> dict:
     import os
 
