@@ -16,6 +16,9 @@ Per path, in one process:
 - prefill: median ms of a compiled prefill of the whole prompt into an emptied cache (batch 1 only);
 - guards skipped (--skip-guards): the decode steps timed again with dynamo's guards skipped after the first steps;
 - generate(): transformers' generate() with cache_implementation="static" and compile_config naming the path;
+- fxquant.generate (--fxquant-generate-batches): the same prompt and --steps new tokens through fxquant.generate
+  (fxquant paths under their recipe, inductor's with nothing quantized), its decode loop's tokens/s and host ms per
+  step;
 - peak GiB: the most GPU memory the path held, from its compile to its last step (model, cache, workspace).
 
 The prefill that fills the cache before decoding runs eagerly, as generate() runs it: the cache's tensors are then
@@ -263,6 +266,33 @@ def generate_rate(model, path: str, prompt, args) -> str:
     return f"{prompt.shape[0] * args.steps / (time.perf_counter() - start):.0f}"
 
 
+def fxquant_generate_rate(model, path: str, prompt, args) -> dict:
+    """fxquant.generate over the same model and prompt, args.steps new tokens, the second call timed (the first
+    compiles and captures): tokens/s of the whole call (prefill included, as generate()'s column), tokens/s of its
+    decode loop, and the host's ms per step in that loop (outside its waits for the GPU)."""
+    from fxquant.generation import last_run, release
+
+    options = {"recipe": recipe_of(path)} if path.startswith("fxquant:") else {"include": []}
+    cache = {"past_key_values": fxquant.FP8StaticCache(config=model.config, max_cache_len=prompt.shape[1] + args.steps)
+             } if path.endswith(FP8_KV) else {}
+    kwargs = dict(max_new_tokens=args.steps, do_sample=False, options=options, **cache)
+    try:
+        fxquant.generate(model, prompt, **kwargs)
+        if cache:
+            cache["past_key_values"].reset()
+        sync(args.device)
+        start = time.perf_counter()
+        out = fxquant.generate(model, prompt, **kwargs)
+        sync(args.device)
+        whole, stats = time.perf_counter() - start, last_run(model)
+        return {"fxquant.generate tokens/s": f"{out[:, prompt.shape[1]:].numel() / whole:.0f}",
+                "its decode tokens/s": f"{prompt.shape[0] * stats.steps / stats.wall_s:.0f}",
+                "its host ms/step": f"{stats.host_s / stats.steps * 1e3:.3f}",
+                "its graph": "yes" if stats.graph else "no"}
+    finally:
+        release(model)
+
+
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
 
@@ -339,6 +369,8 @@ def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: floa
     row["generate() tokens/s"] = (generate_rate(decoder.model, path, prompt, args)
                                   if batch in args.generate_batches else "-")
     row["prefill, generate s"] = f"{prefill_s:.0f}, {time.perf_counter() - start:.0f}"  # wall time, compiles included
+    if batch in args.fxquant_generate_batches and (path == "inductor" or path.startswith("fxquant:")):
+        row |= fxquant_generate_rate(decoder.model, path, prompt, args)
     return row
 
 
@@ -350,7 +382,7 @@ def run_workers(items: list[tuple[str, int]], args, warm: bool = False, profile:
     forwarded = ("layers", "hidden", "vocab", "prefill", "steps", "mode", "device", "row_timeout")
     passed = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in forwarded]
     passed += ["--skip-guards"] if args.skip_guards else []
-    for option in ("prefill_batches", "generate_batches"):
+    for option in ("prefill_batches", "generate_batches", "fxquant_generate_batches"):
         passed += [f"--{option.replace('_', '-')}", *map(str, getattr(args, option))]
     passed += ["--warm"] if warm else ["--profile-only"] if profile else []
     return workers.run([sys.executable, "-m", "bench.decode", *passed], items, args.row_timeout, quiet=warm)
@@ -430,6 +462,8 @@ def main():
     step_options(parser, batches=[1, 16, 64], steps=32)
     parser.add_argument("--prefill-batches", type=int, nargs="*", default=[1])
     parser.add_argument("--generate-batches", type=int, nargs="*", default=[1])
+    parser.add_argument("--fxquant-generate-batches", type=int, nargs="*", default=[1],
+                        help="batches whose row times fxquant.generate too (not for peers' paths)")
     parser.add_argument("--profile-batches", type=int, nargs="*", default=[1])
     parser.add_argument("--skip-guards", action="store_true",
                         help="time the decode steps again under set_stance(skip_guard_eval_unsafe=True)")

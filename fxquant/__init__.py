@@ -18,15 +18,19 @@ from fxquant.skeleton import empty_weights
 __all__ = [
     "FORMATS", "FP8StaticCache", "RECIPES", "FloatFormat", "Granularity", "InspectReport", "IntFormat", "NumericsError",
     "QuantConfig", "Quantized", "QuantizedExperts", "QuantizedLinear", "backend", "dequantize", "empty_weights",
-    "export", "from_options", "inspect", "kv_scales_of", "load", "load_quantized", "quantize", "quantize_",
+    "export", "from_options", "generate", "inspect", "kv_scales_of", "load", "load_quantized", "quantize", "quantize_",
     "save_quantized",
 ]
 
 
 def __getattr__(name: str):
-    # They subclass transformers' StaticCache: transformers is imported on their first use, never by `import fxquant`.
+    # They use transformers: it is imported on their first use, never by `import fxquant`.
     if name in ("FP8StaticCache", "kv_scales_of"):
         from fxquant import kv_cache
 
         return getattr(kv_cache, name)
+    if name == "generate":
+        from fxquant.generation import generate
+
+        return generate
     raise AttributeError(f"module 'fxquant' has no attribute {name!r}")

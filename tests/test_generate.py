@@ -1,0 +1,200 @@
+"""fxquant.generate, and the same loop as transformers' custom_generate, against transformers' own generate(): the
+same tokens with nothing quantized, the same sampling distribution, quantized logits within the fake-quantized
+bound, refusals by name. On the CPU the step runs without a graph; on a GPU the compiled step is captured in a CUDA
+graph and replayed (asserted through last_run)."""
+
+import functools
+import math
+
+import pytest
+import torch
+import transformers as T
+from hf_models import VOCAB, decoder, fake_quantized, static_decode, within_bound
+
+import fxquant
+from fxquant.generation import last_run
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NOTHING = {"inner": "eager", "skip": [".*"]}  # compiled by the fxquant backend, no layer quantized
+ENTRIES = {
+    "fxquant.generate": lambda model, ids, **kwargs: fxquant.generate(model, ids, **kwargs),
+    "custom_generate": lambda model, ids, **kwargs: model.generate(ids, custom_generate=fxquant.generate, **kwargs),
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()  # every test compiles the same forward methods anew: dynamo's recompile limit is per method
+
+
+def test_a_forward_past_dynamo_s_recompile_limit_is_refused_not_run_unquantized():
+    model = model_of("llama")
+    ids, _ = prompts(1)
+    with torch._dynamo.config.patch(recompile_limit=1), pytest.raises(RuntimeError, match="recompile limit"):
+        for max_new_tokens in (4, 5):  # a new cache length: the step compiles anew
+            fxquant.generate(model, ids, max_new_tokens=max_new_tokens, options=NOTHING)
+
+
+def prompts(batch: int, width: int = 8, seed: int = 0):
+    """Token ids [B, width] and their attention mask, sequence i left-padded by 3 * i tokens (pad id 0)."""
+    ids = torch.randint(1, VOCAB, (batch, width), generator=torch.Generator().manual_seed(seed))
+    mask = (torch.arange(width)[None, :] >= 3 * torch.arange(batch)[:, None]).long()
+    return ids.masked_fill(mask == 0, 0).to(DEVICE), mask.to(DEVICE)
+
+
+def model_of(arch: str, **overrides):
+    return decoder(arch, dtype=torch.float32, **overrides).to(DEVICE)  # fp32: argmax ties are not a rounding apart
+
+
+def options_for_device():
+    """On a GPU, a compiled step (its graph loop); on the CPU also the model as it is (the loop without a graph)."""
+    return [NOTHING] if DEVICE == "cuda" else [None, NOTHING]
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "mixtral"])  # full, sliding-window (within its window), MoE
+def test_with_nothing_quantized_greedy_tokens_equal_transformers_generate(arch, entry):
+    model = model_of(arch)
+    ids, mask = prompts(3)
+    want_one = model.generate(ids[:1], max_new_tokens=7, do_sample=False, cache_implementation="static")
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=0,
+                          cache_implementation="static")
+    eos = int(want[1, ids.shape[1] + 2])  # sequence 1 ends mid-way, the others go on
+    want_eos = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=0,
+                              eos_token_id=eos, cache_implementation="static")
+    for options in options_for_device():
+        run = functools.partial(ENTRIES[entry], model, max_new_tokens=7, do_sample=False, options=options)
+        assert torch.equal(run(ids[:1]), want_one)
+        assert torch.equal(run(ids, attention_mask=mask, pad_token_id=0), want)
+        got = run(ids, attention_mask=mask, pad_token_id=0, eos_token_id=eos)
+        assert torch.equal(got, want_eos) and (got[1, ids.shape[1] + 3:] == 0).all()
+        assert last_run(model).graph == (options is not None and DEVICE == "cuda")
+
+
+def test_generation_stops_when_every_sequence_has_ended():
+    """The loop runs steps past the last end-of-sequence (read back a chunk late) and cuts them: the output is as
+    long as generate()'s."""
+    model = model_of("llama")
+    ids, _ = prompts(1)
+    eos = int(model.generate(ids, max_new_tokens=20, do_sample=False)[0, ids.shape[1] + 4])
+    want = model.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=eos, cache_implementation="static")
+    got = fxquant.generate(model, ids, max_new_tokens=20, do_sample=False, eos_token_id=eos,
+                           options=options_for_device()[-1])
+    assert torch.equal(got, want) and got.shape[1] == ids.shape[1] + 5
+    assert last_run(model).tokens == 5 and last_run(model).steps > 4
+
+
+def test_a_streamer_gets_the_tokens_transformers_gives_it():
+    class Recorder(T.generation.BaseStreamer):
+        def __init__(self):
+            self.put_, self.ended = [], False
+
+        def put(self, value):
+            self.put_.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    model = model_of("llama")
+    ids, _ = prompts(1)
+    eos = int(model.generate(ids, max_new_tokens=30, do_sample=False)[0, ids.shape[1] + 13])
+    ours, theirs = Recorder(), Recorder()
+    fxquant.generate(model, ids, max_new_tokens=30, do_sample=False, eos_token_id=eos, streamer=ours,
+                     options=options_for_device()[-1])
+    model.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=eos, streamer=theirs)
+    assert ours.put_ == theirs.put_ and ours.ended
+    assert 1 + 1 < len(ours.put_) <= 1 + 14  # the prompt, then the new tokens one by one until the end-of-sequence
+
+
+def chi_square_limit(dof: int, z: float = 4.26) -> float:
+    """The chi-square statistic that a true null exceeds with probability ~1e-5 (z), by Wilson and Hilferty's
+    normal approximation of the distribution."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def two_sample_chi_square(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
+    """For two histograms of equal totals: the statistic and its degrees of freedom over the bins either hit."""
+    hit = (a + b) > 0
+    a, b = a[hit].double(), b[hit].double()
+    return float(((a - b) ** 2 / (a + b)).sum()), int(hit.sum()) - 1
+
+
+def test_seeded_sampling_repeats_and_draws_as_transformers_sampling_does():
+    """A small vocabulary, one prompt repeated over a batch of 4000: the first new token's histogram against the
+    exact probabilities of transformers' processors, and the fourth's (drawn by the replayed graph on a GPU)
+    against transformers' own sampling, each by a chi-square test at p ~ 1e-5."""
+    model = model_of("llama", vocab_size=32)
+    prompt = torch.randint(1, 32, (1, 6), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    ids = prompt.expand(4000, -1)
+    settings = dict(max_new_tokens=4, do_sample=True, temperature=0.7, top_k=12, top_p=0.9, pad_token_id=0)
+    options = options_for_device()[-1]
+    torch.manual_seed(11)
+    ours = fxquant.generate(model, ids, options=options, **settings)[:, 6:]
+    torch.manual_seed(11)
+    assert torch.equal(fxquant.generate(model, ids, options=options, **settings)[:, 6:], ours)
+    generator = torch.Generator(DEVICE).manual_seed(5)
+    once = fxquant.generate(model, ids[:8], options=options, generator=generator, **settings)
+    generator.manual_seed(5)
+    assert torch.equal(fxquant.generate(model, ids[:8], options=options, generator=generator, **settings), once)
+    theirs = model.generate(ids, **settings)[:, 6:]
+
+    with torch.no_grad():
+        scores = model(prompt).logits[:, -1].float()
+    for warper in (T.TemperatureLogitsWarper(0.7), T.TopKLogitsWarper(12), T.TopPLogitsWarper(0.9)):
+        scores = warper(prompt, scores)
+    probs = torch.softmax(scores, dim=-1)[0].double().cpu()
+    first = torch.bincount(ours[:, 0].cpu(), minlength=32).double()
+    assert first[probs == 0].sum() == 0  # never a token the processors filtered out
+    kept = probs > 0
+    statistic = float(((first[kept] - 4000 * probs[kept]) ** 2 / (4000 * probs[kept])).sum())
+    assert statistic < chi_square_limit(int(kept.sum()) - 1), (statistic, first[kept], 4000 * probs[kept])
+    statistic, dof = two_sample_chi_square(torch.bincount(ours[:, 3].cpu(), minlength=32),
+                                           torch.bincount(theirs[:, 3].cpu(), minlength=32))
+    assert dof > 2 and statistic < chi_square_limit(dof), statistic
+
+
+@pytest.mark.parametrize("recipe", ["fp8_row", "int4_wo"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "mixtral"])
+def test_quantized_logits_stay_within_the_fake_quantized_bound(arch, recipe):
+    """The logits of every step (output_logits), the prompt's included (the prefill is compiled by the backend
+    too), bound by independent fake-quantized copies fed the same tokens."""
+    model = decoder(arch).to(DEVICE)
+    ids, mask = prompts(2)
+    out = fxquant.generate(model, ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                           options={"recipe": recipe, "inner": "eager"}, return_dict_in_generate=True,
+                           output_logits=True)
+    got = torch.stack(out.logits)  # [steps, B, V]
+    fed, length = out.sequences[:, ids.shape[1]:-1], out.sequences.shape[1] - 1
+    exact_model, plain_model = fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=False)
+    decode = lambda m: static_decode(m, m, ids, fed, max_len=length, padding=mask)
+    assert not within_bound(got, decode(exact_model), decode(plain_model), decode(model))
+    assert last_run(model).graph == (DEVICE == "cuda")
+
+
+def test_an_fp8_cache_gives_the_tokens_of_generate_over_the_same_cache():
+    model = model_of("llama")
+    ids, mask = prompts(2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, past_key_values=fxquant.FP8StaticCache(config=model.config, max_cache_len=13), **kwargs)
+    cache = fxquant.FP8StaticCache(config=model.config, max_cache_len=13)
+    got = fxquant.generate(model, ids, past_key_values=cache, options=options_for_device()[-1], **kwargs)
+    if DEVICE == "cpu":
+        assert torch.equal(got, want)
+    else:  # compiled: its cache read is fused into decode attention, a rounding apart from the eager dequantize
+        assert (got == want).float().mean() > 0.8
+    with pytest.raises(ValueError, match=r"already holds tokens.*cache\.reset\(\)"):
+        fxquant.generate(model, ids, past_key_values=cache, **kwargs)
+
+
+@pytest.mark.parametrize("settings, refused", [
+    (dict(num_beams=2), "beam search"),
+    (dict(repetition_penalty=1.2), "RepetitionPenaltyLogitsProcessor"),
+    (dict(min_new_tokens=3), "MinLengthLogitsProcessor|MinNewTokensLengthLogitsProcessor"),
+    (dict(return_dict_in_generate=True, output_scores=True), "output_logits only"),
+    (dict(max_new_tokens=20), "layer 0's sliding window holds 16 tokens"),
+])
+def test_what_the_device_loop_cannot_run_is_refused_by_name_with_the_fix(settings, refused):
+    model = model_of("gemma2")  # sliding window 16
+    ids, _ = prompts(1)
+    with pytest.raises(ValueError, match=rf"fxquant\.generate: .*({refused}).*model\.generate"):
+        fxquant.generate(model, ids, **{"max_new_tokens": 4, **settings})
