@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import time
+import warnings
 
 import torch
 import transformers as T
@@ -97,7 +98,7 @@ class Runner:
         vocab = model.config.get_text_config().vocab_size
         self.logits = torch.zeros(batch, room + 1, vocab, device=device) if choice.keep_logits else None
         self.use_graph = device.type == "cuda" and is_compiled(self.forward)
-        self.graph = None
+        self.graph, self.stats = None, None
 
     def start(self, input_ids, mask, positions, logits_to_keep) -> None:
         """Prefills the prompt as generate() does and chooses the first new token, the counters reset."""
@@ -162,15 +163,23 @@ class Runner:
         graph = torch.cuda.CUDAGraph()
         if self.choice.generator is not None:
             graph.register_generator_state(self.choice.generator)
-        with torch.cuda.graph(graph):
-            self._step()
+        try:
+            with torch.cuda.graph(graph):
+                self._step()
+        except RuntimeError as error:  # nothing ran: a capture records the step's work, it runs none of it
+            self.use_graph = False
+            warnings.warn(f"fxquant.generate: the decode step could not be captured in a CUDA graph, so it runs "
+                          f"step by step, launched by the host: {str(error).splitlines()[0]}. An MoE model whose "
+                          f"routing leaves the compiled graph (transformers' eager experts) does this; Fix: "
+                          f"model.set_experts_implementation('grouped_mm')", stacklevel=4)
+            return
         self.graph = graph
 
     def run(self, new_tokens: int, streamer) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode steps after the prefill's token, in chunks of CHECK_EVERY. Each chunk's end queues a copy of
         the finished flags and of its tokens to the host; they are read one chunk later, while the next one runs.
         Returns the prompt and the new tokens, and the kept logits [B, new, V]."""
-        stats, start, waited = RunStats(graph=self.use_graph), time.perf_counter(), 0.0
+        stats, start, waited = RunStats(), time.perf_counter(), 0.0
         done, sent, streamed, pending = 1, 0, 0, None  # the prefill chose the first token
         while done < new_tokens:
             if self.use_graph and self.graph is None and new_tokens - done > 2:
@@ -195,8 +204,9 @@ class Runner:
         produced = int(self.produced)  # waits for the GPU's last step
         waited += time.perf_counter() - wait
         stats.wall_s, stats.steps, stats.tokens = time.perf_counter() - start, done - 1, produced
+        stats.graph = self.graph is not None
         stats.host_s = stats.wall_s - waited
-        self.model.__dict__["_fxquant_generate_stats"] = stats
+        self.stats = stats
         if streamer is not None:
             for column in self.tokens[:, streamed:produced].cpu().unbind(1):
                 streamer.put(column)

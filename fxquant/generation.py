@@ -60,16 +60,34 @@ def generate(model, input_ids: torch.Tensor, *, options: dict | None = None,
     return _decode(model, input_ids, options, generator, streamer=streamer or fxquant_streamer, **kwargs)
 
 
+class Kept:
+    """What fxquant.generate keeps on a model for its next call: its static cache, the runner with the captured
+    step's graph, the compiled forwards, and the last run's numbers. A copy of the model (copy.deepcopy, pickle)
+    starts with none of it: a CUDA graph is neither copied nor pickled."""
+
+    def __init__(self):
+        self.caches, self.runners, self.forwards, self.stats = {}, {}, {}, None
+
+    def __deepcopy__(self, memo):
+        return Kept()
+
+    def __reduce__(self):
+        return Kept, ()
+
+
+def kept(model) -> Kept:
+    return model.__dict__.setdefault("_fxquant_generate", Kept())
+
+
 def last_run(model) -> RunStats | None:
     """The model's last fxquant.generate run: tokens, steps, the decode loop's time and the host's share of it."""
-    return getattr(model, "_fxquant_generate_stats", None)
+    return kept(model).stats
 
 
 def release(model) -> None:
     """Frees what fxquant.generate keeps on the model for its next call: its static cache, the captured step's graph
     and memory, and the compiled forwards."""
-    for kept in ("_fxquant_generate_runners", "_fxquant_generate_caches", "_fxquant_generate_forwards"):
-        model.__dict__.pop(kept, None)
+    model.__dict__.pop("_fxquant_generate", None)
 
 
 def _refuse(what: str) -> ValueError:
@@ -92,6 +110,7 @@ def _decode(model, input_ids, options, generator, *, generation_config, logits_p
     with _compiled_or_refused():
         runner.start(input_ids, mask, positions, model_kwargs.get("logits_to_keep"))
         sequences, logits = runner.run(max_length - length, streamer)
+    kept(model).stats = runner.stats
     if streamer is not None:
         streamer.end()
     if config.return_dict_in_generate:
@@ -143,7 +162,7 @@ def _static_cache(model, model_kwargs, batch: int, needed: int) -> StaticCache:
                           "or call cache.reset() first")
         cache = given
     elif given is None or given.get_seq_length() == 0:  # transformers' default, an empty DynamicCache
-        caches = model.__dict__.setdefault("_fxquant_generate_caches", {})
+        caches = kept(model).caches
         if (batch, needed) not in caches:
             caches.clear()  # one at a time: a cache is the model's largest activation
             caches[batch, needed] = StaticCache(config=model.config, max_cache_len=needed)
@@ -175,7 +194,7 @@ def _runner(model, options, cache, batch: int, masked: bool, choice: Choice) -> 
     """The model's runner for this cache and these settings: kept, with its captured graph, for the next call. The
     runner holds the cache and the generator, so that no other object can take their ids while it lives."""
     key = (id(cache), batch, masked, choice.key, repr(options))
-    runners = model.__dict__.setdefault("_fxquant_generate_runners", {})
+    runners = kept(model).runners
     if key not in runners:
         runners.clear()  # a runner holds its cache and its graph's memory: one at a time
         runners[key] = Runner(model, _forwards(model, options), cache, batch, masked, choice)
@@ -188,7 +207,7 @@ def _forwards(model, options):
     for both, as generate() runs it."""
     if options is None:
         return model, model
-    compiled = model.__dict__.setdefault("_fxquant_generate_forwards", {})
+    compiled = kept(model).forwards
     if repr(options) not in compiled:
         compiled[repr(options)] = tuple(torch.compile(model.forward, backend="fxquant", options=options,
                                                       dynamic=dynamic) for dynamic in (True, False))

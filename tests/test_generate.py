@@ -3,8 +3,10 @@ same tokens with nothing quantized, the same sampling distribution, quantized lo
 bound, refusals by name. On the CPU the step runs without a graph; on a GPU the compiled step is captured in a CUDA
 graph and replayed (asserted through last_run)."""
 
+import copy
 import functools
 import math
+import warnings
 
 import pytest
 import torch
@@ -46,6 +48,18 @@ def model_of(arch: str, **overrides):
     return decoder(arch, dtype=torch.float32, **overrides).to(DEVICE)  # fp32: argmax ties are not a rounding apart
 
 
+def assert_graph_loop(model, options, caught, arch: str = "llama") -> None:
+    """On a GPU a compiled step runs as a CUDA graph; an MoE model's may not be capturable (its routing, outside
+    the compiled graph, copies from the host), and then says so. Elsewhere the step runs without a graph."""
+    graphed = last_run(model).graph
+    if options is None or DEVICE != "cuda":
+        assert not graphed
+    elif arch == "mixtral":
+        assert graphed or any("could not be captured in a CUDA graph" in str(w.message) for w in caught)
+    else:
+        assert graphed
+
+
 def options_for_device():
     """On a GPU, a compiled step (its graph loop); on the CPU also the model as it is (the loop without a graph)."""
     return [NOTHING] if DEVICE == "cuda" else [None, NOTHING]
@@ -64,11 +78,13 @@ def test_with_nothing_quantized_greedy_tokens_equal_transformers_generate(arch, 
                               eos_token_id=eos, cache_implementation="static")
     for options in options_for_device():
         run = functools.partial(ENTRIES[entry], model, max_new_tokens=7, do_sample=False, options=options)
-        assert torch.equal(run(ids[:1]), want_one)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert torch.equal(run(ids[:1]), want_one)
+        assert_graph_loop(model, options, caught, arch)
         assert torch.equal(run(ids, attention_mask=mask, pad_token_id=0), want)
         got = run(ids, attention_mask=mask, pad_token_id=0, eos_token_id=eos)
         assert torch.equal(got, want_eos) and (got[1, ids.shape[1] + 3:] == 0).all()
-        assert last_run(model).graph == (options is not None and DEVICE == "cuda")
 
 
 def test_generation_stops_when_every_sequence_has_ended():
@@ -160,15 +176,17 @@ def test_quantized_logits_stay_within_the_fake_quantized_bound(arch, recipe):
     too), bound by independent fake-quantized copies fed the same tokens."""
     model = decoder(arch).to(DEVICE)
     ids, mask = prompts(2)
-    out = fxquant.generate(model, ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
-                           options={"recipe": recipe, "inner": "eager"}, return_dict_in_generate=True,
-                           output_logits=True)
+    options = {"recipe": recipe, "inner": "eager"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fxquant.generate(model, ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                               options=options, return_dict_in_generate=True, output_logits=True)
     got = torch.stack(out.logits)  # [steps, B, V]
     fed, length = out.sequences[:, ids.shape[1]:-1], out.sequences.shape[1] - 1
     exact_model, plain_model = fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=False)
     decode = lambda m: static_decode(m, m, ids, fed, max_len=length, padding=mask)
     assert not within_bound(got, decode(exact_model), decode(plain_model), decode(model))
-    assert last_run(model).graph == (DEVICE == "cuda")
+    assert_graph_loop(model, options, caught, arch)
 
 
 def test_an_fp8_cache_gives_the_tokens_of_generate_over_the_same_cache():
@@ -184,6 +202,7 @@ def test_an_fp8_cache_gives_the_tokens_of_generate_over_the_same_cache():
         assert (got == want).float().mean() > 0.8
     with pytest.raises(ValueError, match=r"already holds tokens.*cache\.reset\(\)"):
         fxquant.generate(model, ids, past_key_values=cache, **kwargs)
+    assert last_run(copy.deepcopy(model)) is None  # what generate keeps for its next call (a CUDA graph) stays
 
 
 @pytest.mark.parametrize("settings, refused", [
