@@ -20,15 +20,16 @@ STEPS = torch.randint(0, VOCAB, (2, 2), generator=GENERATOR)
 # the first block's residual sum into two norms, DeepSeek-V3's first layer is dense and its second routed.
 LAYERS = {"falcon": 2, "deepseek_v3": 2}
 MOE = ("deepseek_v3", "llama4", "granitemoe", "qwen3_moe")
+IN_CI = ("fp8_row", "int4_wo")  # CI's two cores run each dense family under one recipe, taken in turn
 
 
 def small(arch):
     return decoder(arch, num_hidden_layers=LAYERS.get(arch, 1), pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-@pytest.mark.parametrize("recipe", ["fp8_row", "int4_wo"])
-@pytest.mark.parametrize("arch", [pytest.param(arch, marks=pytest.mark.slow) if arch in MOE else arch
-                                  for arch in SWEEP])
+@pytest.mark.parametrize("arch, recipe", [
+    pytest.param(arch, recipe, marks=pytest.mark.slow if arch in MOE or recipe != IN_CI[index % 2] else ())
+    for index, arch in enumerate(SWEEP) for recipe in ("fp8_row", "int4_wo")])
 def test_each_family_compiles_within_the_bound_of_its_fake_quantized_copy(arch, recipe, capsys):
     model = small(arch)
     got = static_decode(model, compiled(model, recipe=recipe, report=True), PROMPT, STEPS)
@@ -49,7 +50,7 @@ def test_each_family_with_nothing_quantized_decodes_the_tokens_dynamo_alone_deco
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-@pytest.mark.parametrize("recipe", ["fp8_row", "int4_wo"])
+@pytest.mark.parametrize("recipe", ["fp8_row", pytest.param("int4_wo", marks=pytest.mark.slow)])
 def test_llama4_dense_experts_are_quantized_in_place_and_run_eagerly_and_compiled(recipe):
     """Llama4 stores its experts [E, H, 2I] and runs every expert over every token as bmm: the backend and quantize_
     kept them in bf16 (69% of the weights), the lint blaming a graph break that was not there."""

@@ -83,6 +83,7 @@ def test_each_rank_holds_its_share_of_the_quantized_bytes(two_ranks, recipe):
             assert whole[name][3] <= 2 * after <= 1.02 * whole[name][3], name
 
 
+@pytest.mark.slow  # four ranks on CI's two cores: the GPU and local suites run it
 def test_four_ranks_decode_within_the_bound_and_a_block_split_by_the_shard_is_refused_by_name(four_ranks):
     """At 4 ranks, q/k/v's shards are 64 rows and o_proj's 64 columns: fp8_block's 128x128 blocks do not tile them,
     and those layers stay in high precision with the reason and the fix; gate/up (128 rows) and down (128 columns)
@@ -100,7 +101,8 @@ def test_four_ranks_decode_within_the_bound_and_a_block_split_by_the_shard_is_re
                 assert layers[f"model.layers.{layer}.mlp.{name}"][0] == "fp8_block"
 
 
-@pytest.fixture(scope="module", params=["fp8_row", pytest.param("int4_wo", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=[pytest.param(recipe, marks=pytest.mark.slow)  # ranks and experts: CI skips
+                                        for recipe in ("fp8_row", "int4_wo")])
 def mixtral(request):
     """(recipe, each rank's sharded_decode result) for Mixtral with its attention sharded and its experts whole."""
     return request.param, run(2, sharded_decode, arch="mixtral", recipes=[request.param], prompt=PROMPT, steps=STEPS,
@@ -121,7 +123,7 @@ def test_mixtral_with_sharded_attention_and_whole_experts(mixtral):
     assert any("experts" in name and record[0] == recipe for name, record in layers.items())
 
 
-@pytest.mark.parametrize("recipe", ["fp8_row", "int4_wo"])
+@pytest.mark.parametrize("recipe", ["fp8_row", pytest.param("int4_wo", marks=pytest.mark.slow)])
 def test_quantize_shards_each_rank_s_weights_and_decodes_within_the_bound(recipe):
     """quantize_ on the sharded model: every sharded linear becomes a QuantizedLinear whose codes and scales are
     DTensors sharded as its weight was (column parallel Shard(0), row parallel Shard(1)), each rank holding its own
@@ -145,6 +147,7 @@ def test_quantize_shards_each_rank_s_weights_and_decodes_within_the_bound(recipe
     torch.testing.assert_close(ranks[0]["after"], ranks[1]["after"], rtol=0, atol=0)  # replicated
 
 
+@pytest.mark.slow  # its ranks' compiles on CI's two cores: the GPU and local suites run it
 def test_quantize_leaves_a_layer_whose_shard_splits_a_block_and_says_why():
     """At 4 ranks q/k/v's shards are 64 rows: fp8_block's 128-row blocks do not tile them. quantize_ keeps those
     layers, with the alignment reason and the resharding hint, and quantizes gate/up/down (128-row shards)."""
