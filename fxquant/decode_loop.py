@@ -168,9 +168,10 @@ class Runner:
                 self._step()
         except RuntimeError as error:  # nothing ran: a capture records the step's work, it runs none of it
             self.use_graph = False
+            reason = str(error).splitlines()[0].rstrip(".")
             warnings.warn(f"fxquant.generate: the decode step could not be captured in a CUDA graph, so it runs "
-                          f"step by step, launched by the host: {str(error).splitlines()[0]}. An MoE model whose "
-                          f"routing leaves the compiled graph (transformers' eager experts) does this; Fix: "
+                          f"step by step, launched by the host: {reason}. An MoE model whose routing leaves the "
+                          f"compiled graph (transformers' eager experts) does this; Fix: "
                           f"model.set_experts_implementation('grouped_mm')", stacklevel=4)
             return
         self.graph = graph
