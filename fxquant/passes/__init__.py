@@ -1,3 +1,5 @@
-"""The fxquant passes, one per module: freeze_params, detect, upcast, quantize_linear, fuse_norm, merge_linear,
-fuse_linear, cleanup. `fxquant.pipeline` runs them; what they match is declared in `spellings` and `patterns`,
-what writes memory is decided in `side_effects`."""
+"""The fxquant passes, one per module, in the order `fxquant.pipeline.PASSES` runs them: freeze_params,
+localize_shards, detect, upcast, quantize_linear, fuse_norm, merge_linear, fuse_linear, pack_int4_lanes,
+decode_attention, pack_gqa, cleanup. What they match is declared in `spellings`, `patterns` and
+`attention_patterns`; what writes memory is decided in `side_effects`; which pass needs which, in `order`; what
+they hand each other, in `state` and `annotations`; the quantized weights every graph shares, in `weight_cache`."""
