@@ -174,6 +174,17 @@ def test_seeded_sampling_repeats_and_draws_as_transformers_sampling_does():
     assert dof > 2 and statistic < chi_square_limit(dof), statistic
 
 
+def test_num_return_sequences_and_min_p_run_on_the_device():
+    """min_p=1.0 keeps only the likeliest token, so sampling must give the greedy tokens, for each of the returned
+    sequences (transformers repeats each prompt before calling the loop)."""
+    model = model_of("llama")
+    ids, mask = prompts(2)
+    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    sampled = fxquant.generate(model, ids, attention_mask=mask, max_new_tokens=6, do_sample=True, min_p=1.0,
+                               top_k=0, num_return_sequences=3, pad_token_id=0, options=options_for_device()[-1])
+    assert torch.equal(sampled, greedy.repeat_interleave(3, dim=0))
+
+
 @pytest.mark.parametrize("recipe", ["fp8_row", "int4_wo"])
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "mixtral"])
 def test_quantized_logits_stay_within_the_fake_quantized_bound(arch, recipe):
