@@ -80,14 +80,15 @@ def is_compiled(forward) -> bool:
 
 class Runner:
     """One batch's decode loop over one static cache: the step's static buffers, and its CUDA graph once captured.
-    forwards: the prefill's and the step's."""
+    forwards: the prefill's and the step's. shape: (batch, new tokens), the latter sizing the kept logits."""
 
-    def __init__(self, model, forwards, cache, batch: int, masked: bool, choice: Choice):
+    def __init__(self, model, forwards, cache, shape: tuple[int, int], masked: bool, choice: Choice):
         self.model, (self.prefill, self.forward), self.cache, self.choice = model, forwards, cache, choice
         parameters = inspect.signature(model.forward).parameters
         self.keyword = "cache" if "cache" in parameters else "past_key_values"  # renamed in transformers 5
         self.takes_positions = "position_ids" in parameters
-        device, room = model.device, max(layer.max_cache_len for layer in cache.layers)
+        (batch, new_tokens), device = shape, model.device
+        room = max(layer.max_cache_len for layer in cache.layers)
         long = dict(dtype=torch.long, device=device)
         self.token, self.position = torch.zeros(batch, 1, **long), torch.zeros(batch, 1, **long)
         self.cache_position, self.step = torch.zeros(1, **long), torch.zeros(1, **long)
@@ -96,7 +97,7 @@ class Runner:
         self.tokens = torch.zeros(batch, room + 1, **long)
         self.mask = torch.ones(batch, room, **long) if masked else None  # the whole cache's: the future is causal
         vocab = model.config.get_text_config().vocab_size
-        self.logits = torch.zeros(batch, room + 1, vocab, device=device) if choice.keep_logits else None
+        self.logits = torch.zeros(batch, new_tokens, vocab, device=device) if choice.keep_logits else None
         self.use_graph = device.type == "cuda" and is_compiled(self.forward)
         self.graph, self.stats = None, None
 

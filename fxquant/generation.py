@@ -106,7 +106,7 @@ def _decode(model, input_ids, options, generator, *, generation_config, logits_p
     positions = model_kwargs.get("position_ids")
     if positions is None and mask is not None:
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as generate() counts left padding
-    runner = _runner(model, options, cache, batch, mask is not None, choice)
+    runner = _runner(model, options, cache, (batch, max_length - length), mask is not None, choice)
     with _compiled_or_refused():
         runner.start(input_ids, mask, positions, model_kwargs.get("logits_to_keep"))
         sequences, logits = runner.run(max_length - length, streamer)
@@ -190,14 +190,16 @@ def _as_full(layer) -> None:
         _as_full(layer.scales)
 
 
-def _runner(model, options, cache, batch: int, masked: bool, choice: Choice) -> Runner:
+def _runner(model, options, cache, shape: tuple[int, int], masked: bool, choice: Choice) -> Runner:
     """The model's runner for this cache and these settings: kept, with its captured graph, for the next call. The
-    runner holds the cache and the generator, so that no other object can take their ids while it lives."""
-    key = (id(cache), batch, masked, choice.key, repr(options))
+    runner holds the cache and the generator, so that no other object can take their ids while it lives. shape:
+    (batch, new tokens); the new tokens tell runners apart only where the logits are kept, one row per token."""
+    batch, new_tokens = shape
+    key = (id(cache), batch, masked, choice.key, repr(options), new_tokens if choice.keep_logits else None)
     runners = kept(model).runners
     if key not in runners:
         runners.clear()  # a runner holds its cache and its graph's memory: one at a time
-        runners[key] = Runner(model, _forwards(model, options), cache, batch, masked, choice)
+        runners[key] = Runner(model, _forwards(model, options), cache, shape, masked, choice)
     return runners[key]
 
 
