@@ -60,8 +60,12 @@ def inspect(model: torch.nn.Module, example_inputs, config: QuantConfig | dict |
         return gm.forward
 
     args = example_inputs if isinstance(example_inputs, tuple | list) else (example_inputs,)
+    # A fresh dynamo and static shapes: after other compiles of the same forward at other shapes, dynamo's
+    # automatic dynamic shapes gave the capture symbolic sizes, which measuring on real tensors cannot run.
+    torch._dynamo.reset()
     with torch.no_grad():
-        torch.compile(model, backend=capture)(*args)
+        torch.compile(model, backend=capture, dynamic=False)(*args)
+    torch._dynamo.reset()
     report = InspectReport(layers, resolve_auto(config, layers))
     if verbose:
         print(report.table())

@@ -26,7 +26,11 @@ ENTRIES = {
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
-    torch._dynamo.reset()  # every test compiles the same forward methods anew: dynamo's recompile limit is per method
+    """Every test compiles the same forward methods anew (dynamo's recompile limit is per method), and leaves no
+    automatic dynamic shapes behind for the next test in its worker."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 def test_a_forward_past_dynamo_s_recompile_limit_is_refused_not_run_unquantized():

@@ -114,3 +114,18 @@ def test_bad_layer_recipes_and_unmeasured_auto_are_clear_errors():
     with pytest.raises(ValueError, match="recipe='auto' needs sample inputs"):
         QuantConfig(recipe="auto").recipe_for("up")
     assert QuantConfig(layer_recipes=((r"^up$", "int4_wo"),)).recipe_for("up") == "int4_wo"
+
+
+def test_inspect_after_compiles_of_the_same_model_at_other_shapes():
+    """Earlier compiles of a Llama at two prompt lengths make dynamo's next capture of its forward dynamic
+    (automatic dynamic shapes); measuring that graph failed with "SymIntArrayRef expected to contain only concrete
+    integers" at its attention's view."""
+    from hf_models import VOCAB, decoder
+
+    model = decoder("llama")
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        for length in (6, 7):
+            compiled(torch.randint(0, VOCAB, (1, length)))
+    layers = by_name(fxquant.inspect(model, (torch.randint(0, VOCAB, (1, 8)),), {"recipe": "fp8_row"}))
+    assert layers["model.layers.0.mlp.up_proj"].out_sqnr is not None
