@@ -171,9 +171,10 @@ class Runner:
             self.use_graph = False
             reason = str(error).splitlines()[0].rstrip(".")
             warnings.warn(f"fxquant.generate: the decode step could not be captured in a CUDA graph, so it runs "
-                          f"step by step, launched by the host: {reason}. An MoE model whose routing leaves the "
-                          f"compiled graph (transformers' eager experts) does this; Fix: "
-                          f"model.set_experts_implementation('grouped_mm')", stacklevel=4)
+                          f"step by step, launched by the host: {reason}. An MoE model whose experts read their "
+                          f"routing on the host does this: transformers' eager experts, and its grouped_mm experts "
+                          f"in a dtype other than bf16 (which it runs as a loop under torch.compile); Fix: "
+                          f"model.set_experts_implementation('grouped_mm') on a bf16 model", stacklevel=4)
             return
         self.graph = graph
 

@@ -71,7 +71,9 @@ def _chunked_linear(x: Quantized | Tensor, qw: Quantized, bias: Tensor | None, o
                 rows = R.dequantize(_rows(x, m0, m1), torch.float32)
             else:
                 rows = x_fp32(x[m0:m1]) if x_fp32 else x[m0:m1].float()
-            acc = rows @ w.T
+            # Row-major rows: the CPU BLAS sums in an order set by the operand's layout (a transposed input gave
+            # other bits on the H200 host's 16 threads), and an input's strides must not change the result.
+            acc = rows.contiguous() @ w.T
             if bias is not None:
                 acc += bias[n0:n1].float()
             out[m0:m1, n0:n1] = acc  # the one narrowing cast

@@ -2,7 +2,12 @@ import os
 import pkgutil
 
 import pytest
-import torch
+
+# Inductor compiles a worker's kernels in the worker: by default each xdist worker would start a pool of one compile
+# process per core (16 workers x 16 processes on the GPU machine, each importing torch) to share the same cores.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+import torch  # noqa: E402
 from torch.utils._config_module import ConfigModule
 
 # Without a GPU, Triton kernels run under the interpreter; it is chosen when kernels are decorated.
@@ -18,8 +23,6 @@ _config = []  # the run's config, in the process that prints the run
 def pytest_configure(config):
     if not hasattr(config, "workerinput"):  # xdist's workers print nothing; their reports reach the controller
         _config.append(config)
-    if getattr(config.option, "maxschedchunk", False) is None:  # xdist's, unless given: see SLOWEST_FIRST
-        config.option.maxschedchunk = 1
 
 
 def pytest_runtest_logreport(report):
@@ -35,8 +38,9 @@ def pytest_runtest_logreport(report):
 
 # The files in the order of their slowest test on the H200, then of their total (the suite at 3811cb6: Inductor
 # compiles of whole models took 65-92 s each, test_moe.py 594 s in all). Collected first, and handed to xdist's
-# workers one test at a time (pytest_configure), so that the longest tests start first and no worker is left with
-# one at the end of the run: with xdist's default chunks of consecutive tests, one worker took the first 20.
+# workers one test at a time (pyproject's --dist loadgroup), so that the longest tests start first and no worker is
+# left with one at the end of the run: with xdist's default load schedule's chunks of consecutive tests, one worker
+# took the first 20.
 SLOWEST_FIRST = ("test_real_models.py", "test_quantize_inplace.py", "test_hf_llama.py", "test_backend.py",
                  "test_readme.py", "test_architectures.py", "test_moe.py", "test_torch_faults.py",
                  "test_tensor_parallel.py", "test_export.py", "test_decode_attention.py")

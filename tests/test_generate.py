@@ -49,10 +49,13 @@ def prompts(batch: int, width: int = 8, seed: int = 0):
 
 
 def model_of(arch: str, **overrides):
-    """fp32, so that argmax ties are not a rounding apart. "mixtral_grouped_mm": Mixtral with its experts run as
-    grouped_mm, whose routing stays on the device (transformers' default experts loop copies from the host)."""
-    model = decoder(arch.removesuffix("_grouped_mm"), dtype=torch.float32, **overrides).to(DEVICE)
-    if arch.endswith("_grouped_mm"):
+    """fp32, so that argmax ties are not a rounding apart. "mixtral_grouped_mm": Mixtral in bf16 with its experts
+    run as grouped_mm, whose routing stays on the device: transformers' default experts loop copies from the host,
+    and so does its grouped_mm under torch.compile in any dtype but bf16 (a loop over offs.tolist())."""
+    grouped = arch.endswith("_grouped_mm")
+    dtype = torch.bfloat16 if grouped else torch.float32
+    model = decoder(arch.removesuffix("_grouped_mm"), dtype=dtype, **overrides).to(DEVICE)
+    if grouped:
         model.set_experts_implementation("grouped_mm")
     return model
 

@@ -33,4 +33,12 @@ def test_a_readme_block_runs_as_written(tmp_path, block):
         command = [sys.executable, "block.py"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=400)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-2000:] + failure_summary(done.stderr)
+
+
+def failure_summary(stderr: str) -> str:
+    """A failed block's traceback from its start, the compiler's `error:` lines (a C++ compile error's message ends
+    in pages of warnings), and the end of stderr."""
+    start = stderr.find("Traceback")
+    errors = [line for line in stderr.splitlines() if "error:" in line][:10]
+    return "\n".join([stderr[start:start + 2500] if start >= 0 else "", *errors, "...", stderr[-1500:]])

@@ -15,6 +15,10 @@ PROMPT = torch.randint(0, VOCAB, (2, 8), generator=GENERATOR)
 STEPS = torch.randint(0, VOCAB, (2, 3), generator=GENERATOR)
 RECIPES = ["fp8_row", "fp8_block", "int4_wo"]
 WIDE_KV = dict(num_key_value_heads=4)  # k/v of 256 rows: shards of 128 rows at 2 ranks, which fp8_block's blocks tile
+# The tests of one module fixture run on one xdist worker (pyproject's --dist loadgroup): each fixture starts its
+# ranks and compiles for 40-70 s, and a worker that ran one of its tests built the fixture anew.
+ON_TWO_RANKS = pytest.mark.xdist_group("tensor_parallel_two_ranks")
+ON_LOADED = pytest.mark.xdist_group("tensor_parallel_loaded")
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +55,14 @@ def unsharded_records(model, recipe: str) -> dict:
     return {r.fqn: (r.recipe, r.reason, r.bytes_before, r.bytes_after) for r in records}
 
 
+@ON_TWO_RANKS
 def test_with_nothing_quantized_the_sharded_decode_equals_its_eager_run(two_ranks):
     """The rewrite to local shards keeps every cache write and computes what DTensor computes, as dynamo runs it."""
     for result in two_ranks:
         torch.testing.assert_close(result[None][0], result["traced"], rtol=0, atol=0)
 
 
+@ON_TWO_RANKS
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_two_ranks_decode_within_the_per_shard_fake_quantized_bound(two_ranks, recipe):
     model = decoder("llama", **WIDE_KV)
@@ -67,6 +73,7 @@ def test_two_ranks_decode_within_the_per_shard_fake_quantized_bound(two_ranks, r
     torch.testing.assert_close(two_ranks[0]["eager"], eager, rtol=0, atol=2e-2)  # sharded eager: bf16 sums apart
 
 
+@ON_TWO_RANKS
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_each_rank_holds_its_share_of_the_quantized_bytes(two_ranks, recipe):
     """Every sharded layer is quantized on every rank, with half its bytes: exactly half of the codes, plus, for a
@@ -216,6 +223,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
+@ON_LOADED
 @pytest.mark.parametrize("label", LOADED)
 def test_a_sharded_skeleton_loads_each_rank_s_slice_of_the_checkpoint(loaded, label):
     """load_quantized into a skeleton sharded before loading: each rank's codes, scales and bias are bit for bit its
@@ -245,6 +253,7 @@ def test_a_sharded_skeleton_loads_each_rank_s_slice_of_the_checkpoint(loaded, la
                                                     and stored == "weight_scale"), key
 
 
+@ON_LOADED
 @pytest.mark.parametrize("label", ["fp8_block", "int4_wo", "qwen2 int4_wo"])
 def test_a_loaded_sharded_model_decodes_within_the_bound(loaded, label):
     """Where the checkpoint's groups and blocks fall inside the shards, the loaded sharded model computes the
@@ -257,6 +266,7 @@ def test_a_loaded_sharded_model_decodes_within_the_bound(loaded, label):
     assert torch.equal(ranks[0][label]["eager"], ranks[1][label]["eager"])
 
 
+@ON_LOADED
 @pytest.mark.parametrize("label", LOADED)
 def test_a_loaded_sharded_model_saves_the_checkpoint_it_loaded(loaded, label):
     """save_quantized from the loaded sharded model writes the checkpoint it was loaded from, bit for bit: fp8_row's

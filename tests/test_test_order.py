@@ -50,26 +50,43 @@ def test_a_failure_is_printed_the_moment_it_happens(tmp_path, workers):
     assert live in out and out.index(live) < out.index("[100%]"), out  # before the run's last test has ended
 
 
-def test_the_slowest_files_come_first_and_each_worker_takes_one_test_at_a_time(tmp_path):
-    """xdist's default hands each worker a chunk of consecutive tests first (5 of 40 here): the slowest tests, collected
-    first, would all land on one worker. conftest collects SLOWEST_FIRST's files first and hands out one at a time."""
+def test_the_slowest_files_come_first_one_test_at_a_time_and_a_group_stays_on_one_worker(tmp_path):
+    """xdist's default load schedule hands each worker a chunk of consecutive tests first (5 of 46 here): the slowest
+    tests, collected first, would all land on one worker. With pyproject's options and conftest, SLOWEST_FIRST's
+    files come first, one test at a time, and the tests of one xdist_group (a module fixture's) share a worker."""
+    import shlex
     import shutil
     import subprocess
     import sys
     from pathlib import Path
 
+    import tomllib
+
+    root = Path(__file__).parents[1]
+    addopts = shlex.split(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"][
+        "addopts"])
+    assert "loadgroup" in addopts
+    addopts[addopts.index("-n") + 1] = "3"
     shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
     record = ("import os, pathlib, pytest\n"
               "@pytest.mark.parametrize('i', range(20))\n"
               "def test_one(i):\n"
               "    pathlib.Path(f'{__name__}-{i}').write_text(os.environ['PYTEST_XDIST_WORKER'])\n")
+    grouped = ("import os, pathlib, pytest\n"
+               "@pytest.mark.xdist_group('fixture')\n"
+               "@pytest.mark.parametrize('i', range(6))\n"
+               "def test_one(i):\n"
+               "    pathlib.Path(f'{__name__}-{i}').write_text(os.environ['PYTEST_XDIST_WORKER'])\n")
     (tmp_path / "test_a_fast.py").write_text(record)
     (tmp_path / "test_real_models.py").write_text(record)
+    (tmp_path / "test_b_grouped.py").write_text(grouped)
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                          "-n", "2", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True)
-    assert "40 passed" in out.stdout, out.stdout + out.stderr
+                          *addopts, str(tmp_path)], cwd=tmp_path, capture_output=True, text=True)
+    assert "46 passed" in out.stdout, out.stdout + out.stderr
+    group = {(tmp_path / f"test_b_grouped-{i}").read_text() for i in range(6)}
     first = {(tmp_path / f"test_real_models-{i}").read_text() for i in range(4)}
-    assert first == {"gw0", "gw1"}, first  # the slow file's first four tests started on both workers
+    assert len(group) == 1, group  # the group ran on one worker (it was handed out first: the largest scope)
+    assert first == {"gw0", "gw1", "gw2"} - group, first  # the slow file's first four on both other workers
 
 
 def _rank_that_dies() -> dict:
