@@ -107,7 +107,7 @@ def _decode(model, input_ids, options, generator, *, generation_config, logits_p
     if positions is None and mask is not None:
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as generate() counts left padding
     runner = _runner(model, options, cache, (batch, max_length - length), mask is not None, choice)
-    with _compiled_or_refused():
+    with _compiled_or_refused(), _inductor_faults_avoided(input_ids.device):
         runner.start(input_ids, mask, positions, model_kwargs.get("logits_to_keep"))
         sequences, logits = runner.run(max_length - length, streamer)
     kept(model).stats = runner.stats
@@ -131,6 +131,19 @@ def _compiled_or_refused():
             f"model's forward (each model, options and cache length compiles it anew), and it would run "
             f"unquantized. Fix: torch._dynamo.reset() between models, or raise "
             f"torch._dynamo.config.recompile_limit") from error
+
+
+def _inductor_faults_avoided(device: torch.device):
+    """Inductor's CPU code on torch 2.11 (not 2.13 or 2.14; 2.12 not tried) checks an index against its bound before
+    it defines the index, in transformers' padding mask over a dynamic-length prefill ("'tmp6' was not declared in
+    this scope"): there the prefill compiles without indirect-index bounds checks (the index is an arange below the
+    size it is checked against; tests/torch_faults.py holds the reproduction)."""
+    import torch._inductor.config
+
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if device.type != "cpu" or version >= (2, 13):
+        return contextlib.nullcontext()
+    return torch._inductor.config.patch(assert_indirect_indexing=False)
 
 
 def _check(config, logits_processor, stopping_criteria, synced_gpus: bool, model_kwargs: dict) -> None:

@@ -8,7 +8,6 @@ import torch
 import transformers as T
 from hf_models import ARCHITECTURES, VOCAB, compiled, cosine, decoder, fake_quantized, static_decode, within_bound
 from reports import layer_rows
-from torch_faults import avoid_indirect_index_check_fault
 
 import fxquant
 from fxquant.passes.pack_gqa import MIN_KV_GROUPS
@@ -65,18 +64,20 @@ def test_a_left_padded_batch_stays_within_the_fake_quantized_bound(recipe):
     assert (eager - unpadded).abs().amax() > 0.1  # the mask matters: the padding is not attended
 
 
-def test_generate_compiles_no_more_graphs_than_inductor():
+def test_generate_compiles_no_more_graphs_than_dynamo_alone():
+    """The graphs are dynamo's (breaks and recompiles): against its eager backend, with fxquant's passes run as is
+    (a backend cannot add graphs; Inductor under either would only add a minute of compiling)."""
     ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(2))
     graphs = {}
-    for backend, options in (("inductor", None), ("fxquant", {"recipe": "int8_wo"})):
+    for backend, options in (("eager", None), ("fxquant", {"recipe": "int8_wo", "inner": "eager"})):
         model = decoder("qwen2")
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         model.forward = torch.compile(model.forward, backend=backend, options=options)
-        with torch.no_grad(), avoid_indirect_index_check_fault():  # plain Inductor fails without it on torch 2.11
+        with torch.no_grad():
             model.generate(ids, max_new_tokens=6, do_sample=False)
         graphs[backend] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert graphs["fxquant"] <= graphs["inductor"], graphs
+    assert graphs["fxquant"] <= graphs["eager"], graphs
 
 
 def test_generate_with_a_compile_config_naming_fxquant_decodes_as_quantize_does():
