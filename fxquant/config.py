@@ -68,6 +68,7 @@ class QuantConfig:
     mode: str | None = None
     report: bool = False
     default_skip: tuple[str, ...] = field(default=DEFAULT_SKIP)
+    disable_passes: tuple[str, ...] = ()  # fusing or packing passes to leave out (fxquant.pipeline.OPTIONAL)
 
     def __post_init__(self):
         _check_types(self)
@@ -118,6 +119,7 @@ class QuantConfig:
 
 
 PATTERNS = ("skip", "include", "default_skip")
+NAMES = (*PATTERNS, "disable_passes")  # the options of strings: one string or a list of them
 
 
 def _check_types(config: QuantConfig) -> None:
@@ -130,12 +132,12 @@ def _check_types(config: QuantConfig) -> None:
     for name in ("recipe", "inner"):
         if not isinstance(getattr(config, name), str):
             refuse(name, "a string")
-    for name in PATTERNS:
+    for name in NAMES:
         value = getattr(config, name)
         if value is None and name == "include":
             continue
         if not isinstance(value, tuple) or not all(isinstance(p, str) for p in value):
-            refuse(name, "a regex string or a list of them")
+            refuse(name, "a regex string or a list of them" if name in PATTERNS else "a pass's name or a list of them")
     if not isinstance(config.layer_recipes, tuple) or not all(
             isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(e, str) for e in entry)
             for entry in config.layer_recipes):
@@ -161,7 +163,7 @@ def from_options(options: dict | QuantConfig | str | None) -> QuantConfig:
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ValueError(f"fxquant: unknown option(s) {unknown}; valid options: {', '.join(valid)}")
-    for key in PATTERNS:
+    for key in NAMES:
         value = options.get(key)
         if isinstance(value, str):
             options[key] = (value,)

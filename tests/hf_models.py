@@ -98,17 +98,23 @@ def _cache_keyword(model) -> str:
 NOTHING = {"inner": "eager", "skip": [".*"]}  # no layer quantized: only the graph rewrites differ from eager
 
 
-def compiled_graphs(model, **kwargs):
-    """The model compiled under backend="fxquant" with nothing quantized, and the list its graphs land in."""
-    graphs = []
+def compiled_results(model, options=NOTHING, keep=lambda result: result, **kwargs):
+    """The model compiled under backend="fxquant" with `options`, and the list in which each graph's PipelineResult
+    (its graph, layers, pass timings), or keep(result), lands."""
+    kept = []
 
     def backend(gm, inputs):
-        compiled = fxquant_backend(gm, inputs, options=NOTHING)
-        graphs.append(compiled.result.gm)
+        compiled = fxquant_backend(gm, inputs, options=options)
+        kept.append(keep(compiled.result))
         return compiled
 
     torch._dynamo.reset()
-    return torch.compile(model, backend=backend, **kwargs), graphs
+    return torch.compile(model, backend=backend, **kwargs), kept
+
+
+def compiled_graphs(model, **kwargs):
+    """The model compiled under backend="fxquant" with nothing quantized, and the list its graphs land in."""
+    return compiled_results(model, keep=lambda result: result.gm, **kwargs)
 
 
 def traced(model):

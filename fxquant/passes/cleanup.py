@@ -13,7 +13,7 @@ from fxquant.passes.side_effects import eliminate_dead_code
 
 
 class Cleanup(FxquantPass):
-    name = 'cleanup'
+    name = "cleanup"
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         modified = eliminate_dead_code(gm.graph)
         if modified:

@@ -94,7 +94,8 @@ def eager_spelled(out: torch.fx.Node) -> Attention | None:
 
 
 class DecodeAttention(FxquantPass):
-    name = 'decode_attention'
+    name = "decode_attention"
+    optional = True
     def __init__(self, state: PipelineState | None = None, devices: tuple[str, ...] = ("cuda",)):
         super().__init__()
         self.state = state

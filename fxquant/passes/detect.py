@@ -38,7 +38,7 @@ def _linear_fqn(node: torch.fx.Node, weight) -> str | None:
 
 
 class Detect(FxquantPass):
-    name = 'detect'
+    name = "detect"
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         for node in gm.graph.nodes:
             target = target_of(node)

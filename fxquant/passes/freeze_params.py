@@ -36,7 +36,7 @@ def placeholder_fqn(node: torch.fx.Node) -> str:
 
 
 class FreezeParams(FxquantPass):
-    name = 'freeze_params'
+    name = "freeze_params"
     def __init__(self, example_inputs, parameter_names: dict[int, str] | None = None):
         super().__init__()
         self.example_inputs = list(example_inputs or [])

@@ -23,7 +23,8 @@ from fxquant.passes.side_effects import mutation_epochs
 
 
 class FuseLinear(FxquantPass):
-    name = 'fuse_linear'
+    name = "fuse_linear"
+    optional = True
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         modified, epochs = False, mutation_epochs(gm.graph)
         for mm in list(gm.graph.nodes):

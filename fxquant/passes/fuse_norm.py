@@ -116,7 +116,8 @@ def _placed(node, epochs, order):
 
 
 class FuseNorm(FxquantPass):
-    name = 'fuse_norm'
+    name = "fuse_norm"
+    optional = True
     needs = ("detect",)  # it matches the norms detect annotated
     def __init__(self, state: PipelineState):
         super().__init__()

@@ -68,7 +68,7 @@ def local_layout(x: DTensor, w: DTensor, bias) -> tuple | None:
 
 
 class LocalizeShards(FxquantPass):
-    name = 'localize_shards'
+    name = "localize_shards"
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         modified = False
         for node in list(gm.graph.nodes):

@@ -36,7 +36,8 @@ WIDTH_ARG = {WEIGHT_ONLY: 8}
 
 
 class MergeLinear(FxquantPass):
-    name = 'merge_linear'
+    name = "merge_linear"
+    optional = True
     def __init__(self, state: PipelineState):
         super().__init__()
         self.state = state  # its layers' buffer names and rows are updated, so a changed weight re-quantizes in place

@@ -26,10 +26,12 @@ def passes_run(gm: torch.fx.GraphModule) -> tuple[str, ...]:
 
 class FxquantPass(PassBase):
     """A pass of the pipeline: `name` is how the pipeline and the errors call it; `needs`, the passes that must have
-    run on the graph before it."""
+    run on the graph before it; `optional`, whether the option `disable_passes` may leave it out (a pass that only
+    fuses or packs: the graph computes the same products without it)."""
 
     name: str = ""
     needs: tuple[str, ...] = ()
+    optional: bool = False
 
     def requires(self, graph_module: torch.fx.GraphModule) -> None:
         missing = [need for need in self.needs if need not in passes_run(graph_module)]

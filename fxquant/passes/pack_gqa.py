@@ -38,7 +38,8 @@ MIN_KV_GROUPS = 16
 
 
 class PackGQA(FxquantPass):
-    name = 'pack_gqa'
+    name = "pack_gqa"
+    optional = True
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         modified, writes = False, Writes(gm.graph)
         for sdpa in list(gm.graph.nodes):

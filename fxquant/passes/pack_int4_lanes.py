@@ -72,7 +72,8 @@ def refresh_lanes(gm: torch.fx.GraphModule) -> None:
 
 
 class PackInt4Lanes(FxquantPass):
-    name = 'pack_int4_lanes'
+    name = "pack_int4_lanes"
+    optional = True
     def __init__(self, state: PipelineState):
         super().__init__()
         self.state = state  # its layer records name the buffers this graph quantized

@@ -155,7 +155,7 @@ def _describe(node: torch.fx.Node) -> str:
 
 
 class QuantizeLinear(FxquantPass):
-    name = 'quantize_linear'
+    name = "quantize_linear"
     needs = ("detect",)  # it reads the annotations detect wrote
     def __init__(self, state: PipelineState):
         super().__init__()

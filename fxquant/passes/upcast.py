@@ -32,7 +32,7 @@ def _cast(graph, node, dtype):
 
 
 class Upcast(FxquantPass):
-    name = 'upcast'
+    name = "upcast"
     needs = ("detect",)  # it reads the annotations detect wrote
     def __init__(self, state: PipelineState):
         super().__init__()
