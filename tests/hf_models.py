@@ -112,6 +112,19 @@ def compiled_results(model, options=NOTHING, keep=lambda result: result, **kwarg
     return torch.compile(model, backend=backend, **kwargs), kept
 
 
+def dynamo_graph(model, *inputs, **kwargs) -> tuple[torch.fx.GraphModule, list]:
+    """The first graph dynamo hands a backend for model(*inputs), and its example inputs; the graph is not run."""
+    captured = []
+
+    def backend(gm, example_inputs):
+        captured.append((gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, **kwargs)(*inputs)
+    return captured[0]
+
+
 def compiled_graphs(model, **kwargs):
     """The model compiled under backend="fxquant" with nothing quantized, and the list its graphs land in."""
     return compiled_results(model, keep=lambda result: result.gm, **kwargs)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from hf_models import decoder, static_decode, traced
+from hf_models import compiled_results, decoder, static_decode, traced
 
 TIMEOUT_S = 600
 DEVICE = os.environ.get("FXQUANT_TP_DEVICE", "cpu")
@@ -57,24 +57,16 @@ def sharded_decode(arch: str, recipes, prompt, steps, experts=False, **overrides
     None compiles with nothing quantized."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from fxquant.backend import fxquant as fxquant_backend
-
     model, prompt, steps = on_device(decoder(arch, **overrides), prompt, steps)
     parallelize_module(model, mesh(), plan(model, experts))
     results = {"eager": static_decode(model, model, prompt, steps),
                "traced": static_decode(model, traced(model), prompt, steps)}
     for recipe in recipes:
-        records = []
-
-        def backend(gm, inputs, recipe=recipe, records=records):
-            options = {"recipe": recipe} if recipe else {"include": []}
-            compiled = fxquant_backend(gm, inputs, options={**options, "inner": "eager"})
-            records.extend(compiled.result.layers)
-            return compiled
-
-        torch._dynamo.reset()
-        logits = static_decode(model, torch.compile(model, backend=backend), prompt, steps)
-        layers = {r.fqn: (r.recipe, r.reason, r.bytes_before, r.bytes_after) for r in records}
+        options = {"recipe": recipe} if recipe else {"include": []}
+        forward, results = compiled_results(model, {**options, "inner": "eager"})
+        logits = static_decode(model, forward, prompt, steps)
+        layers = {r.fqn: (r.recipe, r.reason, r.bytes_before, r.bytes_after) for result in results
+                  for r in result.layers}
         results[recipe] = (logits, layers)
     return results
 

@@ -8,10 +8,9 @@ import copy
 import pytest
 import torch
 import transformers as T
-from hf_models import angle, static_decode
+from hf_models import angle, compiled_results, static_decode
 from test_kv_cache import FakeQuantizedCache, count
 
-from fxquant.backend import fxquant as fxquant_backend
 from fxquant.kv_cache import FP8StaticCache
 
 pytestmark = pytest.mark.gpu
@@ -35,18 +34,11 @@ def llama_3_heads(request):
 @pytest.mark.parametrize("cache_class", [T.StaticCache, FP8StaticCache], ids=["bf16_cache", "fp8_cache"])
 def test_a_compiled_decode_step_attends_with_the_kernel(llama_3_heads, cache_class):
     model, prompt, steps, padding = llama_3_heads
-    graphs = []
-
-    def backend(gm, inputs):
-        compiled = fxquant_backend(gm, inputs, options={"inner": "eager", "include": []})
-        graphs.append(compiled.result.gm)
-        return compiled
-
     reference_cache = T.StaticCache if cache_class is T.StaticCache else FakeQuantizedCache
     decode = lambda m, forward, cache: static_decode(m, forward, prompt, steps, max_len=MAX_LEN, padding=padding,
                                                      cache_class=cache)
-    torch._dynamo.reset()
-    got = decode(model, torch.compile(model, backend=backend), cache_class)
+    forward, graphs = compiled_results(model, {"inner": "eager", "include": []}, keep=lambda result: result.gm)
+    got = decode(model, forward, cache_class)
     eager = decode(model, model, reference_cache)
     wide = copy.deepcopy(model).float()
     exact = decode(wide, wide, reference_cache)

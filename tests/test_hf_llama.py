@@ -5,13 +5,13 @@ from collections import Counter
 
 import pytest
 import torch
+from hf_models import compiled_results
 from models import rel_err
 from reports import section
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
-from fxquant.config import RECIPES, QuantConfig
-from fxquant.pipeline import run_pipeline
+from fxquant.config import RECIPES
 
 LAYERS = 2
 # Logits error against eager bf16. A random-weight Llama amplifies quantization noise through its layers (torchao's
@@ -72,15 +72,10 @@ def test_inductor_lowers_the_fused_graph(llama):
 def test_every_residual_add_joins_the_norm_after_it(llama):
     """Layer 0's first norm reads the embeddings; every later norm reads a residual add, which joins it."""
     model, ids = llama
-    graphs = []
-
-    def backend(gm, inputs):
-        graphs.append(run_pipeline(gm, QuantConfig(recipe="fp8_block"), inputs).gm)
-        return graphs[-1].forward
-
-    torch._dynamo.reset()
+    forward, graphs = compiled_results(model, {"recipe": "fp8_block", "inner": "eager"}, keep=lambda result: result.gm,
+                                       fullgraph=True)
     with torch.no_grad():
-        torch.compile(model, backend=backend, fullgraph=True)(ids, use_cache=False)
+        forward(ids, use_cache=False)
     targets = Counter(node.target for node in graphs[0].graph.nodes)
     assert targets[torch.ops.fxquant.add_norm_quant_fp8.default] == 2 * LAYERS - 1
     assert targets[torch.ops.fxquant.norm_quant_fp8.default] == 1

@@ -9,11 +9,10 @@ import warnings
 
 import pytest
 import torch
-from hf_models import cosine, decoder, fake_quantized, static_decode, within_bound
+from hf_models import compiled_results, cosine, decoder, fake_quantized, static_decode, within_bound
 from test_real_models import PROMPT, STEPS, Router
 
 import fxquant
-from fxquant.backend import fxquant as fxquant_backend
 from fxquant.config import RECIPES
 
 RECIPE_NAMES = list(RECIPES)
@@ -52,15 +51,8 @@ def test_quantized_model_compiles_without_quantizing_again(recipe, capsys):
     eager = static_decode(model, model, PROMPT, STEPS)
     fxquant.quantize_(model, {"recipe": recipe})
     before = model_storages(model)
-    graphs = []
-
-    def backend(gm, inputs):
-        compiled = fxquant_backend(gm, inputs, options={"inner": "eager", "report": True})
-        graphs.append(compiled.result)
-        return compiled
-
-    torch._dynamo.reset()
-    got = static_decode(model, torch.compile(model, backend=backend), PROMPT, STEPS)  # prefill and decode graphs
+    forward, graphs = compiled_results(model, {"inner": "eager", "report": True})
+    got = static_decode(model, forward, PROMPT, STEPS)  # prefill and decode graphs
     exact = static_decode(exact_model, exact_model, PROMPT, STEPS)
     plain = static_decode(plain_model, plain_model, PROMPT, STEPS)
     assert not within_bound(got, exact, plain, eager)
@@ -129,15 +121,8 @@ def test_every_graph_of_a_model_shares_one_quantized_copy():
     """Prefill and decode are two graphs; the backend's quantized weights (merged q/k/v and gate/up included) are
     stored once for both."""
     model = decoder("llama")
-    graphs = []
-
-    def backend(gm, inputs):
-        compiled = fxquant_backend(gm, inputs, options={"recipe": "int4_wo", "inner": "eager"})
-        graphs.append(compiled.result.gm)
-        return compiled
-
-    torch._dynamo.reset()
-    static_decode(model, torch.compile(model, backend=backend), PROMPT, STEPS)
+    forward, graphs = compiled_results(model, {"recipe": "int4_wo", "inner": "eager"}, keep=lambda result: result.gm)
+    static_decode(model, forward, PROMPT, STEPS)
     assert len(graphs) == 2
     first, second = (storages(gm.buffers()) for gm in graphs)
     assert set(second) <= set(first) | set(model_storages(model))  # the second graph added no weight storage

@@ -6,7 +6,7 @@ over a K-sharded input are per shard)."""
 
 import pytest
 import torch
-from hf_models import VOCAB, decoder, fake_quantized, static_decode, traced, within_bound
+from hf_models import VOCAB, compiled_results, decoder, fake_quantized, static_decode, traced, within_bound
 from reports import layer_rows
 from tensor_parallel import ROW, run, sharded_decode, sharded_load, sharded_quantize_, sharded_save
 
@@ -41,18 +41,9 @@ def bound(model, recipe: str, world: int, row=ROW):
 
 def unsharded_records(model, recipe: str) -> dict:
     """The unsharded model's layer records under the recipe: name -> (recipe, reason, bytes before, after)."""
-    from fxquant.backend import fxquant as fxquant_backend
-
-    records = []
-
-    def backend(gm, inputs):
-        compiled = fxquant_backend(gm, inputs, options={"recipe": recipe, "inner": "eager"})
-        records.extend(compiled.result.layers)
-        return compiled
-
-    torch._dynamo.reset()
-    static_decode(model, torch.compile(model, backend=backend), PROMPT, STEPS)
-    return {r.fqn: (r.recipe, r.reason, r.bytes_before, r.bytes_after) for r in records}
+    forward, results = compiled_results(model, {"recipe": recipe, "inner": "eager"})
+    static_decode(model, forward, PROMPT, STEPS)
+    return {r.fqn: (r.recipe, r.reason, r.bytes_before, r.bytes_after) for result in results for r in result.layers}
 
 
 @ON_TWO_RANKS

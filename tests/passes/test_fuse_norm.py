@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from hf_models import dynamo_graph
 from models import rel_err
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -48,15 +49,7 @@ def state(recipe="fp8_block"):
 
 def captured(model, *inputs):
     """The pipeline's graph after quantize_linear, before any fusion, and the captured inputs."""
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append((gm, example_inputs))
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(model, backend=backend, fullgraph=True)(*inputs)
-    gm, example_inputs = graphs[0]
+    gm, example_inputs = dynamo_graph(model, *inputs, fullgraph=True)
     gm = prepare(gm, state(), example_inputs)
     QuantizeLinear(state())(gm)
     return gm, example_inputs

@@ -5,6 +5,7 @@ from collections import Counter
 
 import pytest
 import torch
+from hf_models import compiled_results
 from torch.fx.passes.infra.pass_base import PassResult
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -30,15 +31,9 @@ def llama():
 
 def pipeline(model, ids, recipe):
     """The pipeline's result on the model's dynamo graph, and the logits its graph computes."""
-    results = []
-
-    def backend(gm, inputs):
-        results.append(run_pipeline(gm, QuantConfig(recipe=recipe), inputs))
-        return results[-1].gm.forward
-
-    torch._dynamo.reset()
+    forward, results = compiled_results(model, {"recipe": recipe, "inner": "eager"}, fullgraph=True)
     with torch.no_grad():
-        logits = torch.compile(model, backend=backend, fullgraph=True)(ids, use_cache=False).logits
+        logits = forward(ids, use_cache=False).logits
     return results[0], logits
 
 

@@ -5,6 +5,7 @@ import operator
 import pytest
 import torch
 import torch.nn.functional as F
+from hf_models import dynamo_graph
 from models import rel_err, tiny_block
 from reports import section
 
@@ -24,15 +25,7 @@ X = torch.randn(2, 8, 256, dtype=torch.bfloat16)
 
 def capture(model, x=X):
     """The graph and example inputs dynamo hands a backend."""
-    captured = {}
-
-    def backend(gm, example_inputs):
-        captured.update(gm=gm, inputs=example_inputs)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(model, backend=backend)(x)
-    return captured["gm"], captured["inputs"]
+    return dynamo_graph(model, x)
 
 
 def count(gm, target):

@@ -6,6 +6,7 @@ import operator
 import pytest
 import torch
 import torch.nn as nn
+from hf_models import dynamo_graph
 from models import rel_err
 from torch.fx.passes.infra.pass_manager import PassManager
 
@@ -131,15 +132,7 @@ def test_every_pass_keeps_the_cache_writes(recipe):
     with torch.no_grad():
         model(x, r, pos)
     want = model.cache.clone()
-    captured = {}
-
-    def backend(gm, inputs):
-        captured.update(gm=gm, inputs=inputs)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(model, backend=backend, fullgraph=True)(x, r, pos)
-    gm, inputs = captured["gm"], captured["inputs"]
+    gm, inputs = dynamo_graph(model, x, r, pos, fullgraph=True)
     state = PipelineState(QuantConfig(recipe=recipe))
     for make in PASSES:
         one = make(state, inputs)
