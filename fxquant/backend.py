@@ -12,10 +12,10 @@ from torch._dynamo import list_backends, register_backend
 from torch._dynamo.source import ConstantSource
 
 from fxquant.config import MODES, from_options
-from fxquant.passes.pack_int4_lanes import refresh_lanes
-from fxquant.passes.quantize_linear import quantize_weight
 from fxquant.pipeline import PipelineResult, run_pipeline
 from fxquant.report import format_report
+from fxquant.weight_quantization import quantize_weight
+from fxquant.weight_store import refresh_lanes
 
 VERSION = operator.attrgetter("_version")
 

@@ -14,7 +14,6 @@ from fxquant.config import AUTO, QuantConfig, from_options
 from fxquant.lint import Finding, lint_layers, refuse_errors, warn_findings, weight_findings
 from fxquant.metrics import sqnr_db, worst_row_sqnr_db
 from fxquant.passes.annotations import annotation
-from fxquant.passes.quantize_linear import ALIGNMENT, ROUTER_REASON, SHARD_HINT, skip_reason
 from fxquant.passes.state import LayerRecord, PipelineState
 from fxquant.pipeline import prepare
 from fxquant.quantized_experts import (
@@ -28,6 +27,7 @@ from fxquant.quantized_linear import FrozenParts, QuantizedLinear
 from fxquant.reference import dequantize
 from fxquant.report import format_report
 from fxquant.sharded_linear import LAYOUT_REASON, local, move_hooks, shard_dim
+from fxquant.weight_quantization import ALIGNMENT, ROUTER_REASON, SHARD_HINT, skip_reason
 from fxquant.weights import WeightEntry, weight_role
 
 

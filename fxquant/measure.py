@@ -20,7 +20,8 @@ from fxquant.linear_ops import emit_linear, emit_routed_linear, run_now
 from fxquant.metrics import sqnr_db
 from fxquant.passes.annotations import annotation, linear_fqn, node_dtype
 from fxquant.passes.patterns import ExpertOperands, weight_operands
-from fxquant.passes.quantize_linear import (
+from fxquant.passes.side_effects import has_side_effects
+from fxquant.weight_quantization import (
     CAST_REASON,
     ROUTER_REASON,
     alignment_reason,
@@ -28,7 +29,6 @@ from fxquant.passes.quantize_linear import (
     skip_reason,
     weight_skip_reason,
 )
-from fxquant.passes.side_effects import has_side_effects
 
 
 @dataclass(frozen=True)

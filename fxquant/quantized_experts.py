@@ -22,8 +22,8 @@ import torch.nn as nn
 
 from fxquant.config import RECIPES
 from fxquant.linear_ops import emit_linear, run_now
-from fxquant.passes.quantize_linear import quantize_weight
 from fxquant.quantized_linear import PARTS, FrozenParts
+from fxquant.weight_quantization import quantize_weight
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
 

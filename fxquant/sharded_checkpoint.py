@@ -20,9 +20,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fxquant.compressed_tensors import to_checkpoint
 from fxquant.config import RECIPES
-from fxquant.passes.quantize_linear import alignment_reason
 from fxquant.quantized_linear import QuantizedLinear
 from fxquant.sharded_linear import SHARDED_LAYOUTS, shard_dim, sharded_parts
+from fxquant.weight_quantization import alignment_reason
 
 
 @dataclass(frozen=True)

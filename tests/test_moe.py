@@ -16,8 +16,8 @@ from reports import layer_rows
 
 import fxquant
 from fxquant import reference as R
-from fxquant.passes.quantize_linear import quantize_weight
 from fxquant.quantized_experts import QuantizedExperts
+from fxquant.weight_quantization import quantize_weight
 
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
 RECIPES = ["fp8_block", "mxfp4_wo", "int4_wo"]  # fp8_block is in no CI set below: its experts take the longest

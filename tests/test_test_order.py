@@ -20,14 +20,14 @@ def test_monkeypatch_refuses_torch_config_and_names_the_fix(monkeypatch, patch):
 
 
 def test_monkeypatch_still_patches_and_undoes_everything_else(monkeypatch):
-    import fxquant.passes.quantize_linear as quantize_linear
+    import fxquant.weight_quantization as weight_quantization
 
-    before = quantize_linear.QUANTIZE_ROWS, quantize_linear.ROUTER_REASON
-    monkeypatch.setattr(quantize_linear, "QUANTIZE_ROWS", 7)
-    monkeypatch.setattr("fxquant.passes.quantize_linear.ROUTER_REASON", "patched")
-    assert (quantize_linear.QUANTIZE_ROWS, quantize_linear.ROUTER_REASON) == (7, "patched")
+    before = weight_quantization.QUANTIZE_ROWS, weight_quantization.ROUTER_REASON
+    monkeypatch.setattr(weight_quantization, "QUANTIZE_ROWS", 7)
+    monkeypatch.setattr("fxquant.passes.weight_quantization.ROUTER_REASON", "patched")
+    assert (weight_quantization.QUANTIZE_ROWS, weight_quantization.ROUTER_REASON) == (7, "patched")
     monkeypatch.undo()
-    assert before == (quantize_linear.QUANTIZE_ROWS, quantize_linear.ROUTER_REASON)
+    assert before == (weight_quantization.QUANTIZE_ROWS, weight_quantization.ROUTER_REASON)
 
 
 @pytest.mark.parametrize("workers", ["0", "2"])

@@ -68,7 +68,7 @@ class MergeLinear(FxquantPass):
         new_names = [f"{name}_merged{len(nodes)}" for name in old_names[0]]
         for i, name in enumerate(new_names):
             gm.register_buffer(name, _stacked([getattr(gm, names[i]) for names in old_names]))
-        # Sources: the tensors shared beyond this graph (quantize_'s parameters, weight_cache's entries), or None
+        # Sources: the tensors shared beyond this graph (quantize_'s parameters, weight_store's entries), or None
         # where the buffers are this graph's own.
         sources = [[n.args[p].meta.get(SOURCE_KEY) for p in positions] for n in nodes]
         args = list(nodes[0].args)
@@ -102,7 +102,7 @@ class MergeLinear(FxquantPass):
         self._record(renamed, widths)
         if sources[0][0] is None:
             return
-        # The shared tensors (the model's quantize_ parameters, or weight_cache's entries) become views of the
+        # The shared tensors (the model's quantize_ parameters, or weight_store's entries) become views of the
         # stacked ones: one copy of each weight remains, a later load_state_dict reaches this graph, and a later
         # graph of the same model finds them stacked already.
         start = 0

@@ -11,64 +11,29 @@ tensors and the in-register kernel.
 
 Weights quantize_ quantized are left as they are: no record tracks their versions, so a copy could go stale.
 The copy is shared by every graph that reads the same scales, and re-packed in place whenever they may have
-changed: when a graph is compiled (another graph's weight_cache may have re-quantized shared weights), and on
-`refresh_lanes` after the backend re-quantizes a changed weight.
+changed: when a graph is compiled (another graph may have re-quantized shared weights), and on
+`weight_store.refresh_lanes` after the backend re-quantizes a changed weight.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 from torch.fx.passes.infra.pass_base import PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.kernels.cast import capability
-from fxquant.kernels.gemm_int4_mma import STEP_K, pack_lanes
+from fxquant.kernels.gemm_int4_mma import STEP_K
 from fxquant.passes.annotations import fetch_attr
 from fxquant.passes.order import FxquantPass
 from fxquant.passes.state import PipelineState
+from fxquant.weight_store import LANES_KEY, lanes_of
 
 WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default
 LANES = torch.ops.fxquant.linear_int4_lanes.default
-META_KEY = "fxquant_int4_lanes"  # gm.meta: (scale buffer, zero point buffer) of each packed weight
-
-# The per-lane copy of each scale or zero point tensor, by where its values live: graphs of one model read the same
-# storage through their own tensors (merge_linear builds a stacked buffer as a new view per graph). Held weakly, it
-# lives as long as a graph holds it; that graph holds the source too, so the storage is not reused meanwhile.
-_COPIES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
 
 def kernel_serves(scale: torch.Tensor) -> bool:
     """Whether the mma.sync kernel can run where this weight lives."""
     return scale.is_cuda and capability(scale.device) >= (8, 0)
-
-
-def _where(t: torch.Tensor) -> tuple:
-    return t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
-
-
-def lanes_of(scale: torch.Tensor, zero_point: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The per-lane copies of (scale, zero point), one for every graph, packed afresh into them on each call: the
-    sources may have been re-quantized in place since (by another graph's weight_cache, or by the backend)."""
-    copies = []
-    for source, packed in zip((scale, zero_point), pack_lanes(scale, zero_point), strict=True):
-        found = None if source is None else _COPIES.get(_where(source))
-        if found is None:
-            found = packed
-            if source is not None:
-                _COPIES[_where(source)] = packed
-        else:
-            with torch.no_grad():
-                found.copy_(packed)
-        copies.append(found)
-    return copies[0], copies[1]
-
-
-def refresh_lanes(gm: torch.fx.GraphModule) -> None:
-    """Re-pack the per-lane copies of gm's int4 weights, after the backend re-quantized some in place."""
-    for scale_name, zero_name in gm.meta.get(META_KEY, ()):
-        lanes_of(getattr(gm, scale_name), getattr(gm, zero_name) if zero_name else None)
 
 
 class PackInt4Lanes(FxquantPass):
@@ -104,7 +69,7 @@ class PackInt4Lanes(FxquantPass):
             modified = True
         if not modified:
             return PassResult(gm, False)
-        gm.meta[META_KEY] = list(packed)
+        gm.meta[LANES_KEY] = list(packed)
         gm.graph.lint()
         gm.recompile()
         return PassResult(gm, True)

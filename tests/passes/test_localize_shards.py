@@ -15,9 +15,9 @@ from tensor_parallel import run
 from fxquant.passes.annotations import SHARD_KEY, fetch_attr
 from fxquant.passes.freeze_params import FreezeParams
 from fxquant.passes.localize_shards import LocalizeShards
-from fxquant.passes.quantize_linear import SHARDED_REASON
 from fxquant.passes.side_effects import has_side_effects
 from fxquant.sharded_linear import LAYOUT_REASON
+from fxquant.weight_quantization import SHARDED_REASON
 
 
 class Block(nn.Module):

@@ -16,7 +16,7 @@ from fxquant import ops
 from fxquant.backend import fxquant as fxquant_backend
 from fxquant.kernels.gemm_int4_mma import pack_lanes
 from fxquant.passes import pack_int4_lanes
-from fxquant.passes.pack_int4_lanes import META_KEY
+from fxquant.weight_store import LANES_KEY
 
 LANES = torch.ops.fxquant.linear_int4_lanes.default
 WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default
@@ -45,7 +45,7 @@ def compile_collecting(model, recipe="int4_wo"):
 def lanes_buffers(gm):
     """(scale, zero point, their per-lane copies) of each packed weight of gm."""
     return [(getattr(gm, s), getattr(gm, z), getattr(gm, f"{s}_lanes"), getattr(gm, f"{z}_lanes"))
-            for s, z in gm.meta[META_KEY]]
+            for s, z in gm.meta[LANES_KEY]]
 
 
 def test_int4_linears_take_the_lanes_op_with_the_same_numbers(serves, monkeypatch):

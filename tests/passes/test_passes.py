@@ -271,13 +271,13 @@ def test_weights_quantized_in_row_chunks_equal_the_whole(monkeypatch, recipe, po
     """quantize_weight bounds its temporaries by quantizing rows in chunks: bit for bit the reference's result, per
     tensor scales and NaN poison included."""
     from fxquant import reference as R
-    from fxquant.passes import quantize_linear
+    from fxquant import weight_quantization
 
-    monkeypatch.setattr(quantize_linear, "QUANTIZE_ROWS", 256)
+    monkeypatch.setattr(weight_quantization, "QUANTIZE_ROWS", 256)
     w = torch.randn(640, 256, dtype=torch.bfloat16)  # two whole chunks and a part
     if poison:
         w[300, 17] = float("nan")  # in the second chunk: a per-tensor scale is poisoned whole, a block one locally
-    got = quantize_linear.quantize_weight(w, recipe)
+    got = weight_quantization.quantize_weight(w, recipe)
     scheme = RECIPES[recipe]
     want = R.quantize(w, scheme.weight_fmt, scheme.weight_granularity, symmetric=scheme.symmetric)
     for field in ("data", "scale", "global_scale", "zero_point"):

@@ -1,0 +1,110 @@
+"""Weight quantization for every path (the backend's pass, quantize_, the quantized modules, the measurements):
+a weight quantized in chunks, bit for bit the whole-tensor result, its SQNR, and why a weight stays in high
+precision. Below the passes: no pass is imported here."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from fxquant import reference as R
+from fxquant.config import AUTO, KEEP, RECIPES, LinearScheme, QuantConfig
+from fxquant.formats import E2M1, E4M3
+from fxquant.metrics import sqnr_db, worst_row_sqnr_db
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ROUTER_REASON = "router: its output selects experts (top-k)"
+CAST_REASON = "its product reads the weight cast to another dtype (logits wanted in that precision)"
+SHARDED_REASON = ("a DTensor (tensor-parallel) weight not run on local shards: torch.compile(backend='fxquant') runs "
+                  "column parallel over a replicated input and row parallel without bias, on a 1-D mesh, only")
+SHARD_HINT = ("on this rank's shard of a tensor-parallel weight: shard on a multiple of the recipe's block (fewer "
+              "ranks), or take a recipe with smaller blocks (fp8_row)")
+
+
+# Rows quantized at a time: the reference's fp32 temporaries (a dozen for the FP4 encoders) stay a few MB per
+# chunk, not copies of the whole weight. A multiple of every block's rows (128 for fp8_block), so each block's scale
+# sees its whole block.
+QUANTIZE_ROWS = 512
+
+
+def quantize_weight(w: torch.Tensor, recipe: str):
+    """The recipe's quantized weight [N, K], or experts' [E, N, K] stacked expert by expert (codes, scale, global
+    scale, zero point in one Quantized), in chunks of QUANTIZE_ROWS rows, bit for bit the whole-tensor result. A
+    per-tensor scale (fp8_tensor, NVFP4's global scale) is computed first from the chunks' maxima and given to every
+    chunk as a static scale; a per-tensor fp8 scale that a non-finite weight poisons is left to the whole-tensor
+    pass, which spreads the poison as documented."""
+    if w.dim() == 3:
+        return R.stack_experts([quantize_weight(w[e], recipe) for e in range(w.shape[0])])
+    scheme = RECIPES[recipe]
+    # contiguous: a [K, N]-stored weight arrives as a transposed view, and the kernels read row-major codes.
+    whole = lambda t, scale=None: R.quantize(t.detach().contiguous(), scheme.weight_fmt, scheme.weight_granularity,
+                                             scale=scale, symmetric=scheme.symmetric)
+    if w.shape[0] <= QUANTIZE_ROWS:
+        return whole(w)
+    starts = range(0, w.shape[0], QUANTIZE_ROWS)
+    scale = None
+    if scheme.weight_fmt == "nvfp4":
+        amax = torch.stack([R.nvfp4_global_amax(w[i:i + QUANTIZE_ROWS]) for i in starts]).amax()
+        scale = R.scale_from_amax(amax, E4M3.max * E2M1.max)
+    elif scheme.weight_granularity == "tensor":
+        amax = torch.stack([R.block_amax(w[i:i + QUANTIZE_ROWS].reshape(1, -1).float())[0] for i in starts]).amax()
+        if not torch.isfinite(amax):
+            return whole(w)
+        scale = R.scale_from_amax(amax, R.FP8[scheme.weight_fmt].max)
+    chunks = [whole(w[i:i + QUANTIZE_ROWS], scale) for i in starts]
+
+    def joined(field):
+        first = getattr(chunks[0], field)
+        if first is None or first.dim() == 0:
+            return first  # absent, or the one scale every chunk was given
+        return torch.cat([getattr(chunk, field) for chunk in chunks])
+
+    return replace(chunks[0], shape=w.shape, data=joined("data"), scale=joined("scale"),
+                   zero_point=joined("zero_point"))
+
+
+def quantize_and_measure(w: torch.Tensor, recipe: str):
+    """(quantized weight, weight SQNR, worst channel's SQNR): what a graph needs of a weight, kept in weight_store
+    so a later graph of the model neither quantizes nor measures it again."""
+    q = quantize_weight(w, recipe)
+    w_hat = R.dequantize(q, torch.float32) if w.dim() == 2 else R.dequantize_experts(q, torch.float32)
+    rows = lambda t: t.reshape(-1, t.shape[-1])  # an expert's output channels are rows too
+    return q, sqnr_db(w_hat, w), worst_row_sqnr_db(rows(w_hat), rows(w))
+
+
+def weight_skip_reason(w, dims: int = 2) -> str | None:
+    """Why no recipe can take this weight (`dims` dims: 2 for a linear's, 3 for experts'), or None."""
+    if not isinstance(w, torch.Tensor) or w.dim() != dims:
+        return f"weight is not a constant {dims}-D tensor"
+    if w.dtype not in FLOAT_DTYPES:
+        return f"weight dtype {w.dtype} is not a float"
+    if isinstance(w, DTensor):
+        return SHARDED_REASON
+    return None
+
+
+ALIGNMENT = "alignment:"
+
+
+def alignment_reason(shape, scheme: LinearScheme) -> str | None:
+    n, k = shape[-2:]
+    if k % scheme.k_multiple or n % scheme.n_multiple:
+        return (f"{ALIGNMENT} needs K % {scheme.k_multiple} == 0 and N % {scheme.n_multiple} == 0, "
+                f"has [N={n}, K={k}]")
+    return None
+
+
+def skip_reason(w, fqn, config: QuantConfig, auto_reasons=None, dims: int = 2) -> str | None:
+    """Why layer fqn (weight w as [N, K], or experts' [E, N, K]) stays in high precision under config, or None."""
+    reason = weight_skip_reason(w, dims) or config.skip_reason(fqn)
+    if reason:
+        return reason
+    if dims == 3 and config.recipe == AUTO and config.layer_recipe(fqn) is None:
+        return ("recipe='auto' measured no recipe for these experts (they ran outside the graphs it measures): name "
+                "one in layer_recipes")
+    recipe = config.recipe_for(fqn)
+    if recipe == KEEP:
+        return (auto_reasons or {}).get(fqn, "layer_recipes keeps it in high precision")
+    return alignment_reason(w.shape, RECIPES[recipe])

@@ -1,0 +1,83 @@
+"""The quantized copies of the model's weights that every compiled graph shares, and their refresh: one store per
+process, owned here rather than by a pass.
+
+- `shared_quantized`: one quantized copy of each model weight per recipe and layout. Dynamo compiles a model into
+  several graphs (prefill and decode, a recompile, two compiled functions); each graph's quantize_linear asks here
+  before quantizing. Entries live as long as the weight they quantize (a weak reference to the model's parameter)
+  and are re-quantized in place, for every graph at once, when that weight changed. merge_linear may re-point their
+  tensors into a stacked copy, which is then the one copy.
+- `lanes_of` / `refresh_lanes`: the per-lane copies of int4 scales and zero points that the mma.sync decode kernel
+  reads (pack_int4_lanes), re-packed in place whenever their sources may have changed.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from fxquant.kernels.gemm_int4_mma import pack_lanes
+from fxquant.quantized import Quantized
+
+LANES_KEY = "fxquant_int4_lanes"  # gm.meta: (scale buffer, zero point buffer) of each weight packed in lanes
+
+# parameter -> {(recipe, transposed): (version, (Quantized, *what quantize measured with it))}
+_ENTRIES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def shared_quantized(owner: torch.Tensor | None, weight: torch.Tensor, recipe: str, transposed: bool,
+                     quantize) -> tuple:
+    """quantize(weight, recipe) -> (Quantized, *extras), computed once per (owner, recipe, layout) and owner
+    version; owner None (a graph with no model behind it, as torch.export's) always quantizes afresh."""
+    if owner is None:
+        return quantize(weight, recipe)
+    entries = _ENTRIES.setdefault(owner, {})
+    found = entries.get((recipe, transposed))
+    if found is not None and found[0] == owner._version:
+        return found[1]
+    fresh = quantize(weight, recipe)
+    if found is not None:  # same tensors, new values: graphs that hold them see the change
+        with torch.no_grad():
+            for old, new in zip(_tensors(found[1][0]), _tensors(fresh[0]), strict=True):
+                old.copy_(new)
+        fresh = (found[1][0], *fresh[1:])
+    entries[(recipe, transposed)] = (owner._version, fresh)
+    return fresh
+
+
+def _tensors(q: Quantized) -> list[torch.Tensor]:
+    return [t for t in (q.data, q.scale, q.global_scale, q.zero_point) if t is not None]
+
+
+# The per-lane copy of each scale or zero point tensor, by where its values live: graphs of one model read the same
+# storage through their own tensors (merge_linear builds a stacked buffer as a new view per graph). Held weakly, it
+# lives as long as a graph holds it; that graph holds the source too, so the storage is not reused meanwhile.
+_COPIES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _where(t: torch.Tensor) -> tuple:
+    return t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+
+
+def lanes_of(scale: torch.Tensor, zero_point: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The per-lane copies of (scale, zero point), one for every graph, packed afresh into them on each call: the
+    sources may have been re-quantized in place since (by another graph's weight_cache, or by the backend)."""
+    copies = []
+    for source, packed in zip((scale, zero_point), pack_lanes(scale, zero_point), strict=True):
+        found = None if source is None else _COPIES.get(_where(source))
+        if found is None:
+            found = packed
+            if source is not None:
+                _COPIES[_where(source)] = packed
+        else:
+            with torch.no_grad():
+                found.copy_(packed)
+        copies.append(found)
+    return copies[0], copies[1]
+
+
+def refresh_lanes(gm: torch.fx.GraphModule) -> None:
+    """Re-pack the per-lane copies of gm's int4 weights, after the backend re-quantized some in place."""
+    for scale_name, zero_name in gm.meta.get(LANES_KEY, ()):
+        lanes_of(getattr(gm, scale_name), getattr(gm, zero_name) if zero_name else None)
