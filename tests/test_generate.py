@@ -77,8 +77,10 @@ def options_for_device():
     return [NOTHING] if DEVICE == "cuda" else [None, NOTHING]
 
 
-@pytest.mark.parametrize("entry", list(ENTRIES))
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "mixtral", "mixtral_grouped_mm"])  # full, sliding window, MoE
+@pytest.mark.parametrize("arch, entry", [  # full attention, a sliding window, MoE; both entries run the one loop
+    pytest.param(arch, entry, marks=pytest.mark.slow if arch == "mixtral_grouped_mm" or (
+        entry == "custom_generate" and arch != "llama") else ())  # 25-40 s each on CI's cores: one entry there
+    for arch in ("llama", "gemma2", "mixtral", "mixtral_grouped_mm") for entry in ENTRIES])
 def test_with_nothing_quantized_greedy_tokens_equal_transformers_generate(arch, entry):
     model = model_of(arch)
     ids, mask = prompts(3)

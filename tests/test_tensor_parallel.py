@@ -159,7 +159,7 @@ def test_quantize_leaves_a_layer_whose_shard_splits_a_block_and_says_why():
         assert rows and all("alignment" in row and "tensor-parallel weight" in row for row in rows)
 
 
-@pytest.mark.parametrize("recipe", ["int4_wo", "fp8_block"])
+@pytest.mark.parametrize("recipe", ["int4_wo", pytest.param("fp8_block", marks=pytest.mark.slow)])  # CI: one
 def test_a_sharded_model_saves_the_unsharded_model_s_checkpoint(tmp_path, recipe):
     """save_quantized on every rank of the quantize_'d sharded model writes, from rank 0, the checkpoint the unsharded
     model quantize_'d the same way writes: the same tensors bit for bit and the same quantization_config (int4's
@@ -271,6 +271,7 @@ def test_a_loaded_sharded_model_saves_the_checkpoint_it_loaded(loaded, label):
         assert torch.equal(_bytes(resaved[key]), _bytes(original[key])), key
 
 
+@pytest.mark.slow  # 30 s of CI's two cores (ranks loading two checkpoints); the GPU and local suites run it
 def test_a_shard_that_splits_the_checkpoint_s_blocks_or_its_scale_is_refused_by_name(tmp_path):
     """With 2 KV heads of 64, k_proj and v_proj have 128 rows: shards of 64 rows at 2 ranks split fp8_block's
     128x128 blocks. fp8_tensor's one weight scale per tensor would differ per shard. Loading either refuses,
