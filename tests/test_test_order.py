@@ -24,7 +24,7 @@ def test_monkeypatch_still_patches_and_undoes_everything_else(monkeypatch):
 
     before = weight_quantization.QUANTIZE_ROWS, weight_quantization.ROUTER_REASON
     monkeypatch.setattr(weight_quantization, "QUANTIZE_ROWS", 7)
-    monkeypatch.setattr("fxquant.passes.weight_quantization.ROUTER_REASON", "patched")
+    monkeypatch.setattr("fxquant.weight_quantization.ROUTER_REASON", "patched")
     assert (weight_quantization.QUANTIZE_ROWS, weight_quantization.ROUTER_REASON) == (7, "patched")
     monkeypatch.undo()
     assert before == (weight_quantization.QUANTIZE_ROWS, weight_quantization.ROUTER_REASON)
