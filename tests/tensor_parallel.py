@@ -63,9 +63,9 @@ def sharded_decode(arch: str, recipes, prompt, steps, experts=False, **overrides
                "traced": static_decode(model, traced(model), prompt, steps)}
     for recipe in recipes:
         options = {"recipe": recipe} if recipe else {"include": []}
-        forward, results = compiled_results(model, {**options, "inner": "eager"})
+        forward, compiled = compiled_results(model, {**options, "inner": "eager"})
         logits = static_decode(model, forward, prompt, steps)
-        layers = {r.fqn: (r.recipe, r.reason, r.bytes_before, r.bytes_after) for result in results
+        layers = {r.fqn: (r.recipe, r.reason, r.bytes_before, r.bytes_after) for result in compiled
                   for r in result.layers}
         results[recipe] = (logits, layers)
     return results

@@ -22,6 +22,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.passes.annotations import PARAMETER_KEY, SOURCE_KEY, fake_value, fetch_attr
+from fxquant.passes.op_arguments import arguments, with_arguments
 from fxquant.passes.order import FxquantPass
 from fxquant.passes.side_effects import mutation_epochs
 from fxquant.passes.state import LayerRecord, PipelineState
@@ -29,10 +30,9 @@ from fxquant.passes.state import LayerRecord, PipelineState
 QUANTIZE = torch.ops.fxquant.quantize_fp8.default
 SCALED_MM = torch.ops.fxquant.scaled_mm_fp8.default
 WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default
-# Per op: the argument positions of the weight's (codes, scale, zero point), the bias, and the output width.
-WEIGHT_ARGS = {SCALED_MM: (2, 3, None), WEIGHT_ONLY: (1, 2, 4)}
-BIAS_ARG = {SCALED_MM: 4, WEIGHT_ONLY: 5}
-WIDTH_ARG = {WEIGHT_ONLY: 8}
+# Per op, by its schema's names: the weight's (codes, scale, zero point), and the output width where one is passed.
+WEIGHT_ARGS = {SCALED_MM: ("w", "w_scale", None), WEIGHT_ONLY: ("w", "w_scale", "w_zero_point")}
+WIDTH_ARG = {WEIGHT_ONLY: "out_features"}
 
 
 class MergeLinear(FxquantPass):
@@ -61,23 +61,22 @@ class MergeLinear(FxquantPass):
 
     def _merge(self, gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> None:
         graph, op = gm.graph, nodes[0].target
-        positions = [p for p in WEIGHT_ARGS[op] if p is not None and nodes[0].args[p] is not None]
-        old_names = [[n.args[p].target for p in positions] for n in nodes]
-        widths = [fetch_attr(gm, n.args[positions[0]]).shape[0] for n in nodes]
+        first = arguments(nodes[0])
+        weight_args = [name for name in WEIGHT_ARGS[op] if name is not None and first[name] is not None]
+        old_names = [[arguments(n)[name].target for name in weight_args] for n in nodes]
+        widths = [fetch_attr(gm, arguments(n)[weight_args[0]]).shape[0] for n in nodes]
         total = sum(widths)
         new_names = [f"{name}_merged{len(nodes)}" for name in old_names[0]]
         for i, name in enumerate(new_names):
             gm.register_buffer(name, _stacked([getattr(gm, names[i]) for names in old_names]))
         # Sources: the tensors shared beyond this graph (quantize_'s parameters, weight_store's entries), or None
         # where the buffers are this graph's own.
-        sources = [[n.args[p].meta.get(SOURCE_KEY) for p in positions] for n in nodes]
-        args = list(nodes[0].args)
+        sources = [[arguments(n)[name].meta.get(SOURCE_KEY) for name in weight_args] for n in nodes]
         with graph.inserting_before(nodes[0]):
-            for p, name in zip(positions, new_names, strict=True):
-                args[p] = graph.get_attr(name)
+            changes = {arg: graph.get_attr(name) for arg, name in zip(weight_args, new_names, strict=True)}
             if op in WIDTH_ARG:
-                args[WIDTH_ARG[op]] = total
-            merged = graph.call_function(op, tuple(args))
+                changes[WIDTH_ARG[op]] = total
+            merged = graph.call_function(op, with_arguments(nodes[0], **changes))
         key, value = _merged_value(nodes[0], total)
         if value is not None:
             merged.meta[key] = value
@@ -89,7 +88,7 @@ class MergeLinear(FxquantPass):
             if value is not None:
                 part.meta[key] = value[..., start:start + width]  # the strided view it now is
             node.replace_all_uses_with(part)
-            weight_nodes = [node.args[p] for p in positions]
+            weight_nodes = [arguments(node)[name] for name in weight_args]
             graph.erase_node(node)
             for weight_node in weight_nodes:
                 if not weight_node.users:
@@ -185,24 +184,28 @@ def _sibling_key(gm: torch.fx.GraphModule, node: torch.fx.Node, epoch: int, read
     non-weight argument, the weight's layout past its rows, and the mutation epoch (no write between them);
     None where this node cannot merge."""
     op = node.target
-    if node.op != "call_function" or op not in WEIGHT_ARGS or node.args[BIAS_ARG[op]] is not None:
+    if node.op != "call_function" or op not in WEIGHT_ARGS:
         return None
-    if op is WEIGHT_ONLY and node.args[3] is not None:
+    args = arguments(node)
+    if args["bias"] is not None:
+        return None
+    if op is WEIGHT_ONLY and args["w_global_scale"] is not None:
         return None  # a global scale per tensor
-    weight_nodes = [node.args[p] for p in WEIGHT_ARGS[op] if p is not None and node.args[p] is not None]
+    weight_nodes = [args[name] for name in WEIGHT_ARGS[op] if name is not None and args[name] is not None]
     if any(readers[w.target] > 1 for w in weight_nodes):
         return None  # its weight serves other calls too (one module called twice): keep its buffers whole
     owners = {"shared" if w.meta.get(SOURCE_KEY) is not None else "graph" if not w.meta.get(PARAMETER_KEY) else None
               for w in weight_nodes}
     if len(owners) != 1 or None in owners:
         return None  # parameters this pass cannot re-point (an exported module's), or a mix of owners
-    weights = [fetch_attr(gm, node.args[p]) if p is not None else None for p in WEIGHT_ARGS[op]]
+    weights = [fetch_attr(gm, args[name]) if name is not None else None for name in WEIGHT_ARGS[op]]
     codes, scale = weights[0], weights[1]
     if codes is None or scale is None or scale.numel() == 1 or codes.shape[0] % scale.shape[0]:
         return None  # not buffers, or one scale per tensor
     layout = tuple((tuple(t.shape[1:]), t.dtype, codes.shape[0] // t.shape[0]) if t is not None else None
                    for t in weights)
-    fixed = [_source(arg) for i, arg in enumerate(node.args) if i not in WEIGHT_ARGS[op] and i != WIDTH_ARG.get(op)]
+    merged_args = (*WEIGHT_ARGS[op], WIDTH_ARG.get(op))
+    fixed = [_source(value) for name, value in args.items() if name not in merged_args]
     return op, layout, tuple(fixed), epoch, owners.pop()
 
 

@@ -24,6 +24,7 @@ import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.kernels.cast import capability
 from fxquant.kernels.gemm_int4_mma import STEP_K
 from fxquant.passes.annotations import fetch_attr
+from fxquant.passes.op_arguments import arguments
 from fxquant.passes.order import FxquantPass
 from fxquant.passes.state import PipelineState
 from fxquant.weight_store import LANES_KEY, lanes_of
@@ -50,8 +51,9 @@ class PackInt4Lanes(FxquantPass):
         for node in list(gm.graph.nodes):
             if node.target is not WEIGHT_ONLY:
                 continue
-            x, w, scale, _, zero_point, bias, fmt, group, out_features = node.args
-            if fmt != "int4" or scale.op != "get_attr" or scale.target not in owned or group % STEP_K:
+            args = arguments(node)
+            w, scale, zero_point, group = args["w"], args["w_scale"], args["w_zero_point"], args["group_size"]
+            if args["fmt"] != "int4" or scale.op != "get_attr" or scale.target not in owned or group % STEP_K:
                 continue
             scale_t, zero_t = fetch_attr(gm, scale), fetch_attr(gm, zero_point)
             if 2 * fetch_attr(gm, w).shape[-1] % STEP_K or not kernel_serves(scale_t):  # codes [N, K / 2]
@@ -61,7 +63,8 @@ class PackInt4Lanes(FxquantPass):
             with gm.graph.inserting_before(node):
                 attrs = [self._attr(gm, name, tensor) for name, tensor in zip(names, (lane_scale, lane_zero),
                                                                                strict=True)]
-                lanes = gm.graph.call_function(LANES, (x, w, scale, zero_point, *attrs, bias, group, out_features))
+                lanes = gm.graph.call_function(LANES, (args["x"], w, scale, zero_point, *attrs, args["bias"], group,
+                                                       args["out_features"]))
             lanes.meta.update(node.meta)
             node.replace_all_uses_with(lanes)
             gm.graph.erase_node(node)
