@@ -106,11 +106,11 @@ class QuantizedCallable:
                           "(this warning shows once per compile)", stacklevel=3)
             self.warned.add("requantize")
         q = quantize_weight(layer.source.transpose(-2, -1) if layer.transposed else layer.source, layer.recipe)
-        fresh = (q.data, q.scale, q.global_scale, q.zero_point)
         with torch.no_grad():
-            for name, tensor in zip(layer.buffers, fresh, strict=True):
+            for tensor_name, name in layer.buffers._asdict().items():  # QuantizedBuffers names Quantized's fields
                 if name is None:
                     continue
+                tensor = getattr(q, tensor_name)
                 buffer = getattr(variant.result.gm, name)
                 if layer.rows is not None:  # merged with its siblings: its share of the stacked rows
                     first, stop, of = layer.rows

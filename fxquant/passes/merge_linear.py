@@ -25,7 +25,7 @@ from fxquant.passes.annotations import PARAMETER_KEY, SOURCE_KEY, fake_value, fe
 from fxquant.passes.op_arguments import arguments, with_arguments
 from fxquant.passes.order import FxquantPass
 from fxquant.passes.side_effects import mutation_epochs
-from fxquant.passes.state import LayerRecord, PipelineState
+from fxquant.passes.state import LayerRecord, PipelineState, QuantizedBuffers
 
 QUANTIZE = torch.ops.fxquant.quantize_fp8.default
 SCALED_MM = torch.ops.fxquant.scaled_mm_fp8.default
@@ -118,15 +118,15 @@ class MergeLinear(FxquantPass):
             return  # quantize_'s layers: their tensors are the model's parameters, which no record tracks
         start, total = 0, sum(widths)
         for width, layer in zip(widths, layers, strict=True):
-            layer.buffers = tuple(renamed.get(name, name) if name else None for name in layer.buffers)
+            layer.buffers = QuantizedBuffers(*(renamed.get(name, name) if name else None for name in layer.buffers))
             layer.rows = (start, start + width, total)
             start += width
 
     def _layers_of(self, renamed: dict[str, str], count: int) -> list[LayerRecord]:
         """The merged layers' records, in merge order; none for weights quantize_ quantized (no record)."""
-        layers = [layer for layer in self.state.layers if layer.buffers and layer.buffers[0] in renamed]
+        layers = [layer for layer in self.state.layers if layer.buffers and layer.buffers.data in renamed]
         order = list(renamed)
-        layers.sort(key=lambda layer: order.index(layer.buffers[0]))
+        layers.sort(key=lambda layer: order.index(layer.buffers.data))
         if layers and len(layers) != count:
             raise RuntimeError(f"fxquant: merge_linear found {len(layers)} layer records for {count} merged GEMMs")
         return layers

@@ -45,7 +45,7 @@ class PackInt4Lanes(FxquantPass):
         self.state = state  # its layer records name the buffers this graph quantized
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
-        owned = {layer.buffers[1] for layer in self.state.layers if len(layer.buffers) > 1}
+        owned = {layer.buffers.scale for layer in self.state.layers if layer.buffers is not None}
         packed = {}  # (scale buffer, zero point buffer) -> None, in order
         modified = False
         for node in list(gm.graph.nodes):

@@ -40,7 +40,7 @@ from fxquant.passes.annotations import (
 from fxquant.passes.order import FxquantPass
 from fxquant.passes.patterns import ExpertOperands, weight_operands
 from fxquant.passes.spellings import EMBEDDING, target_of
-from fxquant.passes.state import LayerRecord, PipelineState
+from fxquant.passes.state import LayerRecord, PipelineState, QuantizedBuffers
 from fxquant.weight_quantization import (
     ALIGNMENT,
     CAST_REASON,
@@ -132,7 +132,7 @@ class QuantizeLinear(FxquantPass):
             node.replace_all_uses_with(out)
             gm.graph.erase_node(node)
         self.state.layers.append(LayerRecord(fqn, shape, recipe, "", before, q.nbytes, w_sqnr, worst_row, source,
-                                             operands[0].transposed, source._version, tuple(names)))
+                                             operands[0].transposed, source._version, names))
         return True
 
     def _reason(self, node: torch.fx.Node, w) -> str | None:
@@ -159,8 +159,8 @@ def _emit(call, scheme: LinearScheme, ops, consts, shape, out_dtype):
     return call(torch.unsqueeze, (out, -1))  # bmm's [S, N, 1]
 
 
-def _register(gm, fqn, q) -> list[str | None]:
-    """Buffers for (data, scale, global_scale, zero_point); None where the format has no such tensor."""
+def _register(gm, fqn, q) -> QuantizedBuffers:
+    """Buffers for the quantized weight's tensors, named after the layer."""
     base = "_fxq_" + re.sub(r"\W", "_", fqn)
     names = []
     for suffix, tensor in (("qdata", q.data), ("scale", q.scale), ("global_scale", q.global_scale),
@@ -170,4 +170,4 @@ def _register(gm, fqn, q) -> list[str | None]:
             continue
         gm.register_buffer(f"{base}_{suffix}", tensor)
         names.append(f"{base}_{suffix}")
-    return names
+    return QuantizedBuffers(*names)

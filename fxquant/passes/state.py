@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from fxquant.config import QuantConfig
+
+
+class QuantizedBuffers(NamedTuple):
+    """The graph module's buffer names of one quantized weight's tensors; None where the format has no such tensor."""
+
+    data: str
+    scale: str
+    global_scale: str | None
+    zero_point: str | None
 
 
 @dataclass
@@ -24,7 +34,7 @@ class LayerRecord:
     source: torch.Tensor | None = None  # the user's weight, as the graph stores it
     transposed: bool = False  # source is [K, N] (Conv1D, x @ W): quantized as source.T
     version: int = 0
-    buffers: tuple[str | None, ...] = ()
+    buffers: QuantizedBuffers | None = None  # where the graph holds its quantized weight (the backend's pass only)
     rows: tuple[int, int, int] | None = None  # merged with siblings: its rows [first, stop) of `of` in the buffers
 
 
