@@ -101,3 +101,11 @@ def as_granularity(g: Granularity | str | tuple) -> Granularity:
         f"fxquant: cannot read granularity {g!r}; write one of 'tensor', 'token', 'channel', "
         "('group', g), ('block', bn, bk)"
     )
+
+
+def activation_granularity(group_size: int) -> Granularity:
+    """The fp8 activation scales that one integer names, as the recipes (`LinearScheme.act_group`) and the ops
+    (`quantize_fp8`'s group_size) pass it: 0 per token, -1 per tensor, else 1 x group_size groups."""
+    if group_size < 0:
+        return Granularity("tensor")
+    return Granularity("token") if group_size == 0 else Granularity("group", (group_size,))

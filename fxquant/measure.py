@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from fxquant import reference as R
 from fxquant.config import AUTO, AUTO_LADDER, KEEP, RECIPES, QuantConfig
+from fxquant.granularity import activation_granularity
 from fxquant.linear_ops import emit_linear, emit_routed_linear, run_now
 from fxquant.metrics import sqnr_db
 from fxquant.passes.annotations import annotation, linear_fqn, node_dtype
@@ -123,8 +124,7 @@ def _act_sqnr(x: torch.Tensor, recipe: str) -> float | None:
         return None
     if scheme.kind == "mxfp8":
         return sqnr_db(R.dequantize(R.quantize(x, "mxfp8"), torch.float32), x)
-    group = scheme.act_group
-    granularity = "tensor" if group < 0 else "token" if group == 0 else ("group", group)
+    granularity = activation_granularity(scheme.act_group)
     return sqnr_db(R.dequantize(R.quantize(x, "fp8_e4m3", granularity), torch.float32), x)
 
 

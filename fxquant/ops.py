@@ -22,7 +22,7 @@ from fxquant import reference as R
 from fxquant import reference_attention as RA
 from fxquant import reference_norm as RN
 from fxquant.api import quantize
-from fxquant.granularity import Granularity
+from fxquant.granularity import Granularity, activation_granularity
 from fxquant.kernels.cast import capability
 from fxquant.kernels.cublas_fp8 import cublas_scaled_mm, cublas_takes
 from fxquant.kernels.decode_attention import decode_attention as decode_attention_kernel
@@ -80,12 +80,6 @@ def _chunked_linear(x: Quantized | Tensor, qw: Quantized, bias: Tensor | None, o
     return out
 
 
-def _act_granularity(group_size: int) -> Granularity:
-    if group_size < 0:
-        return Granularity("tensor")
-    return Granularity("token") if group_size == 0 else Granularity("group", (group_size,))
-
-
 def _weight_granularity(w: Tensor, w_scale: Tensor) -> Granularity:
     if w_scale.numel() == 1:
         return Granularity("tensor")
@@ -115,7 +109,7 @@ def _quantize_fp8(x: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     row_len = group_size or x.shape[-1]
     if x.is_cuda and row_len <= MAX_ROW_LEN:
         return quantize_fp8_rows(x, row_len, E4M3)
-    q = R.quantize(x, "fp8_e4m3", _act_granularity(group_size))
+    q = R.quantize(x, "fp8_e4m3", activation_granularity(group_size))
     return q.data, q.scale
 
 
@@ -147,7 +141,7 @@ def _scaled_mm_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, bias:
             out = fp8_scaled_mm(a2, s2, w, w_scale, bias, out_dtype)
     else:
         group = -1 if s2.dim() == 1 else 0 if s2.shape[1] == 1 else K // s2.shape[1]
-        qa = Quantized(a2, s2.reshape(()) if group < 0 else s2, "fp8_e4m3", _act_granularity(group), a2.shape,
+        qa = Quantized(a2, s2.reshape(()) if group < 0 else s2, "fp8_e4m3", activation_granularity(group), a2.shape,
                        out_dtype)
         qw = Quantized(w, w_scale, "fp8_e4m3", _weight_granularity(w, w_scale), w.shape, out_dtype)
         out = _chunked_linear(qa, qw, bias, out_dtype)
