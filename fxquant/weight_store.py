@@ -62,7 +62,7 @@ def _where(t: torch.Tensor) -> tuple:
 
 def lanes_of(scale: torch.Tensor, zero_point: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The per-lane copies of (scale, zero point), one for every graph, packed afresh into them on each call: the
-    sources may have been re-quantized in place since (by another graph's weight_cache, or by the backend)."""
+    sources may have been re-quantized in place since (by another graph's shared_quantized, or by the backend)."""
     copies = []
     for source, packed in zip((scale, zero_point), pack_lanes(scale, zero_point), strict=True):
         found = None if source is None else _COPIES.get(_where(source))
