@@ -50,9 +50,9 @@ def pytest_collection_modifyitems(config, items):
     rank = {name: place for place, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order within a file is kept
     if os.environ.get("CI") == "true":  # CI's 2 cores: the slowest cases run on the GPU machine and locally
-        slow = pytest.mark.skip(reason="slow: skipped where CI=true; .ci/gpu runs it")
+        slow = pytest.mark.skip(reason="slow: skipped where CI=true; .ci/gpu (or .ci/gpu --cpu-matrix) runs it")
         for item in items:
-            if "slow" in item.keywords:
+            if "slow" in item.keywords or "cpu_matrix" in item.keywords:
                 item.add_marker(slow)
     if torch.cuda.is_available():
         return

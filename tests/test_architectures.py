@@ -30,7 +30,8 @@ def small(arch):
 
 
 @pytest.mark.parametrize("arch, recipe", [
-    pytest.param(arch, recipe, marks=pytest.mark.slow if arch not in CI_FAMILIES or recipe != IN_CI[index % 2] else ())
+    pytest.param(arch, recipe,
+                 marks=pytest.mark.cpu_matrix if arch not in CI_FAMILIES or recipe != IN_CI[index % 2] else ())
     for index, arch in enumerate(SWEEP) for recipe in ("fp8_row", "int4_wo")])
 def test_each_family_compiles_within_the_bound_of_its_fake_quantized_copy(arch, recipe, capsys):
     model = small(arch)
@@ -52,7 +53,7 @@ def test_each_family_with_nothing_quantized_decodes_the_tokens_dynamo_alone_deco
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-@pytest.mark.slow  # 60 s of CI's two cores; the GPU and local suites run it
+@pytest.mark.cpu_matrix  # 60 s of CI's two cores
 @pytest.mark.parametrize("recipe", ["fp8_row", "int4_wo"])
 def test_llama4_dense_experts_are_quantized_in_place_and_run_eagerly_and_compiled(recipe):
     """Llama4 stores its experts [E, H, 2I] and runs every expert over every token as bmm: the backend and quantize_

@@ -24,9 +24,9 @@ RECIPES = ["fp8_block", "mxfp4_wo", "int4_wo"]  # fp8_block is in no CI set belo
 
 
 def pairs(archs: list[str], recipes: list[str], in_ci: set[tuple[str, str]]) -> list:
-    """Every (arch, recipe) case; those outside `in_ci` are marked slow, so CI's two cores run one case of each test
-    below (Mixtral int4_wo, Qwen2-MoE mxfp4_wo) and the local and GPU suites run them all."""
-    return [pytest.param(arch, recipe, marks=() if (arch, recipe) in in_ci else pytest.mark.slow)
+    """Every (arch, recipe) case; those outside `in_ci` are marked cpu_matrix (slow, CPU only), so CI's two cores
+    run one case of each test below (Mixtral int4_wo, Qwen2-MoE mxfp4_wo), `.ci/gpu --cpu-matrix` the rest."""
+    return [pytest.param(arch, recipe, marks=() if (arch, recipe) in in_ci else pytest.mark.cpu_matrix)
             for arch in archs for recipe in recipes]
 
 
@@ -99,9 +99,9 @@ def test_experts_are_quantized_reported_and_within_the_bound(arch, recipe, capsy
 
 @pytest.mark.parametrize("implementation, dtype", [
     pytest.param("grouped_mm", torch.bfloat16, id="grouped_mm-bf16"),
-    pytest.param("grouped_mm", torch.float32, id="grouped_mm-fp32", marks=pytest.mark.slow),
-    pytest.param("batched_mm", torch.bfloat16, id="batched_mm-bf16", marks=pytest.mark.slow),
-    pytest.param("batched_mm", torch.float32, id="batched_mm-fp32", marks=pytest.mark.slow)])
+    pytest.param("grouped_mm", torch.float32, id="grouped_mm-fp32", marks=pytest.mark.cpu_matrix),
+    pytest.param("batched_mm", torch.bfloat16, id="batched_mm-bf16", marks=pytest.mark.cpu_matrix),
+    pytest.param("batched_mm", torch.float32, id="batched_mm-fp32", marks=pytest.mark.cpu_matrix)])
 def test_every_experts_implementation_in_a_graph_is_quantized(implementation, dtype):
     """grouped_mm (torch's in bf16, transformers' fallback op in fp32) and batched_mm (bmm of W[ids]) are
     quantized. In fp32 the plain and exact copies coincide, so the bound is fp32 rounding: 1e-5 rad."""

@@ -81,7 +81,7 @@ def test_each_rank_holds_its_share_of_the_quantized_bytes(two_ranks, recipe):
             assert whole[name][3] <= 2 * after <= 1.02 * whole[name][3], name
 
 
-@pytest.mark.slow  # four ranks on CI's two cores: the GPU and local suites run it
+@pytest.mark.cpu_matrix  # four ranks on CI's two cores
 def test_four_ranks_decode_within_the_bound_and_a_block_split_by_the_shard_is_refused_by_name(four_ranks):
     """At 4 ranks, q/k/v's shards are 64 rows and o_proj's 64 columns: fp8_block's 128x128 blocks do not tile them,
     and those layers stay in high precision with the reason and the fix; gate/up (128 rows) and down (128 columns)
@@ -99,7 +99,7 @@ def test_four_ranks_decode_within_the_bound_and_a_block_split_by_the_shard_is_re
                 assert layers[f"model.layers.{layer}.mlp.{name}"][0] == "fp8_block"
 
 
-@pytest.fixture(scope="module", params=[pytest.param(recipe, marks=pytest.mark.slow)  # ranks and experts: CI skips
+@pytest.fixture(scope="module", params=[pytest.param(recipe, marks=pytest.mark.cpu_matrix)  # ranks, experts: CI skips
                                         for recipe in ("fp8_row", "int4_wo")])
 def mixtral(request):
     """(recipe, each rank's sharded_decode result) for Mixtral with its attention sharded and its experts whole."""
@@ -121,7 +121,7 @@ def test_mixtral_with_sharded_attention_and_whole_experts(mixtral):
     assert any("experts" in name and record[0] == recipe for name, record in layers.items())
 
 
-@pytest.mark.slow  # each rank quantizes and compiles: 70 s of CI's two cores; the GPU and local suites run it
+@pytest.mark.cpu_matrix  # each rank quantizes and compiles: 70 s of CI's two cores
 @pytest.mark.parametrize("recipe", ["fp8_row", "int4_wo"])
 def test_quantize_shards_each_rank_s_weights_and_decodes_within_the_bound(recipe):
     """quantize_ on the sharded model: every sharded linear becomes a QuantizedLinear whose codes and scales are
@@ -146,7 +146,7 @@ def test_quantize_shards_each_rank_s_weights_and_decodes_within_the_bound(recipe
     torch.testing.assert_close(ranks[0]["after"], ranks[1]["after"], rtol=0, atol=0)  # replicated
 
 
-@pytest.mark.slow  # its ranks' compiles on CI's two cores: the GPU and local suites run it
+@pytest.mark.cpu_matrix  # its ranks' compiles on CI's two cores
 def test_quantize_leaves_a_layer_whose_shard_splits_a_block_and_says_why():
     """At 4 ranks q/k/v's shards are 64 rows: fp8_block's 128-row blocks do not tile them. quantize_ keeps those
     layers, with the alignment reason and the resharding hint, and quantizes gate/up/down (128-row shards)."""
@@ -159,7 +159,7 @@ def test_quantize_leaves_a_layer_whose_shard_splits_a_block_and_says_why():
         assert rows and all("alignment" in row and "tensor-parallel weight" in row for row in rows)
 
 
-@pytest.mark.parametrize("recipe", ["int4_wo", pytest.param("fp8_block", marks=pytest.mark.slow)])  # CI: one
+@pytest.mark.parametrize("recipe", ["int4_wo", pytest.param("fp8_block", marks=pytest.mark.cpu_matrix)])  # CI: one
 def test_a_sharded_model_saves_the_unsharded_model_s_checkpoint(tmp_path, recipe):
     """save_quantized on every rank of the quantize_'d sharded model writes, from rank 0, the checkpoint the unsharded
     model quantize_'d the same way writes: the same tensors bit for bit and the same quantization_config (int4's
@@ -271,7 +271,7 @@ def test_a_loaded_sharded_model_saves_the_checkpoint_it_loaded(loaded, label):
         assert torch.equal(_bytes(resaved[key]), _bytes(original[key])), key
 
 
-@pytest.mark.slow  # 30 s of CI's two cores (ranks loading two checkpoints); the GPU and local suites run it
+@pytest.mark.cpu_matrix  # 30 s of CI's two cores (ranks loading two checkpoints)
 def test_a_shard_that_splits_the_checkpoint_s_blocks_or_its_scale_is_refused_by_name(tmp_path):
     """With 2 KV heads of 64, k_proj and v_proj have 128 rows: shards of 64 rows at 2 ranks split fp8_block's
     128x128 blocks. fp8_tensor's one weight scale per tensor would differ per shard. Loading either refuses,
