@@ -184,6 +184,12 @@ class Runner:
         Returns the prompt and the new tokens, and the kept logits [B, new, V]."""
         stats, start, waited = RunStats(), time.perf_counter(), 0.0
         done, sent, streamed, pending = 1, 0, 0, None  # the prefill chose the first token
+        if streamer is not None:  # that token at once, as generate() streams it: one wait, for the prefill alone
+            wait = time.perf_counter()
+            first = self.tokens[:, 0].cpu()
+            waited += time.perf_counter() - wait
+            streamer.put(first)
+            streamed = 1
         while done < new_tokens:
             if self.use_graph and self.graph is None and new_tokens - done > 2:
                 self._capture()

@@ -136,6 +136,22 @@ def test_a_streamer_gets_the_tokens_transformers_gives_it():
     assert 1 + 1 < len(ours.put_) <= 1 + 14  # the prompt, then the new tokens one by one until the end-of-sequence
 
 
+def test_a_streamer_gets_the_prefill_s_token_before_any_decode_step_runs():
+    """The user's first token is the prompt's time alone, as generate()'s is, not that of the first chunk of steps."""
+    model, forwards, at_first_token = model_of("llama"), [], []
+
+    class FirstToken(T.generation.BaseStreamer):
+        def put(self, value):
+            at_first_token.append(len(forwards))
+
+        def end(self):
+            pass
+
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    fxquant.generate(model, prompts(1)[0], max_new_tokens=12, do_sample=False, streamer=FirstToken())
+    assert at_first_token[:2] == [0, 1] and len(forwards) == 12  # the prompt put before any forward; then the prefill's
+
+
 def chi_square_limit(dof: int, z: float = 4.26) -> float:
     """The chi-square statistic that a true null exceeds with probability ~1e-5 (z), by Wilson and Hilferty's
     normal approximation of the distribution."""
