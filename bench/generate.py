@@ -61,7 +61,9 @@ def gpu_ms_per_step(model, prompt) -> float | None:
     runner = next(iter(kept(model).runners.values()), None)
     if runner is None or runner.graph is None:
         return None
-    runner.start(prompt, None, None, None)
+    mask = None if runner.mask is None else torch.ones_like(prompt)  # generate() hands the loop an all-ones mask
+    runner.cache.reset()  # as fxquant.generate resets it before each prefill
+    runner.start(prompt, mask, None if mask is None else mask.cumsum(-1) - 1, None)
     runner.graph.replay()  # the first replay after a prefill waits for it
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
