@@ -22,9 +22,9 @@ CHECK_EVERY = 8  # steps between reads of the finished flags: at most two chunks
 
 @dataclasses.dataclass
 class RunStats:
-    """One model's last run: new tokens per sequence, decode steps run, the decode loop's seconds (wall_s) and the
-    host's seconds in it outside its waits for the GPU (host_s / steps: the host's share of a step), and whether a
-    CUDA graph ran the steps."""
+    """One model's last run: new tokens per sequence, decode steps run, the decode loop's seconds (wall_s, from the
+    prefill's token on) and the host's seconds in it outside its waits for the GPU (host_s / steps: the host's share
+    of a step), and whether a CUDA graph ran the steps."""
     tokens: int = 0
     steps: int = 0
     wall_s: float = 0.0
@@ -182,14 +182,12 @@ class Runner:
         """The decode steps after the prefill's token, in chunks of CHECK_EVERY. Each chunk's end queues a copy of
         the finished flags and of its tokens to the host; they are read one chunk later, while the next one runs.
         Returns the prompt and the new tokens, and the kept logits [B, new, V]."""
-        stats, start, waited = RunStats(), time.perf_counter(), 0.0
         done, sent, streamed, pending = 1, 0, 0, None  # the prefill chose the first token
-        if streamer is not None:  # that token at once, as generate() streams it: one wait, for the prefill alone
-            wait = time.perf_counter()
-            first = self.tokens[:, 0].cpu()
-            waited += time.perf_counter() - wait
+        first = self.tokens[:, 0].cpu()  # one wait, for the prefill: the loop's time below is the decode's alone
+        if streamer is not None:  # that token at once, as generate() streams it
             streamer.put(first)
             streamed = 1
+        stats, start, waited = RunStats(), time.perf_counter(), 0.0
         while done < new_tokens:
             if self.use_graph and self.graph is None and new_tokens - done > 2:
                 self._capture()
