@@ -4,7 +4,7 @@ from fxquant.api import dequantize, quantize
 from fxquant.backend import fxquant as backend
 from fxquant.checkpoint import load_quantized, save_quantized
 from fxquant.config import RECIPES, QuantConfig, from_options
-from fxquant.export import export, load
+from fxquant.export import export, load, package
 from fxquant.formats import FORMATS, FloatFormat, IntFormat
 from fxquant.granularity import Granularity
 from fxquant.inplace import quantize_
@@ -18,8 +18,8 @@ from fxquant.skeleton import empty_weights
 __all__ = [
     "FORMATS", "FP8StaticCache", "RECIPES", "FloatFormat", "Granularity", "InspectReport", "IntFormat", "NumericsError",
     "QuantConfig", "Quantized", "QuantizedExperts", "QuantizedLinear", "backend", "dequantize", "empty_weights",
-    "export", "from_options", "generate", "inspect", "kv_scales_of", "load", "load_quantized", "quantize", "quantize_",
-    "save_quantized",
+    "export", "from_options", "generate", "inspect", "kv_scales_of", "load", "load_quantized", "package", "quantize",
+    "quantize_", "save_quantized",
 ]
 
 

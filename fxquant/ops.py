@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import torch
 from torch import Tensor
+from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from fxquant import reference as R
 from fxquant import reference_attention as RA
@@ -31,6 +32,7 @@ from fxquant.kernels.gemm_fp8 import fp8_scaled_mm, is_block_scaled
 from fxquant.kernels.gemm_grouped import grouped_fp8_mm, grouped_weight_only_mm
 from fxquant.kernels.gemm_int4_mma import int4_mma_fits, int4_mma_mm, lane_layout_shape
 from fxquant.kernels.gemm_weight_only import weight_only_mm
+from fxquant.kernels.launch import inlined
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8 as norm_quant_kernel
 from fxquant.kernels.norm_quant_fp8 import serves as norm_quant_serves
 from fxquant.kernels.quant_fp8 import MAX_ROW_LEN, quantize_fp8_rows
@@ -89,10 +91,20 @@ def _weight_granularity(w: Tensor, w_scale: Tensor) -> Granularity:
 
 
 def _op(schema: str, kernel) -> torch._ops.OpOverloadPacket:
-    """Define `fxquant::<schema>` with `kernel` as its implementation on every device; returns the op."""
+    """Define `fxquant::<schema>` with `kernel` as its implementation on every device; returns the op. While
+    kernels are inlined (fxquant.export.package), functionalization traces into `kernel`, as into a
+    torch.library.triton_op's: its torch ops and its Triton launches; otherwise the op stays whole."""
     name, signature = schema.split("(", 1)
     torch.library.define(f"fxquant::{name}", "(" + signature)
     torch.library.impl(f"fxquant::{name}", "default", kernel)
+
+    def traced_into(mode, op, types, args, kwargs):
+        if not inlined():
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        with mode:
+            return kernel(*args, **kwargs)
+
+    torch.library.register_torch_dispatch(f"fxquant::{name}", FunctionalTensorMode, traced_into)
     return getattr(torch.ops.fxquant, name)
 
 

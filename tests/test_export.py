@@ -133,3 +133,48 @@ def replayed_in_a_fresh_process(path, tokens, tmp_path) -> torch.Tensor:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return torch.load(out_path)
+
+
+class Logits(torch.nn.Module):
+    """A causal LM's logits for a prompt, without a cache: the program AOTInductor packages below."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def test_an_aoti_package_of_an_fp8_row_llama_runs_where_fxquant_is_not_imported(tmp_path):
+    """fxquant.package compiles the program's fxquant ops into the package (their torch ops, and on a GPU their Triton
+    kernels): a process that never imports fxquant runs it, and each position's logits lie within the fake-quantized
+    bound the program's own lie in; on the CPU they equal the program's. Before, the package called
+    `fxquant::linear_fp8` through Python's registry: `RuntimeError: Could not find schema for fxquant::linear_fp8`."""
+    from hf_models import VOCAB, decoder, fake_quantized, within_bound
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = decoder("llama").to(device)
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(2)).to(device)
+    with torch.no_grad():
+        program = fxquant.export(Logits(model), (ids,), config={"recipe": "fp8_row"})
+        assert "fxquant.linear_fp8.default" in {str(n.target) for n in program.graph.nodes}
+        path = fxquant.package(program, tmp_path / "llama.pt2")
+        exact, plain = (Logits(fake_quantized(model, "fp8_row", exact=e))(ids)[0].float() for e in (True, False))
+        eager, ours = Logits(model)(ids)[0].float(), program.module()(ids)[0].float()
+    ids_path, out_path = tmp_path / "ids.pt", tmp_path / "out.pt"
+    torch.save(ids, ids_path)
+    code = (
+        "import sys, torch\n"
+        f"run = torch._inductor.aoti_load_package({str(path)!r})\n"
+        f"out = run(torch.load({str(ids_path)!r}))\n"
+        "assert 'fxquant' not in sys.modules, 'the package imported fxquant'\n"
+        f"torch.save(out, {str(out_path)!r})\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    packaged = torch.load(out_path)[0].float()
+    assert not within_bound(ours, exact, plain, eager)
+    assert not within_bound(packaged, exact, plain, eager)
+    if device == "cpu":  # the same reference ops, compiled into C++ with the program's roundings
+        assert torch.equal(packaged, ours)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import cast_float, float_cast_mode, interpreting
-from fxquant.kernels.launch import cdiv, next_power_of_2, sm_count
+from fxquant.kernels.launch import cdiv, next_power_of_2, sm_count, visible
 
 HEAD_DIMS = (64, 128, 256)  # a power of two for the tile's columns; these cover the models served
 MAX_ROWS = 64  # query heads per KV head x query positions in one tile
@@ -199,7 +199,7 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
     # multiply in fp16, which holds them exactly (bf16 would too, at two conversions per code on sm_90).
     dot = tl.float32 if interpreting(_decode_attention_split_kernel) else tl.float16 if codes else FLOAT_TL[q.dtype]
     cast = float_cast_mode(_decode_attention_merge_kernel)
-    _decode_attention_split_kernel[(batch * heads_kv, splits)](
+    visible(_decode_attention_split_kernel)[(batch * heads_kv, splits)](
         q, k, v, k_scale if codes else q, v_scale if codes else q, mask if mask is not None else q,
         kv_lens if kv_lens is not None else q, o_part, lse_part,
         keys, queries, groups, split_len, scale, softcap,
@@ -214,7 +214,7 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
         PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=warps, num_stages=2,
     )
     out = torch.empty_like(q)
-    _decode_attention_merge_kernel[(batch * heads_kv, groups * queries)](
+    visible(_decode_attention_merge_kernel)[(batch * heads_kv, groups * queries)](
         o_part, lse_part, sinks if sinks is not None else q, out, queries, groups,
         out.stride(0), out.stride(1), out.stride(2),
         HKV=heads_kv, D=dim, BLOCK_M=block_m, SPLITS=splits, SPLITS_P2=next_power_of_2(splits),

@@ -15,7 +15,7 @@ import triton.language as tl
 from fxquant.kernels.cast import cast_float, float_cast_mode
 from fxquant.kernels.codes import FORMATS, TWO_POW_23, biased, block_scale, e2m1_value, mxfp8_values, nibbles
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
-from fxquant.kernels.launch import cdiv
+from fxquant.kernels.launch import cdiv, visible
 
 
 @triton.jit
@@ -75,7 +75,7 @@ def dequantize_weight(codes, scale, fmt: str, group: int, K: int, dtype: torch.d
     if N == 0 or K == 0:
         return out
     block_n, block_k = 32, max(128, group)  # a multiple of every group (power-of-two groups)
-    _dequantize_kernel[(cdiv(N, block_n), cdiv(K, block_k))](
+    visible(_dequantize_kernel)[(cdiv(N, block_n), cdiv(K, block_k))](
         codes, scale, zero_point if zero_point is not None else scale,
         global_scale if global_scale is not None else scale, out,
         N, K, codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1), out.stride(0),

@@ -30,7 +30,7 @@ import triton.language as tl
 from fxquant.kernels.cast import capability, float_cast_mode, interpreting
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_fp8_tma import describable, launch_tma
-from fxquant.kernels.launch import cdiv, sm_count
+from fxquant.kernels.launch import cdiv, sm_count, visible
 from fxquant.kernels.splitk import reduce_partials, split_k
 from fxquant.kernels.tiles import k_steps_of, store_tile, tile_offsets
 
@@ -176,7 +176,7 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
                    cast=float_cast_mode(_fp8_gemm_kernel), cfg=meta, sms=sm_count(a.device))
         return out
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
-    _fp8_gemm_kernel[(tiles, split)](
+    visible(_fp8_gemm_kernel)[(tiles, split)](
         a, b, out, ws, a_scale, b_scale, bias if bias is not None else out,
         M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fxquant.kernels.launch import cdiv
+from fxquant.kernels.launch import cdiv, visible
 from fxquant.kernels.tiles import store_tile, tile_offsets
 
 
@@ -73,7 +73,7 @@ def launch_tma(a, b, out, a_scale, b_scale, bias, strides, *, block_scales: bool
     (M, K), N = a.shape, b.shape[0]
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     programs = min(cdiv(M, bm) * cdiv(N, bn), sms)
-    _fp8_gemm_tma_kernel[(programs,)](
+    visible(_fp8_gemm_tma_kernel)[(programs,)](
         TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]), out, a_scale, b_scale,
         bias if bias is not None else out,
         M, N, K,

@@ -25,7 +25,7 @@ from fxquant.kernels.codes import FORMATS
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_fp8 import SCALE_BLOCK, TORCH_TO_TL, fp8_accumulate, fp8_scale_tile
 from fxquant.kernels.gemm_weight_only import weight_operands, wo_accumulate, wo_gemm_config, wo_scale_tile
-from fxquant.kernels.launch import cdiv
+from fxquant.kernels.launch import cdiv, visible
 from fxquant.kernels.splitk import reduce_partials, split_k
 from fxquant.kernels.tiles import expert_tile_offsets, k_steps_of, store_tile
 
@@ -157,7 +157,7 @@ def grouped_fp8_mm(a, a_scale, offs, b, b_scale, out_dtype=torch.bfloat16, confi
         return out
     grid, split, meta = _fp8_plan(M, N, K, E, block_scales, tuple(sorted((config or {}).items())))
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
-    _grouped_fp8_kernel[grid](
+    visible(_grouped_fp8_kernel)[grid](
         a, offs, b, out, ws, a_scale, b_scale,
         M, N, K, E,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
@@ -196,7 +196,7 @@ def grouped_weight_only_mm(a, offs, w, w_scale, fmt: str, group: int, N: int, *,
         return out
     grid, split, meta = _wo_plan(M, N, K, E, fmt, group, tuple(sorted((config or {}).items())))
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
-    _grouped_wo_kernel[grid](
+    visible(_grouped_wo_kernel)[grid](
         a, offs, codes, scale, zero_point if zero_point is not None else scale,
         global_scale if global_scale is not None else scale, out, ws,
         M, N, K, E,

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from fxquant.kernels.cast import capability, interpreting
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
-from fxquant.kernels.launch import cdiv
+from fxquant.kernels.launch import cdiv, visible
 from fxquant.kernels.splitk import reduce_partials
 
 STEP_K = 128  # codes per row per K step: 4 lanes x 32; int4 groups must be multiples of it
@@ -242,7 +242,7 @@ def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split
     N = codes.shape[0]
     split = split or int4_mma_split(N, K)
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device)
-    _int4_mma_kernel[(cdiv(N, ROWS), split)](
+    visible(_int4_mma_kernel)[(cdiv(N, ROWS), split)](
         a.view(torch.int32), codes, lane_scale, lane_zero if lane_zero is not None else lane_scale, ws,
         M, N, K, K // group, a.stride(0) // 2, codes.stride(0), ws.stride(0),
         GROUP=group, HAS_ZP=lane_zero is not None, BF16=a.dtype == torch.bfloat16, SPLIT_K=split, STAGES=stages,

@@ -34,7 +34,7 @@ from fxquant.kernels.cast import float_cast_mode, interpreting
 from fxquant.kernels.codes import FORMATS, PACKED, block_scale, fp4_values, int4_differences, mxfp8_values, packed_words
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
-from fxquant.kernels.launch import cdiv
+from fxquant.kernels.launch import cdiv, visible
 from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
 from fxquant.kernels.tiles import k_steps_of, store_tile, tile_offsets
 
@@ -226,7 +226,7 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
     tiles, split, meta = plan
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
-    _wo_gemm_kernel[(tiles, split)](
+    visible(_wo_gemm_kernel)[(tiles, split)](
         a, codes, scale, zero_point if zero_point is not None else scale,
         global_scale if global_scale is not None else scale, out, ws, bias if bias is not None else out,
         M, N, K,

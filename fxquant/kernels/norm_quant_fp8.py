@@ -15,7 +15,7 @@ from triton.language.extra import libdevice
 from fxquant.formats import AMAX_FLOOR, E4M3
 from fxquant.kernels.cast import cast_float, cast_mode
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
-from fxquant.kernels.launch import next_power_of_2
+from fxquant.kernels.launch import next_power_of_2, visible
 from fxquant.kernels.quant_fp8 import quant_rows
 
 MAX_NORM_DIM = 16384  # one row lives in registers; longer rows run the reference
@@ -102,7 +102,7 @@ def norm_quant_fp8(x, weight=None, bias=None, eps=1e-6, group_size=0, *, rms=Tru
     block = next_power_of_2(D)
     if rows:
         # A power-of-two group divides the padded row: its tail forms whole groups (of zeros), never part of one.
-        _norm_quant_fp8_kernel[(rows,)](
+        visible(_norm_quant_fp8_kernel)[(rows,)](
             x, residual if residual is not None else x, weight if weight is not None else x,
             bias if bias is not None else x, codes, scales, h if h is not None else x, stats,
             D, D // group, eps,

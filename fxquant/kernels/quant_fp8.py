@@ -16,7 +16,7 @@ import triton.language as tl
 
 from fxquant.formats import AMAX_FLOOR, E4M3, E5M2
 from fxquant.kernels.cast import cast_fp8, cast_mode
-from fxquant.kernels.launch import cdiv, next_power_of_2
+from fxquant.kernels.launch import cdiv, next_power_of_2, visible
 
 FP8_FORMATS = {torch.float8_e4m3fn: (E4M3, tl.float8e4nv), torch.float8_e5m2: (E5M2, tl.float8e5)}
 MAX_ROW_LEN = 16384  # one row lives in registers; longer rows go to the reference
@@ -146,7 +146,7 @@ def quantize_fp8_rows(x: torch.Tensor, row_len: int, fp8_dtype=torch.float8_e4m3
     scale = torch.empty((*x.shape[:-1], x.shape[-1] // row_len), dtype=torch.float32, device=x.device)
     if n_rows:
         programs, meta = _rows_plan(n_rows, row_len, fp8_dtype)
-        _quant_fp8_rows_kernel[(programs,)](
+        visible(_quant_fp8_rows_kernel)[(programs,)](
             x, y, scale, n_rows, row_len, CAST=cast_mode(_quant_fp8_rows_kernel, x.device), **meta,
         )
     return y, scale
@@ -161,7 +161,7 @@ def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor, fp8_dtype=torch.fl
     y = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     if x.numel():
         block = 4096
-        _quant_fp8_static_kernel[(cdiv(x.numel(), block),)](
+        visible(_quant_fp8_static_kernel)[(cdiv(x.numel(), block),)](
             x, y, scale.to(device=x.device, dtype=torch.float32).reshape(1), x.numel(),
             FMAX=fmt.max, FP8=tl_fp8, CAST=cast_mode(_quant_fp8_static_kernel, x.device), BLOCK=block,
             num_warps=8,
@@ -179,8 +179,8 @@ def quantize_fp8_tensor(x: torch.Tensor, fp8_dtype=torch.float8_e4m3fn) -> tuple
     scale = torch.empty((), dtype=torch.float32, device=x.device)
     n_partials = max(1, min(MAX_AMAX_PROGRAMS, cdiv(n, TENSOR_BLOCK)))
     partial = torch.empty(n_partials, dtype=torch.float32, device=x.device)
-    _partial_amax_kernel[(n_partials,)](x, partial, n, BLOCK=TENSOR_BLOCK, num_warps=8)
-    _quant_fp8_tensor_kernel[(max(1, cdiv(n, TENSOR_BLOCK)),)](
+    visible(_partial_amax_kernel)[(n_partials,)](x, partial, n, BLOCK=TENSOR_BLOCK, num_warps=8)
+    visible(_quant_fp8_tensor_kernel)[(max(1, cdiv(n, TENSOR_BLOCK)),)](
         x, y, partial, scale, n, n_partials, FMAX=fmt.max, FP8=tl_fp8,
         CAST=cast_mode(_quant_fp8_tensor_kernel, x.device), AMAX_FLOOR=AMAX_FLOOR, BLOCK=TENSOR_BLOCK,
         PARTIALS=next_power_of_2(n_partials), num_warps=8,

@@ -19,7 +19,7 @@ import triton.language as tl
 from fxquant.formats import E4M3
 from fxquant.kernels.cast import cast_float, cast_fp8, cast_mode, float_cast_mode
 from fxquant.kernels.codes import E8M0_MIN
-from fxquant.kernels.launch import cdiv, next_power_of_2
+from fxquant.kernels.launch import cdiv, next_power_of_2, visible
 from fxquant.kernels.quant_fp8 import max_keep_nan, saturate
 from fxquant.reference import MX_BLOCK
 
@@ -67,7 +67,7 @@ def mxfp8_values(x: torch.Tensor) -> torch.Tensor:
     n_blocks = x.numel() // MX_BLOCK
     if n_blocks:
         programs, per_program = _plan(n_blocks)
-        _mxfp8_values_kernel[(programs,)](
+        visible(_mxfp8_values_kernel)[(programs,)](
             x, y, n_blocks, FMAX=E4M3.max, EMAX=E4M3.emax, CAST=cast_mode(_mxfp8_values_kernel, x.device),
             FLOAT_CAST=float_cast_mode(_mxfp8_values_kernel), BLOCK=MX_BLOCK, BLOCKS_PER_PROGRAM=per_program,
             num_warps=8 if per_program == 256 else 4,

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import cast_float, float_cast_mode
-from fxquant.kernels.launch import cdiv
+from fxquant.kernels.launch import cdiv, visible
 
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs) keep loads in flight while one waits
 
@@ -57,7 +57,7 @@ def reduce_partials(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | No
     # GEMM split 8, and 1.4 against 2.6 after 4096x14336 split 14 (bench/HISTORY.md, "2026-12-02: the stored-order
     # int4 kernel in the product").
     block = 256
-    _splitk_reduce_kernel[(cdiv(M * N, block),)](
+    visible(_splitk_reduce_kernel)[(cdiv(M * N, block),)](
         ws, out, bias if bias is not None else ws, M, N, out.stride(0), out.stride(1),
         SPLIT_K=split, HAS_BIAS=bias is not None, OUT=out_tl, CAST=float_cast_mode(_splitk_reduce_kernel),
         BLOCK=block, num_warps=2,
