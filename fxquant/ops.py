@@ -5,7 +5,7 @@ CUDA tensors run the Triton kernels where one serves the case, else the same ref
 
 The ops are defined with `torch.library.define` and `torch.library.impl` rather than the `custom_op` decorator,
 whose Python autograd and checking wrappers cost 10-18 us of host time per call on the H200's host against 1-4 us
-this way (bench/host.py; bench/HISTORY.md, "Host cost in default mode (no CUDA graphs)"): without CUDA graphs a
+this way (docs/decisions/0001-library-ops-over-custom-op.md): without CUDA graphs a
 decode step is host-bound. The ops are for inference and have no autograd formula. With grad mode on, the backend
 refuses, with the fix, a graph whose inputs require grad; called directly, an op lets torch's fallback differentiate
 through the reference, and torch warns.
@@ -216,8 +216,8 @@ def _linear_int4_lanes(x: Tensor, w: Tensor, w_scale: Tensor, w_zero_point: Tens
     """linear_weight_only for an int4 weight whose scales and zero points are also held in the mma.sync decode
     kernel's per-lane layout (`gemm_int4_mma.pack_lanes`). One activation row on the GPU takes that kernel;
     every other case takes linear_weight_only on the row-major scales. At M = 8 the kernel ran 13-34% slower than
-    the in-register one on four of five Llama shapes (bench/HISTORY.md, "2026-12-02: int4 on mma.sync in the stored
-    code order"), so it serves M = 1."""
+    the in-register one on four of five Llama shapes (docs/decisions/0008-int4-mma-lane-packed-scales-at-m1.md),
+    so it serves M = 1."""
     rows = x.reshape(-1, x.shape[-1])
     K = rows.shape[1]
     if (rows.shape[0] == 1 and w.shape == (out_features, K // 2) and w.is_contiguous()

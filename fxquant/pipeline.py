@@ -84,8 +84,8 @@ def _run(passes, gm: torch.fx.GraphModule, config: QuantConfig, stop_after: str 
          timings: list[PassTiming] | None = None) -> torch.fx.GraphModule:
     """Each pass once, in order, up to the one named stop_after, leaving out config.disable_passes. Each recompiles the
     graph's code where it changed the graph; torch's PassManager would recompile after every pass, changed or not:
-    4.0 of the pipeline's 7.5 s in a cProfile of a 32-layer compile (bench/HISTORY.md, "The pipeline's time per
-    compile, linear in the layers (CPU)")."""
+    4.0 of the pipeline's 7.5 s in a cProfile of a 32-layer compile
+    (docs/decisions/0013-pipeline-recompiles-only-changed-graphs.md)."""
     dump = os.environ.get("FXQUANT_DUMP_GRAPHS")
     if dump and _RUN_KEY not in gm.meta:  # one number for the graph's whole pipeline (prepare, then the rest)
         gm.meta[_RUN_KEY] = next(_RUNS)

@@ -2,9 +2,9 @@
 
 H200, torch 2.11: at M = 1024 and 4096 cuBLAS ran rowwise at 1097-1213 TF/s against fxquant's persistent TMA
 kernel's 899-1042, and blockwise (1x128 activations, 128x128 weights) at 1033-1115 against 774-808
-(bench/HISTORY.md, "Persistent TMA fp8 GEMM"); at M = 128 either was up to 25% faster depending on the shape, and at
+(docs/decisions/0003-persistent-tma-fp8-gemm.md); at M = 128 either was up to 25% faster depending on the shape, and at
 decode the Triton kernel wins (cuBLAS blockwise refuses M = 1). End to end this took fp8_block prefill from 0.97x to
-1.31x Inductor bf16 (bench/HISTORY.md, "End to end with cuBLAS past M = 128"). Only the three recipe layouts, with
+1.31x Inductor bf16 (docs/decisions/0007-cublas-fp8-past-m128.md). Only the three recipe layouts, with
 the call shapes `bench/fp8_gemm.py` ran, are sent; anything else (a bias, an output other than bf16, unaligned N or
 K, other scale blocks) stays on the Triton kernels, which also give the clear error for malformed scales.
 """
@@ -15,7 +15,7 @@ import torch
 
 CUBLAS_ABOVE_M = 128
 # Weights of more than 8192 rows (gate/up, 14336 and 28672 x 4096) go to cuBLAS from M = 128: 1.3-1.4x the Triton
-# kernel there, 0.7-0.9x at M = 64 (bench/HISTORY.md, "Split-K at medium M (M = 64, 128)").
+# kernel there, 0.7-0.9x at M = 64 (docs/decisions/0007-cublas-fp8-past-m128.md).
 WIDE_N, CUBLAS_WIDE_FROM_M = 8192, 128
 
 

@@ -22,7 +22,7 @@ MAX_ROWS = 64  # query heads per KV head x query positions in one tile
 MAX_SPLITS = 64
 # (programs per SM, key blocks per split, warps, keys per block): on the H200, four blocks a split was fastest or
 # within 1% at 8 of 9 points from batch 1 to 64 and 1k to 16k keys; more, shorter splits lost to their merge (B1 4k:
-# 14.7 us against 19.1 at two blocks and 29.6 at one; bench/HISTORY.md, "Decode attention: the split-KV kernel").
+# 14.7 us against 19.1 at two blocks and 29.6 at one; docs/decisions/0010-decode-attention-split-kv.md).
 DEFAULT_PLAN = (2, 4, 4, 64)  # keys per block: a [64, 128] bf16 tile of K and of V is 16 KB each
 # e4m3 codes over 128 (batch, KV head) pairs or more (B16 up, at 8 KV heads): 2 warps. H200, 4k keys: B64 192 us
 # against 318 at 4 warps, B16 67.0 against 67.2; at B1 4 warps stay (11.3 us against 13.1 at 2).

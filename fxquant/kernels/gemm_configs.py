@@ -3,14 +3,13 @@
 Buckets follow how LLM serving sees M: decode (M <= 16) streams the weight and wants many CTAs over N;
 medium M balances tile reuse against CTA count; large M wants big tiles. Block-scaled GEMMs fix
 BLOCK_K = 128 (one scale per K step) and BLOCK_N <= 128 (one weight-scale block per tile).
-The picks are the winners of `bench/fp8_gemm.py --sweep` on an H200 (bench/HISTORY.md, "Config sweep" and "fp8
-decode tiles") for the Llama shapes (N, K) in {(4096, 4096), (14336, 4096), (4096, 14336)}, and at decode also the
-merged q/k/v and gate/up (6144 and 28672 x 4096, `--merged`); at medium M narrow N (<= 8192) prefers narrower tiles,
-which put more CTAs on the 132 SMs. Decode tiles come from `--sweep --decode`, which also sweeps the split-K
-target `programs`; medium-M tiles from `--sweep --medium` (M = 64, 128, the Llama and merged shapes), where split-K
-also pays on long K and up to M = 64. Past M = 128, operands that tensor descriptors can read run the persistent
-TMA kernel (`gemm_fp8_tma.py`) with the winners of `--sweep --large`; the pointer kernel's tiles remain for the
-rest.
+The picks are the winners of `bench/fp8_gemm.py --sweep` on an H200 (docs/decisions/0004-fp8-gemm-tiles.md) for the
+Llama shapes (N, K) in {(4096, 4096), (14336, 4096), (4096, 14336)}, and at decode also the merged q/k/v and gate/up
+(6144 and 28672 x 4096, `--merged`); at medium M narrow N (<= 8192) prefers narrower tiles, which put more CTAs on the
+132 SMs. Decode tiles come from `--sweep --decode`, which also sweeps the split-K target `programs`; medium-M tiles from
+`--sweep --medium` (M = 64, 128, the Llama and merged shapes), where split-K also pays on long K and up to M = 64. Past
+M = 128, operands that tensor descriptors can read run the persistent TMA kernel (`gemm_fp8_tma.py`) with the winners of
+`--sweep --large`; the pointer kernel's tiles remain for the rest.
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ accumulator; every BLOCK_K (128) step is added into the fp32 accumulator, so the
 Row scales let the compiler do that promotion (`max_num_imprecise_acc`), which keeps the wgmma pipeline
 running; block scales promote by hand, since each K step's partial is scaled anyway. Measured on an H200:
 1.28e-4 relative error against the fp64 product at K = 4096 and 14336 either way, and 780-830 TF/s for the
-compiler's promotion against 410-430 by hand at M >= 1024 (bench/HISTORY.md, "fp8 GEMM accumulation: compiler
-promotion vs promoting by hand").
+compiler's promotion against 410-430 by hand at M >= 1024 (docs/decisions/0002-fp8-row-scales-compiler-promotion.md).
 
 Two scale layouts:
 - row scales (per tensor, per token, per channel): a_scale [M] (stride 0 for per tensor), b_scale [N]
@@ -16,7 +15,7 @@ Two scale layouts:
 M/N/K tails are masked. Tile shapes come from `gemm_configs.py`, tuned per M bucket on the H200. Small M
 splits K across programs (`splitk.py`); the row scales are linear, so each K slice applies them to its partial.
 Past M = 128 on sm_90+, operands that tensor descriptors can read go to the persistent TMA kernel
-(`gemm_fp8_tma.py`), about 20% faster there than this one (bench/HISTORY.md, "Persistent TMA fp8 GEMM").
+(`gemm_fp8_tma.py`), about 20% faster there than this one (docs/decisions/0003-persistent-tma-fp8-gemm.md).
 """
 
 from __future__ import annotations

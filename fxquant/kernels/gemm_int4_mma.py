@@ -15,7 +15,7 @@ together. MMA 2u + e takes codes (2e, 2e + 4) into K slots (2t, 2t + 1) and (2e 
 Scales and zero points are read in a layout packed per lane (`pack_lanes`): a lane's eight scales of a group (its
 two rows in each of the four blocks) are one 32-byte copy, its eight zero points one 8-byte copy. Row-major scales
 cost each K step 16 scattered 4-byte copies per warp, which kept the L1 busiest at 63% while DRAM ran at 29%
-(bench/HISTORY.md, "2026-12-02: int4 on mma.sync in the stored code order").
+(docs/decisions/0008-int4-mma-lane-packed-scales-at-m1.md).
 
 A code q becomes the exact integer q - z from bits, with no int -> float conversion: q ORed into the mantissa of
 128.0 (bf16, ulp 1) or 1024.0 (f16) is 128 + q, and one packed FMA adds -(128 + z). The eight MMAs of a step chain
@@ -225,8 +225,8 @@ def int4_mma_fits(a: torch.Tensor, group: int) -> bool:
 @functools.lru_cache(maxsize=256)
 def int4_mma_split(N: int, K: int) -> int:
     """K slices: toward 900 programs (6.8 per SM of an H200), keeping at least 3 K steps per slice and at most 16
-    slices for the reduce to sum. An M = 1 sweep of split and stages on the Llama-3-8B shapes (bench/HISTORY.md,
-    "2026-12-02: the stored-order int4 kernel in the product") found 10 slices best on 6144x4096 (10.4 us), 5 on
+    slices for the reduce to sum. An M = 1 sweep of split and stages on the Llama-3-8B shapes
+    (docs/decisions/0009-int4-split-and-reduce.md) found 10 slices best on 6144x4096 (10.4 us), 5 on
     14336x4096 (18.7), 15 within 0.1 us of the best 14 on 4096x14336, and 3 at 34.1 us on 28672x4096, where 4 took
     37.6; on 4096x4096, 9 and 8 took 8.2 and 8.3 us, 16 more than 8.6, and this gives 10."""
     steps = K // STEP_K

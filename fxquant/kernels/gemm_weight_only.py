@@ -123,8 +123,8 @@ def _wo_gemm_kernel(
 
 def wo_gemm_config(M: int, K: int, fmt: str) -> dict:
     """Tiles for the in-register path (M <= DEQUANTIZE_ABOVE_M) by M bucket and format: the winners of
-    `bench/weight_only.py --sweep` (decode) and `--sweep --medium` on an H200 (bench/HISTORY.md, "Tile sweep") for
-    the Llama shapes.
+    `bench/weight_only.py --sweep` (decode) and `--sweep --medium` on an H200 for the Llama shapes
+    (docs/decisions/0005-weight-only-tiles.md).
     `programs` is the split-K target (None: no split). Decode streams the weight with narrow N tiles, aiming at
     1056 programs (8 per SM) for 4-bit formats, whose unpacking needs more warps in flight to hide load latency; a
     long K (down_proj's 14336) does better at 528 (int4 at M = 1: 21.1 us against 23.0), where slices of 14 K steps
@@ -151,14 +151,13 @@ def wo_gemm_config(M: int, K: int, fmt: str) -> dict:
 
 
 # Past this M, dequantizing the weight once per call and running cuBLAS beats dequantizing in registers: at M = 256
-# int4 took 138 us in registers against 93 us dequantized on 14336x4096 (bench/HISTORY.md, "Where the in-register
-# kernel hands over to dequantize + cuBLAS"). Up to it the in-register kernel with split-K won on every Llama shape
-# ("Weight-only GEMMs at medium M: in registers with split-K, shipped").
+# int4 took 138 us in registers against 93 us dequantized on 14336x4096. Up to it the in-register kernel with split-K
+# won on every Llama shape (docs/decisions/0006-weight-only-dequantize-past-m128.md).
 DEQUANTIZE_ABOVE_M = 128
 # The dequantized weight exists at most this many elements at a time (256 MiB in bf16). At 2**26 a merged 28672x4096
 # gate/up took two chunks, each with a strided copy of its output columns: 7% of an int4_wo prefill
-# (bench/HISTORY.md, "End to end, 4-layer Llama"). 2**27 holds it in one, and chunks without a bias now write their
-# columns in place.
+# (docs/decisions/0006-weight-only-dequantize-past-m128.md). 2**27 holds it in one, and chunks without a bias write
+# their columns in place.
 CHUNK_ELEMENTS = 2**27
 
 

@@ -54,8 +54,7 @@ def reduce_partials(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | No
     split, M, N = ws.shape
     # 256 outputs on 2 warps, one 16-byte load per thread per slice: at decode's M = 1 the reduce spreads over
     # N / 256 programs. Against 1024 on 4 warps with a rolled loop it took 1.2 against 1.9 us after a 4096x4096 int4
-    # GEMM split 8, and 1.4 against 2.6 after 4096x14336 split 14 (bench/HISTORY.md, "2026-12-02: the stored-order
-    # int4 kernel in the product").
+    # GEMM split 8, and 1.4 against 2.6 after 4096x14336 split 14 (docs/decisions/0009-int4-split-and-reduce.md).
     block = 256
     visible(_splitk_reduce_kernel)[(cdiv(M * N, block),)](
         ws, out, bias if bias is not None else ws, M, N, out.stride(0), out.stride(1),

@@ -2,8 +2,8 @@
 
 Pre:  quantize_linear and fuse_norm have run. Post: where a quantized activation feeds only its GEMM, the pair
 is one op, which Inductor sees as a single node. linear_fp8 runs the quantizer and the GEMM back to back:
-quantizing inside the GEMM was measured slower on the H200 (every N tile re-quantizes its rows; bench/HISTORY.md,
-"Activation quantization inside the block GEMM: measured, not adopted").
+quantizing inside the GEMM was measured slower on the H200 (every N tile re-quantizes its rows;
+docs/decisions/0012-activation-quant-outside-the-gemm.md).
 
     %q = quantize_fp8(%x, 128); %a = getitem(%q, 0); %s = getitem(%q, 1)
     %y = scaled_mm_fp8(%a, %s, %w_q, %w_s, %b, bf16)                  ->  %y = linear_fp8(%x, %w_q, %w_s, %b, 128)

@@ -32,8 +32,7 @@ from fxquant.passes.spellings import SDPA
 # Packed, attention runs one (batch, KV head) group per program: below 16 groups the H200's cuDNN kernel took ~30 us
 # however few they were, and the repeat was cheaper (8 KV heads at batch 1: 26.0 us repeated against 30.0 packed;
 # 1 KV head at batch 4: 17.2 against 30.0). From 16 groups on, packing won at every point measured: 1.35x at 8 KV
-# heads and batch 2, 5.1x at batch 16, 1.44x at 1 KV head and batch 16 (bench/HISTORY.md, "Decode attention on
-# the key/value heads").
+# heads and batch 2, 5.1x at batch 16, 1.44x at 1 KV head and batch 16 (docs/decisions/0011-pack-gqa-from-16-groups.md).
 MIN_KV_GROUPS = 16
 
 
