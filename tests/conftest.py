@@ -49,7 +49,9 @@ SLOWEST_FIRST = ("test_real_models.py", "test_quantize_inplace.py", "test_hf_lla
 def pytest_collection_modifyitems(config, items):
     rank = {name: place for place, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order within a file is kept
-    if os.environ.get("CI") == "true":  # CI's 2 cores: the slowest cases run on the GPU machine and locally
+    # CI's 2 cores: the slowest cases run on the GPU machine (cpu_matrix as a second command,
+    # docs/decisions/0014-gpu-suite-cpu-matrix-second-command.md) and locally
+    if os.environ.get("CI") == "true":
         slow = pytest.mark.skip(reason="slow: skipped where CI=true; .ci/gpu (or .ci/gpu --cpu-matrix) runs it")
         for item in items:
             if "slow" in item.keywords or "cpu_matrix" in item.keywords:

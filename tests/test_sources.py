@@ -27,7 +27,7 @@ def test_every_cited_history_heading_exists():
     headings = [line.lstrip("#").strip() for line in (ROOT / "bench" / "HISTORY.md").read_text().splitlines()
                 if line.startswith("#")]
     sources = [*(ROOT / "fxquant").rglob("*.py"), *(ROOT / "bench").glob("*.py"), *(ROOT / "tests").rglob("*.py"),
-               ROOT / "README.md", ROOT / "BENCHMARKS.md"]
+               ROOT / "README.md", ROOT / "BENCHMARKS.md", *(ROOT / "docs" / "decisions").glob("*.md")]
     missing = []
     for source in sources:
         for cited in HISTORY_CITE.findall(source.read_text()):
@@ -35,3 +35,18 @@ def test_every_cited_history_heading_exists():
             if not any(heading.startswith(name) or name in heading for heading in headings):
                 missing.append(f"{source.relative_to(ROOT)}: {name}")
     assert not missing, missing
+
+
+def test_each_decision_record_is_cited_by_the_files_it_names():
+    """A record in docs/decisions says which files it decided; each of them cites it by file name, so that a reader of
+    the code finds the number behind a choice, and a record whose choice left the code shows as uncited."""
+    records = sorted((ROOT / "docs" / "decisions").glob("[0-9][0-9][0-9][0-9]-*.md"))
+    assert records
+    uncited = []
+    for record in records:
+        cited_by = re.search(r"\*\*Cited by\.\*\* (.+?)\.\n", record.read_text(), re.S)
+        assert cited_by, f"{record.name} names no file it decided"
+        for name in re.findall(r"`([^`]+)`", cited_by.group(1)):
+            if record.name not in (ROOT / name).read_text():
+                uncited.append(f"{name} does not cite {record.name}")
+    assert not uncited, uncited
