@@ -50,3 +50,12 @@ def test_each_decision_record_is_cited_by_the_files_it_names():
             if record.name not in (ROOT / name).read_text():
                 uncited.append(f"{name} does not cite {record.name}")
     assert not uncited, uncited
+
+
+def test_every_kept_log_is_cited_by_the_benchmarks_or_a_decision():
+    """bench/results keeps the logs behind the current numbers (BENCHMARKS.md) and behind the decisions
+    (docs/decisions); a log nobody cites belongs to the repository's history, not its tree."""
+    citing = "".join(p.read_text() for p in [ROOT / "BENCHMARKS.md", *(ROOT / "docs" / "decisions").glob("*.md")])
+    uncited = [p.relative_to(ROOT).as_posix() for p in (ROOT / "bench" / "results").rglob("*")
+               if p.is_file() and p.name not in citing]
+    assert not uncited, uncited
