@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 from fxquant import kv_cache_scheme
 from fxquant.checkpoint_experts import expert_linear_names, split_experts, stack_experts
 from fxquant.checkpoint_mxfp4 import MXFP4_METHOD, from_mxfp4, mxfp4_experts
-from fxquant.compressed_tensors import SCHEMES, from_checkpoint, group_config, recipe_of, to_checkpoint
+from fxquant.compressed_tensors import from_checkpoint, group_config, recipe_of, scheme_of, to_checkpoint, writable
+from fxquant.config import RECIPES
 from fxquant.inplace import linear_weight, progress_hidden
 from fxquant.quantized_experts import QuantizedExperts, is_experts
 from fxquant.quantized_linear import QuantizedLinear
@@ -50,18 +51,18 @@ def save_quantized(model: nn.Module, path, kv_scales: list[tuple[float, float]] 
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
         if isinstance(module, QuantizedExperts):  # as the checkpoint's per-expert linears
-            if module.recipe not in SCHEMES:
+            if not writable(module.recipe):
                 raise ValueError(f"fxquant: {name} is quantized with {module.recipe}, which has no compressed-tensors "
-                                 f"scheme here; save_quantized writes {', '.join(SCHEMES)}")
+                                 f"scheme here; save_quantized writes {', '.join(filter(writable, RECIPES))}")
             for linear, part in split_experts(model, name, module).items():
                 groups[module.recipe].append(linear)
                 stored = to_checkpoint(part, module.recipe)
                 tensors.update({f"{linear}.{key}": t.contiguous() for key, t in stored.items()})
             continue
         if isinstance(module, QuantizedLinear):
-            if module.recipe not in SCHEMES:
+            if not writable(module.recipe):
                 raise ValueError(f"fxquant: {name} is quantized with {module.recipe}, which has no compressed-tensors "
-                                 f"scheme here; save_quantized writes {', '.join(SCHEMES)}")
+                                 f"scheme here; save_quantized writes {', '.join(filter(writable, RECIPES))}")
             module = gathered(module, name)
             groups[module.recipe].append(name)
             tensors.update({prefix + key: t.contiguous() for key, t in to_checkpoint(module, module.recipe).items()})
@@ -89,7 +90,7 @@ def save_quantized(model: nn.Module, path, kv_scales: list[tuple[float, float]] 
     floating = [t.dtype for key, t in tensors.items() if t.dtype in HIGH_PRECISION and "scale" not in key]
     if floating:  # the dtype the model ran in, for load_quantized(dtype="auto") and from_pretrained
         config["dtype"] = str(max(set(floating), key=floating.count)).removeprefix("torch.")
-    formats = {SCHEMES[recipe][0] for recipe in groups}
+    formats = {scheme_of(recipe)[0] for recipe in groups}
     config["quantization_config"] = {
         "quant_method": "compressed-tensors",
         "format": formats.pop() if len(formats) == 1 else "mixed-precision",

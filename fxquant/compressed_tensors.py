@@ -24,76 +24,101 @@ from __future__ import annotations
 
 import torch
 
+from fxquant.config import RECIPES
+
 FLOAT_QUANTIZED, PACK_QUANTIZED = "float-quantized", "pack-quantized"
 SIGN_BIT = 0x80
 NIBBLE_SIGN_BITS = 0x88  # both nibbles' top bits: a signed int4 code q becomes q + 8 by flipping it, and back
 MXFP4_PACKED, NVFP4_PACKED, MXFP8_QUANTIZED = "mxfp4-pack-quantized", "nvfp4-pack-quantized", "mxfp8-quantized"
 _FP8_ACTIVATIONS = dict(num_bits=8, type="float", symmetric=True, dynamic=True)
-# recipe -> (format, weights args, input activation args or None)
-SCHEMES = {
-    "fp8_row": (FLOAT_QUANTIZED, dict(num_bits=8, type="float", symmetric=True, strategy="channel", dynamic=False),
-                dict(_FP8_ACTIVATIONS, strategy="token")),
-    "fp8_block": (FLOAT_QUANTIZED, dict(num_bits=8, type="float", symmetric=True, strategy="block",
-                                        block_structure=[128, 128], dynamic=False),
-                  dict(_FP8_ACTIVATIONS, strategy="group", group_size=128)),
-    "fp8_tensor": (FLOAT_QUANTIZED, dict(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False),
-                   dict(_FP8_ACTIVATIONS, strategy="tensor")),
-    "mxfp8": (MXFP8_QUANTIZED, dict(num_bits=8, type="float", symmetric=True, strategy="group", group_size=32,
-                                    dynamic=False, scale_dtype="torch.uint8"),
-              dict(_FP8_ACTIVATIONS, strategy="group", group_size=32, scale_dtype="torch.uint8")),
-    "int8_wo": (PACK_QUANTIZED, dict(num_bits=8, type="int", symmetric=True, strategy="channel", dynamic=False), None),
-    "int4_wo": (PACK_QUANTIZED, dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128,
-                                     dynamic=False), None),
-    "int4_sym_wo": (PACK_QUANTIZED, dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128,
-                                         dynamic=False), None),
-    "mxfp4_wo": (MXFP4_PACKED, dict(num_bits=4, type="float", symmetric=True, strategy="group", group_size=32,
-                                    dynamic=False, scale_dtype="torch.uint8"), None),
-    "nvfp4_wo": (NVFP4_PACKED, dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16,
-                                    dynamic=False, scale_dtype="torch.float8_e4m3fn"), None),
-}
+_MX = dict(strategy="group", group_size=32, scale_dtype="torch.uint8")  # E8M0 scales of 32, stored as uint8
+_FORMATS = {"fp8_e4m3": FLOAT_QUANTIZED, "mxfp8": MXFP8_QUANTIZED, "int8": PACK_QUANTIZED, "int4": PACK_QUANTIZED,
+            "mxfp4": MXFP4_PACKED, "nvfp4": NVFP4_PACKED}
+
+
+def _strategy(granularity) -> dict:
+    """A weight or activation granularity as compressed-tensors' strategy arguments."""
+    if granularity in ("channel", "tensor", "token"):
+        return {"strategy": granularity}
+    kind, *sizes = granularity
+    return {"strategy": "block", "block_structure": list(sizes)} if kind == "block" else {"strategy": "group",
+                                                                                            "group_size": sizes[0]}
+
+
+def writable(recipe: str) -> bool:
+    """Whether compressed-tensors has a format for the recipe's weights."""
+    return RECIPES[recipe].weight_fmt in _FORMATS
+
+
+def scheme_of(recipe: str) -> tuple[str, dict, dict | None]:
+    """The compressed-tensors format, weight arguments and input-activation arguments (None: weight-only) of a
+    recipe, read from its LinearScheme, so that a recipe of an existing kind needs no entry here."""
+    linear = RECIPES[recipe]
+    fmt = linear.weight_fmt
+    if not writable(recipe):
+        raise ValueError(f"fxquant: recipe {recipe!r} has no compressed-tensors scheme here; checkpoints are written "
+                         f"for {', '.join(filter(writable, RECIPES))}")
+    if fmt == "fp8_e4m3":
+        act = {0: "token", -1: "tensor"}.get(linear.act_group, ("group", linear.act_group))
+        weights = dict(num_bits=8, type="float", symmetric=True, **_strategy(linear.weight_granularity))
+        return FLOAT_QUANTIZED, dict(weights, dynamic=False), dict(_FP8_ACTIVATIONS, **_strategy(act))
+    if fmt == "mxfp8":
+        return MXFP8_QUANTIZED, dict(num_bits=8, type="float", symmetric=True, dynamic=False, **_MX), \
+            dict(_FP8_ACTIVATIONS, **_MX)
+    if fmt in ("int8", "int4"):  # int8 is symmetric; int4 has a zero point per group unless its scheme says not
+        weights = dict(num_bits=int(fmt[3:]), type="int", symmetric=fmt == "int8" or linear.symmetric,
+                       **_strategy(linear.weight_granularity))
+        return PACK_QUANTIZED, dict(weights, dynamic=False), None
+    if fmt == "mxfp4":
+        return MXFP4_PACKED, dict(num_bits=4, type="float", symmetric=True, dynamic=False, **_MX), None
+    return NVFP4_PACKED, dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16,
+                              dynamic=False, scale_dtype="torch.float8_e4m3fn"), None
 
 
 def group_config(recipe: str, targets: list[str]) -> dict:
     """One config_groups entry of quantization_config."""
-    if recipe not in SCHEMES:
-        raise ValueError(f"fxquant: recipe {recipe!r} has no compressed-tensors scheme here; checkpoints are written "
-                         f"for {', '.join(SCHEMES)}")
-    fmt, weights, activations = SCHEMES[recipe]
+    fmt, weights, activations = scheme_of(recipe)
     return {"targets": targets, "weights": weights, "input_activations": activations, "format": fmt}
 
 
 def recipe_of(group: dict, where: str) -> str:
-    """The recipe that computes what a config_groups entry describes; a clear error where none does."""
+    """The recipe that computes what a config_groups entry describes (the first whose scheme_of it matches); a clear
+    error where none does."""
+    for recipe in RECIPES:
+        if writable(recipe) and _computes(recipe, group):
+            return recipe
     weights, activations = group.get("weights") or {}, group.get("input_activations")
-    kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
-    recipe = None
-    if kind == "float" and bits == 8 and activations and activations.get("dynamic") is True:
-        act = activations.get("strategy"), activations.get("group_size")
-        if strategy == "channel" and act[0] == "token":
-            recipe = "fp8_row"
-        elif strategy == "block" and list(weights.get("block_structure") or []) == [128, 128] and act == ("group", 128):
-            recipe = "fp8_block"
-        elif strategy == "tensor" and act[0] == "tensor":
-            recipe = "fp8_tensor"
-        elif strategy == "group" and weights.get("group_size") == 32 and act == ("group", 32) and _e8m0(weights):
-            recipe = "mxfp8"
-    elif (kind == "float" and bits == 4 and strategy == "group" and weights.get("group_size") == 32
-          and activations is None):
-        recipe = "mxfp4_wo"
-    elif (kind == "float" and bits == 4 and strategy == "tensor_group" and weights.get("group_size") == 16
-          and activations is None):
-        recipe = "nvfp4_wo"
-    elif kind == "int" and activations is None and weights.get("actorder") in (None, "none"):
-        if bits == 8 and strategy == "channel" and weights.get("symmetric", True):
-            recipe = "int8_wo"
-        elif bits == 4 and strategy == "group" and weights.get("group_size") == 128:
-            recipe = "int4_sym_wo" if weights.get("symmetric", True) else "int4_wo"
-    if recipe is None:
-        raise NotImplementedError(
-            f"fxquant: {where}: no fxquant recipe computes this compressed-tensors scheme (weights {weights}, "
-            f"input_activations {activations}); loadable: fp8 per channel / 128x128 block / per tensor and MXFP8 with "
-            "dynamic activations; int8 per channel, int4 in groups of 128, MXFP4 and NVFP4, weight-only")
-    return recipe
+    raise NotImplementedError(
+        f"fxquant: {where}: no fxquant recipe computes this compressed-tensors scheme (weights {weights}, "
+        f"input_activations {activations}); loadable: fp8 per channel / 128x128 block / per tensor and MXFP8 with "
+        "dynamic activations; int8 per channel, int4 in groups of 128, MXFP4 and NVFP4, weight-only")
+
+
+_COMPARED = ("type", "num_bits", "strategy", "group_size", "block_structure")  # what fixes the numbers
+
+
+def _computes(recipe: str, group: dict) -> bool:
+    """Whether `recipe` computes the scheme `group` describes: the same weight type, bits, strategy and block, the
+    same symmetry for ints (compressed-tensors' default: symmetric), E8M0 scales for MXFP8, no activation order,
+    and dynamic activations of the same strategy, or none."""
+    _, ours, our_activations = scheme_of(recipe)
+    weights, activations = group.get("weights") or {}, group.get("input_activations")
+    if any(_value(weights.get(key)) != _value(ours[key]) for key in _COMPARED if key in ours):
+        return False
+    if ours["type"] == "int" and (weights.get("symmetric", True) != ours["symmetric"]
+                                  or weights.get("actorder") not in (None, "none")):
+        return False
+    if RECIPES[recipe].kind == "mxfp8" and not _e8m0(weights):
+        return False
+    if our_activations is None or not activations:
+        return our_activations is None and not activations
+    return activations.get("dynamic") is True and all(
+        _value(activations.get(key)) == _value(our_activations[key]) for key in ("strategy", "group_size")
+        if key in our_activations)
+
+
+def _value(value):
+    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def _e8m0(args: dict) -> bool:
@@ -129,18 +154,19 @@ def to_checkpoint(layer, recipe: str) -> dict[str, torch.Tensor]:
     """The tensors compressed-tensors stores for a QuantizedLinear (local names: weight, weight_scale, ...)."""
     n, k = layer.out_features, layer.in_features
     scale = layer.weight_scale.detach().float()  # fp32: dequantization in compressed-tensors then equals ours
-    if SCHEMES[recipe][0] == FLOAT_QUANTIZED:
+    fmt, linear = scheme_of(recipe)[0], RECIPES[recipe]
+    if fmt == FLOAT_QUANTIZED:
         return {"weight": layer.weight.detach(), "weight_scale": scale.reshape(1) if scale.dim() == 0 else scale}
-    if recipe in ("mxfp4_wo", "mxfp8"):
-        key = "weight_packed" if recipe == "mxfp4_wo" else "weight"
+    if fmt in (MXFP4_PACKED, MXFP8_QUANTIZED):
+        key = "weight_packed" if fmt == MXFP4_PACKED else "weight"
         return {key: layer.weight.detach(), "weight_scale": layer.weight_scale.detach().view(torch.uint8)}
-    if recipe == "nvfp4_wo":
+    if fmt == NVFP4_PACKED:
         return {"weight_packed": layer.weight.detach(), "weight_scale": layer.weight_scale.detach(),
                 "weight_global_scale": (1.0 / layer.weight_global_scale.detach().float()).reshape(1)}
     tensors = {"weight_scale": scale, "weight_shape": torch.tensor([n, k])}
-    if recipe == "int8_wo":
+    if linear.weight_fmt == "int8":
         tensors["weight_packed"] = _pack_rows(_offset_binary(layer.weight.detach().view(torch.uint8)))
-    elif recipe == "int4_sym_wo":
+    elif linear.symmetric:
         tensors["weight_packed"] = _pack_rows(layer.weight.detach() ^ NIBBLE_SIGN_BITS)
     else:
         tensors["weight_packed"] = _pack_rows(layer.weight.detach())
@@ -151,7 +177,7 @@ def to_checkpoint(layer, recipe: str) -> dict[str, torch.Tensor]:
 def stored_names(recipe: str) -> tuple[str, ...]:
     """The tensors of a layer that loading needs (int4's zero point is not among them: symmetric checkpoints have
     none)."""
-    fmt = SCHEMES[recipe][0]
+    fmt = scheme_of(recipe)[0]
     if fmt in (FLOAT_QUANTIZED, MXFP8_QUANTIZED):
         return ("weight", "weight_scale")
     return ("weight_packed", "weight_scale") + (("weight_global_scale",) if fmt == NVFP4_PACKED else ())
@@ -166,30 +192,31 @@ def from_checkpoint(tensors: dict[str, torch.Tensor], recipe: str, out_features:
     if missing:
         raise ValueError(f"fxquant: the checkpoint holds no {', '.join(f'{name}.{key}' for key in missing)}, which "
                          f"its {recipe} layer {name} needs. Fix: a complete checkpoint (download or save it again)")
-    if recipe in ("mxfp4_wo", "mxfp8"):
+    fmt, linear = scheme_of(recipe)[0], RECIPES[recipe]
+    if fmt in (MXFP4_PACKED, MXFP8_QUANTIZED):
         exponents = tensors["weight_scale"]
         if exponents.dtype != torch.uint8:
             raise ValueError(f"fxquant: {recipe} weight_scale is {exponents.dtype}, expected uint8 E8M0 exponents")
-        codes = tensors["weight_packed" if recipe == "mxfp4_wo" else "weight"]
-        if recipe == "mxfp8" and codes.dtype != torch.float8_e4m3fn:
+        codes = tensors["weight_packed" if fmt == MXFP4_PACKED else "weight"]
+        if fmt == MXFP8_QUANTIZED and codes.dtype != torch.float8_e4m3fn:
             raise ValueError(f"fxquant: mxfp8 weight is {codes.dtype}, expected float8_e4m3fn")
         return {"weight": codes, "weight_scale": exponents.view(torch.float8_e8m0fnu)}
-    if recipe == "nvfp4_wo":
+    if fmt == NVFP4_PACKED:
         block_scale = tensors["weight_scale"]
         if block_scale.dtype != torch.float8_e4m3fn:
             raise ValueError(f"fxquant: nvfp4 weight_scale is {block_scale.dtype}, expected float8_e4m3fn")
         global_scale = (1.0 / tensors["weight_global_scale"].float()).reshape(())  # fxquant multiplies by it
         return {"weight": tensors["weight_packed"], "weight_scale": block_scale, "weight_global_scale": global_scale}
     scale = tensors["weight_scale"].float()
-    if SCHEMES[recipe][0] == FLOAT_QUANTIZED:
+    if fmt == FLOAT_QUANTIZED:
         codes = tensors["weight"]
         if codes.dtype != torch.float8_e4m3fn:
             raise ValueError(f"fxquant: float-quantized weight is {codes.dtype}, expected float8_e4m3fn")
-        return {"weight": codes, "weight_scale": scale.reshape(()) if recipe == "fp8_tensor" else scale}
+        return {"weight": codes, "weight_scale": scale.reshape(()) if linear.weight_granularity == "tensor" else scale}
     packed = tensors["weight_packed"].contiguous().view(torch.uint8)
-    if recipe == "int8_wo":  # in place: the layer's codes are the stored bytes, never a second copy of the layer
+    if linear.weight_fmt == "int8":  # in place: the layer's codes are the stored bytes, never a second copy
         return {"weight": packed.bitwise_xor_(SIGN_BIT).view(torch.int8), "weight_scale": scale}
-    if recipe == "int4_sym_wo":
+    if linear.symmetric:
         return {"weight": packed.bitwise_xor_(NIBBLE_SIGN_BITS), "weight_scale": scale}
     zero_point = tensors.get("weight_zero_point")
     zero_point = (_unnibble_down(zero_point, out_features) if zero_point is not None

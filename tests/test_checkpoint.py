@@ -21,7 +21,7 @@ from test_real_models import PROMPT
 
 import fxquant
 from fxquant import reference as R
-from fxquant.compressed_tensors import SCHEMES, from_checkpoint, to_checkpoint
+from fxquant.compressed_tensors import from_checkpoint, to_checkpoint
 from fxquant.config import RECIPES
 from fxquant.granularity import as_granularity
 from fxquant.quantized import Quantized
@@ -115,7 +115,7 @@ def test_a_checkpoint_compressed_tensors_wrote_loads_bit_identically(tmp_path, a
         assert torch.isfinite(loaded(PROMPT, use_cache=False).logits).all()
 
 
-@pytest.mark.parametrize("recipe", list(SCHEMES))
+@pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_checkpoint_fxquant_wrote_decompresses_in_compressed_tensors(tmp_path, arch, recipe):
     model = fxquant.quantize_(decoder(arch), {"recipe": recipe})
@@ -140,7 +140,7 @@ def test_a_checkpoint_fxquant_wrote_decompresses_in_compressed_tensors(tmp_path,
         assert torch.equal(reloaded(PROMPT, use_cache=False).logits, model(PROMPT, use_cache=False).logits)
 
 
-@pytest.mark.parametrize("recipe", list(SCHEMES))
+@pytest.mark.parametrize("recipe", list(RECIPES))
 def test_loading_makes_the_stored_codes_the_layers_codes_without_a_copy(recipe):
     """Loading's peak is the quantized model only if each layer's codes are the bytes read from the file: int8's
     conversion from the stored q + 128 once copied every layer through int16 (1.83x the ideal on the GPU)."""
@@ -257,7 +257,7 @@ def test_a_mixtral_checkpoint_compressed_tensors_wrote_loads_its_experts_bit_ide
         assert torch.isfinite(loaded(PROMPT, use_cache=False).logits).all()
 
 
-@pytest.mark.parametrize("recipe", list(SCHEMES))
+@pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_quantized_experts_fxquant_wrote_decompress_in_compressed_tensors(tmp_path, arch, recipe):
     """Experts are written as the per-expert linears transformers' checkpoints hold (Mixtral: w1 / w3 / w2 under
