@@ -39,7 +39,7 @@ def test_a_failure_is_printed_the_moment_it_happens(tmp_path, workers):
     import sys
     from pathlib import Path
 
-    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    shutil.copy(Path(__file__).parents[1] / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_cut.py").write_text(
         "import time\n"
         "def test_fails():\n    assert 1 == 2, 'one is not two'\n"
@@ -66,7 +66,7 @@ def test_the_slowest_files_come_first_one_test_at_a_time_and_a_group_stays_on_on
     addopts = shlex.split(re.search(r'^addopts = "(.*)"$', (root / "pyproject.toml").read_text(), re.M).group(1))
     assert "loadgroup" in addopts
     addopts[addopts.index("-n") + 1] = "3"
-    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    shutil.copy(Path(__file__).parents[1] / "conftest.py", tmp_path / "conftest.py")
     record = ("import os, pathlib, pytest\n"
               "@pytest.mark.parametrize('i', range(20))\n"
               "def test_one(i):\n"

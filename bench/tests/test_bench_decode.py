@@ -2,17 +2,26 @@
 graph replays counts each replay and restores replay()."""
 import pytest
 import torch
-from hf_models import VOCAB, decoder
+import transformers as T
 
+from bench.common import llama_config
 from bench.decode import Decoder, compiled_forward, graph_replays
 from fxquant.backend import QuantizedCallable
+
+VOCAB = 512
+
+
+def small_llama() -> T.LlamaForCausalLM:
+    """Two layers of the benchmarks' Llama shapes at hidden 256, in fp32."""
+    torch.manual_seed(0)
+    return T.LlamaForCausalLM(llama_config(2, 256, VOCAB)).eval()
 
 
 def test_timing_the_wrapper_alone_restores_the_compiled_step():
     """wrapper_us replaces the compiled graph by a no-op and the callable's __call__ by a recorder while it times;
     afterwards the step runs the real graph again and gives the logits it gave before."""
     call = QuantizedCallable.__call__
-    model = decoder("llama", dtype=torch.float32)
+    model = small_llama()
     runner, forward, callables = compiled_forward(model, "fxquant:fp8_row", "default")
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, VOCAB, (1, 6), generator=generator)
@@ -30,7 +39,7 @@ def test_graph_replay_timing_restores_replay_and_counts_only_replays():
     """Steps on the CPU launch no CUDA graph: each step's replay time is 0, one per step, and replay() is the
     original afterwards."""
     replay = torch.cuda.CUDAGraph.replay
-    model = decoder("llama", dtype=torch.float32)
+    model = small_llama()
     runner, forward, callables = compiled_forward(model, "fxquant:fp8_row", "default")
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, VOCAB, (1, 6), generator=generator)
