@@ -4,8 +4,8 @@ first batch compiles its prefill too).
 
 Columns:
 - tokens/s of the whole call (prefill included) and of its decode loop alone;
-- GPU ms/step: the captured step's graph replayed back to back, timed by CUDA events (the step's time with the
-  host out of it), and the decode loop's share of that bound: batch / GPU ms per step, against its tokens/s;
+- GPU ms/step: the captured graphs replayed back to back, timed by CUDA events (the step's time with the host out
+  of it), and the decode loop's share of that bound: batch / GPU ms per step, against its tokens/s;
 - the host's ms per decode step, outside its waits for the GPU, and whether the step ran as a CUDA graph;
 - first token ms: from the call to the first new token in a streamer's hands (a third call, with a streamer);
 - with --transformers-batches, the same for transformers' generate() (a static cache, compile_config naming the
@@ -27,6 +27,7 @@ import transformers as T
 import fxquant
 from bench.common import LLAMA_3_VOCAB, header, llama, table
 from bench.decode import sync
+from fxquant.decode_loop import CHECK_EVERY
 from fxquant.generation import kept, last_run, release
 
 REPLAYS = 32  # graph replays timed back to back for the GPU's ms per step
@@ -56,8 +57,9 @@ def first_token_ms(call, device: str) -> str:
 
 
 def gpu_ms_per_step(model, prompt) -> float | None:
-    """The captured step replayed REPLAYS times back to back after a fresh prefill of the prompt (so that its
-    positions stay inside the cache), timed by CUDA events; None without a graph."""
+    """REPLAYS steps of the captured graphs (chunks of CHECK_EVERY, as the loop replays them) back to back after a
+    fresh prefill of the prompt (so that their positions stay inside the cache), timed by CUDA events, per step;
+    None without a graph."""
     runner = next(iter(kept(model).runners.values()), None)
     if runner is None or runner.graph is None:
         return None
@@ -66,9 +68,10 @@ def gpu_ms_per_step(model, prompt) -> float | None:
     runner.start(prompt, mask, None if mask is None else mask.cumsum(-1) - 1, None)
     runner.graph.replay()  # the first replay after a prefill waits for it
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph, steps = (runner.chunk_graph, CHECK_EVERY) if runner.chunk_graph is not None else (runner.graph, 1)
     start.record()
-    for _ in range(REPLAYS):
-        runner.graph.replay()
+    for _ in range(REPLAYS // steps):
+        graph.replay()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / REPLAYS

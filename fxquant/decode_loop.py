@@ -2,7 +2,9 @@
 
 A step is the model's forward on the last token, then `Choice`: the logits processors, the next token chosen on the
 device, finished sequences padded, the end-of-sequence test, every counter moved on. Nothing in it reads a value on
-the host, so it replays as is. The host reads the finished flags (and the tokens, for a streamer) back once per
+the host, so it replays as is. Two graphs are captured: one of a whole chunk of CHECK_EVERY steps, so that each
+replay's fixed host cost (the launch, the generator's prologue) is paid once a chunk, and one of a single step for
+the last, shorter chunk. The host reads the finished flags (and the tokens, for a streamer) back once per
 CHECK_EVERY steps, a chunk behind the GPU, so the GPU's queue never drains; the steps run past the last
 end-of-sequence give pad tokens and are cut, as generate() would never have run them.
 """
@@ -99,7 +101,7 @@ class Runner:
         vocab = model.config.get_text_config().vocab_size
         self.logits = torch.zeros(batch, new_tokens, vocab, device=device) if choice.keep_logits else None
         self.use_graph = device.type == "cuda" and is_compiled(self.forward)
-        self.graph, self.stats = None, None
+        self.graph, self.chunk_graph, self.stats = None, None, None
 
     def start(self, input_ids, mask, positions, logits_to_keep) -> None:
         """Prefills the prompt as generate() does and chooses the first new token, the counters reset."""
@@ -154,19 +156,24 @@ class Runner:
 
     def _capture(self) -> None:
         """Two real steps first (they compile, autotune, and would show a recompile), on a side stream as CUDA
-        graphs ask; then a third is captured, not run."""
+        graphs ask; then one step, and a chunk of CHECK_EVERY steps, are captured, not run. The two graphs share one
+        memory pool: every value a step hands the next lives in the runner's buffers and the cache, outside both."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
                 self._step()
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
+        graph, chunk_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         if self.choice.generator is not None:
             graph.register_generator_state(self.choice.generator)
+            chunk_graph.register_generator_state(self.choice.generator)
         try:
             with torch.cuda.graph(graph):
                 self._step()
+            with torch.cuda.graph(chunk_graph, pool=graph.pool()):
+                for _ in range(CHECK_EVERY):
+                    self._step()
         except RuntimeError as error:  # nothing ran: a capture records the step's work, it runs none of it
             self.use_graph = False
             reason = str(error).splitlines()[0].rstrip(".")
@@ -176,7 +183,7 @@ class Runner:
                           f"in a dtype other than bf16 (which it runs as a loop under torch.compile); Fix: "
                           f"model.set_experts_implementation('grouped_mm') on a bf16 model", stacklevel=4)
             return
-        self.graph = graph
+        self.graph, self.chunk_graph = graph, chunk_graph
 
     def run(self, new_tokens: int, streamer) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode steps after the prefill's token, in chunks of CHECK_EVERY. Each chunk's end queues a copy of
@@ -194,8 +201,11 @@ class Runner:
                 done += 2
                 continue
             chunk = min(CHECK_EVERY, new_tokens - done)
-            for _ in range(chunk):
-                self.graph.replay() if self.graph is not None else self._step()
+            if chunk == CHECK_EVERY and self.chunk_graph is not None:
+                self.chunk_graph.replay()
+            else:
+                for _ in range(chunk):
+                    self.graph.replay() if self.graph is not None else self._step()
             done += chunk
             readback = Readback(self.unfinished.any(), self.produced, self.tokens[:, sent:done], sent)
             sent = done
