@@ -1,6 +1,6 @@
 """An op node's arguments by the names its schema declares, not by position: `arguments(node)["w_scale"]`, and
 `with_arguments(node, w=..., out_features=...)` for the positional tuple with some replaced. The names are the ops'
-own (`fxquant/ops.py` declares each schema once), so a pass and the op cannot disagree on where an argument sits."""
+own (`fxquant/ops/` declares each schema once), so a pass and the op cannot disagree on where an argument sits."""
 
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ import torch
 from hf_models import compiled, decoder, fake_quantized, static_decode, traced, within_bound
 
 import fxquant
-from fxquant import ops
 from fxquant.backend import fxquant as fxquant_backend
 from fxquant.kernels.gemm_int4_mma import pack_lanes
+from fxquant.ops import linear as linear_ops
 from fxquant.passes import pack_int4_lanes
 from fxquant.weight_store import LANES_KEY
 
@@ -109,8 +109,8 @@ def test_quantize_inplace_weights_keep_the_row_major_kernel(serves):
 @pytest.mark.gpu
 def test_a_batch_one_decode_runs_the_kernel_within_the_bound_of_its_fake_quantized_copy(monkeypatch):
     calls = []
-    kernel = ops.int4_mma_mm
-    monkeypatch.setattr(ops, "int4_mma_mm", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
+    kernel = linear_ops.int4_mma_mm
+    monkeypatch.setattr(linear_ops, "int4_mma_mm", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
     model = decoder("llama", num_hidden_layers=2).to(DEVICE)
     prompt, steps = PROMPT.to(DEVICE), torch.randint(0, 64, (1, 3), device=DEVICE)
     got = static_decode(model, compiled(model, recipe="int4_wo"), prompt, steps)

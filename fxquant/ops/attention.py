@@ -1,0 +1,46 @@
+"""The attention ops: decode attention over the KV cache as stored, and an e4m3 cache dequantized."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fxquant import reference_attention as RA
+from fxquant.kernels.decode_attention import decode_attention as decode_attention_kernel
+from fxquant.kernels.decode_attention import decode_attention_refusal
+from fxquant.ops.declare import define, fake
+
+
+def _decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, softcap: float,
+                      sinks: Tensor | None, k_scale: Tensor | None, v_scale: Tensor | None,
+                      kv_lens: Tensor | None) -> Tensor:
+    """Attention of q [B, Hq, Q, D] over a KV cache k, v [B, Hkv, S, D] read as stored (high precision, or e4m3
+    codes with fp32 k_scale / v_scale per (batch, KV head, token) or per tensor): reference_attention's numerics.
+    CUDA: the split-KV kernel where it serves the operands; else the reference."""
+    if q.is_cuda and decode_attention_refusal(q, k, v, mask) is None:
+        return decode_attention_kernel(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens)
+    return RA.decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens)
+
+
+decode_attention = define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap, "
+                       "Tensor? sinks, Tensor? k_scale, Tensor? v_scale, Tensor? kv_lens) -> Tensor",
+                       _decode_attention)
+
+
+@fake("decode_attention")
+def _(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens):
+    return torch.empty_like(q)
+
+
+def _dequantize_kv(codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """An e4m3 KV cache [B, Hkv, S, D] in `dtype`: codes * scale, per (batch, KV head, token) (scale [B, Hkv, S])
+    or per tensor ([1]), in fp32, then one rounding to dtype."""
+    return RA.dequantized_cache(codes, scale).to(dtype)
+
+
+dequantize_kv = define("dequantize_kv(Tensor codes, Tensor scale, ScalarType dtype) -> Tensor", _dequantize_kv)
+
+
+@fake("dequantize_kv")
+def _(codes, scale, dtype):
+    return torch.empty_like(codes, dtype=dtype)

@@ -1,0 +1,170 @@
+"""The linear ops: dynamic fp8 activations and the scaled GEMM (quantize_fp8, scaled_mm_fp8, linear_fp8), weight-only
+GEMMs (linear_weight_only, and linear_int4_lanes for int4's M = 1 kernel) and MXFP8 (linear_mxfp8)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fxquant import reference as R
+from fxquant.api import quantize
+from fxquant.granularity import Granularity, activation_granularity
+from fxquant.kernels.cast import capability
+from fxquant.kernels.cublas_fp8 import cublas_scaled_mm, cublas_takes
+from fxquant.kernels.gemm_fp8 import fp8_scaled_mm, is_block_scaled
+from fxquant.kernels.gemm_int4_mma import int4_mma_fits, int4_mma_mm, lane_layout_shape
+from fxquant.kernels.gemm_weight_only import weight_only_mm
+from fxquant.kernels.quant_fp8 import MAX_ROW_LEN, quantize_fp8_rows
+from fxquant.kernels.quant_mx import mxfp8_values
+from fxquant.ops.declare import define, fake
+from fxquant.ops.reference_gemm import E4M3, chunked_linear, weight_granularity
+from fxquant.quantized import Quantized
+
+
+def _quantize_fp8(x: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """Dynamic e4m3 codes and fp32 scales of x [..., K]: per token (group_size 0), per 1 x group_size, or
+    per tensor (group_size -1, scale of shape [1])."""
+    if group_size < 0:
+        q = quantize(x, "fp8_e4m3", "tensor")  # on CUDA two kernels: amax partials, then scale and codes
+        return q.data, q.scale.reshape(1)
+    row_len = group_size or x.shape[-1]
+    if x.is_cuda and row_len <= MAX_ROW_LEN:
+        return quantize_fp8_rows(x, row_len, E4M3)
+    q = R.quantize(x, "fp8_e4m3", activation_granularity(group_size))
+    return q.data, q.scale
+
+
+quantize_fp8 = define("quantize_fp8(Tensor x, int group_size) -> (Tensor, Tensor)", _quantize_fp8)
+
+
+@fake("quantize_fp8")
+def _(x, group_size):
+    if group_size < 0:
+        return torch.empty_like(x, dtype=E4M3), x.new_empty((1,), dtype=torch.float32)
+    groups = x.shape[-1] // group_size if group_size else 1
+    return torch.empty_like(x, dtype=E4M3), x.new_empty((*x.shape[:-1], groups), dtype=torch.float32)
+
+
+def _scaled_mm_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None,
+                   out_dtype: torch.dtype) -> Tensor:
+    """(a [..., K] * a_scale) @ (w [N, K] * w_scale).T + bias, fp32 accumulation, one cast to out_dtype.
+
+    a_scale: [..., 1] per token or [..., K/g] per 1 x g group; w_scale: one element, [N, 1] or [N/128, K/128].
+    """
+    lead, K = a.shape[:-1], a.shape[-1]
+    a2 = a.reshape(-1, K)
+    s2 = a_scale.reshape(1) if a_scale.numel() == 1 else a_scale.reshape(-1, a_scale.shape[-1])
+    if a.is_cuda:
+        block = is_block_scaled(s2, w_scale, w.shape[0])
+        if cublas_takes(a2, s2, w, w_scale, bias, out_dtype, block):
+            out = cublas_scaled_mm(a2, s2, w, w_scale, block)
+        else:
+            out = fp8_scaled_mm(a2, s2, w, w_scale, bias, out_dtype)
+    else:
+        group = -1 if s2.dim() == 1 else 0 if s2.shape[1] == 1 else K // s2.shape[1]
+        qa = Quantized(a2, s2.reshape(()) if group < 0 else s2, "fp8_e4m3", activation_granularity(group), a2.shape,
+                       out_dtype)
+        qw = Quantized(w, w_scale, "fp8_e4m3", weight_granularity(w, w_scale), w.shape, out_dtype)
+        out = chunked_linear(qa, qw, bias, out_dtype)
+    return out.reshape(*lead, w.shape[0])
+
+
+scaled_mm_fp8 = define("scaled_mm_fp8(Tensor a, Tensor a_scale, Tensor w, Tensor w_scale, Tensor? bias, "
+                    "ScalarType out_dtype) -> Tensor", _scaled_mm_fp8)
+
+
+@fake("scaled_mm_fp8")
+def _(a, a_scale, w, w_scale, bias, out_dtype):
+    return a.new_empty((*a.shape[:-1], w.shape[0]), dtype=out_dtype)
+
+
+def _linear_fp8(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None, group_size: int) -> Tensor:
+    """F.linear with dynamic e4m3 activations (per token, or 1 x group_size) and a pre-quantized e4m3 weight."""
+    # The implementations, not the ops: one dispatch per call instead of three (each 1-4 us of host time).
+    a, a_scale = _quantize_fp8(x, group_size)
+    return _scaled_mm_fp8(a, a_scale, w, w_scale, bias, x.dtype)
+
+
+linear_fp8 = define("linear_fp8(Tensor x, Tensor w, Tensor w_scale, Tensor? bias, int group_size) -> Tensor",
+                 _linear_fp8)
+
+
+@fake("linear_fp8")
+def _(x, w, w_scale, bias, group_size):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def _linear_weight_only(x: Tensor, w: Tensor, w_scale: Tensor, w_global_scale: Tensor | None,
+                        w_zero_point: Tensor | None, bias: Tensor | None, fmt: str, group_size: int,
+                        out_features: int) -> Tensor:
+    """F.linear with a weight-only quantized weight (int8, int4, mxfp4, nvfp4), activations untouched."""
+    in_features = x.shape[-1]
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        out = weight_only_mm(x.reshape(-1, in_features), w, w_scale, fmt, group_size, out_features,
+                             zero_point=w_zero_point, global_scale=w_global_scale, bias=bias)
+        return out.reshape(*x.shape[:-1], out_features)
+    gran = Granularity("channel") if group_size == 0 else Granularity("group", (group_size,))
+    qw = Quantized(w, w_scale, fmt, gran, torch.Size((out_features, in_features)), x.dtype,
+                   global_scale=w_global_scale, zero_point=w_zero_point)
+    out = chunked_linear(x.reshape(-1, in_features), qw, bias, x.dtype)
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+linear_weight_only = define("linear_weight_only(Tensor x, Tensor w, Tensor w_scale, Tensor? w_global_scale, "
+                         "Tensor? w_zero_point, Tensor? bias, str fmt, int group_size, int out_features) -> Tensor",
+                         _linear_weight_only)
+
+
+@fake("linear_weight_only")
+def _(x, w, w_scale, w_global_scale, w_zero_point, bias, fmt, group_size, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _linear_int4_lanes(x: Tensor, w: Tensor, w_scale: Tensor, w_zero_point: Tensor | None, lane_scale: Tensor,
+                       lane_zero: Tensor | None, bias: Tensor | None, group_size: int, out_features: int) -> Tensor:
+    """linear_weight_only for an int4 weight whose scales and zero points are also held in the mma.sync decode
+    kernel's per-lane layout (`gemm_int4_mma.pack_lanes`). One activation row on the GPU takes that kernel;
+    every other case takes linear_weight_only on the row-major scales. At M = 8 the kernel ran 13-34% slower than
+    the in-register one on four of five Llama shapes (docs/decisions/0008-int4-mma-lane-packed-scales-at-m1.md),
+    so it serves M = 1."""
+    rows = x.reshape(-1, x.shape[-1])
+    K = rows.shape[1]
+    if (rows.shape[0] == 1 and w.shape == (out_features, K // 2) and w.is_contiguous()
+            and lane_scale.shape == lane_layout_shape(out_features, K, group_size) and int4_mma_fits(rows, group_size)):
+        out = int4_mma_mm(rows, w.view(torch.int32), lane_scale, lane_zero, group_size, bias)
+        return out.reshape(*x.shape[:-1], out_features)
+    return _linear_weight_only(x, w, w_scale, None, w_zero_point, bias, "int4", group_size, out_features)
+
+
+linear_int4_lanes = define("linear_int4_lanes(Tensor x, Tensor w, Tensor w_scale, Tensor? w_zero_point, "
+                        "Tensor lane_scale, Tensor? lane_zero, Tensor? bias, int group_size, int out_features) "
+                        "-> Tensor", _linear_int4_lanes)
+
+
+@fake("linear_int4_lanes")
+def _(x, w, w_scale, w_zero_point, lane_scale, lane_zero, bias, group_size, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _linear_mxfp8(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
+    """MXFP8 activations (dynamic, blocks of 32) and weight. Hopper has no MX tensor cores, but bf16 holds MXFP8
+    values exactly (down to 2^-133, below a block scale of 2^-124), so on CUDA bf16 activations are quantized and
+    dequantized in one kernel and multiply the weight through the weight-only GEMM, which decodes its codes to bf16:
+    the products of the MX operands, accumulated in fp32. Elsewhere (the CPU, fp16 activations, GPUs without fp8
+    casts) the reference GEMM runs in fp32."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and capability(x.device) >= (8, 9):
+        out = weight_only_mm(mxfp8_values(x.reshape(-1, x.shape[-1])), w, w_scale, "mxfp8", R.MX_BLOCK,
+                             w.shape[0], bias=bias)
+        return out.reshape(*x.shape[:-1], w.shape[0])
+    qw = Quantized(w, w_scale, "mxfp8", Granularity("group", (R.MX_BLOCK,)), w.shape, x.dtype)
+    out = chunked_linear(x.reshape(-1, x.shape[-1]), qw, bias, x.dtype,
+                          lambda rows: R.dequantize(R.quantize(rows, "mxfp8"), torch.float32))
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+linear_mxfp8 = define("linear_mxfp8(Tensor x, Tensor w, Tensor w_scale, Tensor? bias) -> Tensor", _linear_mxfp8)
+
+
+@fake("linear_mxfp8")
+def _(x, w, w_scale, bias):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
