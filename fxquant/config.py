@@ -105,13 +105,16 @@ class QuantConfig:
         return self.recipe
 
     def skip_reason(self, fqn: str | None) -> str | None:
-        """Why the layer `fqn` stays unquantized by name, or None."""
+        """Why the layer `fqn` stays unquantized by name, or None. A layer_recipes entry naming the layer lifts the
+        default exclusions (`layer_recipes={"lm_head": "int8_wo"}` quantizes the LM head), not include or skip."""
         name = fqn or ""
         if self.include is not None and not any(re.search(p, name) for p in self.include):
             return "not in include"
         for pattern in self.skip:
             if re.search(pattern, name):
                 return f"skip option {pattern!r}"
+        if self.layer_recipe(name) not in (None, KEEP):
+            return None
         for pattern in self.default_skip:
             if re.search(pattern, name):
                 return f"default exclusion {pattern} (default_skip)"

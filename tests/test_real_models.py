@@ -6,7 +6,17 @@ import re
 import pytest
 import torch
 import transformers as T
-from hf_models import ARCHITECTURES, VOCAB, compiled, cosine, decoder, fake_quantized, static_decode, within_bound
+from hf_models import (
+    ARCHITECTURES,
+    VOCAB,
+    compiled,
+    cosine,
+    decoder,
+    fake_quantized,
+    static_decode,
+    traced,
+    within_bound,
+)
 from reports import layer_rows
 
 import fxquant
@@ -119,6 +129,20 @@ def test_tied_lm_head_stays_in_high_precision_and_is_named_lm_head(capsys, defau
     assert "kept in high precision" in lm_head and "model.embed_tokens (embedding)" in lm_head
     assert not re.search(r"^model\.embed_tokens\b", report, re.M)
     assert "int8_wo" in row(report, "model.layers.0.mlp.down_proj")
+
+
+def test_naming_the_lm_head_in_layer_recipes_quantizes_it_within_its_bound(capsys):
+    """The LM head stays in high precision by default (DEFAULT_SKIP); a layer_recipes entry naming it lifts that,
+    in the backend and in quantize_, and the logits then lie within the bound of copies whose LM head is
+    fake-quantized too."""
+    model = decoder("llama")
+    options = {"recipe": "int8_wo", "layer_recipes": {"lm_head": "int8_wo"}}
+    got = static_decode(model, compiled(model, report=True, **options), PROMPT, STEPS)
+    assert "int8_wo" in row(capsys.readouterr().out, "lm_head")
+    copies = (fake_quantized(model, "int8_wo", exact=True, skip=()), fake_quantized(model, "int8_wo", exact=False,
+                                                                                      skip=()), model)
+    assert not within_bound(got, *(static_decode(m, traced(m), PROMPT, STEPS) for m in copies))
+    assert isinstance(fxquant.quantize_(decoder("llama"), options).lm_head, fxquant.QuantizedLinear)
 
 
 class GatedMlp(torch.nn.Module):
