@@ -105,7 +105,7 @@ class QuantConfig:
         return self.recipe
 
     def skip_reason(self, fqn: str | None) -> str | None:
-        """Why the layer `fqn` stays unquantized by name, or None. A layer_recipes entry naming the layer lifts the
+        """Why the layer `fqn` stays unquantized by name, or None. A layer_recipes entry matching the layer lifts the
         default exclusions (`layer_recipes={"lm_head": "int8_wo"}` quantizes the LM head), not include or skip."""
         name = fqn or ""
         if self.include is not None and not any(re.search(p, name) for p in self.include):
