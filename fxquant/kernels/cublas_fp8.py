@@ -19,10 +19,11 @@ CUBLAS_ABOVE_M = 128
 WIDE_N, CUBLAS_WIDE_FROM_M = 8192, 128
 
 
-def cublas_takes(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias,
-                 out_dtype: torch.dtype, block_scales: bool) -> bool:
-    """Whether `cublas_scaled_mm` runs this product (on a CUDA device): large M (see above), a [M, K] and w [N, K]
-    contiguous e4m3, no bias, bf16 out, and scales per tensor, per token and channel, or 1x128 and 128x128."""
+def supports(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias,
+             out_dtype: torch.dtype, block_scales: bool) -> str | None:
+    """Why `cublas_scaled_mm` does not run this product (on a CUDA device), or None where it does: large M (see
+    above), a [M, K] and w [N, K] contiguous e4m3, no bias, bf16 out, and scales per tensor, per token and channel, or
+    1x128 and 128x128."""
     (M, K), N = a.shape, w.shape[0]
     align = 128 if block_scales else 16  # cuBLAS fp8: 16-byte rows; 128x128 weight blocks must tile N and K
     if block_scales:
@@ -30,10 +31,17 @@ def cublas_takes(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scal
     else:
         layout = (a_scale.numel() == 1 and w_scale.numel() == 1) or (
             a_scale.shape == (M, 1) and w_scale.numel() == N)
-    large = M > CUBLAS_ABOVE_M or (N > WIDE_N and M >= CUBLAS_WIDE_FROM_M)
-    return (large and bias is None and out_dtype == torch.bfloat16
-            and a.dtype == w.dtype == torch.float8_e4m3fn and a.is_contiguous() and w.is_contiguous()
-            and N % align == 0 and K % align == 0 and layout)
+    if not (M > CUBLAS_ABOVE_M or (N > WIDE_N and M >= CUBLAS_WIDE_FROM_M)):
+        return f"M = {M}: the Triton kernel is faster up to {CUBLAS_ABOVE_M} ({CUBLAS_WIDE_FROM_M} past N = {WIDE_N})"
+    if bias is not None or out_dtype != torch.bfloat16:
+        return "a bias or an output other than bf16"
+    if not (a.dtype == w.dtype == torch.float8_e4m3fn and a.is_contiguous() and w.is_contiguous()):
+        return f"operands {a.dtype}, {w.dtype}: cuBLAS takes contiguous e4m3"
+    if N % align or K % align:
+        return f"N = {N}, K = {K}: cuBLAS takes multiples of {align}"
+    if not layout:
+        return f"scales {tuple(a_scale.shape)}, {tuple(w_scale.shape)}: not per tensor, token and channel, or blocks"
+    return None
 
 
 def cublas_scaled_mm(a, a_scale, w, w_scale, block_scales: bool) -> torch.Tensor:

@@ -145,8 +145,7 @@ def _decode_attention_merge_kernel(
     tl.store(out_ptr + b * sob + head * soh + pos * soq + cols, cast_float(out, OUT, CAST))
 
 
-def decode_attention_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             mask: torch.Tensor | None) -> str | None:
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> str | None:
     """Why the kernel does not serve these operands, or None where it does: it needs a head dim it tiles, every
     query row of a KV head in one tile, a cache in the query's dtype or in e4m3 codes, rows of contiguous head dims,
     and a 4-D mask over the whole cache."""

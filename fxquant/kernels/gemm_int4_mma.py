@@ -24,7 +24,7 @@ K is split across programs, each writing fp32 partials that `reduce_partials` su
 `tl.range`'s pipeliner keeps STAGES steps of codes, scales, zero points and activations in flight as asynchronous
 copies while one is multiplied.
 
-Inline PTX does not run under Triton's interpreter: there `int4_mma_fits` is false and the caller takes
+Inline PTX does not run under Triton's interpreter: there `supports` is false and the caller takes
 `gemm_weight_only`, which computes the same product. tests/kernels/test_gemm_int4_mma.py runs this kernel's data
 flow under the interpreter with the MMA emulated per warp, and on the GPU against an fp64 reference.
 """
@@ -210,16 +210,22 @@ def pack_lanes(scale: torch.Tensor, zero_point: torch.Tensor | None):
     return lane_order(scale), zeros
 
 
-def int4_mma_fits(a: torch.Tensor, group: int) -> bool:
-    """Whether `int4_mma_mm` takes activations a [M, K] with int4 groups of `group`: M <= 8 on an sm_80+ GPU (not
-    the interpreter), K and the group multiples of 128, bf16/fp16 rows viewable as int32 value pairs."""
+def supports(a: torch.Tensor, group: int) -> str | None:
+    """Why `int4_mma_mm` does not take activations a [M, K] with int4 groups of `group`, or None where it does:
+    M <= 8 on an sm_80+ GPU (not the interpreter), K and the group multiples of 128, bf16/fp16 rows viewable as int32
+    value pairs."""
     M, K = a.shape
-    if not (a.is_cuda and 0 < M <= MAX_M and K % STEP_K == 0 and group % STEP_K == 0):
-        return False
-    if a.dtype not in (torch.bfloat16, torch.float16) or interpreting(_int4_mma_kernel):
-        return False
-    pairs = a.stride(1) == 1 and a.stride(0) % 2 == 0 and a.data_ptr() % 4 == 0
-    return pairs and capability(a.device) >= (8, 0)
+    if not a.is_cuda or interpreting(_int4_mma_kernel) or capability(a.device) < (8, 0):
+        return "no sm_80+ GPU (or Triton's interpreter)"
+    if not 0 < M <= MAX_M:
+        return f"M = {M}: the kernel serves 1 to {MAX_M} rows"
+    if K % STEP_K or group % STEP_K:
+        return f"K = {K}, group {group}: the kernel takes multiples of {STEP_K}"
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        return f"{a.dtype} activations: the kernel takes bf16 or fp16"
+    if not (a.stride(1) == 1 and a.stride(0) % 2 == 0 and a.data_ptr() % 4 == 0):
+        return "rows not viewable as int32 pairs of values"
+    return None
 
 
 @functools.lru_cache(maxsize=256)
@@ -237,7 +243,7 @@ def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split
                 stages: int = 3):
     """a [M <= 8, K] bf16/fp16 @ dequantize(codes)[N, K].T (+ bias): codes [N, K / 8] int32 words (8 codes each,
     as `quantize` packs them), lane_scale and lane_zero from `pack_lanes`. Returns [M, N] in a's dtype. The caller
-    checks `int4_mma_fits`."""
+    checks `supports`."""
     M, K = a.shape
     N = codes.shape[0]
     split = split or int4_mma_split(N, K)

@@ -74,9 +74,13 @@ def _norm_quant_fp8_kernel(
     tl.store(stats_ptr + row * 2 + 1, rstd)
 
 
-def serves(D: int, group_size: int) -> bool:
-    """Whether the kernel takes rows of D with this group (0: per token)."""
-    return D <= MAX_NORM_DIM and not group_size & (group_size - 1) and D % (group_size or D or 1) == 0
+def supports(D: int, group_size: int) -> str | None:
+    """Why the kernel does not take rows of D with this group (0: per token), or None where it does."""
+    if D > MAX_NORM_DIM:
+        return f"rows of {D}: one row lives in registers, up to {MAX_NORM_DIM}"
+    if group_size & (group_size - 1) or D % (group_size or D or 1):
+        return f"group {group_size} over rows of {D}: the kernel takes a power of two dividing the row"
+    return None
 
 
 def norm_quant_fp8(x, weight=None, bias=None, eps=1e-6, group_size=0, *, rms=True, residual=None):
@@ -86,7 +90,7 @@ def norm_quant_fp8(x, weight=None, bias=None, eps=1e-6, group_size=0, *, rms=Tru
     """
     D = x.shape[-1]
     group = group_size or D
-    if not serves(D, group_size):
+    if supports(D, group_size) is not None:
         raise ValueError(f"fxquant: fused norm -> fp8 needs D <= {MAX_NORM_DIM} divisible by a power-of-two "
                          f"group (or per token), got D={D}, group {group_size}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):

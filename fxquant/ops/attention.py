@@ -7,7 +7,7 @@ from torch import Tensor
 
 from fxquant import reference_attention as RA
 from fxquant.kernels.decode_attention import decode_attention as decode_attention_kernel
-from fxquant.kernels.decode_attention import decode_attention_refusal
+from fxquant.kernels.decode_attention import supports as decode_attention_supports
 from fxquant.ops.declare import define, fake
 
 
@@ -17,7 +17,7 @@ def _decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scal
     """Attention of q [B, Hq, Q, D] over a KV cache k, v [B, Hkv, S, D] read as stored (high precision, or e4m3
     codes with fp32 k_scale / v_scale per (batch, KV head, token) or per tensor): reference_attention's numerics.
     CUDA: the split-KV kernel where it serves the operands; else the reference."""
-    if q.is_cuda and decode_attention_refusal(q, k, v, mask) is None:
+    if q.is_cuda and decode_attention_supports(q, k, v, mask) is None:
         return decode_attention_kernel(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens)
     return RA.decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens)
 

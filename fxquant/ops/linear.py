@@ -9,10 +9,10 @@ from torch import Tensor
 from fxquant import reference as R
 from fxquant.api import quantize
 from fxquant.granularity import Granularity, activation_granularity
+from fxquant.kernels import cublas_fp8, gemm_int4_mma
 from fxquant.kernels.cast import capability
-from fxquant.kernels.cublas_fp8 import cublas_scaled_mm, cublas_takes
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm, is_block_scaled
-from fxquant.kernels.gemm_int4_mma import int4_mma_fits, int4_mma_mm, lane_layout_shape
+from fxquant.kernels.gemm_int4_mma import int4_mma_mm, lane_layout_shape
 from fxquant.kernels.gemm_weight_only import weight_only_mm
 from fxquant.kernels.quant_fp8 import MAX_ROW_LEN, quantize_fp8_rows
 from fxquant.kernels.quant_mx import mxfp8_values
@@ -56,8 +56,8 @@ def _scaled_mm_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, bias:
     s2 = a_scale.reshape(1) if a_scale.numel() == 1 else a_scale.reshape(-1, a_scale.shape[-1])
     if a.is_cuda:
         block = is_block_scaled(s2, w_scale, w.shape[0])
-        if cublas_takes(a2, s2, w, w_scale, bias, out_dtype, block):
-            out = cublas_scaled_mm(a2, s2, w, w_scale, block)
+        if cublas_fp8.supports(a2, s2, w, w_scale, bias, out_dtype, block) is None:
+            out = cublas_fp8.cublas_scaled_mm(a2, s2, w, w_scale, block)
         else:
             out = fp8_scaled_mm(a2, s2, w, w_scale, bias, out_dtype)
     else:
@@ -130,7 +130,8 @@ def _linear_int4_lanes(x: Tensor, w: Tensor, w_scale: Tensor, w_zero_point: Tens
     rows = x.reshape(-1, x.shape[-1])
     K = rows.shape[1]
     if (rows.shape[0] == 1 and w.shape == (out_features, K // 2) and w.is_contiguous()
-            and lane_scale.shape == lane_layout_shape(out_features, K, group_size) and int4_mma_fits(rows, group_size)):
+            and lane_scale.shape == lane_layout_shape(out_features, K, group_size)
+            and gemm_int4_mma.supports(rows, group_size) is None):
         out = int4_mma_mm(rows, w.view(torch.int32), lane_scale, lane_zero, group_size, bias)
         return out.reshape(*x.shape[:-1], out_features)
     return _linear_weight_only(x, w, w_scale, None, w_zero_point, bias, "int4", group_size, out_features)

@@ -8,13 +8,13 @@ from torch import Tensor
 
 from fxquant import reference_norm as RN
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8 as norm_quant_kernel
-from fxquant.kernels.norm_quant_fp8 import serves as norm_quant_serves
+from fxquant.kernels.norm_quant_fp8 import supports as norm_quant_supports
 from fxquant.ops.declare import define, fake
 from fxquant.ops.reference_gemm import E4M3
 
 
 def _norm_quant(x, residual, weight, bias, eps, group_size, rms):
-    if x.is_cuda and norm_quant_serves(x.shape[-1], group_size):
+    if x.is_cuda and norm_quant_supports(x.shape[-1], group_size) is None:
         codes, scales, h, _ = norm_quant_kernel(x, weight, bias, eps, group_size, rms=rms, residual=residual)
         return codes, scales, h
     codes, scales, h, _ = RN.norm_quant_fp8(x, weight, bias, eps, group_size, rms=rms, residual=residual)

@@ -36,7 +36,7 @@ import torch
 from torch.fx.passes.infra.pass_base import PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
-from fxquant.kernels.decode_attention import decode_attention_refusal
+from fxquant.kernels.decode_attention import supports as kernel_supports
 from fxquant.passes.annotations import fake_value, module_path
 from fxquant.passes.attention_patterns import eager_attention
 from fxquant.passes.order import FxquantPass
@@ -153,7 +153,7 @@ class DecodeAttention(FxquantPass):
         if mask is not None and (mask.dim() != 4 or mask.shape[1] not in (1, query.shape[1])
                                  or mask.shape[2] != positions):
             return f"a mask of shape {tuple(mask.shape)}, not [B, 1 or heads, {positions}, S]"
-        refusal = decode_attention_refusal(query, k, v, mask)
+        refusal = kernel_supports(query, k, v, mask)
         if refusal is not None:
             return refusal
         scale = query.shape[-1] ** -0.5 if attention.scale is None else attention.scale

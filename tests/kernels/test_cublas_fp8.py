@@ -7,7 +7,7 @@ import torch
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant import reference as R
-from fxquant.kernels.cublas_fp8 import CUBLAS_ABOVE_M, cublas_scaled_mm, cublas_takes
+from fxquant.kernels.cublas_fp8 import CUBLAS_ABOVE_M, cublas_scaled_mm, supports
 from fxquant.kernels.gemm_fp8 import is_block_scaled
 
 RECIPES = {"tensor": ("tensor", "tensor"), "row": ("token", "channel"), "block": (("group", 128), ("block", 128, 128))}
@@ -33,13 +33,15 @@ def meta_operands(recipe, M=CUBLAS_ABOVE_M + 128, N=384, K=512, a_group=128):
 def test_installed_torch_accepts_the_call_shapes(recipe):
     """torch._scaled_mm's shape and layout checks run on meta tensors: an API change in torch fails here, on CPU."""
     a, a_scale, w, w_scale = meta_operands(recipe)
-    assert cublas_takes(a, a_scale, w, w_scale, None, torch.bfloat16, recipe == "block")
+    assert supports(a, a_scale, w, w_scale, None, torch.bfloat16, recipe == "block") is None
     out = cublas_scaled_mm(a, a_scale, w, w_scale, recipe == "block")
     assert out.shape == (a.shape[0], w.shape[0]) and out.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("case", ["bias", "fp32 out", "decode M", "unaligned N", "1x64 groups", "fp8 e5m2"])
-def test_other_products_are_left_to_the_triton_kernel(case):
+@pytest.mark.parametrize("case, reason", [
+    ("bias", "a bias"), ("fp32 out", "other than bf16"), ("decode M", "M = 16"), ("unaligned N", "N = 328"),
+    ("1x64 groups", "not per tensor, token and channel, or blocks"), ("fp8 e5m2", "torch.float8_e5m2")])
+def test_other_products_are_left_to_the_triton_kernel_and_say_why(case, reason):
     recipe = "row" if case == "unaligned N" else "block"  # block weights tile N in 128s
     a, a_scale, w, w_scale = meta_operands(recipe, M=16 if case == "decode M" else CUBLAS_ABOVE_M + 128,
                                            N=328 if case == "unaligned N" else 384,
@@ -48,12 +50,12 @@ def test_other_products_are_left_to_the_triton_kernel(case):
         a, w = a.to(torch.float8_e5m2), w.to(torch.float8_e5m2)
     bias = torch.empty(w.shape[0], device="meta") if case == "bias" else None
     out_dtype = torch.float32 if case == "fp32 out" else torch.bfloat16
-    assert not cublas_takes(a, a_scale, w, w_scale, bias, out_dtype, recipe == "block")
+    assert reason in supports(a, a_scale, w, w_scale, bias, out_dtype, recipe == "block")
 
 
 def test_wide_weights_go_to_cublas_from_m_128_and_narrow_ones_above_it():
     """Measured crossovers: at M = 128 cuBLAS wins on weights of more than 8192 rows, the Triton kernel on others."""
-    takes = lambda M, N: cublas_takes(*meta_operands("block", M=M, N=N, K=512), None, torch.bfloat16, True)
+    takes = lambda M, N: supports(*meta_operands("block", M=M, N=N, K=512), None, torch.bfloat16, True) is None
     assert takes(128, 8320) and not takes(64, 8320) and not takes(127, 8320)
     assert not takes(128, 8192) and takes(CUBLAS_ABOVE_M + 1, 8192)
 
@@ -62,8 +64,8 @@ def test_wide_weights_go_to_cublas_from_m_128_and_narrow_ones_above_it():
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_op_at_large_m_matches_the_exact_product(recipe):
     qa, qw, a_scale = operands(recipe)
-    assert cublas_takes(qa.data, a_scale, qw.data, qw.scale, None, torch.bfloat16,
-                        is_block_scaled(a_scale, qw.scale, qw.shape[0]))
+    assert supports(qa.data, a_scale, qw.data, qw.scale, None, torch.bfloat16,
+                    is_block_scaled(a_scale, qw.scale, qw.shape[0])) is None
     out = torch.ops.fxquant.scaled_mm_fp8(qa.data, a_scale, qw.data, qw.scale, None, torch.bfloat16)
     exact = R.dequantize(qa, torch.float64) @ R.dequantize(qw, torch.float64).T
     assert float((out.double() - exact).norm() / exact.norm()) < 4e-3

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fxquant import reference_attention as RA
-from fxquant.kernels.decode_attention import decode_attention, decode_attention_refusal, num_splits
+from fxquant.kernels.decode_attention import decode_attention, num_splits, supports
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}  # relative error of the output
@@ -28,7 +28,7 @@ def operands(batch, heads_q, heads_kv, queries, keys, dim, dtype, seed=0, max_le
 def check(q, k, v, dtype, **kwargs):
     scale = q.shape[-1] ** -0.5
     args = dict(mask=None, scale=scale, softcap=0.0, sinks=None, k_scale=None, v_scale=None, kv_lens=None) | kwargs
-    assert decode_attention_refusal(q, k, v, args["mask"]) is None
+    assert supports(q, k, v, args["mask"]) is None
     got = decode_attention(q, k, v, **args)
     want = RA.decode_attention(q, k, v, **args)
     assert got.shape == q.shape and got.dtype == q.dtype and torch.isfinite(got).all()
@@ -144,7 +144,7 @@ def test_llama_3_8b_heads_at_4k_over_an_fp8_cache_on_the_gpu():
 
 def test_operands_it_does_not_serve_are_said():
     q, k, v = operands(1, 4, 2, 1, 16, 64, torch.bfloat16)
-    refusal = lambda *args: decode_attention_refusal(*args) or ""
+    refusal = lambda *args: supports(*args) or ""
     assert "head dim 48" in refusal(q[..., :48].contiguous(), k[..., :48], v[..., :48], None)
     assert "torch.float32" in refusal(q, k.float(), v.float(), None)  # a cache in another dtype
     assert "not contiguous" in refusal(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, None)

@@ -16,7 +16,7 @@ from triton import language as tl
 
 from fxquant import reference as R
 from fxquant.kernels import gemm_int4_mma
-from fxquant.kernels.gemm_int4_mma import int4_mma_fits, int4_mma_mm, lane_layout_shape, pack_lanes
+from fxquant.kernels.gemm_int4_mma import int4_mma_mm, lane_layout_shape, pack_lanes, supports
 from fxquant.kernels.gemm_weight_only import weight_operands
 from tests.kernels.test_gemm_weight_only import within_bound
 
@@ -106,7 +106,7 @@ def test_the_kernels_data_flow_under_the_interpreter(monkeypatch, dtype, M, N, K
                                                    (3, 200, 384, 128, False), (8, 6144, 512, 256, False)])
 def test_the_kernel_on_the_gpu(dtype, M, N, K, group, symmetric):
     q, x, bias, codes, lane_scale, lane_zero = operands(N, K, M, dtype, symmetric, group)
-    assert int4_mma_fits(x, group)
+    assert supports(x, group) is None
     for split in (None, 1, 5):
         out = int4_mma_mm(x, codes, lane_scale, lane_zero, group, bias, split=split)
         assert out.shape == (M, N) and out.dtype == dtype
@@ -114,19 +114,19 @@ def test_the_kernel_on_the_gpu(dtype, M, N, K, group, symmetric):
 
 
 def test_tensors_off_the_gpu_take_the_in_register_kernel():
-    assert not int4_mma_fits(torch.randn(1, 256, dtype=torch.bfloat16), 128)
+    assert "no sm_80+ GPU" in supports(torch.randn(1, 256, dtype=torch.bfloat16), 128)
 
 
 @pytest.mark.gpu
 def test_what_the_kernel_refuses_on_the_gpu():
     """Each refusal differs from an accepted product in one thing."""
     x = torch.randn(1, 256, dtype=torch.bfloat16, device="cuda")
-    assert int4_mma_fits(x, 128) and int4_mma_fits(x, 256)
-    assert not int4_mma_fits(x, 64)  # groups narrower than a 128-long K step
-    assert not int4_mma_fits(torch.randn(1, 200, dtype=torch.bfloat16, device="cuda"), 128)  # K not whole steps
-    assert not int4_mma_fits(torch.randn(9, 256, dtype=torch.bfloat16, device="cuda"), 128)  # past one MMA's B
-    assert not int4_mma_fits(x.float(), 128)
-    assert not int4_mma_fits(torch.randn(1, 257, dtype=torch.bfloat16, device="cuda")[:, 1:], 128)  # odd address
+    assert supports(x, 128) is None and supports(x, 256) is None
+    assert "group 64" in supports(x, 64)  # groups narrower than a 128-long K step
+    assert "K = 200" in supports(torch.randn(1, 200, dtype=torch.bfloat16, device="cuda"), 128)  # K not whole steps
+    assert "M = 9" in supports(torch.randn(9, 256, dtype=torch.bfloat16, device="cuda"), 128)  # past one MMA's B
+    assert "torch.float32" in supports(x.float(), 128)
+    assert "int32 pairs" in supports(torch.randn(1, 257, dtype=torch.bfloat16, device="cuda")[:, 1:], 128)
 
 
 def test_split_k_aims_at_900_programs_with_3_steps_per_slice_and_16_slices_at_most():
