@@ -147,10 +147,12 @@ def test_bad_arguments_say_what_to_do(bad, match):
 
 
 def test_scaled_mm_reference():
-    a, b = torch.randn(5, 64), torch.randn(7, 64)
+    generator = torch.Generator().manual_seed(0)  # its own draws: the result no longer depends on the tests before it
+    a, b, bias = (torch.randn(*shape, generator=generator) for shape in ((5, 64), (7, 64), (7,)))
     qa, qb = R.quantize(a, "fp8_e4m3", "token"), R.quantize(b, "fp8_e4m3", "channel")
-    bias = torch.randn(7)
     out = R.scaled_mm(qa, qb, bias=bias, out_dtype=torch.float32)
     expect = R.dequantize(qa).double() @ R.dequantize(qb).double().T + bias.double()
     assert torch.allclose(out.double(), expect, rtol=1e-5, atol=1e-5)
-    assert (out - (a @ b.T + bias)).norm() / (a @ b.T).norm() < 0.05
+    # e4m3 rounds each operand by up to 2^-4 relative: over 200 seeds the product's error was 2.3-5.0% (mean 3.5%),
+    # and an unseeded draw in a full run reached 5.2%, over the 5% this bound was; 8% leaves room above them
+    assert (out - (a @ b.T + bias)).norm() / (a @ b.T).norm() < 0.08
