@@ -63,8 +63,8 @@ def scheme_of(recipe: str) -> tuple[str, dict, dict | None]:
         weights = dict(num_bits=8, type="float", symmetric=True, **_strategy(linear.weight_granularity))
         return FLOAT_QUANTIZED, dict(weights, dynamic=False), dict(_FP8_ACTIVATIONS, **_strategy(act))
     if fmt == "mxfp8":
-        return MXFP8_QUANTIZED, dict(num_bits=8, type="float", symmetric=True, dynamic=False, **_MX), \
-            dict(_FP8_ACTIVATIONS, **_MX)
+        weights = dict(num_bits=8, type="float", symmetric=True, dynamic=False, **_MX)
+        return MXFP8_QUANTIZED, weights, dict(_FP8_ACTIVATIONS, **_MX)
     if fmt in ("int8", "int4"):  # int8 is symmetric; int4 has a zero point per group unless its scheme says not
         weights = dict(num_bits=int(fmt[3:]), type="int", symmetric=fmt == "int8" or linear.symmetric,
                        **_strategy(linear.weight_granularity))
