@@ -172,9 +172,26 @@ def test_an_aoti_package_of_an_fp8_row_llama_runs_where_fxquant_is_not_imported(
         f"torch.save(out, {str(out_path)!r})\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    if done.returncode != 0 and (broken := aoti_fails_on_a_plain_linear(tmp_path, device)):
+        pytest.skip(f"AOTInductor here cannot run a package without fxquant either: {broken}")
     assert done.returncode == 0, done.stderr[-2000:]
     packaged = torch.load(out_path)[0].float()
     assert not within_bound(ours, exact, plain, eager)
     assert not within_bound(packaged, exact, plain, eager)
     if device == "cpu":  # the same reference ops, compiled into C++ with the program's roundings
         assert torch.equal(packaged, ours)
+
+
+def aoti_fails_on_a_plain_linear(tmp_path, device: str) -> str | None:
+    """The control for the package test: AOTInductor's package of a bf16 nn.Linear, loaded and run in a fresh process.
+    None where it runs; else how it failed. On the H200 machine (torch 2.11.0+cu130), every CUDA package segfaults
+    while it loads, fxquant or not (docs/decisions/0016-aoti-cuda-packages-segfault-on-the-gpu-machine.md)."""
+    linear = torch.nn.Linear(16, 16, bias=False).to(device, torch.bfloat16)
+    x = torch.randn(2, 16, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        path = torch._inductor.aoti_compile_and_package(torch.export.export(linear, (x,)),
+                                                        package_path=str(tmp_path / "plain.pt2"))
+    torch.save(x, tmp_path / "plain_x.pt")
+    code = f"import torch\ntorch._inductor.aoti_load_package({path!r})(torch.load({str(tmp_path / 'plain_x.pt')!r}))\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    return None if done.returncode == 0 else f"a plain nn.Linear's package exits with {done.returncode}"
