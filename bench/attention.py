@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from bench.common import copy_bandwidth_gbs, graph_time_ms, header, table
-from fxquant import reference_attention as RA
+from fxquant.numerics import reference_attention as RA
 
 HEADS_Q, HEADS_KV, DIM = 32, 8, 128
 REPEAT_LIMIT = 24 * 2**30  # the repeated cache's bytes above which the SDPA-after-repeat row is not run

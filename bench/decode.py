@@ -58,7 +58,7 @@ import transformers as T
 import fxquant
 from bench import peers, workers
 from bench.common import LLAMA_3_VOCAB, header, llama, llama_config, table
-from fxquant.backend import fxquant as fxquant_backend
+from fxquant.compile.backend import fxquant as fxquant_backend
 
 CHECK_STEPS = 4  # the first decode steps: they compile, their logits are compared with eager's, and go untimed
 PREFILL_REPEATS = 5

@@ -14,9 +14,9 @@ import torch
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from bench.common import copy_bandwidth_gbs, graph_time_ms, header, rotating, table
-from fxquant import reference as R
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
+from fxquant.numerics import reference as R
 
 MS = ([1, 16] if "--decode" in sys.argv else [64, 128] if "--medium" in sys.argv
       else [1024, 4096] if "--large" in sys.argv else [1, 16, 128, 1024, 4096])

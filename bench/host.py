@@ -21,10 +21,10 @@ import triton.language as tl
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from bench.common import header, table
-from fxquant import reference as R
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
 from fxquant.kernels.gemm_weight_only import weight_only_mm
 from fxquant.kernels.quant_fp8 import quantize_fp8_rows
+from fxquant.numerics import reference as R
 
 CALLS = 500
 

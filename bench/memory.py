@@ -21,7 +21,7 @@ import transformers as T
 
 import fxquant
 from bench.common import header, llama, llama_config, table
-from fxquant.compressed_tensors import SCHEMES
+from fxquant.io.compressed_tensors import SCHEMES
 
 GB = 1e9
 

@@ -19,7 +19,7 @@ import transformers as T
 
 from bench.common import graph_time_ms, header, table, time_ms
 from fxquant.config import RECIPES
-from fxquant.quantized_experts import QuantizedExperts
+from fxquant.modules.quantized_experts import QuantizedExperts
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 4096, 14336, 8, 2
 # Relative error of the layer's output against bf16 that each weight format stays under on random weights (fp8:

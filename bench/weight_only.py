@@ -14,11 +14,11 @@ import torch.nn.functional as F
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from bench.common import copy_bandwidth_gbs, graph_time_ms, header, rotating, table
-from fxquant import reference as R
 from fxquant.kernels import gemm_weight_only
 from fxquant.kernels.gemm_int4_mma import pack_lanes
 from fxquant.kernels.gemm_weight_only import weight_only_mm, wo_gemm_config
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8
+from fxquant.numerics import reference as R
 
 # --decode: the M <= 16 rows alone; --medium: M = 32, 64, 128
 MS = [1, 16] if "--decode" in sys.argv else [32, 64, 128] if "--medium" in sys.argv else [1, 16, 128, 1024, 4096]

@@ -1,19 +1,19 @@
 """fxquant: low-precision quantization as torch.fx passes behind torch.compile."""
 
 from fxquant.api import dequantize, quantize
-from fxquant.backend import fxquant as backend
-from fxquant.checkpoint import load_quantized, save_quantized
+from fxquant.compile.backend import fxquant as backend
+from fxquant.compile.inspection import InspectReport, inspect
+from fxquant.compile.lint import NumericsError
 from fxquant.config import RECIPES, QuantConfig, from_options
-from fxquant.export import export, load, package
-from fxquant.formats import FORMATS, FloatFormat, IntFormat
-from fxquant.granularity import Granularity
-from fxquant.inplace import quantize_
-from fxquant.inspection import InspectReport, inspect
-from fxquant.lint import NumericsError
-from fxquant.quantized import Quantized
-from fxquant.quantized_experts import QuantizedExperts
-from fxquant.quantized_linear import QuantizedLinear
-from fxquant.skeleton import empty_weights
+from fxquant.io.checkpoint import load_quantized, save_quantized
+from fxquant.io.export import export, load, package
+from fxquant.modules.inplace import quantize_
+from fxquant.modules.quantized_experts import QuantizedExperts
+from fxquant.modules.quantized_linear import QuantizedLinear
+from fxquant.modules.skeleton import empty_weights
+from fxquant.numerics.formats import FORMATS, FloatFormat, IntFormat
+from fxquant.numerics.granularity import Granularity
+from fxquant.numerics.quantized import Quantized
 
 __all__ = [
     "FORMATS", "FP8StaticCache", "RECIPES", "FloatFormat", "Granularity", "InspectReport", "IntFormat", "NumericsError",
@@ -25,10 +25,14 @@ __all__ = [
 
 def __getattr__(name: str):
     # They use transformers: it is imported on their first use, never by `import fxquant`.
-    if name in ("FP8StaticCache", "kv_scales_of"):
-        from fxquant import kv_cache
+    if name == "FP8StaticCache":
+        from fxquant.modules.kv_cache import FP8StaticCache
 
-        return getattr(kv_cache, name)
+        return FP8StaticCache
+    if name == "kv_scales_of":
+        from fxquant.io.kv_scales import kv_scales_of
+
+        return kv_scales_of
     if name == "generate":
         from fxquant.generation import generate
 

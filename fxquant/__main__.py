@@ -40,11 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("path", help="folder of a checkpoint (quantized or not)")
     args = parser.parse_args(argv)
     if args.command == "inspect":
-        from fxquant.checkpoint_info import summary
+        from fxquant.io.checkpoint_info import summary
 
         print(summary(args.path))
         return 0
-    from fxquant.convert import quantize_checkpoint
+    from fxquant.io.convert import quantize_checkpoint
 
     options = {"recipe": args.recipe, "skip": args.skip, "report": args.report}
     if args.include is not None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from fxquant import reference
-from fxquant.granularity import Granularity, as_granularity
-from fxquant.quantized import Quantized
+from fxquant.numerics import reference
+from fxquant.numerics.granularity import Granularity, as_granularity
+from fxquant.numerics.quantized import Quantized
 
 IMPLS = ("auto", "reference", "triton")
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

@@ -68,7 +68,7 @@ class QuantConfig:
     mode: str | None = None
     report: bool = False
     default_skip: tuple[str, ...] = field(default=DEFAULT_SKIP)
-    disable_passes: tuple[str, ...] = ()  # fusing or packing passes to leave out (fxquant.pipeline.OPTIONAL)
+    disable_passes: tuple[str, ...] = ()  # fusing or packing passes to leave out (fxquant.compile.pipeline.OPTIONAL)
 
     def __post_init__(self):
         _check_types(self)

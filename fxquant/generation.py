@@ -32,7 +32,7 @@ from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWind
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from fxquant.decode_loop import Choice, Runner, RunStats
-from fxquant.kv_cache import E4M3_LAYERS
+from fxquant.modules.kv_cache import E4M3_LAYERS
 
 # Processors that are pure functions of the scores: they run inside the captured step.
 ON_DEVICE = (T.TemperatureLogitsWarper, T.TopKLogitsWarper, T.TopPLogitsWarper, T.MinPLogitsWarper)

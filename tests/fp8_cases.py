@@ -2,8 +2,8 @@
 
 import torch
 
-from fxquant.formats import FloatFormat
-from fxquant.minifloat import decode
+from fxquant.numerics.formats import FloatFormat
+from fxquant.numerics.minifloat import decode
 
 
 def grid(fmt: FloatFormat) -> torch.Tensor:

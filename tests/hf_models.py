@@ -9,9 +9,9 @@ import math
 import torch
 import transformers as T
 
-from fxquant import reference as R
-from fxquant.backend import fxquant as fxquant_backend
+from fxquant.compile.backend import fxquant as fxquant_backend
 from fxquant.config import RECIPES
+from fxquant.numerics import reference as R
 
 VOCAB = 512
 # hidden 256 with 64-wide heads: q/k/v/o, gate/up/down and lm_head are all multiples of 128, so every recipe,

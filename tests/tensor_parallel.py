@@ -125,7 +125,7 @@ def sharded_load(checkpoints: dict, prompt, steps, **overrides) -> dict:
     from torch.distributed.tensor.parallel import parallelize_module
 
     import fxquant
-    from fxquant import checkpoint
+    from fxquant.io import checkpoint
 
     read_whole = []
 

@@ -198,7 +198,7 @@ def test_grad_mode_with_inputs_that_need_no_grad_runs():
 def test_lowered_graph_keeps_dynamo_meta_so_cuda_graphs_take_weights_as_static():
     """AOT counts a graph's constants as static inputs only for a graph it knows came from dynamo (its compile id in
     meta); the lowered copy lost it, and under reduce-overhead every quantized weight was copied on each replay."""
-    from fxquant.backend import _without_frozen_parameters
+    from fxquant.compile.backend import _without_frozen_parameters
 
     seen = {}
 

@@ -15,10 +15,10 @@ import torch.nn as nn
 from models import rel_err
 
 import fxquant
-import fxquant.capability
+import fxquant.compile.capability
 import fxquant.ops
-from fxquant import reference as R
 from fxquant.config import RECIPES
+from fxquant.numerics import reference as R
 
 ROW_INDEPENDENT = [r for r in RECIPES if r != "fp8_tensor"]  # every recipe whose scales never span rows
 
@@ -153,9 +153,9 @@ def test_model_without_linear_layers_runs_unchanged(capsys):
 def pre_ada_gpu(monkeypatch):
     """The graph computes on cuda:0 of compute capability 8.0 (an A100): no fp8 tensor cores."""
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(fxquant.capability.torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    monkeypatch.setattr("fxquant.pipeline.graph_device", lambda gm, inputs=(): cuda)
-    monkeypatch.setattr("fxquant.inspection.graph_device", lambda gm, inputs=(): cuda)
+    monkeypatch.setattr(fxquant.compile.capability.torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr("fxquant.compile.pipeline.graph_device", lambda gm, inputs=(): cuda)
+    monkeypatch.setattr("fxquant.compile.inspection.graph_device", lambda gm, inputs=(): cuda)
 
 
 def test_no_fp8_gpu_refuses_fp8_recipes_with_the_fix(pre_ada_gpu):

@@ -20,11 +20,11 @@ from safetensors.torch import save_file
 from test_real_models import PROMPT
 
 import fxquant
-from fxquant import reference as R
-from fxquant.compressed_tensors import from_checkpoint, to_checkpoint
 from fxquant.config import RECIPES
-from fxquant.granularity import as_granularity
-from fxquant.quantized import Quantized
+from fxquant.io.compressed_tensors import from_checkpoint, to_checkpoint
+from fxquant.numerics import reference as R
+from fxquant.numerics.granularity import as_granularity
+from fxquant.numerics.quantized import Quantized
 
 INT8_CHANNEL = dict(weights=QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True))
 # compressed-tensors scheme -> (its format, the recipe fxquant computes it with)

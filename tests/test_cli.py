@@ -60,7 +60,7 @@ def test_quantize_refuses_a_quantized_source_and_auto(tmp_path):
     fxquant.save_quantized(fxquant.quantize_(decoder("llama"), "fp8_row"), tmp_path / "fp8")
     with pytest.raises(ValueError, match="already quantized .*round twice"):
         main(["quantize", str(tmp_path / "fp8"), str(tmp_path / "again")])
-    from fxquant.convert import quantize_checkpoint
+    from fxquant.io.convert import quantize_checkpoint
 
     with pytest.raises(ValueError, match="recipe='auto' measures each layer on sample inputs"):
         quantize_checkpoint(tmp_path / "fp8", tmp_path / "auto", "auto")

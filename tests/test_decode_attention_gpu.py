@@ -11,7 +11,7 @@ import transformers as T
 from hf_models import angle, compiled_results, static_decode
 from test_kv_cache import FakeQuantizedCache, count
 
-from fxquant.kv_cache import FP8StaticCache
+from fxquant.modules.kv_cache import FP8StaticCache
 
 pytestmark = pytest.mark.gpu
 MAX_LEN = 4096

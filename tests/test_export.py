@@ -89,7 +89,7 @@ def test_an_exported_decode_step_attends_with_the_decode_op(tmp_path, monkeypatc
     from hf_models import VOCAB, angle, decoder
     from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
-    from fxquant import pipeline
+    from fxquant.compile import pipeline
     from fxquant.passes.decode_attention import DecodeAttention
 
     monkeypatch.setattr(pipeline, "DecodeAttention", functools.partial(DecodeAttention, devices=("cpu",)))

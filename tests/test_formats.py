@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from fxquant.formats import BF16, E2M1, E4M3, E5M2, E8M0, FP16, INT4, INT8, UE4M3, UINT4
+from fxquant.numerics.formats import BF16, E2M1, E4M3, E5M2, E8M0, FP16, INT4, INT8, UE4M3, UINT4
 
 TORCH_KNOWN = [E4M3, E5M2, E8M0, BF16, FP16]
 ML_DTYPES = {E4M3: ml_dtypes.float8_e4m3fn, E5M2: ml_dtypes.float8_e5m2, E2M1: ml_dtypes.float4_e2m1fn,

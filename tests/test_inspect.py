@@ -9,7 +9,7 @@ from models import rel_err, tiny_block
 
 import fxquant
 from fxquant.config import AUTO_LADDER, QuantConfig
-from fxquant.metrics import sqnr_db
+from fxquant.numerics.metrics import sqnr_db
 
 X = torch.randn(2, 8, 256, dtype=torch.bfloat16)
 

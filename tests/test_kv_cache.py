@@ -24,8 +24,9 @@ from hf_models import (
 from safetensors import safe_open
 
 import fxquant
-from fxquant import FP8StaticCache, kv_scales_of, pipeline
-from fxquant import reference as R
+from fxquant import FP8StaticCache, kv_scales_of
+from fxquant.compile import pipeline
+from fxquant.numerics import reference as R
 from fxquant.passes.decode_attention import DecodeAttention
 
 GENERATOR = torch.Generator().manual_seed(7)

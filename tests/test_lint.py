@@ -7,7 +7,7 @@ import torch
 from models import tiny_block
 
 import fxquant
-from fxquant.lint import NumericsError
+from fxquant.compile.lint import NumericsError
 
 X = torch.randn(2, 8, 256, dtype=torch.bfloat16)
 

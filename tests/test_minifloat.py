@@ -4,8 +4,8 @@ import pytest
 import torch
 from fp8_cases import rounding_cases, same_bits
 
-from fxquant.formats import E2M1, E4M3, E5M2, E8M0
-from fxquant.minifloat import decode, encode, pack_nibbles, pow2, round_to_format, unpack_nibbles
+from fxquant.numerics.formats import E2M1, E4M3, E5M2, E8M0
+from fxquant.numerics.minifloat import decode, encode, pack_nibbles, pow2, round_to_format, unpack_nibbles
 
 
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)

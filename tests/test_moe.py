@@ -15,9 +15,9 @@ from hf_models import VOCAB, angle, compiled, decoder, fake_quantized, skeleton,
 from reports import layer_rows
 
 import fxquant
-from fxquant import reference as R
-from fxquant.quantized_experts import QuantizedExperts
-from fxquant.weight_quantization import quantize_weight
+from fxquant.modules.quantized_experts import QuantizedExperts
+from fxquant.numerics import reference as R
+from fxquant.quantization.weight_quantization import quantize_weight
 
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
 RECIPES = ["fp8_block", "mxfp4_wo", "int4_wo"]  # fp8_block is in no CI set below: its experts take the longest

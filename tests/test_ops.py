@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
-from fxquant import reference as R
+from fxquant.numerics import reference as R
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8_LIKE = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)

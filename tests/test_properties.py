@@ -4,10 +4,10 @@ import hypothesis.strategies as st
 import torch
 from hypothesis import given, settings
 
-from fxquant import reference as R
-from fxquant.formats import E2M1, E4M3, E5M2
-from fxquant.granularity import Granularity
-from fxquant.minifloat import floor_log2, pow2
+from fxquant.numerics import reference as R
+from fxquant.numerics.formats import E2M1, E4M3, E5M2
+from fxquant.numerics.granularity import Granularity
+from fxquant.numerics.minifloat import floor_log2, pow2
 
 ELEMENT = {"fp8_e4m3": E4M3, "fp8_e5m2": E5M2, "mxfp8": E4M3, "mxfp4": E2M1, "nvfp4": E2M1}
 CASES = [(f, g) for f in ("fp8_e4m3", "fp8_e5m2", "int8", "int4")

@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from fxquant import reference as R
-from fxquant.formats import E2M1, E4M3
-from fxquant.granularity import Granularity
+from fxquant.numerics import reference as R
+from fxquant.numerics.formats import E2M1, E4M3
+from fxquant.numerics.granularity import Granularity
 
 GRANULARITIES = ["tensor", "token", ("group", 32), ("block", 4, 32)]
 

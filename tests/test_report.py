@@ -10,7 +10,7 @@ from hf_models import decoder
 from models import tiny_block
 
 import fxquant
-from fxquant.report import WIDTH
+from fxquant.compile.report import WIDTH
 
 X = torch.randn(2, 8, 256, dtype=torch.bfloat16)
 

@@ -20,11 +20,11 @@ def test_monkeypatch_refuses_torch_config_and_names_the_fix(monkeypatch, patch):
 
 
 def test_monkeypatch_still_patches_and_undoes_everything_else(monkeypatch):
-    import fxquant.weight_quantization as weight_quantization
+    import fxquant.quantization.weight_quantization as weight_quantization
 
     before = weight_quantization.QUANTIZE_ROWS, weight_quantization.ROUTER_REASON
     monkeypatch.setattr(weight_quantization, "QUANTIZE_ROWS", 7)
-    monkeypatch.setattr("fxquant.weight_quantization.ROUTER_REASON", "patched")
+    monkeypatch.setattr("fxquant.quantization.weight_quantization.ROUTER_REASON", "patched")
     assert (weight_quantization.QUANTIZE_ROWS, weight_quantization.ROUTER_REASON) == (7, "patched")
     monkeypatch.undo()
     assert before == (weight_quantization.QUANTIZE_ROWS, weight_quantization.ROUTER_REASON)

@@ -6,7 +6,7 @@ import transformers as T
 
 from bench.common import llama_config
 from bench.decode import Decoder, compiled_forward, graph_replays
-from fxquant.backend import QuantizedCallable
+from fxquant.compile.backend import QuantizedCallable
 
 VOCAB = 512
 

@@ -4,7 +4,7 @@
 a decode step computes grids for about a hundred launches, so the launchers use these instead.
 
 Every launch goes through `visible(kernel)[grid](...)`: the kernel itself, except while `kernels_inlined()` is on
-(fxquant.export.package), when it is `torch.library.wrap_triton(kernel)`, which tracing records as a call to that
+(fxquant.io.export.package), when it is `torch.library.wrap_triton(kernel)`, which tracing records as a call to that
 kernel and Inductor compiles into its own code. Off, it costs one global read: wrap_triton's dispatch in eager mode
 costs far more than a decode step's launch.
 """

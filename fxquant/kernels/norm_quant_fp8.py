@@ -2,7 +2,7 @@
 
 One program per row: load x (and the residual), write the sum back in the model's dtype, reduce the
 statistics in fp32, normalize, round the norm's output to the model's dtype where the unfused graph has it,
-then quantize it in registers. Matches `fxquant.reference_norm` bit for bit given the same (mean, rstd).
+then quantize it in registers. Matches `fxquant.numerics.reference_norm` bit for bit given the same (mean, rstd).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fxquant.formats import AMAX_FLOOR, E4M3
 from fxquant.kernels.cast import cast_float, cast_mode
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import next_power_of_2, visible
 from fxquant.kernels.quant_fp8 import quant_rows
+from fxquant.numerics.formats import AMAX_FLOOR, E4M3
 
 MAX_NORM_DIM = 16384  # one row lives in registers; longer rows run the reference
 E4M3_MAX = E4M3.max  # a property computed on each read: read once

@@ -2,7 +2,7 @@
 dynamic.
 
 A 1xg group quantizer is the per-row quantizer on the [M*K/g, g] view of a contiguous input, so both
-granularities share `_quant_fp8_rows_kernel`. Numerics match `fxquant.reference` bit for bit: fp32 math,
+granularities share `_quant_fp8_rows_kernel`. Numerics match `fxquant.numerics.reference` bit for bit: fp32 math,
 one IEEE reciprocal per row then multiplies, the amax floor, NaN/inf poison, saturation, and the shared cast helper.
 """
 
@@ -14,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fxquant.formats import AMAX_FLOOR, E4M3, E5M2
 from fxquant.kernels.cast import cast_fp8, cast_mode
 from fxquant.kernels.launch import cdiv, next_power_of_2, visible
+from fxquant.numerics.formats import AMAX_FLOOR, E4M3, E5M2
 
 FP8_FORMATS = {torch.float8_e4m3fn: (E4M3, tl.float8e4nv), torch.float8_e5m2: (E5M2, tl.float8e5)}
 MAX_ROW_LEN = 16384  # one row lives in registers; longer rows go to the reference

@@ -16,12 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from fxquant.formats import E4M3
 from fxquant.kernels.cast import cast_float, cast_fp8, cast_mode, float_cast_mode
 from fxquant.kernels.codes import E8M0_MIN
 from fxquant.kernels.launch import cdiv, next_power_of_2, visible
 from fxquant.kernels.quant_fp8 import max_keep_nan, saturate
-from fxquant.reference import MX_BLOCK
+from fxquant.numerics.formats import E4M3
+from fxquant.numerics.reference import MX_BLOCK
 
 
 @triton.jit

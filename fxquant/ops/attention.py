@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fxquant import reference_attention as RA
 from fxquant.kernels.decode_attention import decode_attention as decode_attention_kernel
 from fxquant.kernels.decode_attention import supports as decode_attention_supports
+from fxquant.numerics import reference_attention as RA
 from fxquant.ops.declare import define, fake
 
 

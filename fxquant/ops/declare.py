@@ -11,7 +11,7 @@ from fxquant.kernels.launch import inlined
 
 def define(schema: str, kernel) -> torch._ops.OpOverloadPacket:
     """Define `fxquant::<schema>` with `kernel` as its implementation on every device; returns the op. While
-    kernels are inlined (fxquant.export.package), functionalization traces into `kernel`, as into a
+    kernels are inlined (fxquant.io.export.package), functionalization traces into `kernel`, as into a
     torch.library.triton_op's: its torch ops and its Triton launches; otherwise the op stays whole."""
     name, signature = schema.split("(", 1)
     torch.library.define(f"fxquant::{name}", "(" + signature)

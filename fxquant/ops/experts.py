@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fxquant import reference as R
 from fxquant.kernels.cast import capability
 from fxquant.kernels.gemm_grouped import grouped_fp8_mm, grouped_weight_only_mm
 from fxquant.kernels.quant_mx import mxfp8_values
+from fxquant.numerics import reference as R
 from fxquant.ops.declare import define, fake
 
 # The implementations, not the ops: the fallback runs one per expert, and a dispatch each would cost 1-4 us

@@ -6,27 +6,30 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fxquant import reference as R
-from fxquant.api import quantize
-from fxquant.granularity import Granularity, activation_granularity
 from fxquant.kernels import cublas_fp8, gemm_int4_mma
 from fxquant.kernels.cast import capability
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm, is_block_scaled
 from fxquant.kernels.gemm_int4_mma import int4_mma_mm, lane_layout_shape
 from fxquant.kernels.gemm_weight_only import weight_only_mm
-from fxquant.kernels.quant_fp8 import MAX_ROW_LEN, quantize_fp8_rows
+from fxquant.kernels.quant_fp8 import MAX_ROW_LEN, quantize_fp8_rows, quantize_fp8_tensor
 from fxquant.kernels.quant_mx import mxfp8_values
+from fxquant.numerics import reference as R
+from fxquant.numerics.granularity import Granularity, activation_granularity
+from fxquant.numerics.quantized import Quantized
 from fxquant.ops.declare import define, fake
 from fxquant.ops.reference_gemm import E4M3, chunked_linear, weight_granularity
-from fxquant.quantized import Quantized
 
 
 def _quantize_fp8(x: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     """Dynamic e4m3 codes and fp32 scales of x [..., K]: per token (group_size 0), per 1 x group_size, or
     per tensor (group_size -1, scale of shape [1])."""
     if group_size < 0:
-        q = quantize(x, "fp8_e4m3", "tensor")  # on CUDA two kernels: amax partials, then scale and codes
-        return q.data, q.scale.reshape(1)
+        if x.is_cuda:  # two kernels: amax partials, then scale and codes
+            codes, scale = quantize_fp8_tensor(x, E4M3)
+        else:
+            q = R.quantize(x, "fp8_e4m3", "tensor")
+            codes, scale = q.data, q.scale
+        return codes, scale.reshape(1)
     row_len = group_size or x.shape[-1]
     if x.is_cuda and row_len <= MAX_ROW_LEN:
         return quantize_fp8_rows(x, row_len, E4M3)

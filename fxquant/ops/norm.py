@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fxquant import reference_norm as RN
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8 as norm_quant_kernel
 from fxquant.kernels.norm_quant_fp8 import supports as norm_quant_supports
+from fxquant.numerics import reference_norm as RN
 from fxquant.ops.declare import define, fake
 from fxquant.ops.reference_gemm import E4M3
 

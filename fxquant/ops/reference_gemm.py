@@ -8,9 +8,9 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from fxquant import reference as R
-from fxquant.granularity import Granularity
-from fxquant.quantized import Quantized
+from fxquant.numerics import reference as R
+from fxquant.numerics.granularity import Granularity
+from fxquant.numerics.quantized import Quantized
 
 E4M3 = torch.float8_e4m3fn
 # Rows of x, and of a weight, taken to fp32 at a time by the reference GEMMs: temporaries stay bounded at any M

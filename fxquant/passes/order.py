@@ -5,7 +5,7 @@ not annotated, and would return modified=False in silence. Each pass names itsel
 records its name on the graph (`gm.meta`), and a pass whose needs are not recorded there refuses, naming them and the
 fix. The passes that match fxquant's own ops (merge_linear, fuse_linear, pack_int4_lanes) need nothing: a graph built
 by hand with those ops, or traced from a quantize_'d model, is theirs to rewrite. To run the
-pipeline up to a pass, `fxquant.pipeline.run_pipeline(gm, config, example_inputs, stop_after=name)`.
+pipeline up to a pass, `fxquant.compile.pipeline.run_pipeline(gm, config, example_inputs, stop_after=name)`.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ class FxquantPass(PassBase):
         if missing:
             raise PassOrderError(
                 f"fxquant: pass {self.name} needs {', '.join(missing)} to have run on this graph first (ran: "
-                f"{', '.join(passes_run(graph_module)) or 'none'}). Fix: run those passes first, or the pipeline up to "
-                f"this one: fxquant.pipeline.run_pipeline(gm, config, example_inputs, stop_after={self.name!r})")
+                f"{', '.join(passes_run(graph_module)) or 'none'}). Fix: run those passes first, or the pipeline up "
+                f"to this one: fxquant.compile.pipeline.run_pipeline(gm, config, example_inputs, "
+                f"stop_after={self.name!r})")
 
     def __call__(self, graph_module: torch.fx.GraphModule) -> PassResult:
         result = super().__call__(graph_module)

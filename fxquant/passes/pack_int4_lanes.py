@@ -27,7 +27,7 @@ from fxquant.passes.annotations import fetch_attr
 from fxquant.passes.op_arguments import arguments
 from fxquant.passes.order import FxquantPass
 from fxquant.passes.state import PipelineState
-from fxquant.weight_store import LANES_KEY, lanes_of
+from fxquant.quantization.weight_store import LANES_KEY, lanes_of
 
 WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default
 LANES = torch.ops.fxquant.linear_int4_lanes.default

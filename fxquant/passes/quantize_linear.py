@@ -26,7 +26,6 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.config import RECIPES, LinearScheme
-from fxquant.linear_ops import emit_dense_experts_linear, emit_linear, emit_routed_linear
 from fxquant.passes.annotations import (
     SHARD_KEY,
     SOURCE_KEY,
@@ -41,7 +40,8 @@ from fxquant.passes.order import FxquantPass
 from fxquant.passes.patterns import ExpertOperands, weight_operands
 from fxquant.passes.spellings import EMBEDDING, target_of
 from fxquant.passes.state import LayerRecord, PipelineState, QuantizedBuffers
-from fxquant.weight_quantization import (
+from fxquant.quantization.linear_ops import emit_dense_experts_linear, emit_linear, emit_routed_linear
+from fxquant.quantization.weight_quantization import (
     ALIGNMENT,
     CAST_REASON,
     ROUTER_REASON,
@@ -49,7 +49,7 @@ from fxquant.weight_quantization import (
     quantize_and_measure,
     skip_reason,
 )
-from fxquant.weight_store import shared_quantized
+from fxquant.quantization.weight_store import shared_quantized
 
 QUANTIZED_KEY = "fxquant_quantized"
 

@@ -7,8 +7,8 @@ import triton.language as tl
 from fp8_cases import rounding_cases, same_bits
 
 import fxquant
-from fxquant.formats import E4M3, E5M2
 from fxquant.kernels.cast import CAST_NATIVE, CAST_PTX, cast_float, cast_fp8, cast_mode, float_cast_mode
+from fxquant.numerics.formats import E4M3, E5M2
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CASES = [(E4M3, tl.float8e4nv, "fp8_e4m3"), (E5M2, tl.float8e5, "fp8_e5m2")]

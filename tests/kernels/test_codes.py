@@ -8,9 +8,9 @@ import triton
 import triton.language as tl
 from fp8_cases import same_bits
 
-from fxquant.formats import E2M1, E4M3, E8M0
 from fxquant.kernels.codes import fp4_values, int4_differences
-from fxquant.minifloat import decode, unpack_nibbles
+from fxquant.numerics.formats import E2M1, E4M3, E8M0
+from fxquant.numerics.minifloat import decode, unpack_nibbles
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32] if DEVICE == "cuda" else [torch.float32]

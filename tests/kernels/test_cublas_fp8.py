@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
-from fxquant import reference as R
 from fxquant.kernels.cublas_fp8 import CUBLAS_ABOVE_M, cublas_scaled_mm, supports
 from fxquant.kernels.gemm_fp8 import is_block_scaled
+from fxquant.numerics import reference as R
 
 RECIPES = {"tensor": ("tensor", "tensor"), "row": ("token", "channel"), "block": (("group", 128), ("block", 128, 128))}
 

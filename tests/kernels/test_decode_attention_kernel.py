@@ -6,8 +6,8 @@ V (as flash attention does), about 2^-9 relative in bf16; in fp32 it is exact bu
 import pytest
 import torch
 
-from fxquant import reference_attention as RA
 from fxquant.kernels.decode_attention import decode_attention, num_splits, supports
+from fxquant.numerics import reference_attention as RA
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}  # relative error of the output

@@ -4,10 +4,10 @@ import pytest
 import torch
 import triton
 
-from fxquant import reference as R
 from fxquant.kernels.gemm_configs import BUCKET_PROBES, fp8_gemm_config
 from fxquant.kernels.gemm_fp8 import _launch_plan, fp8_scaled_mm
 from fxquant.kernels.splitk import split_k
+from fxquant.numerics import reference as R
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Relative error against fp64 for fp32 output: the interpreter accumulates in fp32; sm_90's fp8 MMA

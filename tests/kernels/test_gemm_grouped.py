@@ -4,8 +4,8 @@ CPU): empty experts, one row, uneven groups, rows past the last expert, split K;
 import pytest
 import torch
 
-from fxquant import reference as R
 from fxquant.kernels.gemm_grouped import grouped_fp8_mm, grouped_weight_only_mm
+from fxquant.numerics import reference as R
 from fxquant.ops import quantize_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

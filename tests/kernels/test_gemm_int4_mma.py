@@ -14,10 +14,10 @@ import torch
 import triton.runtime.interpreter as interpreter
 from triton import language as tl
 
-from fxquant import reference as R
 from fxquant.kernels import gemm_int4_mma
 from fxquant.kernels.gemm_int4_mma import int4_mma_mm, lane_layout_shape, pack_lanes, supports
 from fxquant.kernels.gemm_weight_only import weight_operands
+from fxquant.numerics import reference as R
 from tests.kernels.test_gemm_weight_only import within_bound
 
 GPU = torch.cuda.is_available()

@@ -7,10 +7,10 @@ adds one rounding per group to the same bound."""
 import pytest
 import torch
 
-from fxquant import reference as R
 from fxquant.kernels import gemm_weight_only
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_weight_only import DEQUANTIZE_ABOVE_M, _launch_plan, weight_only_mm, wo_gemm_config
+from fxquant.numerics import reference as R
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GRANULARITY = {"int8": "channel", "int4": ("group", 128), "mxfp4": None, "nvfp4": None, "mxfp8": None}

@@ -5,8 +5,8 @@ import pytest
 import torch
 from fp8_cases import same_bits
 
-from fxquant import reference_norm
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8
+from fxquant.numerics import reference_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Shapes hit every branch: one row, D not a power of two (padded tail), several groups, 3-D input.

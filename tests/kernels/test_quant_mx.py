@@ -4,9 +4,9 @@ product they make with the weight-only GEMM against the reference MX GEMM."""
 import pytest
 import torch
 
-from fxquant import reference as R
 from fxquant.kernels.gemm_weight_only import weight_only_mm, wo_gemm_config
 from fxquant.kernels.quant_mx import mxfp8_values
+from fxquant.numerics import reference as R
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

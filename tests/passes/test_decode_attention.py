@@ -9,7 +9,7 @@ import pytest
 import torch
 from hf_models import NOTHING, angle, compiled_graphs, decoder, static_decode  # compiled_graphs: nothing quantized
 
-from fxquant import pipeline
+from fxquant.compile import pipeline
 from fxquant.passes.decode_attention import MAX_QUERIES, DecodeAttention
 from fxquant.passes.side_effects import has_side_effects
 from fxquant.passes.spellings import MATMUL, SDPA

@@ -10,12 +10,12 @@ from models import rel_err
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import fxquant.ops  # noqa: F401
+from fxquant.compile.pipeline import prepare
 from fxquant.config import QuantConfig
 from fxquant.passes.cleanup import Cleanup
 from fxquant.passes.fuse_norm import FuseNorm
 from fxquant.passes.quantize_linear import QuantizeLinear
 from fxquant.passes.state import PipelineState
-from fxquant.pipeline import prepare
 
 OPS = torch.ops.fxquant
 D = 256

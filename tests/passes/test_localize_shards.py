@@ -12,12 +12,12 @@ import torch.nn as nn
 from reports import layer_rows
 from tensor_parallel import run
 
+from fxquant.modules.sharded_linear import LAYOUT_REASON
 from fxquant.passes.annotations import SHARD_KEY, fetch_attr
 from fxquant.passes.freeze_params import FreezeParams
 from fxquant.passes.localize_shards import LocalizeShards
 from fxquant.passes.side_effects import has_side_effects
-from fxquant.sharded_linear import LAYOUT_REASON
-from fxquant.weight_quantization import SHARDED_REASON
+from fxquant.quantization.weight_quantization import SHARDED_REASON
 
 
 class Block(nn.Module):

@@ -9,12 +9,12 @@ from hf_models import compiled_results
 from torch.fx.passes.infra.pass_base import PassResult
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from fxquant.compile.pipeline import run_pipeline
+from fxquant.compile.report import format_report
 from fxquant.config import QuantConfig
 from fxquant.passes.annotations import fake_value
 from fxquant.passes.merge_linear import MergeLinear
 from fxquant.passes.state import PipelineState
-from fxquant.pipeline import run_pipeline
-from fxquant.report import format_report
 
 GEMMS = (torch.ops.fxquant.scaled_mm_fp8.default, torch.ops.fxquant.linear_fp8.default,
          torch.ops.fxquant.linear_weight_only.default)

@@ -3,13 +3,13 @@ silence; the pipeline runs up to any pass."""
 import pytest
 import torch
 
+from fxquant.compile.pipeline import PASSES, run_pipeline
 from fxquant.config import QuantConfig
 from fxquant.passes.fuse_norm import FuseNorm
 from fxquant.passes.order import PassOrderError, passes_run
 from fxquant.passes.quantize_linear import QuantizeLinear
 from fxquant.passes.state import PipelineState
 from fxquant.passes.upcast import Upcast
-from fxquant.pipeline import PASSES, run_pipeline
 
 X = torch.randn(2, 64, dtype=torch.bfloat16)
 MODEL = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Softmax(-1)).to(torch.bfloat16)

@@ -12,11 +12,11 @@ import torch
 from hf_models import compiled, decoder, fake_quantized, static_decode, traced, within_bound
 
 import fxquant
-from fxquant.backend import fxquant as fxquant_backend
+from fxquant.compile.backend import fxquant as fxquant_backend
 from fxquant.kernels.gemm_int4_mma import pack_lanes
 from fxquant.ops import linear as linear_ops
 from fxquant.passes import pack_int4_lanes
-from fxquant.weight_store import LANES_KEY
+from fxquant.quantization.weight_store import LANES_KEY
 
 LANES = torch.ops.fxquant.linear_int4_lanes.default
 WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default

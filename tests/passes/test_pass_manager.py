@@ -9,9 +9,9 @@ import pytest
 import torch
 from hf_models import VOCAB, compiled_results, decoder, fake_quantized, static_decode, traced, within_bound
 
+from fxquant.compile.pipeline import OPTIONAL, PASSES, run_pipeline
 from fxquant.config import QuantConfig, from_options
 from fxquant.passes.order import passes_run
-from fxquant.pipeline import OPTIONAL, PASSES, run_pipeline
 
 X = torch.randn(2, 128, dtype=torch.bfloat16)
 MODEL = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Softmax(-1)).to(torch.bfloat16)
@@ -25,11 +25,11 @@ def exported():
 
 
 def test_each_pass_is_timed_and_logged_with_what_it_changed(caplog):
-    with caplog.at_level(logging.DEBUG, logger="fxquant.pipeline"):
+    with caplog.at_level(logging.DEBUG, logger="fxquant.compile.pipeline"):
         result = run_pipeline(exported(), QuantConfig(recipe="fp8_row"), (X,))
     assert [timing.name for timing in result.timings] == list(PASSES)
     lines = {record.getMessage().split(":")[0]: record.getMessage() for record in caplog.records
-             if record.name == "fxquant.pipeline"}
+             if record.name == "fxquant.compile.pipeline"}
     assert list(lines) == list(PASSES)
     assert "unchanged" in lines["detect"]  # annotations only
     assert ", changed," in lines["quantize_linear"] and ", changed," in lines["upcast"]

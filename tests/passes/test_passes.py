@@ -270,8 +270,8 @@ def test_weights_multiplied_by_their_transpose_or_through_keywords_are_quantized
 def test_weights_quantized_in_row_chunks_equal_the_whole(monkeypatch, recipe, poison):
     """quantize_weight bounds its temporaries by quantizing rows in chunks: bit for bit the reference's result, per
     tensor scales and NaN poison included."""
-    from fxquant import reference as R
-    from fxquant import weight_quantization
+    from fxquant.numerics import reference as R
+    from fxquant.quantization import weight_quantization
 
     monkeypatch.setattr(weight_quantization, "QUANTIZE_ROWS", 256)
     w = torch.randn(640, 256, dtype=torch.bfloat16)  # two whole chunks and a part
@@ -288,7 +288,7 @@ def test_weights_quantized_in_row_chunks_equal_the_whole(monkeypatch, recipe, po
 
 
 def test_a_static_nvfp4_global_scale_gives_the_dynamic_result_and_must_be_finite():
-    from fxquant import reference as R
+    from fxquant.numerics import reference as R
 
     w = torch.randn(64, 128)
     dynamic = R.quantize(w, "nvfp4")

@@ -190,7 +190,7 @@ def test_no_rewrite_moves_a_read_across_a_write(module, recipe):
 
 def test_fuse_linear_keeps_a_quantizer_a_write_separates_from_its_gemm():
     """quantize_fp8(x); x.add_(1); scaled_mm_fp8(...): the fused op would quantize x after the write."""
-    from fxquant import reference as R
+    from fxquant.numerics import reference as R
 
     root, graph = nn.Module(), torch.fx.Graph()
     q = R.quantize(torch.randn(256, 256), "fp8_e4m3", "channel")

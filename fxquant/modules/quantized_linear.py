@@ -15,12 +15,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fxquant.config import RECIPES
-from fxquant.granularity import as_granularity
-from fxquant.linear_ops import emit_linear, run_now
-from fxquant.quantized import Quantized
-from fxquant.reference import DEFAULT_SCALE_MODE, default_granularity
-from fxquant.sharded_linear import sharded_forward, sharded_parts
-from fxquant.weight_quantization import quantize_weight
+from fxquant.modules.sharded_linear import sharded_forward, sharded_parts
+from fxquant.numerics.granularity import as_granularity
+from fxquant.numerics.quantized import Quantized
+from fxquant.numerics.reference import DEFAULT_SCALE_MODE, default_granularity
+from fxquant.quantization.linear_ops import emit_linear, run_now
+from fxquant.quantization.weight_quantization import quantize_weight
 
 # (name of the parameter, field of Quantized); None fields are registered as None parameters
 PARTS = (("weight", "data"), ("weight_scale", "scale"), ("weight_global_scale", "global_scale"),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from fxquant.quantized_experts import PROJECTIONS, QuantizedExperts, experts_shape, gate_owner, is_experts
+from fxquant.modules.quantized_experts import PROJECTIONS, QuantizedExperts, experts_shape, gate_owner, is_experts
 
 MXFP4_METHOD = "mxfp4"
 SUFFIXES = ("_blocks", "_scales", "_bias")

@@ -14,15 +14,15 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from fxquant import reference as R
 from fxquant.config import AUTO, AUTO_LADDER, KEEP, RECIPES, QuantConfig
-from fxquant.granularity import activation_granularity
-from fxquant.linear_ops import emit_linear, emit_routed_linear, run_now
-from fxquant.metrics import sqnr_db
+from fxquant.numerics import reference as R
+from fxquant.numerics.granularity import activation_granularity
+from fxquant.numerics.metrics import sqnr_db
 from fxquant.passes.annotations import annotation, linear_fqn, node_dtype
 from fxquant.passes.patterns import ExpertOperands, weight_operands
 from fxquant.passes.side_effects import has_side_effects
-from fxquant.weight_quantization import (
+from fxquant.quantization.linear_ops import emit_linear, emit_routed_linear, run_now
+from fxquant.quantization.weight_quantization import (
     CAST_REASON,
     ROUTER_REASON,
     alignment_reason,

@@ -18,7 +18,9 @@ import transformers
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from fxquant.checkpoint import (
+from fxquant.compile.lint import refuse_errors
+from fxquant.config import AUTO, QuantConfig, from_options
+from fxquant.io.checkpoint import (
     assign_tensor,
     checkpoint_dtype,
     checkpoint_files,
@@ -26,11 +28,16 @@ from fxquant.checkpoint import (
     save_quantized,
     stored_keys,
 )
-from fxquant.config import AUTO, QuantConfig, from_options
-from fxquant.inplace import finish, linear_weight, progress_hidden, quantize_, quantize_layers, weight_findings_of
-from fxquant.lint import refuse_errors
-from fxquant.quantized_experts import is_experts
-from fxquant.skeleton import empty_weights
+from fxquant.modules.inplace import (
+    finish,
+    linear_weight,
+    progress_hidden,
+    quantize_,
+    quantize_layers,
+    weight_findings_of,
+)
+from fxquant.modules.quantized_experts import is_experts
+from fxquant.modules.skeleton import empty_weights
 
 PROMPT = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from fxquant.quantized_experts import PROJECTIONS, QuantizedExperts
-from fxquant.quantized_linear import PARTS
+from fxquant.modules.quantized_experts import PROJECTIONS, QuantizedExperts
+from fxquant.modules.quantized_linear import PARTS
 
 # (the experts module's path in the checkpoint, from its path in the model; the gate, up and down linears' names)
 MIXTRAL = ((".mlp.experts", ".block_sparse_moe.experts"), ("w1", "w3", "w2"))

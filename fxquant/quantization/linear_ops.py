@@ -9,8 +9,8 @@ import operator
 import torch
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
-from fxquant import reference as R
 from fxquant.config import LinearScheme
+from fxquant.numerics import reference as R
 
 
 def run_now(fn, args):

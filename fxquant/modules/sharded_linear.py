@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from fxquant.config import RECIPES
-from fxquant.linear_ops import emit_linear, run_now
+from fxquant.quantization.linear_ops import emit_linear, run_now
 
 SHARDED_LAYOUTS = ("column parallel (weight and bias Shard(0)) and row parallel without bias (weight Shard(1)) on a "
                    "1-D mesh, in even shards, under recipes without a per-tensor weight scale (not fp8_tensor or "

@@ -5,7 +5,7 @@
 
 - A write quantizes each new K and V: per (token, KV head) with a scale from that row's amax (the default: no
   calibration, and no value is ever clipped), or per tensor with static scales (`kv_scales`, one (k, v) pair per
-  layer, as vLLM's k_scale / v_scale; `kv_scales_of` measures them on a filled bf16 cache). A static scale
+  layer, as vLLM's k_scale / v_scale; `fxquant.kv_scales_of` measures them on a filled bf16 cache). A static scale
   saturates a value past 448 x scale to +-448 x scale, as vLLM's does.
 - A read returns `fxquant::dequantize_kv(codes, scale)`. Compiled with `backend="fxquant"` on CUDA, the decode pass
   hands the codes and scales to `fxquant::decode_attention`, which dequantizes in registers, so no high-precision
@@ -19,15 +19,13 @@
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
-from fxquant.checkpoint import stored_kv_scales
-from fxquant.formats import E4M3
-from fxquant.reference import saturate, scale_from_amax
+from fxquant.numerics.formats import E4M3
+from fxquant.numerics.reference import saturate, scale_from_amax
 
 CODES = torch.float8_e4m3fn
 # Called by overload, so that graphs record the overload the passes match (a packet call records the packet).
@@ -105,13 +103,10 @@ class FP8StaticCache(StaticCache):
             self.layers[index] = e4m3
 
 
-def kv_scales_of(source: StaticCache | str | os.PathLike) -> list[tuple[float, float]]:
-    """Static per-tensor scales, one (k_scale, v_scale) per layer: from a high-precision StaticCache filled by
-    calibration prompts (each layer's K and V amax / 448, so that nothing the prompts wrote would saturate), or
-    from a checkpoint folder's kv_cache_scheme (save_quantized(..., kv_scales=...), or llm-compressor's)."""
-    if isinstance(source, str | os.PathLike):
-        return stored_kv_scales(source)
-    cache, pairs = source, []
+def measured_kv_scales(cache: StaticCache) -> list[tuple[float, float]]:
+    """Static per-tensor scales, one (k_scale, v_scale) per layer, of a high-precision StaticCache filled by
+    calibration prompts: each layer's K and V amax / 448, so that nothing the prompts wrote would saturate."""
+    pairs = []
     for index, layer in enumerate(cache.layers):
         if not getattr(layer, "is_initialized", False) or layer.keys.dtype == torch.uint8:
             raise ValueError(f"fxquant: kv_scales_of needs a filled high-precision StaticCache; layer {index} is "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from fxquant.formats import FloatFormat, Specials
+from fxquant.numerics.formats import FloatFormat, Specials
 
 
 def pow2(e: torch.Tensor) -> torch.Tensor:

@@ -21,9 +21,9 @@ import torch
 import torch.nn as nn
 
 from fxquant.config import RECIPES
-from fxquant.linear_ops import emit_linear, run_now
-from fxquant.quantized_linear import PARTS, FrozenParts
-from fxquant.weight_quantization import quantize_weight
+from fxquant.modules.quantized_linear import PARTS, FrozenParts
+from fxquant.quantization.linear_ops import emit_linear, run_now
+from fxquant.quantization.weight_quantization import quantize_weight
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fxquant.reference import fdiv, quantize
+from fxquant.numerics.reference import fdiv, quantize
 
 
 def norm(x, weight=None, bias=None, eps=1e-6, *, rms=True, residual=None, stats=None):

@@ -9,10 +9,10 @@ from dataclasses import replace
 import torch
 from torch.distributed.tensor import DTensor
 
-from fxquant import reference as R
 from fxquant.config import AUTO, KEEP, RECIPES, LinearScheme, QuantConfig
-from fxquant.formats import E2M1, E4M3
-from fxquant.metrics import sqnr_db, worst_row_sqnr_db
+from fxquant.numerics import reference as R
+from fxquant.numerics.formats import E2M1, E4M3
+from fxquant.numerics.metrics import sqnr_db, worst_row_sqnr_db
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ROUTER_REASON = "router: its output selects experts (top-k)"

@@ -18,11 +18,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fxquant.compressed_tensors import to_checkpoint
 from fxquant.config import RECIPES
-from fxquant.quantized_linear import QuantizedLinear
-from fxquant.sharded_linear import SHARDED_LAYOUTS, shard_dim, sharded_parts
-from fxquant.weight_quantization import alignment_reason
+from fxquant.io.compressed_tensors import to_checkpoint
+from fxquant.modules.quantized_linear import QuantizedLinear
+from fxquant.modules.sharded_linear import SHARDED_LAYOUTS, shard_dim, sharded_parts
+from fxquant.quantization.weight_quantization import alignment_reason
 
 
 @dataclass(frozen=True)

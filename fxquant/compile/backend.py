@@ -11,11 +11,11 @@ import torch
 from torch._dynamo import list_backends, register_backend
 from torch._dynamo.source import ConstantSource
 
+from fxquant.compile.pipeline import PipelineResult, run_pipeline
+from fxquant.compile.report import format_report
 from fxquant.config import MODES, from_options
-from fxquant.pipeline import PipelineResult, run_pipeline
-from fxquant.report import format_report
-from fxquant.weight_quantization import quantize_weight
-from fxquant.weight_store import refresh_lanes
+from fxquant.quantization.weight_quantization import quantize_weight
+from fxquant.quantization.weight_store import refresh_lanes
 
 VERSION = operator.attrgetter("_version")
 

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
+from fxquant.compile.weights import ROLES
 from fxquant.config import RECIPES
-from fxquant.formats import FORMATS
+from fxquant.numerics.formats import FORMATS
 from fxquant.passes.annotations import annotation, fetch_attr, linear_fqn, node_dtype
 from fxquant.passes.patterns import weight_operands
 from fxquant.passes.spellings import DIV, DTYPE_CASTS, MUL, target_of
-from fxquant.weights import ROLES
 
 FP16_MAX = FORMATS["fp16"].max
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
@@ -207,7 +207,7 @@ def _cast_dtype(node):
 
 def _fp16_activation_findings(gm, example_inputs) -> list[Finding]:
     """fp16 layers whose output on the sample inputs, from finite inputs, is past fp16's max: it would be inf."""
-    from fxquant.measure import for_each_linear
+    from fxquant.compile.measure import for_each_linear
 
     findings = []
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fxquant.granularity import Granularity
+from fxquant.numerics.granularity import Granularity
 
 
 @dataclass(frozen=True)

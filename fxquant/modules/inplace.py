@@ -10,25 +10,25 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
+from fxquant.compile.lint import Finding, lint_layers, refuse_errors, warn_findings, weight_findings
+from fxquant.compile.pipeline import prepare
+from fxquant.compile.report import format_report
+from fxquant.compile.weights import WeightEntry, weight_role
 from fxquant.config import AUTO, QuantConfig, from_options
-from fxquant.lint import Finding, lint_layers, refuse_errors, warn_findings, weight_findings
-from fxquant.metrics import sqnr_db, worst_row_sqnr_db
-from fxquant.passes.annotations import annotation
-from fxquant.passes.state import LayerRecord, PipelineState
-from fxquant.pipeline import prepare
-from fxquant.quantized_experts import (
+from fxquant.modules.quantized_experts import (
     PROJECTIONS,
     QuantizedExperts,
     experts_layout_reason,
     is_experts,
     stored_transposed,
 )
-from fxquant.quantized_linear import FrozenParts, QuantizedLinear
-from fxquant.reference import dequantize
-from fxquant.report import format_report
-from fxquant.sharded_linear import LAYOUT_REASON, local, move_hooks, shard_dim
-from fxquant.weight_quantization import ALIGNMENT, ROUTER_REASON, SHARD_HINT, skip_reason
-from fxquant.weights import WeightEntry, weight_role
+from fxquant.modules.quantized_linear import FrozenParts, QuantizedLinear
+from fxquant.modules.sharded_linear import LAYOUT_REASON, local, move_hooks, shard_dim
+from fxquant.numerics.metrics import sqnr_db, worst_row_sqnr_db
+from fxquant.numerics.reference import dequantize
+from fxquant.passes.annotations import annotation
+from fxquant.passes.state import LayerRecord, PipelineState
+from fxquant.quantization.weight_quantization import ALIGNMENT, ROUTER_REASON, SHARD_HINT, skip_reason
 
 
 def linear_weight(module: nn.Module) -> torch.Tensor | None:
@@ -106,7 +106,7 @@ def quantize_(model: nn.Module, config: QuantConfig | dict | None = None, *, exa
     if config.recipe == AUTO:
         if not args:
             raise ValueError("fxquant: quantize_ with recipe='auto' needs example_inputs to measure each layer on")
-        from fxquant.inspection import inspect
+        from fxquant.compile.inspection import inspect
 
         report = inspect(model, args, config)
         config, auto = report.config, report.layers

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from fxquant.compile.pipeline import run_pipeline
 from fxquant.config import QuantConfig, from_options
 from fxquant.kernels.launch import kernels_inlined
-from fxquant.pipeline import run_pipeline
 
 
 def export(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, config: QuantConfig | dict | None = None,

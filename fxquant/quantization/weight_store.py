@@ -18,7 +18,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxquant.kernels.gemm_int4_mma import pack_lanes
-from fxquant.quantized import Quantized
+from fxquant.numerics.quantized import Quantized
 
 LANES_KEY = "fxquant_int4_lanes"  # gm.meta: (scale buffer, zero point buffer) of each weight packed in lanes
 

@@ -3,10 +3,10 @@ measurements), then quantize_linear -> fuse_norm -> merge_linear -> fuse_linear 
 decode_attention -> pack_gqa -> cleanup. It sits above the passes: they never import the lint or the measurements,
 and what they hand each other travels in one `PipelineState`.
 
-Each pass is timed and logged (logger "fxquant.pipeline", one DEBUG line per pass: its time, whether it changed the
-graph, its nodes before and after); the times are in `PipelineResult.timings`. With FXQUANT_DUMP_GRAPHS=<folder>,
-each pass writes the graph it leaves there (`<run>-<NN>-<pass>.txt`, NN its place in PASSES). The option
-`disable_passes` leaves out passes that only fuse or pack (`FxquantPass.optional`)."""
+Each pass is timed and logged (logger "fxquant.compile.pipeline", one DEBUG line per pass: its time, whether it
+changed the graph, its nodes before and after); the times are in `PipelineResult.timings`. With
+FXQUANT_DUMP_GRAPHS=<folder>, each pass writes the graph it leaves there (`<run>-<NN>-<pass>.txt`, NN its place in
+PASSES). The option `disable_passes` leaves out passes that only fuse or pack (`FxquantPass.optional`)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from fxquant.capability import check_config, graph_device, usable_recipes
+from fxquant.compile.capability import check_config, graph_device, usable_recipes
+from fxquant.compile.lint import Finding, lint_graph, lint_layers, refuse_errors, warn_findings
+from fxquant.compile.weights import WeightEntry, weight_inventory
 from fxquant.config import AUTO, QuantConfig
-from fxquant.lint import Finding, lint_graph, lint_layers, refuse_errors, warn_findings
 from fxquant.passes.cleanup import Cleanup
 from fxquant.passes.decode_attention import DecodeAttention
 from fxquant.passes.detect import Detect
@@ -35,7 +36,6 @@ from fxquant.passes.pack_int4_lanes import PackInt4Lanes
 from fxquant.passes.quantize_linear import QuantizeLinear
 from fxquant.passes.state import LayerRecord, PipelineState
 from fxquant.passes.upcast import Upcast
-from fxquant.weights import WeightEntry, weight_inventory
 
 log = logging.getLogger(__name__)
 PASS_TYPES = (FreezeParams, LocalizeShards, Detect, Upcast, QuantizeLinear, FuseNorm, MergeLinear, FuseLinear,
@@ -143,7 +143,7 @@ def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=N
         refuse_errors(findings, "compile")
         return PipelineResult(gm, state.layers, state.upcast, config, findings, weights, timings=timings)
     if config.recipe == AUTO:
-        from fxquant.measure import measure_graph, resolve_auto
+        from fxquant.compile.measure import measure_graph, resolve_auto
 
         if example_inputs is None:
             raise ValueError("fxquant: recipe='auto' needs sample inputs to measure each layer on")

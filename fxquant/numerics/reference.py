@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from fxquant.formats import AMAX_FLOOR, E2M1, E4M3, E5M2, E8M0, INT8, FloatFormat
-from fxquant.granularity import Granularity, as_granularity
-from fxquant.minifloat import decode, encode, pack_nibbles, round_to_format, unpack_nibbles
-from fxquant.quantized import Quantized
+from fxquant.numerics.formats import AMAX_FLOOR, E2M1, E4M3, E5M2, E8M0, INT8, FloatFormat
+from fxquant.numerics.granularity import Granularity, as_granularity
+from fxquant.numerics.minifloat import decode, encode, pack_nibbles, round_to_format, unpack_nibbles
+from fxquant.numerics.quantized import Quantized
 
 FP8 = {"fp8_e4m3": E4M3, "fp8_e5m2": E5M2}
 MX = {"mxfp8": E4M3, "mxfp4": E2M1}

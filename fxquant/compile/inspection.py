@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-from fxquant.capability import check_config, graph_device, usable_recipes
+from fxquant.compile.capability import check_config, graph_device, usable_recipes
+from fxquant.compile.measure import LayerError, measure_graph, resolve_auto
+from fxquant.compile.pipeline import prepare
+from fxquant.compile.report import format_rows
 from fxquant.config import QuantConfig, from_options
-from fxquant.measure import LayerError, measure_graph, resolve_auto
 from fxquant.passes.state import PipelineState
-from fxquant.pipeline import prepare
-from fxquant.report import format_rows
 
 
 @dataclass

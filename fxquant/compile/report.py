@@ -9,8 +9,8 @@ import math
 import textwrap
 from collections import Counter
 
+from fxquant.compile.weights import ROLES
 from fxquant.config import RECIPES
-from fxquant.weights import ROLES
 
 WIDTH = 120  # a terminal's width: the report is read there, and in logs
 ALREADY = "already quantized, kept"  # a layer quantize_ or a checkpoint quantized before this call
@@ -74,7 +74,7 @@ def _db(value: float | None) -> str:
 
 def format_report(layers, findings=(), weights=(), auto=()) -> str:
     """The report; `weights` (the pipeline's weight inventory) makes the totals count every weight; `auto` holds
-    recipe="auto"'s measurements (fxquant.measure.LayerError), where it chose."""
+    recipe="auto"'s measurements (fxquant.compile.measure.LayerError), where it chose."""
     auto_notes, auto_summary = _auto_lines(auto)
     rows, notes, missing = [HEADER], [[]], set()
     for layer in layers:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from fxquant.checkpoint import checkpoint_files, read_config, recipe_of_layer
-from fxquant.report import format_rows, wrapped
+from fxquant.compile.report import format_rows, wrapped
+from fxquant.io.checkpoint import checkpoint_files, read_config, recipe_of_layer
 
 # a layer's stored codes: compressed-tensors' (packed or not), or a high-precision weight
 WEIGHT_KEYS = ("weight_packed", "weight")

@@ -17,16 +17,16 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
-from fxquant import kv_cache_scheme
-from fxquant.checkpoint_experts import expert_linear_names, split_experts, stack_experts
-from fxquant.checkpoint_mxfp4 import MXFP4_METHOD, from_mxfp4, mxfp4_experts
-from fxquant.compressed_tensors import from_checkpoint, group_config, recipe_of, scheme_of, to_checkpoint, writable
 from fxquant.config import RECIPES
-from fxquant.inplace import linear_weight, progress_hidden
-from fxquant.quantized_experts import QuantizedExperts, is_experts
-from fxquant.quantized_linear import QuantizedLinear
-from fxquant.sharded_checkpoint import read_parameter, sharded_layer
-from fxquant.sharded_linear import gathered, move_hooks, whole
+from fxquant.io import kv_cache_scheme
+from fxquant.io.checkpoint_experts import expert_linear_names, split_experts, stack_experts
+from fxquant.io.checkpoint_mxfp4 import MXFP4_METHOD, from_mxfp4, mxfp4_experts
+from fxquant.io.compressed_tensors import from_checkpoint, group_config, recipe_of, scheme_of, to_checkpoint, writable
+from fxquant.io.sharded_checkpoint import read_parameter, sharded_layer
+from fxquant.modules.inplace import linear_weight, progress_hidden
+from fxquant.modules.quantized_experts import QuantizedExperts, is_experts
+from fxquant.modules.quantized_linear import QuantizedLinear
+from fxquant.modules.sharded_linear import gathered, move_hooks, whole
 
 SHARD_BYTES = 5 * 2**30  # the file size transformers shards at by default
 INDEX = "model.safetensors.index.json"
