@@ -39,6 +39,7 @@ import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.kernels.decode_attention import supports as kernel_supports
 from fxquant.passes.annotations import fake_value, module_path
 from fxquant.passes.attention_patterns import eager_attention
+from fxquant.passes.op_arguments import arguments
 from fxquant.passes.order import FxquantPass
 from fxquant.passes.patterns import SDPA_ARGS, repeated_kv
 from fxquant.passes.side_effects import Writes
@@ -68,7 +69,8 @@ class Attention:
 def dequantized_codes(node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     """(codes, scale) where node is fxquant.dequantize_kv(codes, scale, dtype), else None."""
     if isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is DEQUANTIZE_KV:
-        return node.args[0], node.args[1]
+        named = arguments(node)
+        return named["codes"], named["scale"]
     return None
 
 

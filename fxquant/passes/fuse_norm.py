@@ -24,6 +24,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.passes.annotations import annotation, module_path, node_dtype
+from fxquant.passes.op_arguments import arguments
 from fxquant.passes.order import FxquantPass
 from fxquant.passes.patterns import match_rms_variance
 from fxquant.passes.side_effects import mutation_epochs
@@ -142,7 +143,7 @@ class FuseNorm(FxquantPass):
             x, weight, bias, eps, rms = found
             if node_dtype(x) != node_dtype(out):
                 continue  # the norm changes dtype: the kernel's output rounding would not be the graph's
-            group = quantizers[0].args[1]
+            group = arguments(quantizers[0])["group_size"]
             if epochs[x] != epochs[quantizers[0]]:
                 continue  # a write between the norm's input and its quantizers: the fused op may not move past it
             residual = _residual_add(x, out, order)
@@ -181,5 +182,5 @@ class FuseNorm(FxquantPass):
         users = list(out.users)
         if not users or any(u.target is not QUANTIZE for u in users):
             return []
-        groups = {u.args[1] for u in users}
-        return users if len(groups) == 1 and users[0].args[1] >= 0 else []
+        groups = {arguments(u)["group_size"] for u in users}
+        return users if len(groups) == 1 and min(groups) >= 0 else []
