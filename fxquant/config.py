@@ -17,8 +17,8 @@ DEFAULT_SKIP = (r"(^|\.)lm_head$",)
 class LinearScheme:
     """How one linear layer is quantized.
 
-    kind: "fp8" (fp8 activations and weight, scaled GEMM), "mxfp8" (both MX, reference GEMM) or
-          "weight_only" (activations untouched)
+    kind: "fp8" (fp8 activations and weight, scaled GEMM), "mxfp8" (both MX, reference GEMM),
+          "int4_fp8" (fp8 activations, int4 weight, on the fp8 tensor cores) or "weight_only" (activations untouched)
     act_group: fp8 activations: 0 per token, -1 per tensor, else 1 x act_group groups
     weight_fmt / weight_granularity: as `fxquant.quantize` takes them
     """
@@ -49,6 +49,9 @@ RECIPES = {
     "int4_wo": LinearScheme("weight_only", "int4", ("group", 128), k_multiple=128),
     # GPTQ's layout, which vLLM's Marlin kernels serve: no zero points, so 4.25 bits a weight against int4_wo's 4.31.
     "int4_sym_wo": LinearScheme("weight_only", "int4", ("group", 128), k_multiple=128, symmetric=True),
+    # W4A8: symmetric int4 weights (codes -7..7, exact in e4m3) and e4m3 activations per token, on the fp8 tensor
+    # cores; symmetric as the W4A8 scheme vLLM loads from compressed-tensors checkpoints.
+    "int4_fp8": LinearScheme("int4_fp8", "int4", ("group", 128), 0, k_multiple=128, symmetric=True),
 }
 AUTO = "auto"
 KEEP = "none"  # in layer_recipes: keep this layer in high precision

@@ -203,8 +203,8 @@ class FakeQuantizedLinear(torch.nn.Module):
 
 
 def fake_quantized_input(x, scheme):
-    """The values an fp8 or MXFP8 GEMM multiplies x by (fp32), or x for weight-only schemes."""
-    if scheme.kind == "fp8":
+    """The values an fp8, W4A8 or MXFP8 GEMM multiplies x by (fp32), or x for weight-only schemes."""
+    if scheme.kind in ("fp8", "int4_fp8"):
         group = scheme.act_group
         granularity = "tensor" if group < 0 else "token" if group == 0 else ("group", group)
         return R.dequantize(R.quantize(x, "fp8_e4m3", granularity), torch.float32)

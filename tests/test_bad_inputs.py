@@ -108,7 +108,7 @@ class OffBlock(nn.Module):
 # Which layers each recipe quantizes (the rest stay in high precision, with the reason in the report).
 OFF_BLOCK = {"fp8_block": set(), "fp8_row": {"k144", "n80"}, "fp8_tensor": {"k144", "n80"}, "mxfp8": {"n80"},
              "mxfp4_wo": {"n80"}, "nvfp4_wo": {"k144", "n80"}, "int8_wo": {"k144", "n80"}, "int4_wo": {"n80"},
-             "int4_sym_wo": {"n80"}}
+             "int4_sym_wo": {"n80"}, "int4_fp8": {"n80"}}
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))

@@ -33,6 +33,7 @@ CT_SCHEMES = {
     "FP8_BLOCK": (PRESET_SCHEMES["FP8_BLOCK"], "float-quantized", "fp8_block"),
     "W4A16_ASYM": (PRESET_SCHEMES["W4A16_ASYM"], "pack-quantized", "int4_wo"),
     "W4A16": (PRESET_SCHEMES["W4A16"], "pack-quantized", "int4_sym_wo"),
+    "W4AFP8": (PRESET_SCHEMES["W4AFP8"], "pack-quantized", "int4_fp8"),
     "W8A16_CHANNEL": (INT8_CHANNEL, "pack-quantized", "int8_wo"),
     "MXFP4A16": (PRESET_SCHEMES["MXFP4A16"], "mxfp4-pack-quantized", "mxfp4_wo"),
     "NVFP4A16": (PRESET_SCHEMES["NVFP4A16"], "nvfp4-pack-quantized", "nvfp4_wo"),
@@ -243,6 +244,10 @@ def write_mixtral_with_compressed_tensors(model, preset: str, path) -> dict:
 def test_a_mixtral_checkpoint_compressed_tensors_wrote_loads_its_experts_bit_identically(tmp_path, preset):
     model = decoder("mixtral")
     expected = write_mixtral_with_compressed_tensors(model, preset, tmp_path)
+    if CT_SCHEMES[preset][2] == "int4_fp8":  # W4A8 experts: refused by name until a grouped W4A8 product exists
+        with pytest.raises(NotImplementedError, match="int4_fp8 has no grouped experts product"):
+            fxquant.load_quantized(skeleton(model), tmp_path)
+        return
     loaded = fxquant.load_quantized(skeleton(model), tmp_path)
     for i, layer in enumerate(loaded.model.layers):
         experts = layer.mlp.experts
@@ -257,7 +262,7 @@ def test_a_mixtral_checkpoint_compressed_tensors_wrote_loads_its_experts_bit_ide
         assert torch.isfinite(loaded(PROMPT, use_cache=False).logits).all()
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("recipe", [name for name, scheme in RECIPES.items() if scheme.kind != "int4_fp8"])
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_quantized_experts_fxquant_wrote_decompress_in_compressed_tensors(tmp_path, arch, recipe):
     """Experts are written as the per-expert linears transformers' checkpoints hold (Mixtral: w1 / w3 / w2 under

@@ -45,7 +45,8 @@ def test_every_recipe_compiles_the_whole_model(llama, recipe, capsys):
     assert len(table) == 7 * LAYERS  # q, k, v, o, gate, up, down in every layer
     fused = section(report, "norms fused with their fp8 quantizers: ").split(", ")
     # Both norms of every layer feed fp8 quantizers of one group; weight-only recipes quantize no activations.
-    assert len(fused) == 2 * LAYERS if RECIPES[recipe].kind == "fp8" and RECIPES[recipe].act_group >= 0 else \
+    fp8_activations = RECIPES[recipe].kind in ("fp8", "int4_fp8") and RECIPES[recipe].act_group >= 0
+    assert len(fused) == 2 * LAYERS if fp8_activations else \
         "norms fused" not in report
 
 

@@ -212,6 +212,18 @@ def test_skipped_experts_stay_whole_and_say_why(capsys):
     assert "model.layers.0.mlp.experts.gate_up_proj" in report and "skip option" in report
 
 
+def test_w4a8_keeps_experts_whole_and_says_why(capsys):
+    """int4_fp8 has no grouped product: quantize_ quantizes the attention linears, keeps the experts in high
+    precision with the reason and its fix in the report, and QuantizedExperts refuses the recipe by name."""
+    model = fxquant.quantize_(decoder("mixtral"), {"recipe": "int4_fp8", "report": True})
+    assert not any(isinstance(m, QuantizedExperts) for m in model.modules())
+    assert isinstance(model.model.layers[0].self_attn.q_proj, fxquant.QuantizedLinear)
+    report = capsys.readouterr().out
+    assert "model.layers.0.mlp.experts.gate_up_proj" in report and "no grouped experts product" in report
+    with pytest.raises(NotImplementedError, match="int4_fp8 has no grouped experts product"):
+        QuantizedExperts(2, 64, 128, "int4_fp8", {}, None)
+
+
 @pytest.mark.parametrize("amax, scale", [(2.7, 0.5), (5.5, 1.0), (1.2, 0.25)])
 def test_mxfp4_expert_scales_follow_the_even_mode(amax, scale):
     """E8M0 scales round the amax's mantissa at 0.75 (compressed-tensors' rule) before taking the exponent:

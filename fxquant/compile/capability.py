@@ -7,6 +7,7 @@ import torch
 from fxquant.config import RECIPES, QuantConfig
 
 FP8_MIN_CAPABILITY = (8, 9)
+FP8_KINDS = ("fp8", "int4_fp8")  # the schemes whose GEMMs multiply on fp8 tensor cores
 WEIGHT_ONLY = tuple(name for name, scheme in RECIPES.items() if scheme.kind == "weight_only")
 
 
@@ -26,7 +27,7 @@ def fp8_gemm_supported(device: torch.device) -> bool:
 def usable_recipes(device: torch.device) -> tuple[str, ...]:
     if fp8_gemm_supported(device):
         return tuple(RECIPES)
-    return tuple(name for name, scheme in RECIPES.items() if scheme.kind != "fp8")
+    return tuple(name for name, scheme in RECIPES.items() if scheme.kind not in FP8_KINDS)
 
 
 def check_config(config: QuantConfig, device: torch.device) -> None:

@@ -68,7 +68,9 @@ def scheme_of(recipe: str) -> tuple[str, dict, dict | None]:
     if fmt in ("int8", "int4"):  # int8 is symmetric; int4 has a zero point per group unless its scheme says not
         weights = dict(num_bits=int(fmt[3:]), type="int", symmetric=fmt == "int8" or linear.symmetric,
                        **_strategy(linear.weight_granularity))
-        return PACK_QUANTIZED, dict(weights, dynamic=False), None
+        # W4A8: dynamic e4m3 activations per token, the scheme vLLM's compressed-tensors W4A8-FP8 path loads
+        activations = dict(_FP8_ACTIVATIONS, strategy="token") if linear.kind == "int4_fp8" else None
+        return PACK_QUANTIZED, dict(weights, dynamic=False), activations
     if fmt == "mxfp4":
         return MXFP4_PACKED, dict(num_bits=4, type="float", symmetric=True, dynamic=False, **_MX), None
     return NVFP4_PACKED, dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16,
@@ -91,7 +93,8 @@ def recipe_of(group: dict, where: str) -> str:
     raise NotImplementedError(
         f"fxquant: {where}: no fxquant recipe computes this compressed-tensors scheme (weights {weights}, "
         f"input_activations {activations}); loadable: fp8 per channel / 128x128 block / per tensor and MXFP8 with "
-        "dynamic activations; int8 per channel, int4 in groups of 128, MXFP4 and NVFP4, weight-only")
+        "dynamic activations; int8 per channel, int4 in groups of 128, MXFP4 and NVFP4, weight-only; symmetric int4 "
+        "in groups of 128 with dynamic fp8 activations per token (W4A8)")
 
 
 _COMPARED = ("type", "num_bits", "strategy", "group_size", "block_structure")  # what fixes the numbers
@@ -113,8 +116,8 @@ def _computes(recipe: str, group: dict) -> bool:
     if our_activations is None or not activations:
         return our_activations is None and not activations
     return activations.get("dynamic") is True and all(
-        _value(activations.get(key)) == _value(our_activations[key]) for key in ("strategy", "group_size")
-        if key in our_activations)
+        _value(activations.get(key)) == _value(our_activations[key])
+        for key in ("type", "num_bits", "strategy", "group_size") if key in our_activations)
 
 
 def _value(value):

@@ -1,12 +1,13 @@
-"""The linear ops: dynamic fp8 activations and the scaled GEMM (quantize_fp8, scaled_mm_fp8, linear_fp8), weight-only
-GEMMs (linear_weight_only, and linear_int4_lanes for int4's M = 1 kernel) and MXFP8 (linear_mxfp8)."""
+"""The linear ops: dynamic fp8 activations and the scaled GEMM (quantize_fp8, scaled_mm_fp8, linear_fp8), W4A8
+(scaled_mm_int4_fp8), weight-only GEMMs (linear_weight_only, and linear_int4_lanes for int4's M = 1 kernel) and MXFP8
+(linear_mxfp8)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from fxquant.kernels import cublas_fp8, gemm_int4_mma
+from fxquant.kernels import cublas_fp8, gemm_int4_fp8, gemm_int4_mma
 from fxquant.kernels.cast import capability
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm, is_block_scaled
 from fxquant.kernels.gemm_int4_mma import int4_mma_mm, lane_layout_shape
@@ -95,6 +96,32 @@ linear_fp8 = define("linear_fp8(Tensor x, Tensor w, Tensor w_scale, Tensor? bias
 @fake("linear_fp8")
 def _(x, w, w_scale, bias, group_size):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def _scaled_mm_int4_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, w_zero_point: Tensor | None,
+                        bias: Tensor | None, group_size: int, out_features: int, out_dtype: torch.dtype) -> Tensor:
+    """(a [..., K] * a_scale [..., 1]) @ (int4 w [N, K/2], scales and zero points per group_size).T + bias, fp32
+    accumulation, one cast to out_dtype: W4A8 on the fp8 tensor cores where the kernel serves, else the reference."""
+    lead, K = a.shape[:-1], a.shape[-1]
+    a2, s2 = a.reshape(-1, K), a_scale.reshape(-1, 1)
+    if gemm_int4_fp8.supports(a2, w, group_size, out_dtype) is None:
+        out = gemm_int4_fp8.int4_fp8_mm(a2, s2, w, w_scale, w_zero_point, bias, out_dtype)
+    else:
+        qa = Quantized(a2, s2, "fp8_e4m3", activation_granularity(0), a2.shape, out_dtype)
+        qw = Quantized(w, w_scale, "int4", Granularity("group", (group_size,)), torch.Size((out_features, K)),
+                       out_dtype, zero_point=w_zero_point)
+        out = chunked_linear(qa, qw, bias, out_dtype)
+    return out.reshape(*lead, out_features)
+
+
+scaled_mm_int4_fp8 = define("scaled_mm_int4_fp8(Tensor a, Tensor a_scale, Tensor w, Tensor w_scale, "
+                            "Tensor? w_zero_point, Tensor? bias, int group_size, int out_features, "
+                            "ScalarType out_dtype) -> Tensor", _scaled_mm_int4_fp8)
+
+
+@fake("scaled_mm_int4_fp8")
+def _(a, a_scale, w, w_scale, w_zero_point, bias, group_size, out_features, out_dtype):
+    return a.new_empty((*a.shape[:-1], out_features), dtype=out_dtype)
 
 
 def _linear_weight_only(x: Tensor, w: Tensor, w_scale: Tensor, w_global_scale: Tensor | None,

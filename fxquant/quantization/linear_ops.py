@@ -30,11 +30,14 @@ def emit_linear(call, s: LinearScheme, x, consts, bias, out_features: int, out_d
     ends) and quantized experts w [E, N, K], with no bias."""
     data, scale, global_scale, zero_point = consts
     ops, grouped = torch.ops.fxquant, offs is not None
-    if s.kind == "fp8":
+    if s.kind in ("fp8", "int4_fp8"):
         # Quantizer and GEMM stay two ops: fuse_norm folds the quantizer into a norm before it, fuse_linear fuses
         # what remains. Per-token and 1 x 128 scales are per row: sorted experts' rows quantize as one tensor.
         q = call(ops.quantize_fp8.default, (x, s.act_group))
         a, a_scale = call(operator.getitem, (q, 0)), call(operator.getitem, (q, 1))
+        if s.kind == "int4_fp8":  # no grouped form: skip_reason keeps experts out of this recipe
+            return call(ops.scaled_mm_int4_fp8.default,
+                        (a, a_scale, data, scale, zero_point, bias, weight_group(s), out_features, out_dtype))
         if grouped:
             return call(ops.grouped_scaled_mm_fp8.default, (a, a_scale, offs, data, scale, out_dtype))
         return call(ops.scaled_mm_fp8.default, (a, a_scale, data, scale, bias, out_dtype))

@@ -1,0 +1,47 @@
+"""The W4A8 GEMM (int4 weights x e4m3 activations on the fp8 tensor cores) against the fp64 product of its dequantized
+operands. Every product of an e4m3 code and an int4 code less its zero point is exact, so the error is the fp32
+accumulation's, one rounding per group scale and one at the store: under the interpreter within one ulp of the output
+plus 2^-20 * sum |x w|. On the GPU the fp8 MMA sums a group in its short accumulator (about 2^-13 relative per add,
+docs/decisions/0002): 2^-10 * sum |x w| there."""
+
+import pytest
+import torch
+
+from fxquant.kernels.gemm_int4_fp8 import GROUP, int4_fp8_mm, supports
+from fxquant.numerics import reference as R
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = [(1, 64, 256), (16, 96, 384), (37, 128, 256), (5, 80, 128)]  # decode, N tails, M tails, one group
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zero_point", "symmetric"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_the_product_is_the_exact_one_rounded_at_the_store(shape, symmetric):
+    M, N, K = shape
+    gen = torch.Generator().manual_seed(M * N + K)
+    x = torch.randn(M, K, generator=gen).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(N, K, generator=gen) + 0.3 * torch.rand(N, 1, generator=gen)).to(DEVICE, torch.bfloat16)
+    bias = torch.randn(N, generator=gen).to(DEVICE, torch.bfloat16)
+    qa = R.quantize(x, "fp8_e4m3", "token")
+    qw = R.quantize(w, "int4", ("group", GROUP), symmetric=symmetric)
+    out = int4_fp8_mm(qa.data, qa.scale, qw.data, qw.scale, qw.zero_point, bias, torch.bfloat16)
+    a_hp, w_hp = R.dequantize(qa, torch.float64), R.dequantize(qw, torch.float64)
+    exact = a_hp @ w_hp.T + bias.double()
+    ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30)))) * torch.finfo(torch.bfloat16).eps
+    tolerance = ulp + (2**-10 if DEVICE == "cuda" else 2**-20) * (a_hp.abs() @ w_hp.abs().T)
+    assert out.shape == (M, N) and out.dtype == torch.bfloat16
+    assert bool(((out.double() - exact).abs() <= tolerance).all()), (out.double() - exact).abs().max()
+
+
+def test_it_refuses_what_it_cannot_compute_and_says_why():
+    a = torch.empty(4, 256, dtype=torch.float8_e4m3fn, device=DEVICE)
+    w = torch.empty(64, 128, dtype=torch.uint8, device=DEVICE)
+    if DEVICE == "cpu":
+        assert "CUDA" in supports(a, w, GROUP, torch.bfloat16)
+    else:
+        assert supports(a, w, GROUP, torch.bfloat16) is None
+        assert "64" in supports(a, w, 64, torch.bfloat16)
+        assert "K = 200" in supports(a[:, :200], w, GROUP, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"codes \[N, K/2\]"):
+        int4_fp8_mm(a, torch.ones(4, 1, device=DEVICE), w[:, :100], torch.ones(64, 2, device=DEVICE), None, None,
+                    torch.bfloat16)
