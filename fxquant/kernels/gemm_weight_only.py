@@ -180,6 +180,18 @@ def _launch_plan(M: int, N: int, K: int, fmt: str, group: int, overrides: tuple 
     return tiles, split, meta
 
 
+def supports(a: torch.Tensor, fmt: str) -> str | None:
+    """Why the weight-only kernels (this one and the grouped ones) cannot multiply activations `a` by a `fmt`
+    weight, or None where they can."""
+    if not a.is_cuda:
+        return "they run on CUDA devices (the CPU takes the reference)"
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        return f"they multiply bf16 or fp16 activations, not {a.dtype}"
+    if fmt == "mxfp8" and a.dtype != torch.bfloat16:
+        return "an mxfp8 weight multiplies bf16 activations, the 16-bit type with MXFP8's range"
+    return None
+
+
 def weight_operands(a, w, w_scale, fmt: str, group: int, N: int):
     """(codes, scales) as the kernels read them, for a weight [..., N, K] (one leading dim per expert): packed 4-bit
     rows as int32 words of 8 codes, e4m3 codes as bytes, FP4/MX block scales as their raw bytes, scales [..., N, -1].

@@ -132,6 +132,15 @@ def _rows_plan(n_rows: int, row_len: int, fp8_dtype: torch.dtype) -> tuple[int, 
                                           BLOCK_COLS=block_cols, num_warps=4 if block_rows * block_cols <= 4096 else 8)
 
 
+def supports_rows(x: torch.Tensor, row_len: int) -> str | None:
+    """Why quantize_fp8_rows cannot quantize x in rows of row_len, or None where it can."""
+    if not x.is_cuda:
+        return "it runs on CUDA devices (the CPU takes the reference)"
+    if row_len > MAX_ROW_LEN:
+        return f"a row lives in registers: {row_len} elements is past its {MAX_ROW_LEN}"
+    return None
+
+
 def quantize_fp8_rows(x: torch.Tensor, row_len: int, fp8_dtype=torch.float8_e4m3fn):
     """Dynamic fp8 with one scale per `row_len` contiguous elements of the last dim.
 

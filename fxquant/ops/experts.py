@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fxquant.kernels import gemm_weight_only
 from fxquant.kernels.cast import capability
 from fxquant.kernels.gemm_grouped import grouped_fp8_mm, grouped_weight_only_mm
 from fxquant.kernels.quant_mx import mxfp8_values
@@ -58,7 +59,7 @@ def _grouped_linear_weight_only(x: Tensor, offs: Tensor, w: Tensor, w_scale: Ten
     """The experts' linears over rows sorted by expert, with weight-only quantized experts (int8, int4, mxfp4,
     nvfp4, mxfp8 codes [E, N, ...]; NVFP4's global scale [E]), activations untouched."""
     _check_grouped(x, offs, w)
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and (fmt != "mxfp8" or x.dtype == torch.bfloat16):
+    if gemm_weight_only.supports(x, fmt) is None:
         return grouped_weight_only_mm(x, offs.int(), w, w_scale, fmt, group_size, out_features,
                                       zero_point=w_zero_point, global_scale=w_global_scale)
     pick = lambda t, e: None if t is None else t[e]

@@ -7,12 +7,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fxquant.kernels import cublas_fp8, gemm_int4_fp8, gemm_int4_mma
+from fxquant.kernels import cublas_fp8, gemm_int4_fp8, gemm_int4_mma, gemm_weight_only, quant_fp8
 from fxquant.kernels.cast import capability
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm, is_block_scaled
 from fxquant.kernels.gemm_int4_mma import int4_mma_mm, lane_layout_shape
-from fxquant.kernels.gemm_weight_only import weight_only_mm
-from fxquant.kernels.quant_fp8 import MAX_ROW_LEN, quantize_fp8_rows, quantize_fp8_tensor
 from fxquant.kernels.quant_mx import mxfp8_values
 from fxquant.numerics import reference as R
 from fxquant.numerics.granularity import Granularity, activation_granularity
@@ -26,14 +24,14 @@ def _quantize_fp8(x: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     per tensor (group_size -1, scale of shape [1])."""
     if group_size < 0:
         if x.is_cuda:  # two kernels: amax partials, then scale and codes
-            codes, scale = quantize_fp8_tensor(x, E4M3)
+            codes, scale = quant_fp8.quantize_fp8_tensor(x, E4M3)
         else:
             q = R.quantize(x, "fp8_e4m3", "tensor")
             codes, scale = q.data, q.scale
         return codes, scale.reshape(1)
     row_len = group_size or x.shape[-1]
-    if x.is_cuda and row_len <= MAX_ROW_LEN:
-        return quantize_fp8_rows(x, row_len, E4M3)
+    if quant_fp8.supports_rows(x, row_len) is None:
+        return quant_fp8.quantize_fp8_rows(x, row_len, E4M3)
     q = R.quantize(x, "fp8_e4m3", activation_granularity(group_size))
     return q.data, q.scale
 
@@ -129,9 +127,10 @@ def _linear_weight_only(x: Tensor, w: Tensor, w_scale: Tensor, w_global_scale: T
                         out_features: int) -> Tensor:
     """F.linear with a weight-only quantized weight (int8, int4, mxfp4, nvfp4), activations untouched."""
     in_features = x.shape[-1]
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-        out = weight_only_mm(x.reshape(-1, in_features), w, w_scale, fmt, group_size, out_features,
-                             zero_point=w_zero_point, global_scale=w_global_scale, bias=bias)
+    if gemm_weight_only.supports(x, fmt) is None:
+        out = gemm_weight_only.weight_only_mm(x.reshape(-1, in_features), w, w_scale, fmt, group_size,
+                                              out_features, zero_point=w_zero_point, global_scale=w_global_scale,
+                                              bias=bias)
         return out.reshape(*x.shape[:-1], out_features)
     gran = Granularity("channel") if group_size == 0 else Granularity("group", (group_size,))
     qw = Quantized(w, w_scale, fmt, gran, torch.Size((out_features, in_features)), x.dtype,
@@ -184,8 +183,8 @@ def _linear_mxfp8(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None) ->
     the products of the MX operands, accumulated in fp32. Elsewhere (the CPU, fp16 activations, GPUs without fp8
     casts) the reference GEMM runs in fp32."""
     if x.is_cuda and x.dtype == torch.bfloat16 and capability(x.device) >= (8, 9):
-        out = weight_only_mm(mxfp8_values(x.reshape(-1, x.shape[-1])), w, w_scale, "mxfp8", R.MX_BLOCK,
-                             w.shape[0], bias=bias)
+        out = gemm_weight_only.weight_only_mm(mxfp8_values(x.reshape(-1, x.shape[-1])), w, w_scale, "mxfp8",
+                                              R.MX_BLOCK, w.shape[0], bias=bias)
         return out.reshape(*x.shape[:-1], w.shape[0])
     qw = Quantized(w, w_scale, "mxfp8", Granularity("group", (R.MX_BLOCK,)), w.shape, x.dtype)
     out = chunked_linear(x.reshape(-1, x.shape[-1]), qw, bias, x.dtype,

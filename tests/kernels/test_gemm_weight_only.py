@@ -147,3 +147,14 @@ def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="K a multiple of 8"):
         weight_only_mm(torch.randn(2, 12, device=DEVICE, dtype=torch.bfloat16), q4.data[:, :6], q4.scale, "nvfp4",
                        16, 64)
+
+
+def test_supports_names_what_the_kernels_refuse():
+    """The ops take the kernels where supports() returns None and the reference elsewhere, for the reason given."""
+    a = torch.empty(4, 256, dtype=torch.bfloat16, device=DEVICE)
+    if DEVICE == "cpu":
+        assert "CUDA" in gemm_weight_only.supports(a, "int4")
+        return
+    assert gemm_weight_only.supports(a, "int4") is None and gemm_weight_only.supports(a, "mxfp8") is None
+    assert "not torch.float32" in gemm_weight_only.supports(a.float(), "int4")
+    assert "bf16 activations" in gemm_weight_only.supports(a.half(), "mxfp8")

@@ -105,3 +105,12 @@ def test_auto_uses_the_kernel_on_cuda_and_matches_reference():
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
     check_same(fxquant.quantize(x, "fp8_e4m3", ("group", 128)),
                fxquant.quantize(x, "fp8_e4m3", ("group", 128), impl="reference"))
+
+
+def test_supports_rows_names_what_the_row_kernel_refuses():
+    x = torch.empty(2, 256, dtype=torch.bfloat16, device=DEVICE)
+    if DEVICE == "cpu":
+        assert "CUDA" in quant_fp8.supports_rows(x, 256)
+        return
+    assert quant_fp8.supports_rows(x, 256) is None
+    assert f"past its {quant_fp8.MAX_ROW_LEN}" in quant_fp8.supports_rows(x, 2 * quant_fp8.MAX_ROW_LEN)
