@@ -1,8 +1,8 @@
 """The W4A8 GEMM (int4 weights x e4m3 activations on the fp8 tensor cores) against the fp64 product of its dequantized
 operands. Every product of an e4m3 code and an int4 code less its zero point is exact, so the error is the fp32
 accumulation's, one rounding per group scale and one at the store: under the interpreter within one ulp of the output
-plus 2^-20 * sum |x w|. On the GPU the fp8 MMA sums a group in its short accumulator (about 2^-13 relative per add,
-docs/decisions/0002): 2^-10 * sum |x w| there."""
+plus 2^-20 * sum |x w|. On the GPU the fp8 MMA sums each group in its reduced-precision accumulator
+(docs/decisions/0002), so the bound there is looser, 2^-10 * sum |x w|, a margin not yet measured on the GPU."""
 
 import pytest
 import torch
