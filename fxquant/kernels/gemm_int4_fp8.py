@@ -6,7 +6,11 @@ integer e4m3 holds exactly, so the codes go into the MMA as e4m3 with no roundin
 (128): its fp32 partial sum takes the group's scales [N] before it joins the fp32 accumulator, and the per-token
 activation scales [M] multiply the tile once at the end, since they are constant along K.
 
-This first kernel is the plain tiled loop, correct at every M; its tiles are not tuned on the GPU yet.
+Two kernels, one per regime, both decoding a K step's 64 bytes of codes per weight row in registers:
+- a tiled loop over pointers, for M <= 128 and wherever tensor descriptors cannot read the operands;
+- past M = 128 on sm_90, a persistent grid fed by tensor descriptors (as `gemm_fp8_tma.py`), so the copy engine
+  moves the activation tile and the packed codes while the warps decode and multiply.
+Tiles come from `int4_fp8_config`, the winners of `bench/int4_fp8_gemm.py --sweep` on an H200.
 """
 
 from __future__ import annotations
@@ -14,18 +18,30 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fxquant.kernels.cast import cast_fp8, cast_mode
-from fxquant.kernels.codes import packed_words, split_words
+from fxquant.kernels.cast import capability, cast_fp8, cast_mode, interpreting
+from fxquant.kernels.codes import biased
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
-from fxquant.kernels.launch import cdiv, visible
+from fxquant.kernels.gemm_fp8_tma import describable
+from fxquant.kernels.launch import cdiv, sm_count, visible
+from fxquant.kernels.tiles import store_tile, tile_offsets
 
-GROUP = 128  # the only weight group this kernel takes: one group per K step
-BLOCK_M, BLOCK_N = 16, 64  # tl.dot's smallest M; untuned
+GROUP = 128  # the only weight group these kernels take: one group per K step
+SYMMETRIC_BIAS = tl.constexpr(8388616.0)  # 2^23 + 8: biased(q ^ 8) less it is the sign-extended nibble q
+
+
+def int4_fp8_config(M: int, tma: bool) -> dict:
+    """Tiles for an [M, K] x [N, K] W4A8 product; `tma`: the descriptor kernel can run it."""
+    if M <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4)
+    if M <= 128 or not tma:
+        return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
+    return dict(TMA=True, BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)
 
 
 def supports(a: torch.Tensor, w: torch.Tensor, group: int, out_dtype: torch.dtype) -> str | None:
-    """Why this kernel cannot compute the product, or None where it can."""
+    """Why these kernels cannot compute the product, or None where they can."""
     if not a.is_cuda:
         return "it runs on CUDA devices (the CPU takes the reference)"
     if group != GROUP:
@@ -38,40 +54,78 @@ def supports(a: torch.Tensor, w: torch.Tensor, group: int, out_dtype: torch.dtyp
 
 
 @triton.jit
+def e4m3_codes(packed, zero, HAS_ZP: tl.constexpr, CAST: tl.constexpr):
+    """[BLOCK_N, GROUP / 2] bytes of packed codes (code 2j in byte j's low nibble, 2j + 1 in its high one) as the
+    [BLOCK_N, GROUP] e4m3 integers q - z (or the sign-extended q), in K order. Each difference is made exactly in
+    fp32 from biased integers, with no int -> float conversion, and is small enough that the cast is exact."""
+    b = packed.to(tl.int32)
+    codes = tl.reshape(tl.join(b & 15, b >> 4), (b.shape[0], b.shape[1] * 2))
+    if HAS_ZP:
+        values = biased(codes) - biased(zero)[:, None]
+    else:
+        values = biased(codes ^ 8) - SYMMETRIC_BIAS
+    return cast_fp8(values, tl.float8e4nv, CAST)
+
+
+@triton.jit
+def group_zeros(w_zero_ptr, offs_n, mask_n, g, stride_sn, HAS_ZP: tl.constexpr):
+    """Group g's zero points [BLOCK_N] as int32 (0 where the scheme has none)."""
+    if HAS_ZP:
+        return tl.load(w_zero_ptr + offs_n * stride_sn + g, mask=mask_n, other=0).to(tl.int32)
+    return tl.zeros(offs_n.shape, tl.int32)
+
+
+@triton.jit
 def _int4_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, bias_ptr, out_ptr, M, N, K,
                      stride_am, stride_wn, stride_sn, stride_om,
                      HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
-                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, GROUP)
+    offs_b = tl.arange(0, GROUP // 2)
     mask_m, mask_n = offs_m < M, offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_b[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g in range(0, K // GROUP):
-        a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * stride_am + (g * GROUP + offs_k)[None, :],
-                    mask=mask_m[:, None], other=0.0)  # [BM, GROUP] e4m3
-        codes = split_words(packed_words(w_ptr, offs_n, mask_n, g, K, stride_wn, GROUP, True))  # [BN, GROUP]
-        if HAS_ZP:
-            zero = tl.load(w_zero_ptr + offs_n * stride_sn + g, mask=mask_n, other=0).to(tl.int32)
-            values = codes - zero[:, None]
-        else:
-            values = (codes ^ 8) - 8  # two's complement nibbles, sign-extended
-        w8 = cast_fp8(values.to(tl.float32), tl.float8e4nv, CAST)  # small integers: exact in e4m3
+        a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)  # [BM, GROUP] e4m3
+        packed = tl.load(w_ptrs, mask=mask_n[:, None], other=0)  # [BN, GROUP / 2] bytes
+        w8 = e4m3_codes(packed, group_zeros(w_zero_ptr, offs_n, mask_n, g, stride_sn, HAS_ZP), HAS_ZP, CAST)
         scale = tl.load(w_scale_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)
         # The group's partial in fp32, scaled, then added: the MMA's short accumulator spans one group only.
         acc += tl.dot(a, tl.trans(w8)) * scale[None, :]
+        a_ptrs += GROUP
+        w_ptrs += GROUP // 2
     acc *= tl.load(a_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(OUT), mask=mask_m[:, None] & mask_n[None, :])
+    store_tile(acc, out_ptr, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, 1, 0, HAS_BIAS, 1, OUT, CAST)
+
+
+@triton.jit
+def _int4_fp8_tma_kernel(a_desc, w_desc, a_scale_ptr, w_scale_ptr, w_zero_ptr, bias_ptr, out_ptr, M, N, K,
+                         stride_sn, stride_om, programs,
+                         HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
+                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, programs, flatten=True):
+        pid_m, pid_n, offs_m, offs_n = tile_offsets(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        mask_n = offs_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for g in range(K // GROUP):
+            a = a_desc.load([pid_m * BLOCK_M, g * GROUP])  # [BM, GROUP] e4m3; tails read as zeros
+            packed = w_desc.load([pid_n * BLOCK_N, g * (GROUP // 2)])  # [BN, GROUP / 2] bytes
+            w8 = e4m3_codes(packed, group_zeros(w_zero_ptr, offs_n, mask_n, g, stride_sn, HAS_ZP), HAS_ZP, CAST)
+            scale = tl.load(w_scale_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)
+            acc += tl.dot(a, tl.trans(w8)) * scale[None, :]  # one group's partial, scaled in fp32
+        acc *= tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
+        store_tile(acc, out_ptr, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, 1, 0, HAS_BIAS, 1, OUT, CAST)
 
 
 def int4_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                zero_point: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+                zero_point: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                config: dict | None = None) -> torch.Tensor:
     """a: [M, K] e4m3 codes with a_scale [M, 1] (per token); w: [N, K/2] packed int4 codes with w_scale [N, K/128]
-    fp32 and zero_point [N, K/128] uint8 (or None: symmetric codes). Returns [M, N] in out_dtype."""
+    fp32 and zero_point [N, K/128] uint8 (or None: symmetric codes). Returns [M, N] in out_dtype. config: tiles
+    replacing `int4_fp8_config`'s (a sweep's)."""
     M, K = a.shape
     N = w.shape[0]
     if w.shape != (N, K // 2) or w_scale.shape != (N, K // GROUP):
@@ -80,13 +134,24 @@ def int4_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
-    words = w.contiguous().reshape(-1).view(torch.int32).reshape(N, -1)  # 8 codes a word, as codes.py reads them
-    scale = w_scale.contiguous()
+    a, w, scale = a.contiguous(), w.contiguous().view(torch.uint8), w_scale.contiguous()
     zero = zero_point.contiguous() if zero_point is not None else scale
-    visible(_int4_fp8_kernel)[(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))](
-        a.contiguous(), a_scale.reshape(M).contiguous(), words, scale, zero, bias if bias is not None else out, out,
-        M, N, K, K, words.stride(0), scale.stride(0), out.stride(0),
-        HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
-        CAST=cast_mode(_int4_fp8_kernel, a.device), GROUP=GROUP, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-    )
+    tma_capable = interpreting(_int4_fp8_kernel) or capability(a.device) >= (9, 0)
+    cfg = {**int4_fp8_config(M, tma_capable and describable(a, w)), **(config or {})}
+    common = dict(HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
+                  CAST=cast_mode(_int4_fp8_kernel, a.device), GROUP=GROUP, BLOCK_M=cfg["BLOCK_M"],
+                  BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    a_scale, bias = a_scale.reshape(M).contiguous(), bias if bias is not None else out
+    tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
+    if cfg.get("TMA"):
+        programs = min(tiles, sm_count(a.device))
+        visible(_int4_fp8_tma_kernel)[(programs,)](
+            TensorDescriptor.from_tensor(a, [cfg["BLOCK_M"], GROUP]),
+            TensorDescriptor.from_tensor(w, [cfg["BLOCK_N"], GROUP // 2]),
+            a_scale, scale, zero, bias, out, M, N, K, scale.stride(0), out.stride(0), programs, **common)
+    else:
+        visible(_int4_fp8_kernel)[(tiles,)](
+            a, a_scale, w, scale, zero, bias, out, M, N, K, a.stride(0), w.stride(0), scale.stride(0), out.stride(0),
+            **common)
     return out

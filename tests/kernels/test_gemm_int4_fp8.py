@@ -11,12 +11,17 @@ from fxquant.kernels.gemm_int4_fp8 import GROUP, int4_fp8_mm, supports
 from fxquant.numerics import reference as R
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SHAPES = [(1, 64, 256), (16, 96, 384), (37, 128, 256), (5, 80, 128)]  # decode, N tails, M tails, one group
+SHAPES = [(1, 64, 256), (16, 96, 384), (37, 128, 256), (5, 80, 128), (200, 136, 256)]  # decode, N and M tails,
+# one group, and past M = 128 (the descriptor kernel)
+# Both kernels at every shape, at tiles small enough for the interpreter; None: the shape's default tiles.
+CONFIGS = {"default": None, "pointer": dict(TMA=False, BLOCK_M=32, BLOCK_N=32, GROUP_M=2, num_warps=4, num_stages=3),
+           "descriptor": dict(TMA=True, BLOCK_M=32, BLOCK_N=64, GROUP_M=2, num_warps=4, num_stages=3)}
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
 @pytest.mark.parametrize("symmetric", [False, True], ids=["zero_point", "symmetric"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_the_product_is_the_exact_one_rounded_at_the_store(shape, symmetric):
+def test_the_product_is_the_exact_one_rounded_at_the_store(shape, symmetric, config):
     M, N, K = shape
     gen = torch.Generator().manual_seed(M * N + K)
     x = torch.randn(M, K, generator=gen).to(DEVICE, torch.bfloat16)
@@ -24,7 +29,7 @@ def test_the_product_is_the_exact_one_rounded_at_the_store(shape, symmetric):
     bias = torch.randn(N, generator=gen).to(DEVICE, torch.bfloat16)
     qa = R.quantize(x, "fp8_e4m3", "token")
     qw = R.quantize(w, "int4", ("group", GROUP), symmetric=symmetric)
-    out = int4_fp8_mm(qa.data, qa.scale, qw.data, qw.scale, qw.zero_point, bias, torch.bfloat16)
+    out = int4_fp8_mm(qa.data, qa.scale, qw.data, qw.scale, qw.zero_point, bias, torch.bfloat16, CONFIGS[config])
     a_hp, w_hp = R.dequantize(qa, torch.float64), R.dequantize(qw, torch.float64)
     exact = a_hp @ w_hp.T + bias.double()
     ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30)))) * torch.finfo(torch.bfloat16).eps

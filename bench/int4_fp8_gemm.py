@@ -1,0 +1,113 @@
+"""The W4A8 GEMM (int4 weights in groups of 128, e4m3 activations per token) on the GPU: correctness against the
+fp64 product, a tile sweep, and time against bf16 cuBLAS (torch.mm) and fp8 cuBLAS (torch._scaled_mm with row
+scales, the fp8_row recipe's GEMM) in the same process.
+
+Run: python -m bench.int4_fp8_gemm [--sweep] [--ms 1 16 128 1024 4096]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from bench.common import copy_bandwidth_gbs, graph_time_ms, header, rotating, table
+from fxquant.kernels.gemm_int4_fp8 import GROUP, int4_fp8_config, int4_fp8_mm
+from fxquant.numerics import reference as R
+
+MS = [int(v) for v in sys.argv[sys.argv.index("--ms") + 1:]] if "--ms" in sys.argv else [1, 16, 128, 1024, 4096]
+NKS = [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096), (28672, 4096)]  # Llama, then merged q/k/v, gate/up
+
+
+def operands(m, n, k, symmetric=True):
+    qa = R.quantize(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), "fp8_e4m3", "token")
+    qw = R.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, "int4", ("group", GROUP),
+                    symmetric=symmetric)
+    return qa, qw
+
+
+def gemm(qa, qw, cfg=None):
+    return int4_fp8_mm(qa.data, qa.scale, qw.data, qw.scale, qw.zero_point, None, torch.bfloat16, cfg)
+
+
+def check() -> list[dict]:
+    """Relative error against the fp64 product of the dequantized operands, both kernels, both schemes."""
+    rows = []
+    for m, n, k in [(1, 4096, 4096), (16, 14336, 4096), (100, 4096, 14336), (1024, 6144, 4096)]:
+        for symmetric in (True, False):
+            qa, qw = operands(m, n, k, symmetric)
+            exact = R.dequantize(qa, torch.float64) @ R.dequantize(qw, torch.float64).T
+            err = float((gemm(qa, qw).double() - exact).norm() / exact.norm())
+            rows.append({"M": m, "N": n, "K": k, "symmetric": symmetric, "rel_err_vs_fp64": f"{err:.2e}"})
+            if err > 1e-2:  # bf16 output rounding is 2^-9; anything larger is a wrong kernel
+                raise AssertionError(rows[-1])
+    return rows
+
+
+def candidates(m):
+    if m <= 16:
+        return [dict(BLOCK_M=16, BLOCK_N=bn, GROUP_M=1, num_warps=w, num_stages=s)
+                for bn in (32, 64, 128) for w in (4, 8) for s in (3, 5)]
+    if m <= 128:
+        return [dict(TMA=False, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=4, num_stages=s)
+                for bm in (32, 64, 128) for bn in (64, 128) for s in (3, 4)]
+    return [dict(TMA=False, BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=w, num_stages=s)
+            for w in (4, 8) for s in (3, 4)] + [
+            dict(TMA=True, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=8, num_stages=s)
+            for bm, bn in ((128, 128), (128, 256), (256, 128)) for s in (3, 4)]
+
+
+def baselines(m, n, k):
+    """bf16 torch.mm and fp8 row-scaled torch._scaled_mm at the shape, ms."""
+    bf16 = rotating(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+                             torch.randn(n, k, device="cuda", dtype=torch.bfloat16)), (m + n) * k * 2)
+    fp8 = rotating(lambda: (R.quantize(torch.randn(m, k, device="cuda"), "fp8_e4m3", "token"),
+                            R.quantize(torch.randn(n, k, device="cuda"), "fp8_e4m3", "channel")), (m + n) * k)
+    return (graph_time_ms(lambda x, w: x @ w.T, bf16),
+            graph_time_ms(lambda qa, qw: torch._scaled_mm(qa.data, qw.data.t(), qa.scale, qw.scale.reshape(1, -1),
+                                                          out_dtype=torch.bfloat16), fp8))
+
+
+def sweep(do_sweep: bool) -> list[dict]:
+    ceiling = copy_bandwidth_gbs() / 2  # read bandwidth
+    rows = []
+    for n, k in NKS:
+        for m in MS:
+            sets = rotating(lambda: operands(m, n, k), m * k + n * k // 2)
+            qa, qw = sets[0]
+            want = gemm(qa, qw).float()
+            default = graph_time_ms(gemm, sets)
+            best = (default, None)
+            for cfg in candidates(m) if do_sweep else []:
+                try:
+                    err = float((gemm(qa, qw, cfg).float() - want).norm() / want.norm())
+                    ms = graph_time_ms(lambda qa, qw, c=cfg: gemm(qa, qw, c), sets)
+                except Exception as exc:  # a config the compiler rejects (shared memory, tile shape) is skipped
+                    print("  skip", cfg, type(exc).__name__, str(exc)[:80], flush=True)
+                    continue
+                if err > 1e-2:
+                    raise AssertionError(f"M={m} {n}x{k} {cfg}: rel err {err:.2e}")
+                if ms < best[0]:
+                    best = (ms, cfg)
+            bf16, fp8 = baselines(m, n, k)
+            weight_bytes = n * k // 2 + n * k // GROUP * 4
+            rows.append({"M": m, "N": n, "K": k, "default us": f"{default * 1e3:.1f}",
+                         "best us": f"{best[0] * 1e3:.1f}",
+                         "TF/s": f"{2 * m * n * k / best[0] / 1e9:.0f}",
+                         "weight % HBM": f"{100 * weight_bytes / best[0] / 1e6 / ceiling:.0f}",
+                         "x bf16": f"{bf16 / best[0]:.2f}", "x fp8 cuBLAS": f"{fp8 / best[0]:.2f}",
+                         "bf16 us": f"{bf16 * 1e3:.1f}", "fp8 us": f"{fp8 * 1e3:.1f}",
+                         "best": "default" if best[1] is None else " ".join(f"{a}={v}" for a, v in best[1].items())})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main():
+    print(header())
+    print(table(check()))
+    print("default tiles:", {m: int4_fp8_config(m, True) for m in MS})
+    print(table(sweep("--sweep" in sys.argv)))
+
+
+if __name__ == "__main__":
+    main()
