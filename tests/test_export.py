@@ -154,6 +154,9 @@ def test_an_aoti_package_of_an_fp8_row_llama_runs_where_fxquant_is_not_imported(
     from hf_models import VOCAB, decoder, fake_quantized, within_bound
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    # On the GPU the control goes first: the Llama's package takes minutes to build, the control's seconds.
+    if device == "cuda" and (broken := aoti_fails_on_a_plain_linear(tmp_path, device)):
+        pytest.skip(f"AOTInductor here cannot run a package without fxquant either: {broken}")
     model = decoder("llama").to(device)
     ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(2)).to(device)
     with torch.no_grad():
@@ -172,7 +175,7 @@ def test_an_aoti_package_of_an_fp8_row_llama_runs_where_fxquant_is_not_imported(
         f"torch.save(out, {str(out_path)!r})\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    if done.returncode != 0 and (broken := aoti_fails_on_a_plain_linear(tmp_path, device)):
+    if done.returncode != 0 and device == "cpu" and (broken := aoti_fails_on_a_plain_linear(tmp_path, device)):
         pytest.skip(f"AOTInductor here cannot run a package without fxquant either: {broken}")
     assert done.returncode == 0, done.stderr[-2000:]
     packaged = torch.load(out_path)[0].float()

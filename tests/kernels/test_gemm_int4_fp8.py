@@ -4,18 +4,19 @@ accumulation's, one rounding per group scale and one at the store: under the int
 plus 2^-20 * sum |x w|. On the GPU the fp8 MMA sums each group in its reduced-precision accumulator
 (docs/decisions/0002), so the bound there is looser, 2^-10 * sum |x w|, a margin not yet measured on the GPU."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from fxquant.kernels.gemm_int4_fp8 import GROUP, int4_fp8_mm, supports
+from fxquant.kernels.gemm_int4_fp8 import GROUP, int4_as_e4m3, int4_fp8_mm, supports
 from fxquant.numerics import reference as R
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(1, 64, 256), (16, 96, 384), (37, 128, 256), (5, 80, 128), (200, 136, 256)]  # decode, N and M tails,
-# one group, and past M = 128 (the descriptor kernel)
-# Both kernels at every shape, at tiles small enough for the interpreter; None: the shape's default tiles.
-CONFIGS = {"default": None, "pointer": dict(TMA=False, BLOCK_M=32, BLOCK_N=32, GROUP_M=2, num_warps=4, num_stages=3),
-           "descriptor": dict(TMA=True, BLOCK_M=32, BLOCK_N=64, GROUP_M=2, num_warps=4, num_stages=3)}
+# one group, past M = 128
+# The shape's default tiles, and small tiles with a grouped tile order.
+CONFIGS = {"default": None, "small": dict(BLOCK_M=32, BLOCK_N=32, GROUP_M=2, num_warps=4, num_stages=3)}
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
@@ -29,13 +30,30 @@ def test_the_product_is_the_exact_one_rounded_at_the_store(shape, symmetric, con
     bias = torch.randn(N, generator=gen).to(DEVICE, torch.bfloat16)
     qa = R.quantize(x, "fp8_e4m3", "token")
     qw = R.quantize(w, "int4", ("group", GROUP), symmetric=symmetric)
-    out = int4_fp8_mm(qa.data, qa.scale, qw.data, qw.scale, qw.zero_point, bias, torch.bfloat16, CONFIGS[config])
+    cfg = dict(CUBLAS=True) if config == "cublas" else CONFIGS[config]
+    out = int4_fp8_mm(qa.data, qa.scale, qw.data, qw.scale, qw.zero_point, bias, torch.bfloat16, cfg)
     a_hp, w_hp = R.dequantize(qa, torch.float64), R.dequantize(qw, torch.float64)
     exact = a_hp @ w_hp.T + bias.double()
     ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30)))) * torch.finfo(torch.bfloat16).eps
     tolerance = ulp + (2**-10 if DEVICE == "cuda" else 2**-20) * (a_hp.abs() @ w_hp.abs().T)
     assert out.shape == (M, N) and out.dtype == torch.bfloat16
     assert bool(((out.double() - exact).abs() <= tolerance).all()), (out.double() - exact).abs().max()
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="cuBLAS's block-scaled fp8 GEMM runs on the GPU")
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zero_point", "symmetric"])
+def test_the_cublas_route_is_within_the_gpu_bound(symmetric):
+    test_the_product_is_the_exact_one_rounded_at_the_store((200, 256, 384), symmetric, "cublas")
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zero_point", "symmetric"])
+def test_the_codes_become_their_e4m3_integers_bit_for_bit(symmetric):
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(72, 384, generator=gen).to(DEVICE, torch.bfloat16)
+    qw = R.quantize(w, "int4", ("group", GROUP), symmetric=symmetric)
+    ints = R.dequantize(dataclasses.replace(qw, scale=torch.ones_like(qw.scale)), torch.float32)  # q - z
+    assert bool((ints < 0).any() and (ints > 0).any())  # random weights: codes of both signs
+    assert torch.equal(int4_as_e4m3(qw.data, qw.zero_point).float(), ints)
 
 
 def test_it_refuses_what_it_cannot_compute_and_says_why():
