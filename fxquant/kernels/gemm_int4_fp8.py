@@ -130,7 +130,8 @@ def cublas_int4_fp8(a, a_scale, w, w_scale, zero_point, bias) -> torch.Tensor:
     group's partial scaled by the token's scale and the group's, in fp32 (the same sum as the kernel's), bf16 out."""
     (M, K), w8 = a.shape, int4_as_e4m3(w, zero_point)
     sa = a_scale.reshape(M, 1).expand(M, K // GROUP).t().contiguous().t()  # cuBLAS wants outer-dimension-major
-    out = torch._scaled_mm(a, w8.t(), sa, w_scale.t(), out_dtype=torch.bfloat16)
+    sw = w_scale.t().contiguous()  # [K/128, N], N-major: cuBLAS wants both scale grids outer-dimension-major
+    out = torch._scaled_mm(a, w8.t(), sa, sw, out_dtype=torch.bfloat16)
     return out if bias is None else out.add_(bias)
 
 
