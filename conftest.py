@@ -37,13 +37,14 @@ def pytest_runtest_logreport(report):
 
 
 # The files in the order of their slowest test on the H200, then of their total (the suite at 3811cb6: Inductor
-# compiles of whole models took 65-92 s each, test_moe.py 594 s in all). Collected first, and handed to xdist's
+# compiles of whole models took 65-92 s each, test_moe.py 594 s in all; at 47f2bdd the AOTInductor package took
+# 188 s, and test_generate.py's cases 20-27 s each). Collected first, and handed to xdist's
 # workers one test at a time (pyproject's --dist loadgroup), so that the longest tests start first and no worker is
 # left with one at the end of the run: with xdist's default load schedule's chunks of consecutive tests, one worker
 # took the first 20.
-SLOWEST_FIRST = ("test_real_models.py", "test_quantize_inplace.py", "test_hf_llama.py", "test_backend.py",
-                 "test_readme.py", "test_architectures.py", "test_moe.py", "test_torch_faults.py",
-                 "test_tensor_parallel.py", "test_export.py", "test_decode_attention.py")
+SLOWEST_FIRST = ("test_aoti_package.py", "test_real_models.py", "test_quantize_inplace.py", "test_hf_llama.py",
+                 "test_backend.py", "test_readme.py", "test_architectures.py", "test_moe.py", "test_torch_faults.py",
+                 "test_tensor_parallel.py", "test_generate.py", "test_export.py", "test_decode_attention.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,7 @@
-"""The W4A8 GEMM (int4 weights in groups of 128, e4m3 activations per token) on the GPU: correctness against the
-fp64 product, a tile sweep, and time against bf16 cuBLAS (torch.mm) and fp8 cuBLAS (torch._scaled_mm with row
-scales, the fp8_row recipe's GEMM) in the same process.
+"""The W4A8 GEMM (int4 weights in groups of 128, e4m3 activations per token) on the GPU: correctness of the kernel and
+of the cuBLAS route against the fp64 product, a sweep of the kernel's tiles (the cuBLAS route is the default past
+M = 128), and time against bf16 cuBLAS (torch.mm) and fp8 cuBLAS (torch._scaled_mm with row scales, the fp8_row
+recipe's GEMM) in the same process.
 
 Run: python -m bench.int4_fp8_gemm [--sweep] [--ms 1 16 128 1024 4096]
 """
@@ -37,7 +38,7 @@ def check() -> list[dict]:
         for symmetric in (True, False):
             qa, qw = operands(m, n, k, symmetric)
             exact = R.dequantize(qa, torch.float64) @ R.dequantize(qw, torch.float64).T
-            for route, cfg in {"kernel": None, **({"cublas": dict(CUBLAS=True)} if m > 128 else {})}.items():
+            for route, cfg in {"kernel": dict(CUBLAS=False), **({"cublas": None} if m > 128 else {})}.items():
                 err = float((gemm(qa, qw, cfg).double() - exact).norm() / exact.norm())
                 rows.append({"M": m, "N": n, "K": k, "symmetric": symmetric, "route": route,
                              "rel_err_vs_fp64": f"{err:.2e}"})
@@ -53,8 +54,8 @@ def candidates(m):
     if m <= 128:
         return [dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=4, num_stages=s)
                 for bm in (32, 64, 128) for bn in (64, 128) for s in (3, 4)]
-    return [dict(CUBLAS=True)] + [dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=w, num_stages=3)
-                                  for bm, bn in ((128, 128), (128, 256), (256, 128)) for w in (4, 8)]
+    return [dict(CUBLAS=False, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=w, num_stages=3)
+            for bm, bn in ((128, 128), (128, 256), (256, 128)) for w in (4, 8)]
 
 
 def baselines(m, n, k):
@@ -105,7 +106,7 @@ def sweep(do_sweep: bool) -> list[dict]:
 def main():
     print(header())
     print(table(check()))
-    print("default tiles:", {m: int4_fp8_config(m) for m in MS})
+    print("default tiles:", {(m, n): int4_fp8_config(m, n) for m in MS for n in sorted({n for n, _ in NKS})})
     print(table(sweep("--sweep" in sys.argv)))
 
 

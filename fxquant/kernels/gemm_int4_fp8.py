@@ -27,15 +27,35 @@ GROUP = 128  # the only weight group these kernels take: one group per K step
 SYMMETRIC_BIAS = tl.constexpr(8388616.0)  # 2^23 + 8: biased(q ^ 8) less it is the sign-extended nibble q
 
 
-def int4_fp8_config(M: int) -> dict:
-    """Tiles for an [M, K] x [N, K] W4A8 product."""
+CUBLAS_ABOVE_M = 128
+
+
+def int4_fp8_config(M: int, N: int) -> dict:
+    """Tiles for an [M, K] x [N, K] W4A8 product, and past M = 128 the cuBLAS route where it takes the product."""
     if M <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4)
-    if M <= 128:
+        # `--sweep` at M = 16: narrow weights (N = 4096) want twice the programs, 19.6 -> 14.9 us on 4096x4096 and
+        # 63.6 -> 45.4 on 4096x14336; the wider ones gained at most 5% from other tiles.
+        narrow = N <= 4096
+        return dict(BLOCK_M=16, BLOCK_N=32 if narrow else 64, GROUP_M=1, num_warps=4, num_stages=5 if narrow else 4)
+    if M <= CUBLAS_ABOVE_M:
         return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
-    # `--sweep` at M = 1024 and 4096 on the Llama shapes: 330 TF/s, against 180-250 for a persistent grid fed by
-    # tensor descriptors with 8 warps (removed), 0.44-0.50x bf16 cuBLAS.
-    return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3)
+    # At M = 1024 and 4096 on the Llama shapes cuBLAS ran at 1.05-1.09x and 1.23-1.27x bf16 cuBLAS, the kernel's best
+    # tiles (these) at 0.44-0.50x: its per-group scaling and decoding stall the MMA
+    # (docs/decisions/0017-w4a8-past-m128-on-cublas-block-scales.md).
+    return dict(CUBLAS=True, BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3)
+
+
+def cublas_refusal(a: torch.Tensor, N: int, bias, out_dtype: torch.dtype) -> str | None:
+    """Why the cuBLAS route does not take an [M, K] x [N, K] product, or None where it does."""
+    if not a.is_cuda:
+        return "cuBLAS runs on CUDA devices"
+    if a.shape[0] <= CUBLAS_ABOVE_M:
+        return f"M = {a.shape[0]}: the kernel serves up to {CUBLAS_ABOVE_M} rows"
+    if bias is not None or out_dtype != torch.bfloat16:
+        return "a bias or an output other than bf16: cuBLAS would round the product before the bias is added"
+    if N % 16:
+        return f"N = {N}: cuBLAS's fp8 GEMM takes multiples of 16"
+    return None
 
 
 def supports(a: torch.Tensor, w: torch.Tensor, group: int, out_dtype: torch.dtype) -> str | None:
@@ -125,22 +145,22 @@ def int4_as_e4m3(w: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tens
     return out
 
 
-def cublas_int4_fp8(a, a_scale, w, w_scale, zero_point, bias) -> torch.Tensor:
+def cublas_int4_fp8(a, a_scale, w, w_scale, zero_point) -> torch.Tensor:
     """The product through cuBLAS's 1x128-by-1x128 block-scaled fp8 GEMM: the codes made e4m3 integers, each
-    group's partial scaled by the token's scale and the group's, in fp32 (the same sum as the kernel's), bf16 out."""
+    group's partial scaled by the token's scale and the group's, in fp32 (the same sum as the kernel's), bf16 out.
+    The e4m3 copy of the weight lives for the call: twice the int4 codes' bytes, read once by cuBLAS."""
     (M, K), w8 = a.shape, int4_as_e4m3(w, zero_point)
     sa = a_scale.reshape(M, 1).expand(M, K // GROUP).t().contiguous().t()  # cuBLAS wants outer-dimension-major
     sw = w_scale.t().contiguous()  # [K/128, N], N-major: cuBLAS wants both scale grids outer-dimension-major
-    out = torch._scaled_mm(a, w8.t(), sa, sw, out_dtype=torch.bfloat16)
-    return out if bias is None else out.add_(bias)
+    return torch._scaled_mm(a, w8.t(), sa, sw, out_dtype=torch.bfloat16)
 
 
 def int4_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                 zero_point: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype,
                 config: dict | None = None) -> torch.Tensor:
     """a: [M, K] e4m3 codes with a_scale [M, 1] (per token); w: [N, K/2] packed int4 codes with w_scale [N, K/128]
-    fp32 and zero_point [N, K/128] uint8 (or None: symmetric codes). Returns [M, N] in out_dtype. config: tiles
-    replacing `int4_fp8_config`'s (a sweep's)."""
+    fp32 and zero_point [N, K/128] uint8 (or None: symmetric codes). Returns [M, N] in out_dtype. config: tiles (and
+    CUBLAS) replacing `int4_fp8_config`'s (a sweep's)."""
     M, K = a.shape
     N = w.shape[0]
     if w.shape != (N, K // 2) or w_scale.shape != (N, K // GROUP):
@@ -150,9 +170,9 @@ def int4_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     if M == 0 or N == 0:
         return out
     a, w, scale = a.contiguous(), w.contiguous().view(torch.uint8), w_scale.contiguous()
-    cfg = {**int4_fp8_config(M), **(config or {})}
-    if cfg.get("CUBLAS") and out_dtype == torch.bfloat16:
-        return cublas_int4_fp8(a, a_scale, w, scale, zero_point, bias)
+    cfg = {**int4_fp8_config(M, N), **(config or {})}
+    if cfg.get("CUBLAS") and cublas_refusal(a, N, bias, out_dtype) is None:
+        return cublas_int4_fp8(a, a_scale, w, scale, zero_point)
     zero = zero_point.contiguous() if zero_point is not None else scale
     common = dict(HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
                   CAST=cast_mode(_int4_fp8_kernel, a.device), GROUP=GROUP, BLOCK_M=cfg["BLOCK_M"],

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from fxquant.kernels.gemm_int4_fp8 import GROUP, int4_as_e4m3, int4_fp8_mm, supports
+from fxquant.kernels import gemm_int4_fp8
+from fxquant.kernels.gemm_int4_fp8 import GROUP, cublas_int4_fp8, cublas_refusal, int4_as_e4m3, int4_fp8_mm, supports
 from fxquant.numerics import reference as R
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,8 +31,7 @@ def test_the_product_is_the_exact_one_rounded_at_the_store(shape, symmetric, con
     bias = torch.randn(N, generator=gen).to(DEVICE, torch.bfloat16)
     qa = R.quantize(x, "fp8_e4m3", "token")
     qw = R.quantize(w, "int4", ("group", GROUP), symmetric=symmetric)
-    cfg = dict(CUBLAS=True) if config == "cublas" else CONFIGS[config]
-    out = int4_fp8_mm(qa.data, qa.scale, qw.data, qw.scale, qw.zero_point, bias, torch.bfloat16, cfg)
+    out = int4_fp8_mm(qa.data, qa.scale, qw.data, qw.scale, qw.zero_point, bias, torch.bfloat16, CONFIGS[config])
     a_hp, w_hp = R.dequantize(qa, torch.float64), R.dequantize(qw, torch.float64)
     exact = a_hp @ w_hp.T + bias.double()
     ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30)))) * torch.finfo(torch.bfloat16).eps
@@ -42,8 +42,32 @@ def test_the_product_is_the_exact_one_rounded_at_the_store(shape, symmetric, con
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="cuBLAS's block-scaled fp8 GEMM runs on the GPU")
 @pytest.mark.parametrize("symmetric", [False, True], ids=["zero_point", "symmetric"])
-def test_the_cublas_route_is_within_the_gpu_bound(symmetric):
-    test_the_product_is_the_exact_one_rounded_at_the_store((200, 256, 384), symmetric, "cublas")
+def test_past_m_128_cublas_computes_it_within_the_gpu_bound(symmetric, monkeypatch):
+    routed = []
+    monkeypatch.setattr(gemm_int4_fp8, "cublas_int4_fp8", lambda *a: routed.append(1) or cublas_int4_fp8(*a))
+    M, N, K = 200, 256, 384
+    gen = torch.Generator().manual_seed(7)
+    qa = R.quantize(torch.randn(M, K, generator=gen).to(DEVICE, torch.bfloat16), "fp8_e4m3", "token")
+    qw = R.quantize(torch.randn(N, K, generator=gen).to(DEVICE, torch.bfloat16), "int4", ("group", GROUP),
+                    symmetric=symmetric)
+    out = int4_fp8_mm(qa.data, qa.scale, qw.data, qw.scale, qw.zero_point, None, torch.bfloat16)
+    a_hp, w_hp = R.dequantize(qa, torch.float64), R.dequantize(qw, torch.float64)
+    exact = a_hp @ w_hp.T
+    ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30)))) * torch.finfo(torch.bfloat16).eps
+    assert routed == [1]
+    assert bool(((out.double() - exact).abs() <= ulp + 2**-10 * (a_hp.abs() @ w_hp.abs().T)).all())
+
+
+def test_cublas_takes_only_what_it_computes_as_the_kernel_does():
+    a = torch.empty(256, 128, dtype=torch.float8_e4m3fn, device=DEVICE)
+    if DEVICE == "cpu":
+        assert "CUDA" in cublas_refusal(a, 64, None, torch.bfloat16)
+        return
+    assert cublas_refusal(a, 64, None, torch.bfloat16) is None
+    assert "M = 128" in cublas_refusal(a[:128], 64, None, torch.bfloat16)
+    assert "bias" in cublas_refusal(a, 64, torch.zeros(64, device=DEVICE), torch.bfloat16)
+    assert "bf16" in cublas_refusal(a, 64, None, torch.float16)
+    assert "N = 72" in cublas_refusal(a, 72, None, torch.bfloat16)
 
 
 @pytest.mark.parametrize("symmetric", [False, True], ids=["zero_point", "symmetric"])
