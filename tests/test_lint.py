@@ -124,19 +124,36 @@ def test_misaligned_layer_warns_once_per_compile_and_the_report_lists_every_find
     assert "info: tail: [N, K] = [144, 256] is not a multiple of 128" in report
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_mxfp8_on_fp16_warns_of_the_reference_gemm(dtype):
-    """fp16 activations cannot take mxfp8's Triton path (bf16 values); bf16 compiles quietly."""
-    model = linear_with_weight(torch.randn(256, 256) * 0.05, dtype)
-    x = torch.randn(4, 256, dtype=dtype)
+# (recipe, activation dtype, K): the reason its product would run the reference on a GPU, or None where kernels take it
+SLOW_PATHS = {
+    ("mxfp8", torch.float16, 256): "an mxfp8 weight multiplies bf16 activations",
+    ("mxfp8", torch.bfloat16, 256): None,
+    ("int4_wo", torch.float32, 256): "they multiply bf16 or fp16 activations, not torch.float32",
+    ("int4_wo", torch.bfloat16, 256): None,
+    ("fp8_row", torch.float32, 256): None,
+    ("fp8_row", torch.bfloat16, 16384 + 128): "its activation quantizer: a row lives in registers: 16512 elements",
+    ("fp8_block", torch.bfloat16, 16384 + 128): None,  # its quantizer's rows are 128 long
+    ("int4_fp8", torch.float32, 256): None,
+}
+
+
+@pytest.mark.parametrize(("recipe", "dtype", "K"), list(SLOW_PATHS), ids=str)
+def test_a_layer_whose_product_would_run_the_reference_on_the_gpu_is_a_warning_naming_why(recipe, dtype, K):
+    """The kernels' own refusals, asked at compile time: a slow path is never silent, on the CPU either (where every
+    product runs the reference by design)."""
+    model = linear_with_weight(torch.randn(32, K) * 0.05, dtype)
+    x = torch.randn(2, K, dtype=dtype)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        compile_and_run(model, x, recipe="mxfp8")
+        compile_and_run(model, x, recipe=recipe)
     slow = [str(w.message) for w in caught if "runs the fp32 reference GEMM, on the GPU too" in str(w.message)]
-    if dtype == torch.float16:
-        assert len(slow) == 1 and "0: mxfp8 on fp16 activations" in slow[0] and "run the model in bf16" in slow[0]
-    else:
+    why = SLOW_PATHS[recipe, dtype, K]
+    if why is None:
         assert slow == []
+    else:
+        name = str(dtype).removeprefix("torch.")
+        assert len(slow) == 1 and f"0: {recipe} on {name} activations" in slow[0] and why in slow[0]
+        assert "run the model in bf16" in slow[0]
 
 
 def test_report_lists_reductions_moved_to_fp32(capsys):

@@ -14,9 +14,11 @@ import torch
 from fxquant.compile.weights import ROLES
 from fxquant.config import RECIPES
 from fxquant.numerics.formats import FORMATS
+from fxquant.ops.linear import reference_reason
 from fxquant.passes.annotations import annotation, fetch_attr, linear_fqn, node_dtype
 from fxquant.passes.patterns import weight_operands
 from fxquant.passes.spellings import DIV, DTYPE_CASTS, MUL, target_of
+from fxquant.quantization.linear_ops import weight_group
 
 FP16_MAX = FORMATS["fp16"].max
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
@@ -100,11 +102,13 @@ def lint_layers(state, weights=()) -> list[Finding]:
                                     f"well-scaled weight (floor {WEIGHT_SQNR_FLOOR_DB[fmt]:g} dB): outliers make its "
                                     "scales coarse (or, with power-of-two MX scales, clip it). Fix: fp8_row or "
                                     "fp8_block, or skip this layer"))
-        if layer.recipe == "mxfp8" and layer.source is not None and layer.source.dtype == torch.float16:
-            findings.append(Finding("warning", "slow_path", layer.fqn, "mxfp8 on fp16 activations runs the fp32 "
-                                    "reference GEMM, on the GPU too: only bf16 holds MXFP8's range for the Triton "
-                                    "path (a Llama prefill took 14x as long on the reference). Fix: run the model "
-                                    "in bf16, or choose fp8_block"))
+        slow = _reference_reason(layer)
+        if slow:
+            dtype = str(layer.source.dtype).removeprefix("torch.")
+            findings.append(Finding("warning", "slow_path", layer.fqn, f"{layer.recipe} on {dtype} activations runs "
+                                    f"the fp32 reference GEMM, on the GPU too: {slow} (mxfp8's fp16 Llama prefill "
+                                    "took 14x as long there). Fix: run the model in bf16, or choose a recipe whose "
+                                    "kernels take it"))
         if len(layer.shape) == 2 and (layer.shape[0] % GEMM_TILE or layer.shape[1] % GEMM_TILE):
             findings.append(Finding("info", "tail", layer.fqn, f"[N, K] = {list(layer.shape)} is not a multiple "
                                     f"of {GEMM_TILE}: its GEMM runs masked tail tiles, a little slower"))
@@ -117,6 +121,15 @@ def lint_layers(state, weights=()) -> list[Finding]:
     for name, why in state.attention_left:
         findings.append(Finding("info", "attention_left", name, f"decode attention stays on SDPA: {why}"))
     return findings
+
+
+def _reference_reason(layer) -> str | None:
+    """Why a quantized layer's product would run the pure-torch reference on a GPU, from its weight's dtype (the
+    activations') and shape; None where kernels serve it, or where its weight is not at hand (quantize_'s experts)."""
+    if layer.source is None:
+        return None
+    s = RECIPES[layer.recipe]
+    return reference_reason(s.kind, s.weight_fmt, s.act_group, weight_group(s), layer.shape[-1], layer.source.dtype)
 
 
 def _expert_findings(weights) -> list[Finding]:

@@ -62,10 +62,15 @@ def supports(a: torch.Tensor, w: torch.Tensor, group: int, out_dtype: torch.dtyp
     """Why these kernels cannot compute the product, or None where they can."""
     if not a.is_cuda:
         return "it runs on CUDA devices (the CPU takes the reference)"
+    return shape_refusal(a.shape[-1], group, out_dtype)
+
+
+def shape_refusal(K: int, group: int, out_dtype: torch.dtype) -> str | None:
+    """What in the product's K, weight group and output dtype alone keeps the kernel from it on a GPU, or None."""
     if group != GROUP:
         return f"its weight groups are {GROUP} wide, not {group}"
-    if a.shape[-1] % GROUP:
-        return f"K = {a.shape[-1]} is not a multiple of its group, {GROUP}"
+    if K % GROUP:
+        return f"K = {K} is not a multiple of its group, {GROUP}"
     if out_dtype not in TORCH_TO_TL:
         return f"it writes bf16, fp16 or fp32, not {out_dtype}"
     return None

@@ -185,9 +185,14 @@ def supports(a: torch.Tensor, fmt: str) -> str | None:
     weight, or None where they can."""
     if not a.is_cuda:
         return "they run on CUDA devices (the CPU takes the reference)"
-    if a.dtype not in (torch.bfloat16, torch.float16):
-        return f"they multiply bf16 or fp16 activations, not {a.dtype}"
-    if fmt == "mxfp8" and a.dtype != torch.bfloat16:
+    return dtype_refusal(a.dtype, fmt)
+
+
+def dtype_refusal(dtype: torch.dtype, fmt: str) -> str | None:
+    """What in the activations' dtype alone keeps these kernels from a `fmt` weight on a GPU, or None."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"they multiply bf16 or fp16 activations, not {dtype}"
+    if fmt == "mxfp8" and dtype != torch.bfloat16:
         return "an mxfp8 weight multiplies bf16 activations, the 16-bit type with MXFP8's range"
     return None
 

@@ -136,6 +136,11 @@ def supports_rows(x: torch.Tensor, row_len: int) -> str | None:
     """Why quantize_fp8_rows cannot quantize x in rows of row_len, or None where it can."""
     if not x.is_cuda:
         return "it runs on CUDA devices (the CPU takes the reference)"
+    return row_refusal(row_len)
+
+
+def row_refusal(row_len: int) -> str | None:
+    """What in the rows alone keeps quantize_fp8_rows from quantizing them on a GPU, or None."""
     if row_len > MAX_ROW_LEN:
         return f"a row lives in registers: {row_len} elements is past its {MAX_ROW_LEN}"
     return None

@@ -19,6 +19,18 @@ from fxquant.ops.declare import define, fake
 from fxquant.ops.reference_gemm import E4M3, chunked_linear, weight_granularity
 
 
+def reference_reason(kind: str, fmt: str, act_group: int, group: int, K: int, dtype: torch.dtype) -> str | None:
+    """Why a linear quantized as `kind` (a LinearScheme's), with K inputs and `dtype` activations, would compute
+    through the pure-torch reference on a GPU rather than its kernels, or None where they serve it. act_group: the
+    fp8 activations' (0 per token, -1 per tensor, else a group); group: the weight's (as weight_group gives it)."""
+    if kind in ("fp8", "int4_fp8"):
+        quantizer = None if act_group < 0 else quant_fp8.row_refusal(act_group or K)
+        if quantizer:
+            return f"its activation quantizer: {quantizer}"
+        return gemm_int4_fp8.shape_refusal(K, group, dtype) if kind == "int4_fp8" else None
+    return gemm_weight_only.dtype_refusal(dtype, fmt)  # MXFP8 activations ride the weight-only kernel
+
+
 def _quantize_fp8(x: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     """Dynamic e4m3 codes and fp32 scales of x [..., K]: per token (group_size 0), per 1 x group_size, or
     per tensor (group_size -1, scale of shape [1])."""
@@ -182,7 +194,7 @@ def _linear_mxfp8(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None) ->
     dequantized in one kernel and multiply the weight through the weight-only GEMM, which decodes its codes to bf16:
     the products of the MX operands, accumulated in fp32. Elsewhere (the CPU, fp16 activations, GPUs without fp8
     casts) the reference GEMM runs in fp32."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and capability(x.device) >= (8, 9):
+    if x.is_cuda and gemm_weight_only.dtype_refusal(x.dtype, "mxfp8") is None and capability(x.device) >= (8, 9):
         out = gemm_weight_only.weight_only_mm(mxfp8_values(x.reshape(-1, x.shape[-1])), w, w_scale, "mxfp8",
                                               R.MX_BLOCK, w.shape[0], bias=bias)
         return out.reshape(*x.shape[:-1], w.shape[0])
