@@ -26,8 +26,9 @@ allocated outside dynamo and marked static, which CUDA graphs over a cache writt
 
 Run: python -m bench.decode [path ...] [--batches 1 16 64] [--prefill 1024] [--steps 32] [--mode reduce-overhead]
 [--row-timeout 240] [--warm-jobs 8] [--skip-guards]
-paths: inductor, fxquant:<recipe>, fxquant:<recipe>+fp8kv (the same over fxquant.FP8StaticCache), torchao:fp8_row,
-torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv).
+paths: inductor, fxquant:<recipe>, fxquant:<recipe>+fp8kv (the same over fxquant.FP8StaticCache),
+fxquant:<recipe>+head=<recipe> (the lm_head quantized too, under the second recipe; +fp8kv may follow),
+torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv and +head).
 
 Three phases. First, untimed, every path runs once in worker processes, --warm-jobs at a time, the longest first
 (warm_groups): each compile and autotune fills the on-disk caches (Inductor's FX graph and AOT caches, Triton's
@@ -217,8 +218,14 @@ def graph_replays(times: list[float]):
         torch.cuda.CUDAGraph.replay = replay
 
 
-def recipe_of(path: str) -> str:
-    return path.split(":", 1)[1].removesuffix(FP8_KV)
+HEAD = "+head="  # fxquant:<recipe>+head=<recipe>: the lm_head quantized too, under its own recipe
+
+
+def recipe_options(path: str) -> dict:
+    """An fxquant path's backend options: its recipe, and the lm_head's where the path names one (the lm_head stays
+    in high precision by default)."""
+    recipe, _, head = path.split(":", 1)[1].removesuffix(FP8_KV).partition(HEAD)
+    return {"recipe": recipe, **({"layer_recipes": {r"(^|\.)lm_head$": head}} if head else {})}
 
 
 class Recording:
@@ -240,7 +247,7 @@ def compiled_forward(model, path: str, mode: str):
     if path.startswith("fxquant:"):
         backend = Recording()
         return model, torch.compile(model.forward, backend=backend, dynamic=False,
-                                    options={"recipe": recipe_of(path), "mode": mode}), backend.callables
+                                    options={**recipe_options(path), "mode": mode}), backend.callables
     quantized = peers.quantized(model, path)
     if quantized is None:
         return None, f"{path.split(':')[0]} does not import here", ()
@@ -251,7 +258,7 @@ def generate_rate(model, path: str, prompt, args) -> str:
     """Tokens/s of transformers' generate() with a static cache and the path as its compile_config."""
     if path.startswith("fxquant:"):  # torch.compile takes mode= or options=, not both: fxquant's options carry it
         config = T.CompileConfig(backend="fxquant", mode=None, dynamic=False,
-                                 options={"recipe": recipe_of(path), "mode": args.mode})
+                                 options={**recipe_options(path), "mode": args.mode})
     else:
         config = T.CompileConfig(backend="inductor", mode=args.mode, dynamic=False)
     cache = {"past_key_values": fxquant.FP8StaticCache(config=model.config, max_cache_len=prompt.shape[1] + args.steps)
@@ -272,7 +279,7 @@ def fxquant_generate_rate(model, path: str, prompt, args) -> dict:
     decode loop, and the host's ms per step in that loop (outside its waits for the GPU)."""
     from fxquant.generation import last_run, release
 
-    options = {"recipe": recipe_of(path)} if path.startswith("fxquant:") else {"include": []}
+    options = recipe_options(path) if path.startswith("fxquant:") else {"include": []}
     cache = {"past_key_values": fxquant.FP8StaticCache(config=model.config, max_cache_len=prompt.shape[1] + args.steps)
              } if path.endswith(FP8_KV) else {}
     kwargs = dict(max_new_tokens=args.steps, do_sample=False, options=options, **cache)

@@ -5,7 +5,7 @@ import torch
 import transformers as T
 
 from bench.common import llama_config
-from bench.decode import Decoder, compiled_forward, graph_replays
+from bench.decode import Decoder, compiled_forward, graph_replays, recipe_options
 from fxquant.compile.backend import QuantizedCallable
 
 VOCAB = 512
@@ -67,3 +67,20 @@ def test_graph_replays_times_each_replay():
     assert len(times) == 2 and all(t > 0 for t in times)
     assert torch.cuda.CUDAGraph.replay is replay
     assert x.tolist() == [2.0] * 8  # capturing runs nothing; each replay adds 1
+
+
+def test_a_head_path_quantizes_the_lm_head_under_its_own_recipe():
+    """fxquant:<recipe>+head=<recipe> adds the lm_head under the second recipe; the plain path keeps it in bf16."""
+    assert recipe_options("fxquant:fp8_row") == {"recipe": "fp8_row"}
+    assert recipe_options("fxquant:fp8_row+head=int8_wo+fp8kv") == {
+        "recipe": "fp8_row", "layer_recipes": {r"(^|\.)lm_head$": "int8_wo"}}
+    heads = {}
+    for path in ("fxquant:fp8_row", "fxquant:fp8_row+head=int8_wo"):
+        model = small_llama()
+        runner, forward, callables = compiled_forward(model, path, "default")
+        with torch.no_grad():
+            Decoder(runner, forward, "cpu", 8, callables=callables).steps(torch.zeros(1, 4, dtype=torch.long),
+                                                                            torch.zeros(1, 2, dtype=torch.long))
+        layers = [layer for c in callables for v in c.variants.values() for layer in v.result.layers]
+        heads[path] = {layer.recipe for layer in layers if layer.fqn.endswith("lm_head")}
+    assert heads == {"fxquant:fp8_row": {None}, "fxquant:fp8_row+head=int8_wo": {"int8_wo"}}
