@@ -48,9 +48,9 @@ def check() -> list[dict]:
 
 
 def candidates(m):
-    if m <= 16:
-        return [dict(BLOCK_M=16, BLOCK_N=bn, GROUP_M=1, num_warps=w, num_stages=s)
-                for bn in (32, 64, 128) for w in (4, 8) for s in (3, 5)]
+    if m <= 16:  # programs: the split-K target (0: no split)
+        return [dict(BLOCK_M=16, BLOCK_N=bn, GROUP_M=1, num_warps=4, num_stages=s, programs=p)
+                for bn in (32, 64, 128) for s in (3, 5) for p in (0, 264, 528, 1056)]
     if m <= 128:
         return [dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=4, num_stages=s)
                 for bm in (32, 64, 128) for bn in (64, 128) for s in (3, 4)]

@@ -21,7 +21,8 @@ from fxquant.kernels.cast import cast_fp8, cast_mode
 from fxquant.kernels.codes import biased
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, visible
-from fxquant.kernels.tiles import store_tile, tile_offsets
+from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
+from fxquant.kernels.tiles import k_steps_of, store_tile, tile_offsets
 
 GROUP = 128  # the only weight group these kernels take: one group per K step
 SYMMETRIC_BIAS = tl.constexpr(8388616.0)  # 2^23 + 8: biased(q ^ 8) less it is the sign-extended nibble q
@@ -33,10 +34,13 @@ CUBLAS_ABOVE_M = 128
 def int4_fp8_config(M: int, N: int) -> dict:
     """Tiles for an [M, K] x [N, K] W4A8 product, and past M = 128 the cuBLAS route where it takes the product."""
     if M <= 16:
-        # `--sweep` at M = 16: narrow weights (N = 4096) want twice the programs, 19.6 -> 14.9 us on 4096x4096 and
-        # 63.6 -> 45.4 on 4096x14336; the wider ones gained at most 5% from other tiles.
+        # `--sweep` at M = 16 without split-K: narrow weights (N = 4096) wanted twice the programs, 19.6 -> 14.9 us on
+        # 4096x4096 and 63.6 -> 45.4 on 4096x14336 (still 0.71-0.90x bf16), the wider ones at most 5% from other
+        # tiles. A grid of 64-128 tiles leaves SMs idle while the weight streams, so K is split toward the fp8
+        # decode GEMM's program count (not yet swept for this kernel).
         narrow = N <= 4096
-        return dict(BLOCK_M=16, BLOCK_N=32 if narrow else 64, GROUP_M=1, num_warps=4, num_stages=5 if narrow else 4)
+        return dict(BLOCK_M=16, BLOCK_N=32 if narrow else 64, GROUP_M=1, num_warps=4, num_stages=5 if narrow else 4,
+                    programs=TARGET_PROGRAMS)
     if M <= CUBLAS_ABOVE_M:
         return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
     # At M = 1024 and 4096 on the Llama shapes cuBLAS ran at 1.05-1.09x and 1.23-1.27x bf16 cuBLAS, the kernel's best
@@ -45,7 +49,7 @@ def int4_fp8_config(M: int, N: int) -> dict:
     return dict(CUBLAS=True, BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3)
 
 
-def cublas_refusal(a: torch.Tensor, N: int, bias, out_dtype: torch.dtype) -> str | None:
+def cublas_supports(a: torch.Tensor, N: int, bias, out_dtype: torch.dtype) -> str | None:
     """Why the cuBLAS route does not take an [M, K] x [N, K] product, or None where it does."""
     if not a.is_cuda:
         return "cuBLAS runs on CUDA devices"
@@ -99,18 +103,21 @@ def group_zeros(w_zero_ptr, offs_n, mask_n, g, stride_sn, HAS_ZP: tl.constexpr):
 
 
 @triton.jit
-def _int4_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, bias_ptr, out_ptr, M, N, K,
+def _int4_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, bias_ptr, out_ptr, ws_ptr, M, N, K,
                      stride_am, stride_wn, stride_sn, stride_om,
                      HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
-                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+                     SPLIT_K: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     GROUP_M: tl.constexpr):
     pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    first, last = k_steps_of(pid_k, K, GROUP, SPLIT_K)  # this program's groups
     offs_k = tl.arange(0, GROUP)
     offs_b = tl.arange(0, GROUP // 2)
     mask_m, mask_n = offs_m < M, offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_b[None, :]
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + first * GROUP + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + first * (GROUP // 2) + offs_b[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in range(0, K // GROUP):
+    for g in range(first, last):
         a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)  # [BM, GROUP] e4m3
         packed = tl.load(w_ptrs, mask=mask_n[:, None], other=0)  # [BN, GROUP / 2] bytes
         w8 = e4m3_codes(packed, group_zeros(w_zero_ptr, offs_n, mask_n, g, stride_sn, HAS_ZP), HAS_ZP, CAST)
@@ -119,8 +126,10 @@ def _int4_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, bias_pt
         acc += tl.dot(a, tl.trans(w8)) * scale[None, :]
         a_ptrs += GROUP
         w_ptrs += GROUP // 2
+    # The token's scale is linear: each K slice applies it to its own partial before the reduce sums them.
     acc *= tl.load(a_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
-    store_tile(acc, out_ptr, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, 1, 0, HAS_BIAS, 1, OUT, CAST)
+    store_tile(acc, out_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, 1, pid_k, HAS_BIAS, SPLIT_K, OUT,
+               CAST)
 
 
 @triton.jit
@@ -176,15 +185,18 @@ def int4_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
         return out
     a, w, scale = a.contiguous(), w.contiguous().view(torch.uint8), w_scale.contiguous()
     cfg = {**int4_fp8_config(M, N), **(config or {})}
-    if cfg.get("CUBLAS") and cublas_refusal(a, N, bias, out_dtype) is None:
+    if cfg.get("CUBLAS") and cublas_supports(a, N, bias, out_dtype) is None:
         return cublas_int4_fp8(a, a_scale, w, scale, zero_point)
     zero = zero_point.contiguous() if zero_point is not None else scale
-    common = dict(HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
-                  CAST=cast_mode(_int4_fp8_kernel, a.device), GROUP=GROUP, BLOCK_M=cfg["BLOCK_M"],
-                  BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"])
-    a_scale, bias = a_scale.reshape(M).contiguous(), bias if bias is not None else out
-    visible(_int4_fp8_kernel)[(cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)](
-        a, a_scale, w, scale, zero, bias, out, M, N, K, a.stride(0), w.stride(0), scale.stride(0), out.stride(0),
-        **common)
+    tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
+    split = split_k(tiles, K // GROUP, cfg["programs"]) if cfg.get("programs") else 1
+    ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
+    visible(_int4_fp8_kernel)[(tiles, split)](
+        a, a_scale.reshape(M).contiguous(), w, scale, zero, bias if bias is not None else out, out, ws, M, N, K,
+        a.stride(0), w.stride(0), scale.stride(0), out.stride(0),
+        HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
+        CAST=cast_mode(_int4_fp8_kernel, a.device), SPLIT_K=split, GROUP=GROUP, BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split > 1:
+        reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])
     return out
