@@ -6,8 +6,8 @@ integer e4m3 holds exactly, so the codes go into the MMA as e4m3 with no roundin
 (128): its fp32 partial sum takes the group's scales [N] before it joins the fp32 accumulator, and the per-token
 activation scales [M] multiply the tile once at the end, since they are constant along K.
 
-The kernel decodes each K step's 64 bytes of codes per weight row in registers. Tiles come from `int4_fp8_config`,
-the winners of `bench/int4_fp8_gemm.py --sweep` on an H200. Past M = 128 a second route makes the codes e4m3 integers
+The kernel decodes each K step's 64 bytes of codes per weight row in registers; at decode its K is split across
+programs (`splitk.py`). Tiles come from `int4_fp8_config`, from `bench/int4_fp8_gemm.py --sweep` on an H200. Past M = 128 a second route makes the codes e4m3 integers
 once per call and multiplies them through cuBLAS's 1x128-by-1x128 block-scaled fp8 GEMM (`cublas_int4_fp8`).
 """
 
@@ -26,9 +26,7 @@ from fxquant.kernels.tiles import k_steps_of, store_tile, tile_offsets
 
 GROUP = 128  # the only weight group these kernels take: one group per K step
 SYMMETRIC_BIAS = tl.constexpr(8388616.0)  # 2^23 + 8: biased(q ^ 8) less it is the sign-extended nibble q
-
-
-CUBLAS_ABOVE_M = 128
+CUBLAS_ABOVE_M = 128  # the rows past which cuBLAS takes the product (docs/decisions/0017)
 
 
 def int4_fp8_config(M: int, N: int) -> dict:
