@@ -7,8 +7,9 @@ integer e4m3 holds exactly, so the codes go into the MMA as e4m3 with no roundin
 activation scales [M] multiply the tile once at the end, since they are constant along K.
 
 The kernel decodes each K step's 64 bytes of codes per weight row in registers; at decode its K is split across
-programs (`splitk.py`). Tiles come from `int4_fp8_config`, from `bench/int4_fp8_gemm.py --sweep` on an H200. Past M = 128 a second route makes the codes e4m3 integers
-once per call and multiplies them through cuBLAS's 1x128-by-1x128 block-scaled fp8 GEMM (`cublas_int4_fp8`).
+programs (`splitk.py`). Tiles come from `int4_fp8_config`, from `bench/int4_fp8_gemm.py --sweep` on an H200. Past
+M = 128 a second route makes the codes e4m3 integers once per call and multiplies them through cuBLAS's
+1x128-by-1x128 block-scaled fp8 GEMM (`cublas_int4_fp8`).
 """
 
 from __future__ import annotations
