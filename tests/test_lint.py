@@ -138,22 +138,28 @@ SLOW_PATHS = {
 
 
 @pytest.mark.parametrize(("recipe", "dtype", "K"), list(SLOW_PATHS), ids=str)
-def test_a_layer_whose_product_would_run_the_reference_on_the_gpu_is_a_warning_naming_why(recipe, dtype, K):
-    """The kernels' own refusals, asked at compile time: a slow path is never silent, on the CPU either (where every
-    product runs the reference by design)."""
-    model = linear_with_weight(torch.randn(32, K) * 0.05, dtype)
-    x = torch.randn(2, K, dtype=dtype)
+def test_a_layer_whose_product_would_run_the_reference_on_the_gpu_is_reported_naming_why(recipe, dtype, K, capsys):
+    """The kernels' own refusals, asked at compile time: a slow path is never silent. On the CPU, where every product
+    runs the reference, the report says it; a weight on the GPU makes it a warning."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = linear_with_weight(torch.randn(32, K) * 0.05, dtype).to(device)
+    x = torch.randn(2, K, dtype=dtype, device=device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        compile_and_run(model, x, recipe=recipe)
-    slow = [str(w.message) for w in caught if "runs the fp32 reference GEMM, on the GPU too" in str(w.message)]
+        compile_and_run(model, x, recipe=recipe, report=True)
+    report = " ".join(capsys.readouterr().out.split())  # the report's findings wrap at 120 columns
+    warned = [str(w.message) for w in caught if "runs the fp32 reference GEMM, on the GPU too" in str(w.message)]
     why = SLOW_PATHS[recipe, dtype, K]
     if why is None:
-        assert slow == []
+        assert "runs the fp32 reference GEMM" not in report and warned == []
     else:
         name = str(dtype).removeprefix("torch.")
-        assert len(slow) == 1 and f"0: {recipe} on {name} activations" in slow[0] and why in slow[0]
-        assert "run the model in bf16" in slow[0]
+        severity = "warning" if device == "cuda" else "info"
+        assert report.count("runs the fp32 reference GEMM") == 1
+        finding = f"{severity}: 0: {recipe} on {name} activations runs the fp32 reference GEMM, on the GPU too: {why}"
+        assert finding in report
+        assert "run the model in bf16" in report
+        assert len(warned) == (device == "cuda")
 
 
 def test_report_lists_reductions_moved_to_fp32(capsys):
