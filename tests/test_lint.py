@@ -194,3 +194,12 @@ def test_a_gate_of_one_output_is_reported_not_warned_about(capsys):
     lines = report.splitlines()
     row = next(i for i, line in enumerate(lines) if line.startswith("1 "))
     assert lines[row].split()[2] == "kept" and lines[row + 1].strip().startswith("kept in high precision: alignment")
+
+
+def test_quantize_in_place_reports_the_slow_path_too(capsys):
+    """quantize_ frees the weight it quantized; its record keeps the dtype and device the finding needs."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fxquant.quantize_(linear_with_weight(torch.randn(32, 256) * 0.05, torch.float32).to(device),
+                      {"recipe": "int4_wo", "report": True})
+    report = " ".join(capsys.readouterr().out.split())
+    assert "0: int4_wo on float32 activations runs the fp32 reference GEMM, on the GPU too: they multiply" in report

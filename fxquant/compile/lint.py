@@ -106,8 +106,8 @@ def lint_layers(state, weights=()) -> list[Finding]:
         if slow:
             # A warning where the weight is on the GPU; on the CPU, where every product runs the reference, the report
             # says it (fp32 models are the CPU's usual case).
-            severity = "warning" if layer.source.is_cuda else "info"
-            dtype = str(layer.source.dtype).removeprefix("torch.")
+            severity = "warning" if layer.device.type == "cuda" else "info"
+            dtype = str(layer.dtype).removeprefix("torch.")
             findings.append(Finding(severity, "slow_path", layer.fqn, f"{layer.recipe} on {dtype} activations runs "
                                     f"the fp32 reference GEMM, on the GPU too: {slow} (mxfp8's fp16 Llama prefill "
                                     "took 14x as long there). Fix: run the model in bf16, or choose a recipe whose "
@@ -128,11 +128,11 @@ def lint_layers(state, weights=()) -> list[Finding]:
 
 def _reference_reason(layer) -> str | None:
     """Why a quantized layer's product would run the pure-torch reference on a GPU, from its weight's dtype (the
-    activations') and shape; None where kernels serve it, or where its weight is not at hand (quantize_'s experts)."""
-    if layer.source is None:
+    activations') and shape; None where kernels serve it, or where the record has no dtype (experts)."""
+    if layer.dtype is None:
         return None
     s = RECIPES[layer.recipe]
-    return reference_reason(s.kind, s.weight_fmt, s.act_group, weight_group(s), layer.shape[-1], layer.source.dtype)
+    return reference_reason(s.kind, s.weight_fmt, s.act_group, weight_group(s), layer.shape[-1], layer.dtype)
 
 
 def _expert_findings(weights) -> list[Finding]:

@@ -145,10 +145,11 @@ def quantize_layers(model: nn.Module, names: list[str], experts: list[str], conf
         setattr(model.get_submodule(parent), attr, quantized)
         exact, approx = local(weight).float(), dequantize(quantized.quantized_weight(), torch.float32)
         sqnr, worst = sqnr_db(approx, exact), worst_row_sqnr_db(approx, exact)
+        dtype, device = weight.dtype, weight.device
         del module, weight, exact, approx  # the last references to the high-precision weight: freed now
         after = sum(local(p).numel() * p.element_size() for name, p in quantized.named_parameters() if name != "bias")
         layers.append(LayerRecord(fqn, (quantized.out_features, quantized.in_features), recipe, "", before, after,
-                                  weight_sqnr=sqnr, worst_row_sqnr=worst))
+                                  weight_sqnr=sqnr, worst_row_sqnr=worst, dtype=dtype, device=device))
     for fqn in experts:
         layers += _quantize_experts(model, fqn, config)
     return layers

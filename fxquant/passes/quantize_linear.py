@@ -132,7 +132,8 @@ class QuantizeLinear(FxquantPass):
             node.replace_all_uses_with(out)
             gm.graph.erase_node(node)
         self.state.layers.append(LayerRecord(fqn, shape, recipe, "", before, q.nbytes, w_sqnr, worst_row, source,
-                                             operands[0].transposed, source._version, names))
+                                             operands[0].transposed, source._version, names, dtype=source.dtype,
+                                             device=source.device))
         return True
 
     def _reason(self, node: torch.fx.Node, w) -> str | None:

@@ -36,6 +36,8 @@ class LayerRecord:
     version: int = 0
     buffers: QuantizedBuffers | None = None  # where the graph holds its quantized weight (the backend's pass only)
     rows: tuple[int, int, int] | None = None  # merged with siblings: its rows [first, stop) of `of` in the buffers
+    dtype: torch.dtype | None = None  # the weight's, which its activations share: whether kernels can take them
+    device: torch.device | None = None  # where the weight lives
 
 
 @dataclass
