@@ -29,6 +29,7 @@ from fxquant.passes.detect import Detect
 from fxquant.passes.freeze_params import FreezeParams
 from fxquant.passes.fuse_linear import FuseLinear
 from fxquant.passes.fuse_norm import FuseNorm
+from fxquant.passes.fuse_silu_mul import FuseSiluMul
 from fxquant.passes.localize_shards import LocalizeShards
 from fxquant.passes.merge_linear import MergeLinear
 from fxquant.passes.pack_gqa import PackGQA
@@ -38,8 +39,8 @@ from fxquant.passes.state import LayerRecord, PipelineState
 from fxquant.passes.upcast import Upcast
 
 log = logging.getLogger(__name__)
-PASS_TYPES = (FreezeParams, LocalizeShards, Detect, Upcast, QuantizeLinear, FuseNorm, MergeLinear, FuseLinear,
-              PackInt4Lanes, DecodeAttention, PackGQA, Cleanup)
+PASS_TYPES = (FreezeParams, LocalizeShards, Detect, Upcast, QuantizeLinear, FuseNorm, MergeLinear, FuseSiluMul,
+              FuseLinear, PackInt4Lanes, DecodeAttention, PackGQA, Cleanup)
 PASSES = tuple(pass_type.name for pass_type in PASS_TYPES)
 PREPARE = PASSES[:4]  # the graph annotated and upcast, nothing quantized
 OPTIONAL = tuple(pass_type.name for pass_type in PASS_TYPES if pass_type.optional)
@@ -150,8 +151,8 @@ def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=N
         measured = auto = measure_graph(gm, example_inputs, config, usable_recipes(device))
         state.config = config = resolve_auto(config, measured)
         state.auto_reasons = {m.fqn: m.reason for m in measured if m.chosen_by_auto and m.recipe is None}
-    gm = _run([QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseLinear(), PackInt4Lanes(state),
-               DecodeAttention(state), PackGQA(), Cleanup()], gm, config, stop_after, timings)
+    gm = _run([QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseSiluMul(), FuseLinear(),
+               PackInt4Lanes(state), DecodeAttention(state), PackGQA(), Cleanup()], gm, config, stop_after, timings)
     findings += lint_layers(state, weights)
     refuse_errors(findings, "compile")
     return PipelineResult(gm, state.layers, state.upcast, config, findings, weights, auto, timings)

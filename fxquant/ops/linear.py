@@ -59,6 +59,25 @@ def _(x, group_size):
     return torch.empty_like(x, dtype=E4M3), x.new_empty((*x.shape[:-1], groups), dtype=torch.float32)
 
 
+def _silu_mul_quantize_fp8(gate: Tensor, up: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """quantize_fp8(silu(gate) * up, group_size), the product computed in fp32 and rounded once to gate's dtype (the
+    tensor a gated MLP's unfused graph stores): one kernel on CUDA, where the quantizer's rows kernel serves."""
+    row_len = group_size or gate.shape[-1]
+    if group_size >= 0 and quant_fp8.supports_rows(gate, row_len) is None:
+        return quant_fp8.silu_mul_quantize_fp8_rows(gate, up, row_len, E4M3)
+    g = gate.float()
+    return _quantize_fp8((g * torch.sigmoid(g) * up.float()).to(gate.dtype), group_size)  # silu as x * sigmoid(x)
+
+
+silu_mul_quantize_fp8 = define("silu_mul_quantize_fp8(Tensor gate, Tensor up, int group_size) -> (Tensor, Tensor)",
+                               _silu_mul_quantize_fp8)
+
+
+@fake("silu_mul_quantize_fp8")
+def _(gate, up, group_size):
+    return torch.ops.fxquant.quantize_fp8.default(gate, group_size)  # the quantizer's shapes, on gate's
+
+
 def _scaled_mm_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None,
                    out_dtype: torch.dtype) -> Tensor:
     """(a [..., K] * a_scale) @ (w [N, K] * w_scale).T + bias, fp32 accumulation, one cast to out_dtype.

@@ -35,6 +35,7 @@ GATHER_ROWS = {operator.getitem, aten.index.Tensor}
 EMBEDDING = {F.embedding, torch.embedding, aten.embedding.default}
 SOFTMAX = {torch.softmax, F.softmax, torch.Tensor.softmax, aten._softmax.default, aten.softmax.int}
 TANH = {torch.tanh, torch.Tensor.tanh, aten.tanh.default}
+SILU = {F.silu, torch._C._nn.silu, aten.silu.default}
 CAT = {torch.cat, torch.concat, aten.cat.default}
 AMAX = {torch.max, torch.Tensor.max, torch.amax, torch.Tensor.amax, aten.max.dim, aten.amax.default}
 SUB = {torch.sub, torch.Tensor.sub, aten.sub.Tensor, operator.sub}
