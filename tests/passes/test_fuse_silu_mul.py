@@ -5,7 +5,6 @@ import pytest
 import torch
 from hf_models import VOCAB, compiled, compiled_results, decoder, fake_quantized, static_decode, within_bound
 from models import rel_err
-from transformers import LlamaConfig, LlamaForCausalLM
 
 FUSED = torch.ops.fxquant.silu_mul_quantize_fp8.default
 GENERATOR = torch.Generator().manual_seed(4)
@@ -15,10 +14,7 @@ STEPS = torch.randint(0, VOCAB, (2, 2), generator=GENERATOR)
 
 @pytest.fixture(scope="module")
 def llama():
-    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-                         num_hidden_layers=2, vocab_size=300)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(torch.bfloat16).eval(), torch.randint(0, 300, (2, 8))
+    return decoder("llama"), PROMPT
 
 
 def pipeline(model, ids, **options):
