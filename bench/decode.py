@@ -28,7 +28,8 @@ Run: python -m bench.decode [path ...] [--batches 1 16 64] [--prefill 1024] [--s
 [--row-timeout 240] [--warm-jobs 8] [--skip-guards]
 paths: inductor, fxquant:<recipe>, fxquant:<recipe>+fp8kv (the same over fxquant.FP8StaticCache),
 fxquant:<recipe>+head=<recipe> (the lm_head quantized too, under the second recipe; +fp8kv may follow),
-torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv and +head).
+fxquant:<recipe>+without=<pass> (without one of the pipeline's optional passes; repeatable),
+torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head and +without).
 
 Three phases. First, untimed, every path runs once in worker processes, --warm-jobs at a time, the longest first
 (warm_groups): each compile and autotune fills the on-disk caches (Inductor's FX graph and AOT caches, Triton's
@@ -219,13 +220,23 @@ def graph_replays(times: list[float]):
 
 
 HEAD = "+head="  # fxquant:<recipe>+head=<recipe>: the lm_head quantized too, under its own recipe
+WITHOUT = "+without="  # fxquant:<recipe>+without=<pass>: the pipeline without one of its optional passes
 
 
 def recipe_options(path: str) -> dict:
-    """An fxquant path's backend options: its recipe, and the lm_head's where the path names one (the lm_head stays
-    in high precision by default)."""
-    recipe, _, head = path.split(":", 1)[1].removesuffix(FP8_KV).partition(HEAD)
-    return {"recipe": recipe, **({"layer_recipes": {r"(^|\.)lm_head$": head}} if head else {})}
+    """An fxquant path's backend options: its recipe; the lm_head's where the path names one (the lm_head stays in
+    high precision by default); the passes it leaves out, to measure what a fusion is worth in the step."""
+    recipe, *extras = path.split(":", 1)[1].removesuffix(FP8_KV).split("+")
+    options = {"recipe": recipe}
+    for extra in extras:
+        key, _, value = ("+" + extra).partition("=")
+        if key + "=" == HEAD:
+            options["layer_recipes"] = {r"(^|\.)lm_head$": value}
+        elif key + "=" == WITHOUT:
+            options.setdefault("disable_passes", []).append(value)
+        else:
+            raise ValueError(f"bench.decode: path {path!r}: {key!r} is none of +head=, +without=, +fp8kv")
+    return options
 
 
 class Recording:

@@ -70,10 +70,15 @@ def test_graph_replays_times_each_replay():
 
 
 def test_a_head_path_quantizes_the_lm_head_under_its_own_recipe():
-    """fxquant:<recipe>+head=<recipe> adds the lm_head under the second recipe; the plain path keeps it in bf16."""
+    """fxquant:<recipe>+head=<recipe> adds the lm_head under the second recipe; the plain path keeps it in bf16;
+    +without= leaves a pass out."""
     assert recipe_options("fxquant:fp8_row") == {"recipe": "fp8_row"}
     assert recipe_options("fxquant:fp8_row+head=int8_wo+fp8kv") == {
         "recipe": "fp8_row", "layer_recipes": {r"(^|\.)lm_head$": "int8_wo"}}
+    assert recipe_options("fxquant:fp8_row+without=fuse_silu_mul+without=fuse_norm") == {
+        "recipe": "fp8_row", "disable_passes": ["fuse_silu_mul", "fuse_norm"]}
+    with pytest.raises(ValueError, match=r"'\+heads' is none of"):
+        recipe_options("fxquant:fp8_row+heads=int8_wo")
     heads = {}
     for path in ("fxquant:fp8_row", "fxquant:fp8_row+head=int8_wo"):
         model = small_llama()
