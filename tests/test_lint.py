@@ -148,15 +148,15 @@ def test_a_layer_whose_product_would_run_the_reference_on_the_gpu_is_reported_na
         warnings.simplefilter("always")
         compile_and_run(model, x, recipe=recipe, report=True)
     report = " ".join(capsys.readouterr().out.split())  # the report's findings wrap at 120 columns
-    warned = [str(w.message) for w in caught if "runs the fp32 reference GEMM, on the GPU too" in str(w.message)]
+    warned = [str(w.message) for w in caught if "runs the pure-torch reference, on the GPU too" in str(w.message)]
     why = SLOW_PATHS[recipe, dtype, K]
     if why is None:
-        assert "runs the fp32 reference GEMM" not in report and warned == []
+        assert "runs the pure-torch reference" not in report and warned == []
     else:
         name = str(dtype).removeprefix("torch.")
         severity = "warning" if device == "cuda" else "info"
-        assert report.count("runs the fp32 reference GEMM") == 1
-        finding = f"{severity}: 0: {recipe} on {name} activations runs the fp32 reference GEMM, on the GPU too: {why}"
+        assert report.count("runs the pure-torch reference") == 1
+        finding = f"{severity}: 0: {recipe} on {name} activations runs the pure-torch reference, on the GPU too: {why}"
         assert finding in report
         assert "run the model in bf16" in report
         assert len(warned) == (device == "cuda")
@@ -202,4 +202,4 @@ def test_quantize_in_place_reports_the_slow_path_too(capsys):
     fxquant.quantize_(linear_with_weight(torch.randn(32, 256) * 0.05, torch.float32).to(device),
                       {"recipe": "int4_wo", "report": True})
     report = " ".join(capsys.readouterr().out.split())
-    assert "0: int4_wo on float32 activations runs the fp32 reference GEMM, on the GPU too: they multiply" in report
+    assert "0: int4_wo on float32 activations runs the pure-torch reference, on the GPU too: they multiply" in report

@@ -109,9 +109,9 @@ def lint_layers(state, weights=()) -> list[Finding]:
             severity = "warning" if layer.device.type == "cuda" else "info"
             dtype = str(layer.dtype).removeprefix("torch.")
             findings.append(Finding(severity, "slow_path", layer.fqn, f"{layer.recipe} on {dtype} activations runs "
-                                    f"the fp32 reference GEMM, on the GPU too: {slow} (mxfp8's fp16 Llama prefill "
+                                    f"the pure-torch reference, on the GPU too: {slow} (an fp16 Llama's mxfp8 prefill "
                                     "took 14x as long there). Fix: run the model in bf16, or choose a recipe whose "
-                                    "kernels take it"))
+                                    "kernels take it (fp8_block quantizes activations in rows of 128)"))
         if len(layer.shape) == 2 and (layer.shape[0] % GEMM_TILE or layer.shape[1] % GEMM_TILE):
             findings.append(Finding("info", "tail", layer.fqn, f"[N, K] = {list(layer.shape)} is not a multiple "
                                     f"of {GEMM_TILE}: its GEMM runs masked tail tiles, a little slower"))
