@@ -28,7 +28,7 @@ def count(gm, *targets) -> int:
     return sum(node.target in targets for node in gm.graph.nodes)
 
 
-@pytest.mark.parametrize("recipe", ["fp8_row", "fp8_block", "int4_fp8"])
+@pytest.mark.parametrize("recipe", ["fp8_row", "fp8_block"])  # per token, and rows of 128
 def test_each_mlp_s_product_and_quantizer_become_one_op(llama, recipe):
     model, ids = llama
     fused, logits = pipeline(model, ids, recipe=recipe)
