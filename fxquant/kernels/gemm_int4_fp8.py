@@ -61,7 +61,7 @@ def cublas_supports(a: torch.Tensor, N: int, bias, out_dtype: torch.dtype) -> st
     return None
 
 
-def supports(a: torch.Tensor, w: torch.Tensor, group: int, out_dtype: torch.dtype) -> str | None:
+def supports(a: torch.Tensor, group: int, out_dtype: torch.dtype) -> str | None:
     """Why these kernels cannot compute the product, or None where they can."""
     if not a.is_cuda:
         return "it runs on CUDA devices (the CPU takes the reference)"

@@ -133,7 +133,7 @@ def _scaled_mm_int4_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, 
     accumulation, one cast to out_dtype: W4A8 on the fp8 tensor cores where the kernel serves, else the reference."""
     lead, K = a.shape[:-1], a.shape[-1]
     a2, s2 = a.reshape(-1, K), a_scale.reshape(-1, 1)
-    if gemm_int4_fp8.supports(a2, w, group_size, out_dtype) is None:
+    if gemm_int4_fp8.supports(a2, group_size, out_dtype) is None:
         out = gemm_int4_fp8.int4_fp8_mm(a2, s2, w, w_scale, w_zero_point, bias, out_dtype)
     else:
         qa = Quantized(a2, s2, "fp8_e4m3", activation_granularity(0), a2.shape, out_dtype)
