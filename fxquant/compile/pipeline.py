@@ -83,8 +83,9 @@ def prepare(gm: torch.fx.GraphModule, state: PipelineState, example_inputs=None,
 
 def _run(passes, gm: torch.fx.GraphModule, config: QuantConfig, stop_after: str | None = None,
          timings: list[PassTiming] | None = None) -> torch.fx.GraphModule:
-    """Each pass once, in order, up to the one named stop_after, leaving out config.disable_passes. Each recompiles the
-    graph's code where it changed the graph; torch's PassManager would recompile after every pass, changed or not:
+    """Each pass once, in order, up to the one named stop_after, leaving out config.disable_passes. A pass's graph is
+    recompiled where the pass changed it (`FxquantPass.__call__`); torch's PassManager would recompile after every
+    pass, changed or not:
     4.0 of the pipeline's 7.5 s in a cProfile of a 32-layer compile
     (docs/decisions/0013-pipeline-recompiles-only-changed-graphs.md)."""
     dump = os.environ.get("FXQUANT_DUMP_GRAPHS")

@@ -16,7 +16,4 @@ class Cleanup(FxquantPass):
     name = "cleanup"
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         modified = eliminate_dead_code(gm.graph)
-        if modified:
-            gm.graph.lint()
-            gm.recompile()
         return PassResult(gm, modified)

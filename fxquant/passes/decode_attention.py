@@ -119,10 +119,7 @@ class DecodeAttention(FxquantPass):
                     self.state.decode_attention.append(where)
             elif left and self.state is not None:
                 self.state.attention_left.append((where, left))
-        if modified:  # the repeats and eager chains left unread go with cleanup's dead-code pass
-            gm.graph.lint()
-            gm.recompile()
-        return PassResult(gm, modified)
+        return PassResult(gm, modified)  # the repeats and eager chains left unread go with cleanup's dead code
 
     def _rewrite(self, graph: torch.fx.Graph, out: torch.fx.Node, attention: Attention, writes: Writes) -> str | None:
         """Replaces the attention ending at `out` with the op and returns None; else, graph untouched, returns

@@ -65,7 +65,4 @@ class FreezeParams(FxquantPass):
             if node.op == "get_attr" and FQN_KEY not in node.meta:
                 node.meta[FQN_KEY] = node.target
                 node.meta[PARAMETER_KEY] = node.target in parameters
-        if modified:
-            gm.graph.lint()
-            gm.recompile()
         return PassResult(gm, modified)

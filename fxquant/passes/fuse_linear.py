@@ -50,7 +50,4 @@ class FuseLinear(FxquantPass):
             for node in (mm, a, a_scale, q):
                 gm.graph.erase_node(node)
             modified = True
-        if modified:
-            gm.graph.lint()
-            gm.recompile()
         return PassResult(gm, modified)

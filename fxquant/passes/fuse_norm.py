@@ -171,10 +171,7 @@ class FuseNorm(FxquantPass):
             where = norm_node if target_of(norm_node) in RMS_NORM | LAYER_NORM else out
             self.state.fused_norms.append(module_path(where) or where.name)
             modified = True
-        if modified:  # the norm's own nodes are dead now; cleanup drops them
-            graph.lint()
-            gm.recompile()
-        return PassResult(gm, modified)
+        return PassResult(gm, modified)  # the norm's own nodes are dead now; cleanup drops them
 
     @staticmethod
     def _quantizers(out):

@@ -74,9 +74,6 @@ class LocalizeShards(FxquantPass):
         for node in list(gm.graph.nodes):
             if node.op == "call_function" and self._localize(gm, node):
                 modified = True
-        if modified:
-            gm.graph.lint()
-            gm.recompile()
         return PassResult(gm, modified)
 
     def _localize(self, gm: torch.fx.GraphModule, linear: torch.fx.Node) -> bool:

@@ -56,9 +56,6 @@ class MergeLinear(FxquantPass):
         groups = [nodes for nodes in siblings.values() if len(nodes) > 1]
         for nodes in groups:
             self._merge(gm, nodes)
-        if groups or deduped:
-            gm.graph.lint()
-            gm.recompile()
         return PassResult(gm, bool(groups or deduped))
 
     def _merge(self, gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> None:

@@ -44,10 +44,7 @@ class PackGQA(FxquantPass):
         for sdpa in list(gm.graph.nodes):
             if sdpa.op == "call_function" and sdpa.target in SDPA and _pack(gm.graph, sdpa, writes):
                 modified = True
-        if modified:  # the repeats left unread go with cleanup's dead-code pass
-            gm.graph.lint()
-            gm.recompile()
-        return PassResult(gm, modified)
+        return PassResult(gm, modified)  # the repeats left unread go with cleanup's dead-code pass
 
 
 def _pack(graph: torch.fx.Graph, sdpa: torch.fx.Node, writes: Writes) -> bool:

@@ -73,8 +73,6 @@ class PackInt4Lanes(FxquantPass):
         if not modified:
             return PassResult(gm, False)
         gm.meta[LANES_KEY] = list(packed)
-        gm.graph.lint()
-        gm.recompile()
         return PassResult(gm, True)
 
     @staticmethod

@@ -90,9 +90,6 @@ class QuantizeLinear(FxquantPass):
             # gather, its own input.
             own = set(nodes) | {n for node in nodes for n in node.all_input_nodes}
             modified |= self._quantize_group(gm, nodes, [r for r in readers.get(key, ()) if r not in own])
-        if modified:
-            gm.graph.lint()
-            gm.recompile()
         return PassResult(gm, modified)
 
     def _quantize_group(self, gm, nodes: list[torch.fx.Node], others: list[torch.fx.Node]) -> bool:

@@ -73,7 +73,4 @@ class Upcast(FxquantPass):
             where = module_path(node)
             self.state.upcast.append(f"{where} ({found.kind})" if where else f"{node.name} ({found.kind})")
             modified = True
-        if modified:
-            graph.lint()
-            gm.recompile()
         return PassResult(gm, modified)
