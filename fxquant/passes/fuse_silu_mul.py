@@ -30,13 +30,14 @@ QUANTIZE = torch.ops.fxquant.quantize_fp8.default
 
 
 def _gated(product: torch.fx.Node):
-    """(gate, up) where product is silu(gate) * up, either order, with the silu feeding nothing else; else None."""
+    """(silu, gate, up) where product is silu(gate) * up, either order, with the silu feeding nothing else; else
+    None."""
     if target_of(product) not in MUL or len(product.args) != 2 or product.kwargs:
         return None
     for silu, up in (product.args, product.args[::-1]):
         if (isinstance(silu, torch.fx.Node) and isinstance(up, torch.fx.Node) and target_of(silu) in SILU
                 and len(silu.users) == 1 and not silu.kwargs.get("inplace", False) and len(silu.args) == 1):
-            return silu.args[0], up
+            return silu, silu.args[0], up
     return None
 
 
@@ -57,14 +58,14 @@ class FuseSiluMul(FxquantPass):
             if q.target is not QUANTIZE:
                 continue
             product, group = arguments(q)["x"], arguments(q)["group_size"]
-            pair = _gated(product) if isinstance(product, torch.fx.Node) and group >= 0 else None
-            if pair is None or len(product.users) > 1 or not _same_tensor_shape(*pair):
+            gated = _gated(product) if isinstance(product, torch.fx.Node) and group >= 0 else None
+            if gated is None or len(product.users) > 1 or not _same_tensor_shape(*gated[1:]):
                 continue
-            silu = next(arg for arg in product.args if target_of(arg) in SILU)
+            silu, gate, up = gated
             if not epochs[silu] == epochs[product] == epochs[q]:
                 continue  # a write between them: the fused op would read gate and up after it
             with gm.graph.inserting_before(q):
-                fused = gm.graph.call_function(torch.ops.fxquant.silu_mul_quantize_fp8.default, (*pair, group))
+                fused = gm.graph.call_function(torch.ops.fxquant.silu_mul_quantize_fp8.default, (gate, up, group))
             fused.meta.update(q.meta)
             q.replace_all_uses_with(fused)
             for node in (q, product, silu):

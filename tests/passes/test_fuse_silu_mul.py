@@ -65,11 +65,15 @@ class Gated(torch.nn.Module):
             return self.down(h) + h.sum(-1, keepdim=True)
         if self.reuse == "silu":
             return self.down(h) + s.sum(-1, keepdim=True)
+        if self.reuse == "both silu":  # silu(gate) * silu(up), the first silu read elsewhere: the second one fuses
+            both = s * torch.nn.functional.silu(self.up(x))
+            return self.down(both) + s.sum(-1, keepdim=True)
         return self.down(h)
 
 
 @pytest.mark.parametrize(("reuse", "recipe", "fused"), [("plain", "fp8_row", 1), ("product", "fp8_row", 0),
-                                                        ("silu", "fp8_row", 0), ("plain", "fp8_tensor", 0)])
+                                                        ("silu", "fp8_row", 0), ("both silu", "fp8_row", 1),
+                                                        ("plain", "fp8_tensor", 0)])
 def test_only_a_product_read_by_its_quantizer_alone_fuses(reuse, recipe, fused):
     torch.manual_seed(1)
     model = Gated(reuse).to(torch.bfloat16).eval()
