@@ -29,7 +29,8 @@ Run: python -m bench.decode [path ...] [--batches 1 16 64] [--prefill 1024] [--s
 paths: inductor, fxquant:<recipe>, fxquant:<recipe>+fp8kv (the same over fxquant.FP8StaticCache),
 fxquant:<recipe>+head=<recipe> (the lm_head quantized too, under the second recipe; +fp8kv may follow),
 fxquant:<recipe>+without=<pass> (without one of the pipeline's optional passes; repeatable),
-torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head and +without).
+fxquant:<recipe>+nopdl (every fxquant kernel launched without programmatic dependent launch),
+torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head, +without and +nopdl).
 
 Three phases. First, untimed, every path runs once in worker processes, --warm-jobs at a time, the longest first
 (warm_groups): each compile and autotune fills the on-disk caches (Inductor's FX graph and AOT caches, Triton's
@@ -61,6 +62,7 @@ import fxquant
 from bench import peers, workers
 from bench.common import LLAMA_3_VOCAB, header, llama, llama_config, table
 from fxquant.compile.backend import fxquant as fxquant_backend
+from fxquant.kernels.dependent_launch import dependent_launches
 
 CHECK_STEPS = 4  # the first decode steps: they compile, their logits are compared with eager's, and go untimed
 PREFILL_REPEATS = 5
@@ -199,6 +201,7 @@ class Decoder:
 
 
 FP8_KV = "+fp8kv"
+NO_PDL = "+nopdl"  # fxquant:<recipe>+nopdl: every kernel launched without programmatic dependent launch
 
 
 @contextlib.contextmanager
@@ -234,8 +237,10 @@ def recipe_options(path: str) -> dict:
             options["layer_recipes"] = {r"(^|\.)lm_head$": value}
         elif key + "=" == WITHOUT:
             options.setdefault("disable_passes", []).append(value)
+        elif key == NO_PDL:
+            continue  # a launch setting, not a backend option: work() applies it
         else:
-            raise ValueError(f"bench.decode: path {path!r}: {key!r} is none of +head=, +without=, +fp8kv")
+            raise ValueError(f"bench.decode: path {path!r}: {key!r} is none of +head=, +without=, +nopdl, +fp8kv")
     return options
 
 
@@ -332,26 +337,27 @@ def work(items: list[tuple[str, int]], args):
                     prompt, tokens[:, :CHECK_STEPS])[0] if compared else None
         current = None
         for path, batch in items:
-            if path != current:
-                current, decoder = path, None
-                torch._dynamo.reset()
-                gc.collect()
-                if args.device == "cuda":
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
-                start = time.perf_counter()
-                runner, forward, callables = compiled_forward(model, path, args.mode)
-                quantize_s = time.perf_counter() - start
-                if runner is not None:
-                    cache_class = fxquant.FP8StaticCache if path.endswith(FP8_KV) else T.StaticCache
-                    decoder = Decoder(runner, forward, args.device, max_len, cache_class, callables)
-            if decoder is None:
-                workers.print_row({"path": path, "batch": batch, "check": forward})
-                continue
-            row = one(decoder, path, batch, inputs[batch], eager[batch], quantize_s, args)
-            if args.warm:
-                peers.save_gemlite_tuning()
-            workers.print_row(row)
+            with dependent_launches(NO_PDL not in path):  # the path's launches, graphs captured included
+                if path != current:
+                    current, decoder = path, None
+                    torch._dynamo.reset()
+                    gc.collect()
+                    if args.device == "cuda":
+                        torch.cuda.empty_cache()
+                        torch.cuda.reset_peak_memory_stats()
+                    start = time.perf_counter()
+                    runner, forward, callables = compiled_forward(model, path, args.mode)
+                    quantize_s = time.perf_counter() - start
+                    if runner is not None:
+                        cache_class = fxquant.FP8StaticCache if path.endswith(FP8_KV) else T.StaticCache
+                        decoder = Decoder(runner, forward, args.device, max_len, cache_class, callables)
+                if decoder is None:
+                    workers.print_row({"path": path, "batch": batch, "check": forward})
+                    continue
+                row = one(decoder, path, batch, inputs[batch], eager[batch], quantize_s, args)
+                if args.warm:
+                    peers.save_gemlite_tuning()
+                workers.print_row(row)
 
 
 def one(decoder: Decoder, path: str, batch: int, inputs, eager, quantize_s: float, args) -> dict:

@@ -39,7 +39,7 @@ def decode_kernel_sass(fmt: str, stages: int | None = None) -> tuple[str, int]:
     signature = dict(zip(ARGS, types, strict=True))
     constexprs = dict(FMT=FORMATS[fmt], GROUP=GROUPS[fmt], HAS_ZP=fmt == "int4", HAS_BIAS=False, SPLIT_K=4,
                       DOT=tl.bfloat16, OUT=tl.bfloat16, CAST=0, EVEN_K=True, BLOCK_M=cfg["BLOCK_M"],
-                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PDL=False,
                       **dict.fromkeys(UNIT_STRIDES, 1))
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     attrs = {(ARGS.index(name),): [["tt.divisibility", 16]] for name in ARGS[:8] + list(DIVISIBLE)}

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import cast_float, float_cast_mode, interpreting
+from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.launch import cdiv, next_power_of_2, sm_count, visible
 
 HEAD_DIMS = (64, 128, 256)  # a power of two for the tile's columns; these cover the models served
@@ -43,8 +44,9 @@ def _decode_attention_split_kernel(
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     KV_CODES: tl.constexpr, SCALE_PER_TOKEN: tl.constexpr, MASK: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     HAS_LENS: tl.constexpr,
-    SOFTCAP: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     bh, split = tl.program_id(0), tl.program_id(1)
     b, h = bh // HKV, bh % HKV
     rows = tl.arange(0, BLOCK_M)  # row r: query head h * GROUPS + r // Q, position r % Q
@@ -121,8 +123,9 @@ def _decode_attention_merge_kernel(
     Q, GROUPS, sob, soh, soq,
     # meta-parameters
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
-    HAS_SINKS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
+    HAS_SINKS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     bh, row = tl.program_id(0), tl.program_id(1)  # one query row (head, position) per program
     b, h = bh // HKV, bh % HKV
     head, pos = h * GROUPS + row // Q, row % Q
@@ -210,13 +213,13 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
         SCALE_PER_TOKEN=per_token, MASK=0 if mask is None else 2 if mask.dtype == torch.bool else 1,
         MASK_PER_KEY=per_key,
         HAS_LENS=kv_lens is not None, SOFTCAP=softcap > 0, DOT=dot,
-        PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=warps, num_stages=2,
+        PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=warps, num_stages=2, **launch_options(q.device),
     )
     out = torch.empty_like(q)
     visible(_decode_attention_merge_kernel)[(batch * heads_kv, groups * queries)](
         o_part, lse_part, sinks if sinks is not None else q, out, queries, groups,
         out.stride(0), out.stride(1), out.stride(2),
         HKV=heads_kv, D=dim, BLOCK_M=block_m, SPLITS=splits, SPLITS_P2=next_power_of_2(splits),
-        HAS_SINKS=sinks is not None, OUT=FLOAT_TL[q.dtype], CAST=cast, num_warps=4,
+        HAS_SINKS=sinks is not None, OUT=FLOAT_TL[q.dtype], CAST=cast, num_warps=4, **launch_options(q.device),
     )
     return out

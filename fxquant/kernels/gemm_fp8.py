@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import capability, float_cast_mode, interpreting
+from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_fp8_tma import describable, launch_tma
 from fxquant.kernels.launch import cdiv, sm_count, visible
@@ -97,8 +98,9 @@ def _fp8_gemm_kernel(
     # meta-parameters
     BLOCK_SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
     CAST: tl.constexpr, SPLIT_K: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     pid_k = tl.program_id(1)
     pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
@@ -181,7 +183,7 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         asm, ask, bsn, bsk,
         BLOCK_SCALES=block_scales, SCALE_BLOCK=SCALE_BLOCK, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
-        CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split, **meta,
+        CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split, **meta, **launch_options(a.device),
     )
     if split > 1:
         reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])

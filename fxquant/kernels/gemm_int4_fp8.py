@@ -20,6 +20,7 @@ import triton.language as tl
 
 from fxquant.kernels.cast import cast_fp8, cast_mode
 from fxquant.kernels.codes import biased
+from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, visible
 from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
@@ -33,13 +34,12 @@ CUBLAS_ABOVE_M = 128  # the rows past which cuBLAS takes the product (docs/decis
 def int4_fp8_config(M: int, N: int) -> dict:
     """Tiles for an [M, K] x [N, K] W4A8 product, and past M = 128 the cuBLAS route where it takes the product."""
     if M <= 16:
-        # `--sweep` at M = 16 without split-K: narrow weights (N = 4096) wanted twice the programs, 19.6 -> 14.9 us on
-        # 4096x4096 and 63.6 -> 45.4 on 4096x14336 (still 0.71-0.90x bf16), the wider ones at most 5% from other
-        # tiles. A grid of 64-128 tiles leaves SMs idle while the weight streams, so K is split toward the fp8
-        # decode GEMM's program count (not yet swept for this kernel).
-        narrow = N <= 4096
-        return dict(BLOCK_M=16, BLOCK_N=32 if narrow else 64, GROUP_M=1, num_warps=4, num_stages=5 if narrow else 4,
-                    programs=TARGET_PROGRAMS)
+        # `--sweep --ms 1 16` at 56002f8 (int4_fp8_gemm_sweep_small_56002f8.txt): split K 8 ways with 128-wide tiles
+        # won on every shape measured, 12.6 -> 10.7 us on 4096x4096, 31.9 -> 26.8 on 14336x4096 and 34.2 -> 26.5 on
+        # 4096x14336 at M = 1 (1.13-1.26x bf16 cuBLAS): the narrow weights reach 8 slices at 264 programs (16 were
+        # slower at K = 14336), the wide ones at 1056.
+        return dict(BLOCK_M=16, BLOCK_N=128, GROUP_M=1, num_warps=4, num_stages=3,
+                    programs=TARGET_PROGRAMS if N <= 4096 else 4 * TARGET_PROGRAMS)
     if M <= CUBLAS_ABOVE_M:
         return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
     # At M = 1024 and 4096 on the Llama shapes cuBLAS ran at 1.05-1.09x and 1.23-1.27x bf16 cuBLAS, the kernel's best
@@ -106,7 +106,8 @@ def _int4_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, bias_pt
                      stride_am, stride_wn, stride_sn, stride_om,
                      HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
                      SPLIT_K: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     GROUP_M: tl.constexpr):
+                     GROUP_M: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     first, last = k_steps_of(pid_k, K, GROUP, SPLIT_K)  # this program's groups
@@ -195,7 +196,8 @@ def int4_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
         a.stride(0), w.stride(0), scale.stride(0), out.stride(0),
         HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
         CAST=cast_mode(_int4_fp8_kernel, a.device), SPLIT_K=split, GROUP=GROUP, BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **launch_options(a.device))
     if split > 1:
         reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])
     return out

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import capability, interpreting
+from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, visible
 from fxquant.kernels.splitk import reduce_partials
@@ -133,7 +134,8 @@ def _block_step(w_ptr, row0, stride_wn, t, step, N, z0, z1, x0, x1, x2, x3, x4, 
 @triton.jit
 def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, M, N, K, G, stride_am, stride_wn, stride_ws,
                      GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr, SPLIT_K: tl.constexpr,
-                     STAGES: tl.constexpr):
+                     STAGES: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     lane = tl.arange(0, 32)
     g = lane // 4
     t = lane % 4
@@ -252,5 +254,5 @@ def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split
         a.view(torch.int32), codes, lane_scale, lane_zero if lane_zero is not None else lane_scale, ws,
         M, N, K, K // group, a.stride(0) // 2, codes.stride(0), ws.stride(0),
         GROUP=group, HAS_ZP=lane_zero is not None, BF16=a.dtype == torch.bfloat16, SPLIT_K=split, STAGES=stages,
-        num_warps=1, num_stages=stages)
+        num_warps=1, num_stages=stages, **launch_options(a.device))
     return reduce_partials(ws, torch.empty((M, N), dtype=a.dtype, device=a.device), bias, TORCH_TO_TL[a.dtype])

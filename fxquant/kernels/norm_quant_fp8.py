@@ -13,6 +13,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from fxquant.kernels.cast import cast_float, cast_mode
+from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import next_power_of_2, visible
 from fxquant.kernels.quant_fp8 import quant_rows
@@ -40,8 +41,9 @@ def _norm_quant_fp8_kernel(
     # meta-parameters
     RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, LP: tl.constexpr,
     GROUP: tl.constexpr, FMAX: tl.constexpr, FP8: tl.constexpr, CAST: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -113,6 +115,6 @@ def norm_quant_fp8(x, weight=None, bias=None, eps=1e-6, group_size=0, *, rms=Tru
             RMS=rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
             LP=TORCH_TO_TL[x.dtype], GROUP=group_size or block, FMAX=E4M3_MAX, FP8=tl.float8e4nv,
             CAST=cast_mode(_norm_quant_fp8_kernel, x.device), AMAX_FLOOR=AMAX_FLOOR, BLOCK_D=block,
-            num_warps=min(16, max(1, block // 512)),
+            num_warps=min(16, max(1, block // 512)), **launch_options(x.device),
         )
     return codes, scales, h, stats

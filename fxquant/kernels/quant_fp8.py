@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import cast_float, cast_fp8, cast_mode
+from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.launch import cdiv, next_power_of_2, visible
 from fxquant.numerics.formats import AMAX_FLOOR, E4M3, E5M2
 
@@ -46,8 +47,9 @@ def _quant_fp8_rows_kernel(
     n_rows, row_len,
     # meta-parameters
     FMAX: tl.constexpr, FP8: tl.constexpr, CAST: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < row_len)
@@ -77,8 +79,9 @@ def _silu_mul_quant_fp8_kernel(
     n_rows, row_len, width, stride_gate, stride_up,
     # meta-parameters
     OUT: tl.constexpr, FMAX: tl.constexpr, FP8: tl.constexpr, CAST: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     """Quantizer rows of silu(gate) * up: row r is chunk r % (width / row_len) of token r // (width / row_len)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
@@ -190,6 +193,7 @@ def quantize_fp8_rows(x: torch.Tensor, row_len: int, fp8_dtype=torch.float8_e4m3
         programs, meta = _rows_plan(n_rows, row_len, fp8_dtype)
         visible(_quant_fp8_rows_kernel)[(programs,)](
             x, y, scale, n_rows, row_len, CAST=cast_mode(_quant_fp8_rows_kernel, x.device), **meta,
+            **launch_options(x.device),
         )
     return y, scale
 
@@ -214,7 +218,7 @@ def silu_mul_quantize_fp8_rows(gate: torch.Tensor, up: torch.Tensor, row_len: in
         programs, meta = _rows_plan(n_rows, row_len, fp8_dtype)
         visible(_silu_mul_quant_fp8_kernel)[(programs,)](
             gate2, up2, y, scale, n_rows, row_len, width, gate2.stride(0), up2.stride(0), OUT=FLOAT_TYPES[gate.dtype],
-            CAST=cast_mode(_silu_mul_quant_fp8_kernel, gate.device), **meta,
+            CAST=cast_mode(_silu_mul_quant_fp8_kernel, gate.device), **meta, **launch_options(gate.device),
         )
     return y, scale
 

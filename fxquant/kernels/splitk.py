@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import cast_float, float_cast_mode
+from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.launch import cdiv, visible
 
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs) keep loads in flight while one waits
@@ -37,7 +38,9 @@ def _splitk_reduce_kernel(
     M, N, stride_cm, stride_cn,
     # meta-parameters
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -59,6 +62,6 @@ def reduce_partials(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | No
     visible(_splitk_reduce_kernel)[(cdiv(M * N, block),)](
         ws, out, bias if bias is not None else ws, M, N, out.stride(0), out.stride(1),
         SPLIT_K=split, HAS_BIAS=bias is not None, OUT=out_tl, CAST=float_cast_mode(_splitk_reduce_kernel),
-        BLOCK=block, num_warps=2,
+        BLOCK=block, num_warps=2, **launch_options(out.device),
     )
     return out

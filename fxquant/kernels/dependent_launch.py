@@ -1,0 +1,54 @@
+"""Programmatic dependent launch (sm_90+): a kernel starts while the one before it in the stream finishes.
+
+A kernel launched with `launch_pdl` may have its programs resident while the previous kernel's last programs still
+run. Each of its programs first waits (griddepcontrol.wait) until that kernel has finished and its writes are
+visible, then lets the next kernel begin its own launch. Between the dozen dependent kernels of a decode layer this
+hides the launch and tail each one otherwise waits for; stream capture keeps the edges, so CUDA graphs keep it.
+
+The wait comes before any load or store, so every result is the serial launch's, bit for bit. After a kernel
+launched without it (Inductor's, cuBLAS's), a kernel launched with it starts when that one ends, as before.
+FXQUANT_PDL=0 in the environment, or `dependent_launches(False)`, turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from fxquant.kernels.cast import capability
+from fxquant.kernels.launch import inlined
+
+ON = {"PDL": True, "launch_pdl": True}
+OFF = {"PDL": False}
+_enabled = [os.environ.get("FXQUANT_PDL", "1") != "0"]
+
+
+def launch_options(device: torch.device) -> dict:
+    """The PDL constexpr, and the launch option where it is on: a GPU of sm_90 or later, and kernels not inlined
+    for tracing (Inductor's launcher would take the option for a kernel argument). Off on the CPU's interpreter."""
+    if _enabled[0] and device.type == "cuda" and not inlined() and capability(device) >= (9, 0):
+        return ON
+    return OFF
+
+
+@contextlib.contextmanager
+def dependent_launches(enabled: bool):
+    """Launches inside the block use programmatic dependent launch or not; a CUDA graph keeps what its capture saw."""
+    before, _enabled[0] = _enabled[0], enabled
+    try:
+        yield
+    finally:
+        _enabled[0] = before
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """A kernel's first statement: where launched dependent, wait for the previous kernel's writes, then let the
+    next kernel start launching (it waits in turn, so starting it early is safe)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
