@@ -8,7 +8,8 @@ Per path, in one process:
   non-finite logits fail the path;
 - decode: median ms per step over the steps after those, on the same static cache, the host's share of it (until
   the call returns), tokens/s, and the host ms inside CUDA graph replay() calls, unprofiled (graph replay ms);
-- profile (--profile-batches, in a worker process of its own after the timed one): GPU kernel ms per step, with the
+- profile (--profile-batches, in a worker process of its own after the timed one, launching without programmatic
+  dependent launch, whose waiting kernels would count their wait): GPU kernel ms per step, with the
   table of kernels, and where the host's time goes, from the profiler's host ranges per step: dynamo's guards, the
   compiled region (dynamo's frame running the backend's callable), Inductor's compiled-graph call within it
   (CUDA-graph tree bookkeeping and the launch), and the graph launch itself; for fxquant, its wrapper's own per-call
@@ -337,7 +338,9 @@ def work(items: list[tuple[str, int]], args):
                     prompt, tokens[:, :CHECK_STEPS])[0] if compared else None
         current = None
         for path, batch in items:
-            with dependent_launches(NO_PDL not in path):  # the path's launches, graphs captured included
+            # The path's launches, graphs captured included. A profile launches without PDL: a kernel launched dependent
+            # is resident while it waits for the one before, and the profile would count the wait as its time.
+            with dependent_launches(NO_PDL not in path and not args.profile_only):
                 if path != current:
                     current, decoder = path, None
                     torch._dynamo.reset()
