@@ -7,7 +7,8 @@ hides the launch and tail each one otherwise waits for; stream capture keeps the
 
 The wait comes before any load or store, so every result is the serial launch's, bit for bit. After a kernel
 launched without it (Inductor's, cuBLAS's), a kernel launched with it starts when that one ends, as before.
-FXQUANT_PDL=0 in the environment, or `dependent_launches(False)`, turns it off.
+FXQUANT_PDL=0 in the environment, or `dependent_launches(False)`, turns it off. Measured: 6.5% of the 32-layer
+fp8_row step's GPU time at B1 (docs/decisions/0018-programmatic-dependent-launch.md).
 """
 
 from __future__ import annotations
