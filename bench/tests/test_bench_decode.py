@@ -77,5 +77,6 @@ def test_path_suffixes_become_backend_options():
         "recipe": "fp8_row", "layer_recipes": {r"(^|\.)lm_head$": "int8_wo"}}
     assert recipe_options("fxquant:fp8_row+without=fuse_silu_mul+without=fuse_norm") == {
         "recipe": "fp8_row", "disable_passes": ["fuse_silu_mul", "fuse_norm"]}
+    assert recipe_options("fxquant:fp8_row+nopdl") == {"recipe": "fp8_row"}  # a launch setting, applied by work()
     with pytest.raises(ValueError, match=r"'\+heads' is none of"):
         recipe_options("fxquant:fp8_row+heads=int8_wo")
