@@ -153,7 +153,8 @@ class Decoder:
                    "graph launch ms": f"{spans('cudaGraphLaunch'):.3f}"}
         if self.callables:
             numbers["fxquant wrapper us"] = f"{self.wrapper_us(prompt, tokens):.1f}"
-        return numbers, events.table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=70)
+        # 30 rows: every kind of kernel a decode layer launches (about 15), the small ones included
+        return numbers, events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70)
 
     def wrapper_us(self, prompt, tokens, calls: int = 200, repeats: int = 15) -> float:
         """Microseconds of host time per decode step in fxquant's QuantizedCallable itself (its checks of the
