@@ -7,6 +7,7 @@ from fxquant.compile.lint import NumericsError
 from fxquant.config import RECIPES, QuantConfig, from_options
 from fxquant.io.checkpoint import load_quantized, save_quantized
 from fxquant.io.export import export, load, package
+from fxquant.kernels.dependent_launch import dependent_launches
 from fxquant.modules.inplace import quantize_
 from fxquant.modules.quantized_experts import QuantizedExperts
 from fxquant.modules.quantized_linear import QuantizedLinear
@@ -17,9 +18,9 @@ from fxquant.numerics.quantized import Quantized
 
 __all__ = [
     "FORMATS", "FP8StaticCache", "RECIPES", "FloatFormat", "Granularity", "InspectReport", "IntFormat", "NumericsError",
-    "QuantConfig", "Quantized", "QuantizedExperts", "QuantizedLinear", "backend", "dequantize", "empty_weights",
-    "export", "from_options", "generate", "inspect", "kv_scales_of", "load", "load_quantized", "package", "quantize",
-    "quantize_", "save_quantized",
+    "QuantConfig", "Quantized", "QuantizedExperts", "QuantizedLinear", "backend", "dependent_launches", "dequantize",
+    "empty_weights", "export", "from_options", "generate", "inspect", "kv_scales_of", "load", "load_quantized",
+    "package", "quantize", "quantize_", "save_quantized",
 ]
 
 

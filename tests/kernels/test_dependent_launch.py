@@ -4,8 +4,9 @@ kernels gives the serial launch's bits, eagerly and replayed from a CUDA graph."
 import pytest
 import torch
 
+import fxquant
 from fxquant.kernels.cast import capability
-from fxquant.kernels.dependent_launch import OFF, ON, dependent_launches, launch_options
+from fxquant.kernels.dependent_launch import OFF, ON, launch_options
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
 from fxquant.kernels.launch import kernels_inlined
 from fxquant.kernels.quant_fp8 import quantize_fp8_rows, silu_mul_quantize_fp8_rows
@@ -20,7 +21,7 @@ def test_it_is_off_on_the_cpu_while_inlined_and_when_turned_off():
         assert launch_options(cuda) == ON
         with kernels_inlined():  # Inductor's launcher would take the launch option for a kernel argument
             assert launch_options(cuda) == OFF
-        with dependent_launches(False):
+        with fxquant.dependent_launches(False):  # the public switch
             assert launch_options(cuda) == OFF
         assert launch_options(cuda) == ON
 
@@ -48,7 +49,7 @@ def test_a_dependent_chain_gives_the_serial_launch_s_bits_eagerly_and_in_a_cuda_
 
     weights = [(*weight(2 * inner, dim), *weight(dim, inner)) for _ in range(6)]
     x = torch.randn(4, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    with dependent_launches(False):
+    with fxquant.dependent_launches(False):
         want = chain(x, weights)
     assert torch.isfinite(want).all() and want.abs().max() > 0
     assert torch.equal(chain(x, weights), want)
