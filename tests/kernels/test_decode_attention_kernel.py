@@ -128,6 +128,37 @@ def test_codes_meet_queries_past_fp16s_range_and_values_far_below_it():
     check(q, kc, vc, torch.bfloat16, k_scale=ks, v_scale=vs)
 
 
+def needle_in_noise(heads_q, heads_kv, keys, dim, seed):
+    """q, and a cache of N(0, 1) noise holding one needle for query head 0: a key along its query whose score is
+    the log of the noise's summed weight (so it takes about half of that head's attention) and a value of 4s.
+    Returns (q, k, v, the needle's position)."""
+    q, k, v = operands(1, heads_q, heads_kv, 1, keys, dim, torch.float32, seed=seed)
+    scale = dim ** -0.5
+    noise_weight = torch.logsumexp((q[0, 0, 0] @ k[0, 0].T) * scale, 0)
+    at = keys * 3 // 4
+    k[0, 0, at] = q[0, 0, 0] * noise_weight / (q[0, 0, 0].pow(2).sum() * scale)
+    v[0, 0, at] = 4.0
+    return q.bfloat16(), k.bfloat16(), v.bfloat16(), at
+
+
+@pytest.mark.parametrize("keys, heads, dim", [
+    (16384, (4, 1), 64),  # under the interpreter too
+    pytest.param(131072, (32, 8), 128, marks=pytest.mark.gpu),  # Llama-3-8B's heads at 128k
+], ids=["16k", "128k_llama"])
+def test_a_needle_far_back_in_a_long_fp8_cache_keeps_its_weight(keys, heads, dim):
+    """Long-context accuracy over e4m3 codes (an fp8 cache's accumulation error once took a serving engine's
+    needle-in-a-haystack score from 91% to 13%): across every split and the merge, the kernel gives the reference's
+    attention over the same codes, and the needle keeps its half of head 0's attention as it does over bf16."""
+    q, k, v, at = needle_in_noise(*heads, keys, dim, seed=11)
+    (kc, ks), (vc, vs) = fp8_cache(k), fp8_cache(v)
+    assert num_splits(heads[1], keys, q.device) > 8
+    got, _ = check(q, kc, vc, torch.bfloat16, k_scale=ks, v_scale=vs)
+    over_bf16 = RA.decode_attention(q, k, v)
+    needle = got[0, 0, 0].float().mean() / 4.0  # the needle's share of head 0's output (the noise averages ~0)
+    assert 0.4 < needle < 0.6, needle
+    assert rel_err(got[0, 0], over_bf16[0, 0]) < 0.05, rel_err(got[0, 0], over_bf16[0, 0])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.gpu
 def test_llama_3_8b_heads_at_4k_on_the_gpu(dtype):
