@@ -123,6 +123,27 @@ def test_compiled_decode_reads_the_codes_and_stays_within_the_bound(arch, on_the
     assert count(prefill, ATTENTION) == 0 and count(prefill, DEQUANTIZE_KV) == 2 * layers
 
 
+@pytest.mark.slow
+def test_a_16k_token_decode_over_the_codes_stays_within_the_bound(on_the_cpu):
+    """Long context: a 16384-token prompt, then compiled steps whose attention reads the codes (on a GPU the
+    kernel splits the 16k keys across programs and merges them), each step within the bound of the fake-quantized
+    cache, as at 8 tokens."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    length = 16384
+    model = decoder("llama", max_position_embeddings=length + 8).to(device)
+    prompt = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(3)).to(device)
+    steps = STEPS[:1, :4].to(device)
+    run = lambda m, forward, **kwargs: static_decode(m, forward, prompt, steps, max_len=length + 4, **kwargs)
+    fake = run(model, model, cache_class=FakeQuantizedCache)
+    wide = copy.deepcopy(model).float()
+    exact = run(wide, wide, cache_class=FakeQuantizedCache)
+    unquantized = run(model, model)
+    got = run(model, compiled_graphs(model)[0], cache_class=FP8StaticCache)
+    for step in range(1, len(got)):  # the decode steps
+        distance, bound = angle(got[step], fake[step]), 2 * angle(fake[step], exact[step])
+        assert distance <= bound and distance < angle(unquantized[step], fake[step]), (step, distance, bound)
+
+
 @pytest.mark.parametrize("recipe", ["fp8_row", "int4_wo"])
 def test_a_quantized_model_with_the_fp8_cache_stays_within_the_fake_quantized_bound(recipe):
     model = decoder("llama")
