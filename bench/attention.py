@@ -91,8 +91,8 @@ def sweep(batches, contexts, codes: bool) -> None:
             (k, k_scale), (v, v_scale) = (fp8_cache(k), fp8_cache(v)) if codes else ((k, None), (v, None))
             mask = torch.zeros(batch, 1, 1, context, device="cuda", dtype=torch.bfloat16)
             row = {"B": batch, "context": context}
-            for plan in [(2, 4, 4, 64), (2, 2, 4, 128), (2, 4, 8, 128), (4, 2, 4, 64), (2, 8, 4, 64), (1, 4, 8, 128),
-                         (2, 4, 2, 64)]:
+            for plan in [(2, 4, 4, 64), (2, 2, 4, 64), (2, 2, 4, 128), (2, 4, 8, 128), (4, 2, 4, 64), (2, 8, 4, 64),
+                         (1, 4, 8, 128), (2, 4, 2, 64)]:
                 fn = lambda plan=plan: decode_attention(q, k, v, mask, DIM**-0.5, 0.0, None, k_scale, v_scale, None,
                                                         plan=plan)
                 row[str(plan)] = f"{1e3 * graph_time_ms(fn, [()]):.1f}"

@@ -12,8 +12,10 @@ Columns:
   path under reduce-overhead): tokens/s and first token ms.
 
 Paths: nothing (the fxquant backend with nothing quantized: Inductor's bf16 code; transformers' generate() runs
-Inductor itself) or a recipe name; either followed by +nopdl launches every fxquant kernel without programmatic
-dependent launch (fxquant/kernels/dependent_launch.py), to measure what it is worth.
+Inductor itself) or a recipe name; either followed by bench.decode's launch settings: +nopdl launches every fxquant
+kernel without programmatic dependent launch (fxquant/kernels/dependent_launch.py), +noprefetch keeps GEMMs from
+prefetching their weight before they wait, +reducekernel sums split GEMMs in the reduce kernel, to measure what each
+is worth.
 
 Run: python -m bench.generate [--paths nothing fp8_row int4_wo] [--batches 1 16 64] [--transformers-batches 1]
 [--prefill 1024] [--new 256] [--layers 32] [--hidden 4096] [--vocab 128256] [--device cuda]
@@ -27,10 +29,9 @@ import transformers as T
 
 import fxquant
 from bench.common import LLAMA_3_VOCAB, header, llama, table
-from bench.decode import NO_PDL, sync
+from bench.decode import launch_settings, sync
 from fxquant.decode_loop import CHECK_EVERY
 from fxquant.generation import kept, last_run, release
-from fxquant.kernels.dependent_launch import dependent_launches
 
 REPLAYS = 32  # graph replays timed back to back for the GPU's ms per step
 
@@ -80,12 +81,12 @@ def gpu_ms_per_step(model, prompt) -> float | None:
 
 
 def row(model, path: str, batch: int, args) -> dict:
-    with dependent_launches(not path.endswith(NO_PDL)):  # the graphs it captures keep it
+    with launch_settings(path):  # the graphs it captures keep them
         return planned_row(model, path, batch, args)
 
 
 def planned_row(model, path: str, batch: int, args) -> dict:
-    recipe = path.removesuffix(NO_PDL)
+    recipe = path.split("+")[0]
     options = {"include": []} if recipe == "nothing" else {"recipe": recipe}
     prompt = torch.randint(0, args.vocab, (batch, args.prefill), device=args.device)
     kwargs = dict(max_new_tokens=args.new, do_sample=False, options=options)

@@ -25,6 +25,9 @@ MAX_SPLITS = 64
 # within 1% at 8 of 9 points from batch 1 to 64 and 1k to 16k keys; more, shorter splits lost to their merge (B1 4k:
 # 14.7 us against 19.1 at two blocks and 29.6 at one; docs/decisions/0010-decode-attention-split-kv.md).
 DEFAULT_PLAN = (2, 4, 4, 64)  # keys per block: a [64, 128] bf16 tile of K and of V is 16 KB each
+# Up to 2048 keys of a high-precision cache, two blocks a split: B1 1k 7.1 us against 9.0 at four (at B16 and B64
+# within 0.5%); at 4k four win (14.7 against 19.1).
+SHORT_PLAN, SHORT_KEYS = (2, 2, 4, 64), 2048
 # e4m3 codes over 128 (batch, KV head) pairs or more (B16 up, at 8 KV heads): 2 warps. H200, 4k keys: B64 192 us
 # against 318 at 4 warps, B16 67.0 against 67.2; at B1 4 warps stay (11.3 us against 13.1 at 2).
 CODES_PLAN, CODES_PLAN_PAIRS = (2, 4, 2, 64), 128
@@ -185,7 +188,10 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
     groups = heads_q // heads_kv
     block_m = max(16, next_power_of_2(groups * queries))
     codes = k.dtype == torch.float8_e4m3fn
-    default = CODES_PLAN if codes and batch * heads_kv >= CODES_PLAN_PAIRS else DEFAULT_PLAN
+    if codes:
+        default = CODES_PLAN if batch * heads_kv >= CODES_PLAN_PAIRS else DEFAULT_PLAN
+    else:
+        default = SHORT_PLAN if keys <= SHORT_KEYS else DEFAULT_PLAN
     programs_per_sm, blocks_per_split, warps, block_n = plan or default
     splits = num_splits(batch * heads_kv, keys, q.device, programs_per_sm, blocks_per_split, block_n)
     split_len = cdiv(cdiv(keys, splits), block_n) * block_n

@@ -13,7 +13,8 @@ Two scale layouts:
 - block scales (1x128 activations, 128x128 weights): a_scale [M, K/128], b_scale [N/128, K/128], folded into
   the fp32 accumulator at every 128-wide K step, since they change along K.
 M/N/K tails are masked. Tile shapes come from `gemm_configs.py`, tuned per M bucket on the H200. Small M
-splits K across programs (`splitk.py`); the row scales are linear, so each K slice applies them to its partial.
+splits K across programs (`splitk.py`); the row scales are linear, so each K slice applies them to its partial, and
+the slice that finishes last for a tile sums them.
 Past M = 128 on sm_90+, operands that tensor descriptors can read go to the persistent TMA kernel
 (`gemm_fp8_tma.py`), about 20% faster there than this one (docs/decisions/0003-persistent-tma-fp8-gemm.md).
 """
@@ -27,11 +28,11 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import capability, float_cast_mode, interpreting
-from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
+from fxquant.kernels.dependent_launch import launch_options, prefetch_lines, prefetch_steps, wait_for_previous
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_fp8_tma import describable, launch_tma
 from fxquant.kernels.launch import cdiv, sm_count, visible
-from fxquant.kernels.splitk import reduce_partials, split_k
+from fxquant.kernels.splitk import counters, reduce_partials, split_k, sum_if_last_slice
 from fxquant.kernels.tiles import k_steps_of, store_tile, tile_offsets
 
 SCALE_BLOCK = 128  # the 1x128 / 128x128 scale block
@@ -89,7 +90,7 @@ def fp8_scale_tile(acc, a_scale_ptr, b_scale_ptr, offs_m, offs_n, M, N, stride_a
 @triton.jit
 def _fp8_gemm_kernel(
     # pointers
-    a_ptr, b_ptr, c_ptr, ws_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    a_ptr, b_ptr, c_ptr, ws_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, counter_ptr,
     # sizes
     M, N, K,
     # strides
@@ -97,19 +98,26 @@ def _fp8_gemm_kernel(
     stride_asm, stride_ask, stride_bsn, stride_bsk,
     # meta-parameters
     BLOCK_SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
-    CAST: tl.constexpr, SPLIT_K: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
+    CAST: tl.constexpr, SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
-    wait_for_previous(PDL)
     pid_k = tl.program_id(1)
     pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
+    if PREFETCH > 0:  # the slice's first K steps of weight into L2 while the previous kernel ends (one line a step)
+        prefetch_lines(b_ptr, b_ptr + offs_n.to(tl.int64) * stride_bn + first_k * BLOCK_K * stride_bk, offs_n < N,
+                       last_k - first_k, PREFETCH, BLOCK_K * stride_bk)
+    wait_for_previous(PDL)
     acc = fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n, M, N, K, first_k, last_k,
                          stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn, stride_bsk,
                          BLOCK_SCALES, SCALE_BLOCK, COMPILER_PROMOTES, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = fp8_scale_tile(acc, a_scale_ptr, b_scale_ptr, offs_m, offs_n, M, N, stride_asm, stride_bsn, BLOCK_SCALES)
     store_tile(acc, c_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, pid_k,
                HAS_BIAS, SPLIT_K, OUT, CAST)
+    if LAST_SLICE_SUMS:
+        sum_if_last_slice(ws_ptr, c_ptr, bias_ptr, counter_ptr, tl.program_id(0), offs_m, offs_n, M, N,
+                          stride_cm, stride_cn, HAS_BIAS, SPLIT_K, OUT, CAST)
 
 
 def is_block_scaled(a_scale: torch.Tensor, b_scale: torch.Tensor, N: int) -> bool:
@@ -177,14 +185,17 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
                    cast=float_cast_mode(_fp8_gemm_kernel), cfg=meta, sms=sm_count(a.device))
         return out
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
+    count = counters(a.device, tiles) if split > 1 else None
+    options = launch_options(a.device)
     visible(_fp8_gemm_kernel)[(tiles, split)](
-        a, b, out, ws, a_scale, b_scale, bias if bias is not None else out,
+        a, b, out, ws, a_scale, b_scale, bias if bias is not None else out, count if count is not None else ws,
         M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         asm, ask, bsn, bsk,
         BLOCK_SCALES=block_scales, SCALE_BLOCK=SCALE_BLOCK, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
-        CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split, **meta, **launch_options(a.device),
+        CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split, LAST_SLICE_SUMS=count is not None, **meta,
+        **options, PREFETCH=prefetch_steps(options, cdiv(cdiv(K, meta["BLOCK_K"]), split)),
     )
-    if split > 1:
+    if split > 1 and count is None:
         reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])
     return out

@@ -23,7 +23,7 @@ from fxquant.kernels.codes import biased
 from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, visible
-from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
+from fxquant.kernels.splitk import TARGET_PROGRAMS, counters, reduce_partials, split_k, sum_if_last_slice
 from fxquant.kernels.tiles import k_steps_of, store_tile, tile_offsets
 
 GROUP = 128  # the only weight group these kernels take: one group per K step
@@ -102,11 +102,11 @@ def group_zeros(w_zero_ptr, offs_n, mask_n, g, stride_sn, HAS_ZP: tl.constexpr):
 
 
 @triton.jit
-def _int4_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, bias_ptr, out_ptr, ws_ptr, M, N, K,
-                     stride_am, stride_wn, stride_sn, stride_om,
+def _int4_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
+                     M, N, K, stride_am, stride_wn, stride_sn, stride_om,
                      HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
-                     SPLIT_K: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     GROUP_M: tl.constexpr, PDL: tl.constexpr):
+                     SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, GROUP: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
@@ -126,10 +126,13 @@ def _int4_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, bias_pt
         acc += tl.dot(a, tl.trans(w8)) * scale[None, :]
         a_ptrs += GROUP
         w_ptrs += GROUP // 2
-    # The token's scale is linear: each K slice applies it to its own partial before the reduce sums them.
+    # The token's scale is linear: each K slice applies it to its own partial before they are summed.
     acc *= tl.load(a_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
     store_tile(acc, out_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, 1, pid_k, HAS_BIAS, SPLIT_K, OUT,
                CAST)
+    if LAST_SLICE_SUMS:
+        sum_if_last_slice(ws_ptr, out_ptr, bias_ptr, counter_ptr, tl.program_id(0), offs_m, offs_n, M, N, stride_om,
+                          1, HAS_BIAS, SPLIT_K, OUT, CAST)
 
 
 @triton.jit
@@ -191,13 +194,15 @@ def int4_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
     split = split_k(tiles, K // GROUP, cfg["programs"]) if cfg.get("programs") else 1
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
+    count = counters(a.device, tiles) if split > 1 else None
     visible(_int4_fp8_kernel)[(tiles, split)](
-        a, a_scale.reshape(M).contiguous(), w, scale, zero, bias if bias is not None else out, out, ws, M, N, K,
+        a, a_scale.reshape(M).contiguous(), w, scale, zero, bias if bias is not None else out, out, ws,
+        count if count is not None else ws, M, N, K,
         a.stride(0), w.stride(0), scale.stride(0), out.stride(0),
         HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
-        CAST=cast_mode(_int4_fp8_kernel, a.device), SPLIT_K=split, GROUP=GROUP, BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **launch_options(a.device))
-    if split > 1:
+        CAST=cast_mode(_int4_fp8_kernel, a.device), SPLIT_K=split, LAST_SLICE_SUMS=count is not None, GROUP=GROUP,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **launch_options(a.device))
+    if split > 1 and count is None:
         reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])
     return out

@@ -20,7 +20,8 @@ cost each K step 16 scattered 4-byte copies per warp, which kept the L1 busiest 
 A code q becomes the exact integer q - z from bits, with no int -> float conversion: q ORed into the mantissa of
 128.0 (bf16, ulp 1) or 1024.0 (f16) is 128 + q, and one packed FMA adds -(128 + z). The eight MMAs of a step chain
 through one fp32 accumulator, which the group's fp32 scale then multiplies, as in `gemm_weight_only`'s int4 path.
-K is split across programs, each writing fp32 partials that `reduce_partials` sums in a fixed order and casts.
+K is split across programs, each writing fp32 partials that the tile's last slice (`splitk.py`) sums in a fixed order
+and casts.
 `tl.range`'s pipeliner keeps STAGES steps of codes, scales, zero points and activations in flight as asynchronous
 copies while one is multiplied.
 
@@ -37,11 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
-from fxquant.kernels.cast import capability, interpreting
-from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
+from fxquant.kernels.cast import capability, float_cast_mode, interpreting
+from fxquant.kernels.dependent_launch import launch_options, prefetch_lines, prefetch_steps, wait_for_previous
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, visible
-from fxquant.kernels.splitk import reduce_partials
+from fxquant.kernels.splitk import counters, reduce_partials, sum_if_last_slice
 
 STEP_K = 128  # codes per row per K step: 4 lanes x 32; int4 groups must be multiples of it
 ROWS = 64  # weight rows per program: four 16-row MMA blocks
@@ -132,10 +133,10 @@ def _block_step(w_ptr, row0, stride_wn, t, step, N, z0, z1, x0, x1, x2, x3, x4, 
 
 
 @triton.jit
-def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, M, N, K, G, stride_am, stride_wn, stride_ws,
-                     GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr, SPLIT_K: tl.constexpr,
-                     STAGES: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
+def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counter_ptr, M, N, K, G, stride_am,
+                     stride_wn, stride_ws, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr,
+                     SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
+                     CAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     lane = tl.arange(0, 32)
     g = lane // 4
     t = lane % 4
@@ -149,6 +150,11 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, M, N, K, G, stride_am, 
     per_slice = tl.cdiv(steps, SPLIT_K)
     first = tl.program_id(1) * per_slice
     last = tl.minimum(first + per_slice, steps)
+    if PREFETCH > 0:  # the slice's first codes into L2 while the previous kernel ends: a line is 2 steps of a row
+        tile_rows = tile * 64 + tl.arange(0, 64)
+        prefetch_lines(w_ptr, w_ptr + tile_rows.to(tl.int64) * stride_wn + first * 16, tile_rows < N,
+                       tl.cdiv(last - first, 2), PREFETCH, 32)
+    wait_for_previous(PDL)
     acc0 = tl.zeros((32, 4), tl.float32)
     acc1 = tl.zeros((32, 4), tl.float32)
     acc2 = tl.zeros((32, 4), tl.float32)
@@ -188,6 +194,9 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, M, N, K, G, stride_am, 
     tl.store(out + (m + 1) * N + rows0, acc1, mask=(rows0 < N) & (m + 1 < M))
     tl.store(out + m * N + rows1, acc2, mask=(rows1 < N) & (m < M))
     tl.store(out + (m + 1) * N + rows1, acc3, mask=(rows1 < N) & (m + 1 < M))
+    if LAST_SLICE_SUMS:
+        sum_if_last_slice(ws_ptr, c_ptr, bias_ptr, counter_ptr, tile, tl.arange(0, MAX_M),
+                          tile * 64 + tl.arange(0, 64), M, N, N, 1, HAS_BIAS, SPLIT_K, OUT, CAST)
 
 
 def lane_layout_shape(N: int, K: int, group: int) -> tuple[int, ...]:
@@ -250,9 +259,16 @@ def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split
     N = codes.shape[0]
     split = split or int4_mma_split(N, K)
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device)
-    visible(_int4_mma_kernel)[(cdiv(N, ROWS), split)](
-        a.view(torch.int32), codes, lane_scale, lane_zero if lane_zero is not None else lane_scale, ws,
+    out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    tiles = cdiv(N, ROWS)
+    count = counters(a.device, tiles)
+    options = launch_options(a.device)
+    visible(_int4_mma_kernel)[(tiles, split)](
+        a.view(torch.int32), codes, lane_scale, lane_zero if lane_zero is not None else lane_scale, ws, out,
+        bias if bias is not None else out, count if count is not None else ws,
         M, N, K, K // group, a.stride(0) // 2, codes.stride(0), ws.stride(0),
-        GROUP=group, HAS_ZP=lane_zero is not None, BF16=a.dtype == torch.bfloat16, SPLIT_K=split, STAGES=stages,
-        num_warps=1, num_stages=stages, **launch_options(a.device))
-    return reduce_partials(ws, torch.empty((M, N), dtype=a.dtype, device=a.device), bias, TORCH_TO_TL[a.dtype])
+        GROUP=group, HAS_ZP=lane_zero is not None, BF16=a.dtype == torch.bfloat16, SPLIT_K=split,
+        LAST_SLICE_SUMS=count is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[a.dtype],
+        CAST=float_cast_mode(_int4_mma_kernel), STAGES=stages, num_warps=1, num_stages=stages,
+        **options, PREFETCH=prefetch_steps(options, cdiv(cdiv(K // STEP_K, split), 2)))
+    return out if count is not None else reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])

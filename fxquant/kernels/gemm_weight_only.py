@@ -36,7 +36,7 @@ from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, visible
-from fxquant.kernels.splitk import TARGET_PROGRAMS, reduce_partials, split_k
+from fxquant.kernels.splitk import TARGET_PROGRAMS, counters, reduce_partials, split_k, sum_if_last_slice
 from fxquant.kernels.tiles import k_steps_of, store_tile, tile_offsets
 
 
@@ -101,14 +101,14 @@ def wo_scale_tile(acc, s_ptr, gs_ptr, offs_n, N, stride_sn, FMT: tl.constexpr):
 @triton.jit
 def _wo_gemm_kernel(
     # pointers
-    a_ptr, w_ptr, s_ptr, z_ptr, gs_ptr, c_ptr, ws_ptr, bias_ptr,
+    a_ptr, w_ptr, s_ptr, z_ptr, gs_ptr, c_ptr, ws_ptr, bias_ptr, counter_ptr,
     # sizes
     M, N, K,
     # strides (the weight's in its own elements: bytes for int8, int32 words of packed codes for 4-bit)
     stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk, stride_cm, stride_cn,
     # meta-parameters
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, EVEN_K: tl.constexpr,
+    LAST_SLICE_SUMS: tl.constexpr, DOT: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
@@ -121,6 +121,9 @@ def _wo_gemm_kernel(
     acc = wo_scale_tile(acc, s_ptr, gs_ptr, offs_n, N, stride_sn, FMT)
     store_tile(acc, c_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, pid_k,
                HAS_BIAS, SPLIT_K, OUT, CAST)
+    if LAST_SLICE_SUMS:
+        sum_if_last_slice(ws_ptr, c_ptr, bias_ptr, counter_ptr, tl.program_id(0), offs_m, offs_n, M, N,
+                          stride_cm, stride_cn, HAS_BIAS, SPLIT_K, OUT, CAST)
 
 
 def wo_gemm_config(M: int, K: int, fmt: str) -> dict:
@@ -244,17 +247,20 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
     tiles, split, meta = plan
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
+    count = counters(a.device, tiles) if split > 1 else None
     visible(_wo_gemm_kernel)[(tiles, split)](
         a, codes, scale, zero_point if zero_point is not None else scale,
         global_scale if global_scale is not None else scale, out, ws, bias if bias is not None else out,
+        count if count is not None else ws,
         M, N, K,
         a.stride(0), a.stride(1), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
         out.stride(0), out.stride(1),
         FMT=FORMATS[fmt], GROUP=group or 1, HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None,
-        SPLIT_K=split, DOT=tl.float32 if interpreting(_wo_gemm_kernel) else TORCH_TO_TL[a.dtype],
+        SPLIT_K=split, LAST_SLICE_SUMS=count is not None,
+        DOT=tl.float32 if interpreting(_wo_gemm_kernel) else TORCH_TO_TL[a.dtype],
         OUT=TORCH_TO_TL[a.dtype], CAST=float_cast_mode(_wo_gemm_kernel), **meta, **launch_options(a.device),
     )
-    if split > 1:
+    if split > 1 and count is None:
         reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])
     return out
 

@@ -1,13 +1,24 @@
 """Split-K where the output tiles are too few for the SMs: the K loop is cut into SPLIT_K slices run by separate
-programs, each writing an fp32 partial; one reduce kernel sums them in a fixed order (deterministic, unlike
-atomics), adds the bias and casts.
+programs, each writing an fp32 partial; the partials are summed in a fixed order (deterministic, unlike atomic adds
+into the output), the bias added and the sum cast once.
 
 At decode (M <= 16), and at medium M where the tile configs ask for it, a GEMM's time is mostly weight bytes /
 bandwidth, and an N-only grid of 32-64 tiles leaves most of the 132 SMs idle; cutting K gives every SM a slice of
 the weight to stream.
+
+Who sums: the slice that finishes last for its tile (`sum_if_last_slice`). Each slice stores its partial, then
+counts itself in at the tile's counter; the one that sees every other slice counted reads the partials back in
+slice order, writes the output and resets the counter. A decode layer thus launches one kernel per GEMM instead of
+two. The counters are zeros kept per (device, stream), so GEMMs on two streams never share them, and each GEMM
+leaves them zero. The separate reduce kernel (`reduce_partials`) stays for GEMMs traced into a package (a kept
+buffer is not an input Inductor can see), for more tiles than there are counters, and where
+`reduce_in_gemm(False)` or FXQUANT_SPLIT_REDUCE=kernel asks. Both give the same bits.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
 
 import torch
 import triton
@@ -15,9 +26,12 @@ import triton.language as tl
 
 from fxquant.kernels.cast import cast_float, float_cast_mode
 from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
-from fxquant.kernels.launch import cdiv, visible
+from fxquant.kernels.launch import cdiv, inlined, visible
 
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs) keep loads in flight while one waits
+COUNTERS = 16384  # output tiles a split GEMM may have and still sum in its last slice: 64 KB of int32 a stream
+_in_gemm = [os.environ.get("FXQUANT_SPLIT_REDUCE", "gemm") != "kernel"]
+_counters: dict[tuple, torch.Tensor] = {}
 
 
 def split_k(tiles: int, k_steps: int, programs: int = TARGET_PROGRAMS) -> int:
@@ -65,3 +79,47 @@ def reduce_partials(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | No
         BLOCK=block, num_warps=2, **launch_options(out.device),
     )
     return out
+
+
+@triton.jit
+def sum_if_last_slice(ws_ptr, c_ptr, bias_ptr, counter_ptr, tile, offs_m, offs_n, M, N, stride_cm, stride_cn,
+                      HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr):
+    """After this program stored its partial of output tile `tile` (rows offs_m, columns offs_n) in ws [SPLIT_K, M,
+    N]: count it in, and if it is the tile's last slice, sum the partials in slice order (the reduce kernel's
+    order, so its bits), add the bias, cast into C and zero the counter for the next GEMM."""
+    tl.debug_barrier()  # every thread's partial is stored before the count releases it
+    done = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if done == SPLIT_K - 1:
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        at = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        acc = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):  # read through L2 (.cg): other SMs wrote these
+            acc += tl.load(ws_ptr + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, cast_float(acc, OUT, CAST), mask=mask)
+        tl.store(counter_ptr + tile, 0)  # the next GEMM waits for this one to end before it counts
+
+
+def counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The zeroed tile counters of the current stream, where the last slice of a split GEMM of `tiles` output tiles
+    is to sum it: on a GPU (or the interpreter) outside a package's tracing, within COUNTERS tiles, unless turned off.
+    None: launch `reduce_partials` after the GEMM."""
+    if not _in_gemm[0] or inlined() or tiles > COUNTERS:
+        return None
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    if key not in _counters:
+        _counters[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return _counters[key]
+
+
+@contextlib.contextmanager
+def reduce_in_gemm(enabled: bool):
+    """Split GEMMs launched inside the block sum in their last slice (True) or through the reduce kernel (False)."""
+    before, _in_gemm[0] = _in_gemm[0], enabled
+    try:
+        yield
+    finally:
+        _in_gemm[0] = before

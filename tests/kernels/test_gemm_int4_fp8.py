@@ -12,7 +12,7 @@ import torch
 
 from fxquant.kernels import gemm_int4_fp8
 from fxquant.kernels.gemm_int4_fp8 import GROUP, cublas_int4_fp8, cublas_supports, int4_as_e4m3, int4_fp8_mm, supports
-from fxquant.kernels.splitk import reduce_partials
+from fxquant.kernels.splitk import reduce_in_gemm, reduce_partials
 from fxquant.numerics import reference as R
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,11 +61,13 @@ def test_past_m_128_cublas_computes_it_within_the_gpu_bound(symmetric, monkeypat
 
 
 def test_at_decode_k_is_split_and_the_slices_summed_once(monkeypatch):
-    """Few output tiles: each K slice writes its scaled fp32 partial, one reduce adds them and the bias and casts."""
+    """Few output tiles: each K slice writes its scaled fp32 partial, and the reduce kernel, where asked for, adds them
+    and the bias and casts (by default the last slice does: tests/kernels/test_split_sums.py)."""
     sums = []
     monkeypatch.setattr(gemm_int4_fp8, "reduce_partials", lambda ws, *a: sums.append(ws.shape[0]) or
                         reduce_partials(ws, *a))
-    test_the_product_is_the_exact_one_rounded_at_the_store((3, 64, 1024), True, "default")
+    with reduce_in_gemm(False):
+        test_the_product_is_the_exact_one_rounded_at_the_store((3, 64, 1024), True, "default")
     assert sums == [2]
 
 
