@@ -195,7 +195,7 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
     tl.store(out + m * N + rows1, acc2, mask=(rows1 < N) & (m < M))
     tl.store(out + (m + 1) * N + rows1, acc3, mask=(rows1 < N) & (m + 1 < M))
     if LAST_SLICE_SUMS:
-        sum_if_last_slice(ws_ptr, c_ptr, bias_ptr, counter_ptr, tile, tl.arange(0, MAX_M),
+        sum_if_last_slice(ws_ptr, c_ptr, bias_ptr, counter_ptr, tile, tl.arange(0, 8),  # MAX_M rows
                           tile * 64 + tl.arange(0, 64), M, N, N, 1, HAS_BIAS, SPLIT_K, OUT, CAST)
 
 

@@ -9,16 +9,18 @@ the weight to stream.
 Who sums: the slice that finishes last for its tile (`sum_if_last_slice`). Each slice stores its partial, then
 counts itself in at the tile's counter; the one that sees every other slice counted reads the partials back in
 slice order, writes the output and resets the counter. A decode layer thus launches one kernel per GEMM instead of
-two. The counters are zeros kept per (device, stream), so GEMMs on two streams never share them, and each GEMM
-leaves them zero. The separate reduce kernel (`reduce_partials`) stays for GEMMs traced into a package (a kept
-buffer is not an input Inductor can see), for more tiles than there are counters, and where
-`reduce_in_gemm(False)` or FXQUANT_SPLIT_REDUCE=kernel asks. Both give the same bits.
+two. The counters are zeros kept per device, and each GEMM leaves them zero; the next GEMM on the stream counts only
+once this one has ended. Split GEMMs that run at once on two streams of one device would count on the same
+counters: give them FXQUANT_SPLIT_REDUCE=kernel. The separate reduce kernel (`reduce_partials`) stays for GEMMs
+traced into a package (a kept buffer is not an input Inductor can see), for more tiles than there are counters,
+and where `reduce_in_gemm(False)` or FXQUANT_SPLIT_REDUCE=kernel asks. Both give the same bits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import torch
 import triton
@@ -31,7 +33,7 @@ from fxquant.kernels.launch import cdiv, inlined, visible
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs) keep loads in flight while one waits
 COUNTERS = 16384  # output tiles a split GEMM may have and still sum in its last slice: 64 KB of int32 a stream
 _in_gemm = [os.environ.get("FXQUANT_SPLIT_REDUCE", "gemm") != "kernel"]
-_counters: dict[tuple, torch.Tensor] = {}
+_counters: dict[torch.device, torch.Tensor] = {}
 
 
 def split_k(tiles: int, k_steps: int, programs: int = TARGET_PROGRAMS) -> int:
@@ -103,16 +105,40 @@ def sum_if_last_slice(ws_ptr, c_ptr, bias_ptr, counter_ptr, tile, offs_m, offs_n
 
 
 def counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The zeroed tile counters of the current stream, where the last slice of a split GEMM of `tiles` output tiles
-    is to sum it: on a GPU (or the interpreter) outside a package's tracing, within COUNTERS tiles, unless turned off.
-    None: launch `reduce_partials` after the GEMM."""
+    """The device's zeroed tile counters, where the last slice of a split GEMM of `tiles` output tiles is to sum it:
+    outside a package's tracing, within COUNTERS tiles, unless turned off, and once they exist. They are made at the
+    first such GEMM outside a CUDA graph capture (a graph's private pool would own them, and a later graph reuse
+    that memory); a capture that finds none yet launches the reduce kernel. None: launch `reduce_partials`."""
     if not _in_gemm[0] or inlined() or tiles > COUNTERS:
         return None
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    if key not in _counters:
-        _counters[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return _counters[key]
+    kept = _counters.get(device)
+    if kept is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        kept = _counters[device] = _zeros_outside_graph_pools(device)
+    return kept
+
+
+def _zeros_outside_graph_pools(device: torch.device) -> torch.Tensor:
+    """COUNTERS int32 zeros in the caching allocator's ordinary memory. Made on a thread of their own: while
+    torch.compile's CUDA graphs warm up, every allocation of the calling thread goes to their pool, which must hold
+    only what the graph outputs. The thread waits for the zeros to be written."""
+    made = []
+
+    def make():
+        try:
+            made.append(torch.zeros(COUNTERS, dtype=torch.int32, device=device))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except Exception as error:  # raised again on the caller's thread
+            made.append(error)
+
+    thread = threading.Thread(target=make)
+    thread.start()
+    thread.join()
+    if isinstance(made[0], Exception):
+        raise made[0]
+    return made[0]
 
 
 @contextlib.contextmanager
