@@ -30,8 +30,8 @@ Run: python -m bench.decode [path ...] [--batches 1 16 64] [--prefill 1024] [--s
 paths: inductor, fxquant:<recipe>, fxquant:<recipe>+fp8kv (the same over fxquant.FP8StaticCache),
 fxquant:<recipe>+head=<recipe> (the lm_head quantized too, under the second recipe; +fp8kv may follow),
 fxquant:<recipe>+without=<pass> (without one of the pipeline's optional passes; repeatable),
-fxquant:<recipe>+nopdl (every fxquant kernel launched without programmatic dependent launch), +noprefetch (GEMMs
-not prefetching their weight before they wait), +reducekernel (split GEMMs summed by the reduce kernel),
+fxquant:<recipe>+nopdl (every fxquant kernel launched without programmatic dependent launch), +reducekernel (split
+GEMMs summed by the reduce kernel, not by their last slice),
 torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head, +without and the launch
 settings).
 
@@ -65,7 +65,7 @@ import fxquant
 from bench import peers, workers
 from bench.common import LLAMA_3_VOCAB, header, llama, llama_config, table
 from fxquant.compile.backend import fxquant as fxquant_backend
-from fxquant.kernels.dependent_launch import dependent_launches, weight_prefetch
+from fxquant.kernels.dependent_launch import dependent_launches
 from fxquant.kernels.splitk import reduce_in_gemm
 
 CHECK_STEPS = 4  # the first decode steps: they compile, their logits are compared with eager's, and go untimed
@@ -207,18 +207,16 @@ class Decoder:
 
 FP8_KV = "+fp8kv"
 NO_PDL = "+nopdl"  # fxquant:<recipe>+nopdl: every kernel launched without programmatic dependent launch
-NO_PREFETCH = "+noprefetch"  # GEMMs do not ask L2 for their weight's first lines before they wait
 REDUCE_KERNEL = "+reducekernel"  # split-K GEMMs summed by the reduce kernel, not by their last slice
-LAUNCH_SETTINGS = (NO_PDL, NO_PREFETCH, REDUCE_KERNEL)
+LAUNCH_SETTINGS = (NO_PDL, REDUCE_KERNEL)
 
 
 @contextlib.contextmanager
 def launch_settings(path: str, profiled: bool = False):
     """The path's launch settings for the launches inside the block, graphs captured included. A profile launches
     without PDL: a kernel launched dependent is resident while it waits for the one before, and the profile would
-    count the wait as its time (and so without the prefetch, which comes before that wait)."""
-    with (dependent_launches(NO_PDL not in path and not profiled), weight_prefetch(NO_PREFETCH not in path),
-          reduce_in_gemm(REDUCE_KERNEL not in path)):
+    count the wait as its time."""
+    with dependent_launches(NO_PDL not in path and not profiled), reduce_in_gemm(REDUCE_KERNEL not in path):
         yield
 
 

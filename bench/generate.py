@@ -13,9 +13,8 @@ Columns:
 
 Paths: nothing (the fxquant backend with nothing quantized: Inductor's bf16 code; transformers' generate() runs
 Inductor itself) or a recipe name; either followed by bench.decode's launch settings: +nopdl launches every fxquant
-kernel without programmatic dependent launch (fxquant/kernels/dependent_launch.py), +noprefetch keeps GEMMs from
-prefetching their weight before they wait, +reducekernel sums split GEMMs in the reduce kernel, to measure what each
-is worth.
+kernel without programmatic dependent launch (fxquant/kernels/dependent_launch.py), +reducekernel sums split GEMMs
+in the reduce kernel, to measure what each is worth.
 
 Run: python -m bench.generate [--paths nothing fp8_row int4_wo] [--batches 1 16 64] [--transformers-batches 1]
 [--prefill 1024] [--new 256] [--layers 32] [--hidden 4096] [--vocab 128256] [--device cuda]

@@ -77,7 +77,7 @@ def test_path_suffixes_become_backend_options():
         "recipe": "fp8_row", "layer_recipes": {r"(^|\.)lm_head$": "int8_wo"}}
     assert recipe_options("fxquant:fp8_row+without=fuse_silu_mul+without=fuse_norm") == {
         "recipe": "fp8_row", "disable_passes": ["fuse_silu_mul", "fuse_norm"]}
-    for setting in ("+nopdl", "+noprefetch", "+reducekernel"):  # launch settings, applied by work()
+    for setting in ("+nopdl", "+reducekernel"):  # launch settings, applied by work()
         assert recipe_options("fxquant:fp8_row" + setting) == {"recipe": "fp8_row"}
     with pytest.raises(ValueError, match=r"'\+heads' is none of"):
         recipe_options("fxquant:fp8_row+heads=int8_wo")
@@ -86,8 +86,8 @@ def test_path_suffixes_become_backend_options():
 def test_launch_settings_turn_off_what_the_path_names_and_only_inside_the_block():
     from fxquant.kernels import dependent_launch, splitk
 
-    with launch_settings("fxquant:fp8_row+noprefetch+reducekernel"):
-        assert dependent_launch._enabled[0] and not dependent_launch._prefetch[0] and not splitk._in_gemm[0]
+    with launch_settings("fxquant:fp8_row+reducekernel"):
+        assert dependent_launch._enabled[0] and not splitk._in_gemm[0]
     with launch_settings("fxquant:fp8_row", profiled=True):  # a profile launches without PDL
-        assert not dependent_launch._enabled[0] and dependent_launch._prefetch[0] and splitk._in_gemm[0]
-    assert dependent_launch._enabled[0] and dependent_launch._prefetch[0] and splitk._in_gemm[0]
+        assert not dependent_launch._enabled[0] and splitk._in_gemm[0]
+    assert dependent_launch._enabled[0] and splitk._in_gemm[0]

@@ -25,9 +25,9 @@ MAX_SPLITS = 64
 # within 1% at 8 of 9 points from batch 1 to 64 and 1k to 16k keys; more, shorter splits lost to their merge (B1 4k:
 # 14.7 us against 19.1 at two blocks and 29.6 at one; docs/decisions/0010-decode-attention-split-kv.md).
 DEFAULT_PLAN = (2, 4, 4, 64)  # keys per block: a [64, 128] bf16 tile of K and of V is 16 KB each
-# Up to 2048 keys of a high-precision cache, two blocks a split: B1 1k 7.1 us against 9.0 at four (at B16 and B64
-# within 0.5%); at 4k four win (14.7 against 19.1).
-SHORT_PLAN, SHORT_KEYS = (2, 2, 4, 64), 2048
+# Up to 4096 keys of a high-precision cache, two blocks a split: at B1 5.0 / 6.2 / 8.4 us at 1k / 2k / 4k against
+# 7.1 / 7.4 / 9.0 at four blocks, at B16 within 0.3% (bench/results/2026-12-04/attention_plans_e7ddc1a.txt).
+SHORT_PLAN, SHORT_KEYS = (2, 2, 4, 64), 4096
 # e4m3 codes over 128 (batch, KV head) pairs or more (B16 up, at 8 KV heads): 2 warps. H200, 4k keys: B64 192 us
 # against 318 at 4 warps, B16 67.0 against 67.2; at B1 4 warps stay (11.3 us against 13.1 at 2).
 CODES_PLAN, CODES_PLAN_PAIRS = (2, 4, 2, 64), 128

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import capability, float_cast_mode, interpreting
-from fxquant.kernels.dependent_launch import launch_options, prefetch_lines, prefetch_steps, wait_for_previous
+from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_fp8_tma import describable, launch_tma
 from fxquant.kernels.launch import cdiv, sm_count, visible
@@ -100,15 +100,11 @@ def _fp8_gemm_kernel(
     BLOCK_SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
     CAST: tl.constexpr, SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     pid_k = tl.program_id(1)
     pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
-    if PREFETCH > 0:  # the slice's first K steps of weight into L2 while the previous kernel ends (one line a step)
-        prefetch_lines(b_ptr, b_ptr + offs_n.to(tl.int64) * stride_bn + first_k * BLOCK_K * stride_bk, offs_n < N,
-                       last_k - first_k, PREFETCH, BLOCK_K * stride_bk)
-    wait_for_previous(PDL)
     acc = fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n, M, N, K, first_k, last_k,
                          stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn, stride_bsk,
                          BLOCK_SCALES, SCALE_BLOCK, COMPILER_PROMOTES, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -186,7 +182,6 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
         return out
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     count = counters(a.device, tiles) if split > 1 else None
-    options = launch_options(a.device)
     visible(_fp8_gemm_kernel)[(tiles, split)](
         a, b, out, ws, a_scale, b_scale, bias if bias is not None else out, count if count is not None else ws,
         M, N, K,
@@ -194,7 +189,7 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
         asm, ask, bsn, bsk,
         BLOCK_SCALES=block_scales, SCALE_BLOCK=SCALE_BLOCK, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
         CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split, LAST_SLICE_SUMS=count is not None, **meta,
-        **options, PREFETCH=prefetch_steps(options, cdiv(cdiv(K, meta["BLOCK_K"]), split)),
+        **launch_options(a.device),
     )
     if split > 1 and count is None:
         reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import capability, float_cast_mode, interpreting
-from fxquant.kernels.dependent_launch import launch_options, prefetch_lines, prefetch_steps, wait_for_previous
+from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, visible
 from fxquant.kernels.splitk import counters, reduce_partials, sum_if_last_slice
@@ -136,7 +136,8 @@ def _block_step(w_ptr, row0, stride_wn, t, step, N, z0, z1, x0, x1, x2, x3, x4, 
 def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counter_ptr, M, N, K, G, stride_am,
                      stride_wn, stride_ws, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr,
                      SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
-                     CAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                     CAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     lane = tl.arange(0, 32)
     g = lane // 4
     t = lane % 4
@@ -150,11 +151,6 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
     per_slice = tl.cdiv(steps, SPLIT_K)
     first = tl.program_id(1) * per_slice
     last = tl.minimum(first + per_slice, steps)
-    if PREFETCH > 0:  # the slice's first codes into L2 while the previous kernel ends: a line is 2 steps of a row
-        tile_rows = tile * 64 + tl.arange(0, 64)
-        prefetch_lines(w_ptr, w_ptr + tile_rows.to(tl.int64) * stride_wn + first * 16, tile_rows < N,
-                       tl.cdiv(last - first, 2), PREFETCH, 32)
-    wait_for_previous(PDL)
     acc0 = tl.zeros((32, 4), tl.float32)
     acc1 = tl.zeros((32, 4), tl.float32)
     acc2 = tl.zeros((32, 4), tl.float32)
@@ -262,7 +258,6 @@ def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     tiles = cdiv(N, ROWS)
     count = counters(a.device, tiles)
-    options = launch_options(a.device)
     visible(_int4_mma_kernel)[(tiles, split)](
         a.view(torch.int32), codes, lane_scale, lane_zero if lane_zero is not None else lane_scale, ws, out,
         bias if bias is not None else out, count if count is not None else ws,
@@ -270,5 +265,5 @@ def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split
         GROUP=group, HAS_ZP=lane_zero is not None, BF16=a.dtype == torch.bfloat16, SPLIT_K=split,
         LAST_SLICE_SUMS=count is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[a.dtype],
         CAST=float_cast_mode(_int4_mma_kernel), STAGES=stages, num_warps=1, num_stages=stages,
-        **options, PREFETCH=prefetch_steps(options, cdiv(cdiv(K // STEP_K, split), 2)))
+        **launch_options(a.device))
     return out if count is not None else reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])

@@ -1,5 +1,4 @@
-"""Programmatic dependent launch: on where the GPU has it (sm_90+) and nowhere else, weights prefetched only before
-a wait, and a chain of dependent
+"""Programmatic dependent launch: on where the GPU has it (sm_90+) and nowhere else, and a chain of dependent
 kernels gives the serial launch's bits, eagerly and replayed from a CUDA graph."""
 
 import pytest
@@ -7,7 +6,7 @@ import torch
 
 import fxquant
 from fxquant.kernels.cast import capability
-from fxquant.kernels.dependent_launch import OFF, ON, PREFETCH_LINES, launch_options, prefetch_steps, weight_prefetch
+from fxquant.kernels.dependent_launch import OFF, ON, launch_options
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
 from fxquant.kernels.launch import kernels_inlined
 from fxquant.kernels.quant_fp8 import quantize_fp8_rows, silu_mul_quantize_fp8_rows
@@ -67,9 +66,3 @@ def test_a_dependent_chain_gives_the_serial_launch_s_bits_eagerly_and_in_a_cuda_
         graph.replay()
         assert torch.equal(got, want)
 
-
-def test_weights_are_prefetched_only_where_a_kernel_waits():
-    assert prefetch_steps(OFF, 8) == 0  # no wait to hide it behind
-    assert prefetch_steps(ON, 3) == 4 and prefetch_steps(ON, 100) == PREFETCH_LINES and prefetch_steps(ON, 0) == 0
-    with weight_prefetch(False):
-        assert prefetch_steps(ON, 8) == 0
