@@ -26,7 +26,7 @@ MAX_SPLITS = 64
 # 14.7 us against 19.1 at two blocks and 29.6 at one; docs/decisions/0010-decode-attention-split-kv.md).
 DEFAULT_PLAN = (2, 4, 4, 64)  # keys per block: a [64, 128] bf16 tile of K and of V is 16 KB each
 # Up to 4096 keys of a high-precision cache, two blocks a split: at B1 5.0 / 6.2 / 8.4 us at 1k / 2k / 4k against
-# 7.1 / 7.4 / 9.0 at four blocks, at B16 within 0.3% (bench/results/2026-12-04/attention_plans_e7ddc1a.txt).
+# 7.1 / 7.4 / 9.0 at four blocks, at B16 within 0.3% (docs/decisions/0020-decode-attention-two-blocks-up-to-4k.md).
 SHORT_PLAN, SHORT_KEYS = (2, 2, 4, 64), 4096
 # e4m3 codes over 128 (batch, KV head) pairs or more (B16 up, at 8 KV heads): 2 warps. H200, 4k keys: B64 192 us
 # against 318 at 4 warps, B16 67.0 against 67.2; at B1 4 warps stay (11.3 us against 13.1 at 2).

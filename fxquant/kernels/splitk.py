@@ -13,7 +13,8 @@ two. The counters are zeros kept per device, and each GEMM leaves them zero; the
 once this one has ended. Split GEMMs that run at once on two streams of one device would count on the same
 counters: give them FXQUANT_SPLIT_REDUCE=kernel. The separate reduce kernel (`reduce_partials`) stays for GEMMs
 traced into a package (a kept buffer is not an input Inductor can see), for more tiles than there are counters,
-and where `reduce_in_gemm(False)` or FXQUANT_SPLIT_REDUCE=kernel asks. Both give the same bits.
+and where `reduce_in_gemm(False)` or FXQUANT_SPLIT_REDUCE=kernel asks. Both give the same bits
+(docs/decisions/0019-split-k-summed-by-the-last-slice.md).
 """
 
 from __future__ import annotations
