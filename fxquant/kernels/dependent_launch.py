@@ -13,7 +13,6 @@ fp8_row step's GPU time at B1 (docs/decisions/0018-programmatic-dependent-launch
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -21,7 +20,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import capability
-from fxquant.kernels.launch import inlined
+from fxquant.kernels.launch import inlined, set_inside
 
 ON = {"PDL": True, "launch_pdl": True}
 OFF = {"PDL": False}
@@ -36,14 +35,9 @@ def launch_options(device: torch.device) -> dict:
     return OFF
 
 
-@contextlib.contextmanager
 def dependent_launches(enabled: bool):
     """Launches inside the block use programmatic dependent launch or not; a CUDA graph keeps what its capture saw."""
-    before, _enabled[0] = _enabled[0], enabled
-    try:
-        yield
-    finally:
-        _enabled[0] = before
+    return set_inside(_enabled, enabled)
 
 
 @triton.jit

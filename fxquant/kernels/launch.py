@@ -48,11 +48,16 @@ def inlined() -> bool:
 
 
 @contextlib.contextmanager
-def kernels_inlined():
-    """While on, tracing (torch.export's functionalization, AOTInductor) sees into the fxquant ops: their torch ops
-    and their Triton kernels, instead of opaque `fxquant::` calls."""
-    before, _inlined[0] = _inlined[0], True
+def set_inside(cell: list, value):
+    """cell[0] is `value` inside the block and what it was before after it: the module-level launch switches."""
+    before, cell[0] = cell[0], value
     try:
         yield
     finally:
-        _inlined[0] = before
+        cell[0] = before
+
+
+def kernels_inlined():
+    """While on, tracing (torch.export's functionalization, AOTInductor) sees into the fxquant ops: their torch ops
+    and their Triton kernels, instead of opaque `fxquant::` calls."""
+    return set_inside(_inlined, True)

@@ -19,7 +19,6 @@ and where `reduce_in_gemm(False)` or FXQUANT_SPLIT_REDUCE=kernel asks. Both give
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 
@@ -29,7 +28,7 @@ import triton.language as tl
 
 from fxquant.kernels.cast import cast_float, float_cast_mode
 from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
-from fxquant.kernels.launch import cdiv, inlined, visible
+from fxquant.kernels.launch import cdiv, inlined, set_inside, visible
 
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs) keep loads in flight while one waits
 COUNTERS = 16384  # output tiles a split GEMM may have and still sum in its last slice: 64 KB of int32 a stream
@@ -142,11 +141,6 @@ def _zeros_outside_graph_pools(device: torch.device) -> torch.Tensor:
     return made[0]
 
 
-@contextlib.contextmanager
 def reduce_in_gemm(enabled: bool):
     """Split GEMMs launched inside the block sum in their last slice (True) or through the reduce kernel (False)."""
-    before, _in_gemm[0] = _in_gemm[0], enabled
-    try:
-        yield
-    finally:
-        _in_gemm[0] = before
+    return set_inside(_in_gemm, enabled)
