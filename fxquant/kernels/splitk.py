@@ -31,7 +31,7 @@ from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.launch import cdiv, inlined, set_inside, visible
 
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs) keep loads in flight while one waits
-COUNTERS = 16384  # output tiles a split GEMM may have and still sum in its last slice: 64 KB of int32 a stream
+COUNTERS = 16384  # output tiles a split GEMM may have and still sum in its last slice: 64 KB of int32 a device
 _in_gemm = [os.environ.get("FXQUANT_SPLIT_REDUCE", "gemm") != "kernel"]
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -107,7 +107,7 @@ def sum_if_last_slice(ws_ptr, c_ptr, bias_ptr, counter_ptr, tile, offs_m, offs_n
 def counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     """The device's zeroed tile counters, where the last slice of a split GEMM of `tiles` output tiles is to sum it:
     outside a package's tracing, within COUNTERS tiles, unless turned off, and once they exist. They are made at the
-    first such GEMM outside a CUDA graph capture (a graph's private pool would own them, and a later graph reuse
+    first such GEMM outside a CUDA graph capture (a graph's private pool would own them, and a later graph would reuse
     that memory); a capture that finds none yet launches the reduce kernel. None: launch `reduce_partials`."""
     if not _in_gemm[0] or inlined() or tiles > COUNTERS:
         return None
