@@ -21,9 +21,9 @@ from fxquant.kernels.launch import cdiv, next_power_of_2, sm_count, visible
 HEAD_DIMS = (64, 128, 256)  # a power of two for the tile's columns; these cover the models served
 MAX_ROWS = 64  # query heads per KV head x query positions in one tile
 MAX_SPLITS = 64
-# (programs per SM, key blocks per split, warps, keys per block): on the H200, four blocks a split was fastest or
-# within 1% at 8 of 9 points from batch 1 to 64 and 1k to 16k keys; more, shorter splits lost to their merge (B1 4k:
-# 14.7 us against 19.1 at two blocks and 29.6 at one; docs/decisions/0010-decode-attention-split-kv.md).
+# (programs per SM, key blocks per split, warps, keys per block): past 4096 keys, and over e4m3 codes, four blocks a
+# split. On the H200 it was fastest or within 1% at 8 of 9 points from batch 1 to 64 and 1k to 16k keys at 276a19f,
+# before dependent launch (docs/decisions/0010-decode-attention-split-kv.md); the kernel since takes two up to 4k.
 DEFAULT_PLAN = (2, 4, 4, 64)  # keys per block: a [64, 128] bf16 tile of K and of V is 16 KB each
 # Up to 4096 keys of a high-precision cache, two blocks a split: at B1 5.0 / 6.2 / 8.4 us at 1k / 2k / 4k against
 # 7.1 / 7.4 / 9.0 at four blocks, at B16 within 0.3% (docs/decisions/0020-decode-attention-two-blocks-up-to-4k.md).
