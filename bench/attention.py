@@ -1,6 +1,7 @@
 """Decode attention alone, Llama-3-8B heads (32 query heads, 8 KV heads, head dim 128), one query position, over a
 static KV cache of B sequences x context tokens: fxquant's split-KV kernel on the bf16 cache (with and without
-transformers' additive mask) and on an e4m3 cache with per-(token, KV head) or per-tensor scales, against torch's
+transformers' additive mask, and with the mask merged by the separate merge kernel rather than the last split) and on
+an e4m3 cache with per-(token, KV head) or per-tensor scales, against torch's
 SDPA after repeat_kv (the cache copied per query head, as transformers' eager path and Inductor run it), SDPA with
 enable_gqa=True (no mask) and FlexAttention's decoding (compiled; at 4k only, its compile per shape is long).
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from bench.common import copy_bandwidth_gbs, graph_time_ms, header, table
+from fxquant.kernels.splitk import reduce_in_gemm
 from fxquant.numerics import reference_attention as RA
 
 HEADS_Q, HEADS_KV, DIM = 32, 8, 128
@@ -36,6 +38,14 @@ def fp8_cache(t: torch.Tensor, per_token: bool = True) -> tuple[torch.Tensor, to
     return (t.float() / scale).to(torch.float8_e4m3fn), scale
 
 
+def with_merge_kernel(fn):
+    """fn with its split-KV partials merged by the separate merge kernel (as where no counters are kept)."""
+    def run():
+        with reduce_in_gemm(False):
+            return fn()
+    return run
+
+
 def paths(batch: int, context: int):
     """(name, function, bytes it must read) for one shape; the cache and the mask are built once."""
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -50,9 +60,11 @@ def paths(batch: int, context: int):
     cache_bytes = 2 * k.numel() * k.element_size()
     codes_bytes, tensor_bytes = 2 * (kc.numel() + 4 * ks.numel()), 2 * kt.numel()
     attn = torch.ops.fxquant.decode_attention
+    masked = lambda: attn(q, k, v, mask, scale, 0.0, None, None, None, None)
     rows = [
         ("fxquant bf16 cache", lambda: attn(q, k, v, None, scale, 0.0, None, None, None, None), cache_bytes),
-        ("fxquant bf16 cache, mask", lambda: attn(q, k, v, mask, scale, 0.0, None, None, None, None), cache_bytes),
+        ("fxquant bf16 cache, mask", masked, cache_bytes),
+        ("fxquant bf16 cache, mask, merge kernel", with_merge_kernel(masked), cache_bytes),
         ("fxquant fp8 cache, mask", lambda: attn(q, kc, vc, mask, scale, 0.0, None, ks, vs, None), codes_bytes),
         ("fxquant fp8 per-tensor, mask", lambda: attn(q, kt, vt, mask, scale, 0.0, None, kts, vts, None),
          tensor_bytes),
@@ -70,6 +82,7 @@ def paths(batch: int, context: int):
         rows.append(("FlexAttention, no mask", lambda: flex(q, k, v, enable_gqa=True), cache_bytes))
     checks = {
         "fxquant bf16 cache, mask": RA.decode_attention(q, k, v, mask, scale),
+        "fxquant bf16 cache, mask, merge kernel": RA.decode_attention(q, k, v, mask, scale),
         "fxquant fp8 cache, mask": RA.decode_attention(q, kc, vc, mask, scale, k_scale=ks, v_scale=vs),
         "fxquant fp8 per-tensor, mask": RA.decode_attention(q, kt, vt, mask, scale, k_scale=kts, v_scale=vts),
     }

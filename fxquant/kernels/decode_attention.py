@@ -3,9 +3,13 @@
 The cache is [B, Hkv, S, D] with any strides, high precision or e4m3 codes with fp32 scales per (batch, KV head,
 token) or per tensor. One program takes one (batch, KV head) and one slice of the keys: the query heads that share
 the KV head, times the query positions, are the rows of its tile, so the cache is read once per KV head, never per
-query head. The slices (splits) make batch 1 fill the GPU; each writes its fp32 partial output and log-sum-exp, and
-a second kernel merges them. Scores, softmax and the merge are fp32; the probabilities are rounded to the cache's
-dtype for the tensor-core product with V, as flash attention does, and to fp16 for e4m3 codes.
+query head. The slices (splits) make batch 1 fill the GPU; each writes its fp32 partial output and log-sum-exp. The
+split that finishes last for its (batch, KV head) merges them, counted in at that pair's counter as split-K GEMMs
+count (`splitk.counters`), so a decode layer launches one attention kernel. The merge kernel stays where there are
+no counters (a package's tracing, a capture before the first GEMM made them, FXQUANT_SPLIT_REDUCE=kernel) and for
+more than MERGE_ROWS rows a pair; both run one `_merge_row` per query row, so they give the same bits. Scores,
+softmax and the merge are fp32; the probabilities are rounded to the cache's dtype for the tensor-core product with
+V, as flash attention does, and to fp16 for e4m3 codes.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ import triton.language as tl
 from fxquant.kernels.cast import cast_float, float_cast_mode, interpreting
 from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.launch import cdiv, next_power_of_2, sm_count, visible
+from fxquant.kernels.splitk import counters
 
 HEAD_DIMS = (64, 128, 256)  # a power of two for the tile's columns; these cover the models served
 MAX_ROWS = 64  # query heads per KV head x query positions in one tile
 MAX_SPLITS = 64
+MERGE_ROWS = 16  # query rows a pair whose merge the last split unrolls; more go to the merge kernel
 # (programs per SM, key blocks per split, warps, keys per block): past 4096 keys, and over e4m3 codes, four blocks a
 # split. On the H200 it was fastest or within 1% at 8 of 9 points from batch 1 to 64 and 1k to 16k keys at 276a19f,
 # before dependent launch (docs/decisions/0010-decode-attention-split-kv.md); the kernel since takes two up to 4k.
@@ -36,18 +42,51 @@ FLOAT_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float3
 
 
 @triton.jit
+def _merge_row(o_part_ptr, lse_part_ptr, sinks_ptr, out_ptr, bh, row, Q, GROUPS, sob, soh, soq,
+               HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
+               SPLITS_P2: tl.constexpr, HAS_SINKS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr):
+    """Query row `row` of pair `bh`: its splits' partial outputs weighted by their share of the softmax's
+    denominator (and a sink's), in fp32, cast once into out."""
+    b, h = bh // HKV, bh % HKV
+    head, pos = h * GROUPS + row // Q, row % Q
+    splits = tl.arange(0, SPLITS_P2)
+    split_ok = splits < SPLITS
+    parts = (bh * SPLITS + splits) * BLOCK_M + row
+    # read through L2 (.cg): other SMs wrote the partials
+    lse = tl.load(lse_part_ptr + parts, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
+    top = tl.max(lse, 0)
+    if HAS_SINKS:  # the sink's logit joins the denominator and attends to nothing
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        top = tl.maximum(top, sink)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp(lse - top)
+    total = tl.sum(weight, 0)
+    if HAS_SINKS:
+        total += tl.exp(sink - top)
+    cols = tl.arange(0, D)
+    partial = tl.load(o_part_ptr + parts[:, None] * D + cols[None, :], mask=split_ok[:, None], other=0.0,
+                      cache_modifier=".cg")
+    out = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)  # every key masked: 0, never NaN
+    tl.store(out_ptr + b * sob + head * soh + pos * soq + cols, cast_float(out, OUT, CAST))
+
+
+@triton.jit
 def _decode_attention_split_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, mask_ptr, lens_ptr, o_part_ptr, lse_part_ptr,
+    sinks_ptr, out_ptr, counter_ptr,
     # sizes
     S, Q, GROUPS, SPLIT_LEN, scale, softcap,
-    # strides: q [B, Hq, Q, D], k and v [B, Hkv, S, D], scales [B, Hkv, S], mask [B, Hq, Q, S] (0 where broadcast)
-    sqb, sqh, sqq, skb, skh, sks, svb, svh, svs, ssb, ssh, sss, smb, smh, smq, sms,
+    # strides: q [B, Hq, Q, D], k and v [B, Hkv, S, D], scales [B, Hkv, S], mask [B, Hq, Q, S] (0 where broadcast),
+    # out [B, Hq, Q, D]
+    sqb, sqh, sqq, skb, skh, sks, svb, svh, svs, ssb, ssh, sss, smb, smh, smq, sms, sob, soh, soq,
     # meta-parameters
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     KV_CODES: tl.constexpr, SCALE_PER_TOKEN: tl.constexpr, MASK: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     HAS_LENS: tl.constexpr,
-    SOFTCAP: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    MERGE_ROWS: tl.constexpr, SPLITS_P2: tl.constexpr, HAS_SINKS: tl.constexpr, OUT: tl.constexpr,
+    CAST: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     bh, split = tl.program_id(0), tl.program_id(1)
@@ -116,6 +155,14 @@ def _decode_attention_split_kernel(
     part = bh * SPLITS + split
     tl.store(o_part_ptr + (part * BLOCK_M + rows[:, None]) * D + cols[None, :], out, mask=row_ok[:, None])
     tl.store(lse_part_ptr + part * BLOCK_M + rows, lse, mask=row_ok)
+    if MERGE_ROWS > 0:  # the last split of the pair to count in merges every split's rows
+        tl.debug_barrier()  # every thread's partial is stored before the count releases it
+        done = tl.atomic_add(counter_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        if done == SPLITS - 1:
+            for row in tl.static_range(MERGE_ROWS):  # unrolled: every row's loads in flight at once
+                _merge_row(o_part_ptr, lse_part_ptr, sinks_ptr, out_ptr, bh, row, Q, GROUPS, sob, soh, soq,
+                           HKV, D, BLOCK_M, SPLITS, SPLITS_P2, HAS_SINKS, OUT, CAST)
+            tl.store(counter_ptr + bh, 0)  # the next kernel to count waits for this one to end
 
 
 @triton.jit
@@ -129,26 +176,9 @@ def _decode_attention_merge_kernel(
     HAS_SINKS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
-    bh, row = tl.program_id(0), tl.program_id(1)  # one query row (head, position) per program
-    b, h = bh // HKV, bh % HKV
-    head, pos = h * GROUPS + row // Q, row % Q
-    splits = tl.arange(0, SPLITS_P2)
-    split_ok = splits < SPLITS
-    parts = (bh * SPLITS + splits) * BLOCK_M + row
-    lse = tl.load(lse_part_ptr + parts, mask=split_ok, other=float("-inf"))
-    top = tl.max(lse, 0)
-    if HAS_SINKS:  # the sink's logit joins the denominator and attends to nothing
-        sink = tl.load(sinks_ptr + head).to(tl.float32)
-        top = tl.maximum(top, sink)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    weight = tl.exp(lse - top)
-    total = tl.sum(weight, 0)
-    if HAS_SINKS:
-        total += tl.exp(sink - top)
-    cols = tl.arange(0, D)
-    partial = tl.load(o_part_ptr + parts[:, None] * D + cols[None, :], mask=split_ok[:, None], other=0.0)
-    out = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)  # every key masked: 0, never NaN
-    tl.store(out_ptr + b * sob + head * soh + pos * soq + cols, cast_float(out, OUT, CAST))
+    # one query row (head, position) per program
+    _merge_row(o_part_ptr, lse_part_ptr, sinks_ptr, out_ptr, tl.program_id(0), tl.program_id(1), Q, GROUPS,
+               sob, soh, soq, HKV, D, BLOCK_M, SPLITS, SPLITS_P2, HAS_SINKS, OUT, CAST)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> str | None:
@@ -207,25 +237,32 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
     # multiply in fp16, which holds them exactly (bf16 would too, at two conversions per code on sm_90).
     dot = tl.float32 if interpreting(_decode_attention_split_kernel) else tl.float16 if codes else FLOAT_TL[q.dtype]
     cast = float_cast_mode(_decode_attention_merge_kernel)
+    out = torch.empty_like(q)
+    rows = groups * queries
+    count = counters(q.device, batch * heads_kv) if rows <= MERGE_ROWS else None
+    merge = dict(SPLITS_P2=next_power_of_2(splits), HAS_SINKS=sinks is not None, OUT=FLOAT_TL[q.dtype], CAST=cast,
+                 num_warps=warps, **launch_options(q.device))  # the merge's warps: the split's, so its bits
     visible(_decode_attention_split_kernel)[(batch * heads_kv, splits)](
         q, k, v, k_scale if codes else q, v_scale if codes else q, mask if mask is not None else q,
         kv_lens if kv_lens is not None else q, o_part, lse_part,
+        sinks if sinks is not None else q, out, count if count is not None else lse_part,
         keys, queries, groups, split_len, scale, softcap,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         *(scales.stride() if per_token else (0, 0, 0)),
         *(mask.stride() if mask is not None else (0, 0, 0, 0)),
+        out.stride(0), out.stride(1), out.stride(2),
         HKV=heads_kv, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits, KV_CODES=codes,
         SCALE_PER_TOKEN=per_token, MASK=0 if mask is None else 2 if mask.dtype == torch.bool else 1,
         MASK_PER_KEY=per_key,
         HAS_LENS=kv_lens is not None, SOFTCAP=softcap > 0, DOT=dot,
-        PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=warps, num_stages=2, **launch_options(q.device),
+        PRECISION="ieee" if dot == tl.float32 else "tf32", MERGE_ROWS=rows if count is not None else 0,
+        num_stages=2, **merge,
     )
-    out = torch.empty_like(q)
-    visible(_decode_attention_merge_kernel)[(batch * heads_kv, groups * queries)](
-        o_part, lse_part, sinks if sinks is not None else q, out, queries, groups,
-        out.stride(0), out.stride(1), out.stride(2),
-        HKV=heads_kv, D=dim, BLOCK_M=block_m, SPLITS=splits, SPLITS_P2=next_power_of_2(splits),
-        HAS_SINKS=sinks is not None, OUT=FLOAT_TL[q.dtype], CAST=cast, num_warps=4, **launch_options(q.device),
-    )
+    if count is None:
+        visible(_decode_attention_merge_kernel)[(batch * heads_kv, rows)](
+            o_part, lse_part, sinks if sinks is not None else q, out, queries, groups,
+            out.stride(0), out.stride(1), out.stride(2),
+            HKV=heads_kv, D=dim, BLOCK_M=block_m, SPLITS=splits, **merge,
+        )
     return out

@@ -192,3 +192,50 @@ def test_the_op_runs_the_kernel_or_the_reference_and_passes_opcheck():
     torch.library.opcheck(torch.ops.fxquant.decode_attention.default, args)
     got = torch.ops.fxquant.decode_attention(*args)
     assert rel_err(got, RA.decode_attention(q, k, v, mask, 0.125)) < BOUND[torch.bfloat16]
+
+
+MERGED_CASES = {  # (batch, query heads, KV heads, queries, keys, extra arguments' maker)
+    "many splits": (1, 4, 2, 1, 4095, lambda q, k, v: {}),
+    "sinks and lengths": (2, 8, 2, 1, 150, lambda q, k, v: dict(
+        sinks=torch.linspace(-1, 2, 8, device=DEVICE), kv_lens=torch.tensor([150, 61], device=DEVICE))),
+    "e4m3 codes": (2, 4, 2, 1, 300, lambda q, k, v: dict(
+        zip(("k", "k_scale", "v", "v_scale"), (*fp8_cache(k), *fp8_cache(v)), strict=True))),
+}
+
+
+@pytest.mark.parametrize("name", MERGED_CASES)
+def test_the_last_split_merges_the_merge_kernel_s_bits_and_leaves_the_counters_zero(name, monkeypatch):
+    """Where the pairs have counters, the split that finishes last merges its pair, and no merge kernel runs; its
+    output is the merge kernel's, bit for bit, twice in a row (the counters are zero again after each call)."""
+    from fxquant.kernels import decode_attention as DA
+    from fxquant.kernels import splitk
+
+    batch, heads_q, heads_kv, queries, keys, extra = MERGED_CASES[name]
+    q, k, v = operands(batch, heads_q, heads_kv, queries, keys, 64, torch.bfloat16, seed=len(name))
+    args = dict(q=q, k=k, v=v, mask=None, scale=0.125, softcap=0.0, sinks=None, k_scale=None, v_scale=None,
+                kv_lens=None) | extra(q, k, v)
+    launched = []
+    launch = DA.visible
+    monkeypatch.setattr(DA, "visible", lambda kernel: launched.append(kernel.__name__) or launch(kernel))
+    with splitk.reduce_in_gemm(False):  # no counters: the merge kernel
+        want = decode_attention(**args)
+    assert launched == ["_decode_attention_split_kernel", "_decode_attention_merge_kernel"]
+    got, again = decode_attention(**args), decode_attention(**args)
+    assert launched[2:] == ["_decode_attention_split_kernel"] * 2
+    assert torch.isfinite(want).all() and want.abs().max() > 0
+    assert torch.equal(got, want) and torch.equal(again, want)
+    assert not splitk.counters(torch.device(DEVICE), 1).any()
+    assert rel_err(got, RA.decode_attention(**args)) < BOUND[torch.bfloat16]
+
+
+def test_more_rows_a_pair_than_the_split_merges_go_to_the_merge_kernel(monkeypatch):
+    """5 query positions x 4 query heads a KV head: 20 rows, past what the last split unrolls."""
+    from fxquant.kernels import decode_attention as DA
+
+    launched = []
+    launch = DA.visible
+    monkeypatch.setattr(DA, "visible", lambda kernel: launched.append(kernel.__name__) or launch(kernel))
+    q, k, v = operands(1, 8, 2, 5, 70, 64, torch.bfloat16, seed=12)
+    assert DA.MERGE_ROWS < 4 * 5
+    check(q, k, v, torch.bfloat16)
+    assert launched == ["_decode_attention_split_kernel", "_decode_attention_merge_kernel"]
