@@ -6,10 +6,10 @@ the KV head, times the query positions, are the rows of its tile, so the cache i
 query head. The slices (splits) make batch 1 fill the GPU; each writes its fp32 partial output and log-sum-exp. The
 split that finishes last for its (batch, KV head) merges them, counted in at that pair's counter as split-K GEMMs
 count (`splitk.counters`), so a decode layer launches one attention kernel. The merge kernel stays where there are
-no counters (a package's tracing, a capture before the first GEMM made them, FXQUANT_SPLIT_REDUCE=kernel) and for
-more than MERGE_ROWS rows a pair; both run one `_merge_row` per query row, so they give the same bits. Scores,
-softmax and the merge are fp32; the probabilities are rounded to the cache's dtype for the tensor-core product with
-V, as flash attention does, and to fp16 for e4m3 codes.
+no counters (a package's tracing, a capture before the first GEMM made them, FXQUANT_SPLIT_REDUCE=kernel); both
+run `_merge_pair`, so they give the same bits. Scores, softmax and the merge are fp32; the probabilities are
+rounded to the cache's dtype for the tensor-core product with V, as flash attention does, and to fp16 for e4m3
+codes.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from fxquant.kernels.splitk import counters
 HEAD_DIMS = (64, 128, 256)  # a power of two for the tile's columns; these cover the models served
 MAX_ROWS = 64  # query heads per KV head x query positions in one tile
 MAX_SPLITS = 64
-MERGE_ROWS = 16  # query rows a pair whose merge the last split unrolls; more go to the merge kernel
 # (programs per SM, key blocks per split, warps, keys per block): past 4096 keys, and over e4m3 codes, four blocks a
 # split. On the H200 it was fastest or within 1% at 8 of 9 points from batch 1 to 64 and 1k to 16k keys at 276a19f,
 # before dependent launch (docs/decisions/0010-decode-attention-split-kv.md); the kernel since takes two up to 4k.
@@ -42,32 +41,41 @@ FLOAT_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float3
 
 
 @triton.jit
-def _merge_row(o_part_ptr, lse_part_ptr, sinks_ptr, out_ptr, bh, row, Q, GROUPS, sob, soh, soq,
-               HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
-               SPLITS_P2: tl.constexpr, HAS_SINKS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr):
-    """Query row `row` of pair `bh`: its splits' partial outputs weighted by their share of the softmax's
-    denominator (and a sink's), in fp32, cast once into out."""
+def _merge_pair(o_part_ptr, lse_part_ptr, sinks_ptr, out_ptr, bh, Q, GROUPS, sob, soh, soq,
+                HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
+                ROWS: tl.constexpr, HAS_SINKS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr):
+    """The query rows of pair `bh`: each split's partial output weighted by its share of the softmax's denominator
+    (and a sink's), summed in split order in fp32 (an order no tile layout changes, so both callers give the same
+    bits), cast once into out. Unrolled over the splits, so every split's loads are in flight at once; read through
+    L2 (.cg), since other SMs wrote the partials."""
     b, h = bh // HKV, bh % HKV
-    head, pos = h * GROUPS + row // Q, row % Q
-    splits = tl.arange(0, SPLITS_P2)
-    split_ok = splits < SPLITS
-    parts = (bh * SPLITS + splits) * BLOCK_M + row
-    # read through L2 (.cg): other SMs wrote the partials
-    lse = tl.load(lse_part_ptr + parts, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
-    top = tl.max(lse, 0)
+    rows = tl.arange(0, ROWS)
+    row_ok = rows < GROUPS * Q
+    head, pos = h * GROUPS + rows // Q, rows % Q
+    cols = tl.arange(0, D)
+    first = bh * SPLITS * BLOCK_M + rows  # row r of split s: first + s * BLOCK_M
+    top = tl.full((ROWS,), float("-inf"), tl.float32)
+    for s in tl.static_range(SPLITS):
+        lse = tl.load(lse_part_ptr + first + s * BLOCK_M, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        top = tl.maximum(top, lse)
     if HAS_SINKS:  # the sink's logit joins the denominator and attends to nothing
-        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
         top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)
-    weight = tl.exp(lse - top)
-    total = tl.sum(weight, 0)
+    total = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, D), tl.float32)
+    for s in tl.static_range(SPLITS):
+        lse = tl.load(lse_part_ptr + first + s * BLOCK_M, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        weight = tl.exp(lse - top)
+        total += weight
+        partial = tl.load(o_part_ptr + (first + s * BLOCK_M)[:, None] * D + cols[None, :], mask=row_ok[:, None],
+                          other=0.0, cache_modifier=".cg")
+        acc += weight[:, None] * partial
     if HAS_SINKS:
         total += tl.exp(sink - top)
-    cols = tl.arange(0, D)
-    partial = tl.load(o_part_ptr + parts[:, None] * D + cols[None, :], mask=split_ok[:, None], other=0.0,
-                      cache_modifier=".cg")
-    out = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)  # every key masked: 0, never NaN
-    tl.store(out_ptr + b * sob + head * soh + pos * soq + cols, cast_float(out, OUT, CAST))
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]  # every key masked: 0, never NaN
+    tl.store(out_ptr + b * sob + head[:, None] * soh + pos[:, None] * soq + cols[None, :], cast_float(out, OUT, CAST),
+             mask=row_ok[:, None])
 
 
 @triton.jit
@@ -85,7 +93,7 @@ def _decode_attention_split_kernel(
     KV_CODES: tl.constexpr, SCALE_PER_TOKEN: tl.constexpr, MASK: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     HAS_LENS: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-    MERGE_ROWS: tl.constexpr, SPLITS_P2: tl.constexpr, HAS_SINKS: tl.constexpr, OUT: tl.constexpr,
+    LAST_SPLIT_MERGES: tl.constexpr, ROWS: tl.constexpr, HAS_SINKS: tl.constexpr, OUT: tl.constexpr,
     CAST: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
@@ -155,13 +163,12 @@ def _decode_attention_split_kernel(
     part = bh * SPLITS + split
     tl.store(o_part_ptr + (part * BLOCK_M + rows[:, None]) * D + cols[None, :], out, mask=row_ok[:, None])
     tl.store(lse_part_ptr + part * BLOCK_M + rows, lse, mask=row_ok)
-    if MERGE_ROWS > 0:  # the last split of the pair to count in merges every split's rows
+    if LAST_SPLIT_MERGES:  # the last split of the pair to count in merges it
         tl.debug_barrier()  # every thread's partial is stored before the count releases it
         done = tl.atomic_add(counter_ptr + bh, 1, sem="acq_rel", scope="gpu")
         if done == SPLITS - 1:
-            for row in tl.static_range(MERGE_ROWS):  # unrolled: every row's loads in flight at once
-                _merge_row(o_part_ptr, lse_part_ptr, sinks_ptr, out_ptr, bh, row, Q, GROUPS, sob, soh, soq,
-                           HKV, D, BLOCK_M, SPLITS, SPLITS_P2, HAS_SINKS, OUT, CAST)
+            _merge_pair(o_part_ptr, lse_part_ptr, sinks_ptr, out_ptr, bh, Q, GROUPS, sob, soh, soq,
+                        HKV, D, BLOCK_M, SPLITS, ROWS, HAS_SINKS, OUT, CAST)
             tl.store(counter_ptr + bh, 0)  # the next kernel to count waits for this one to end
 
 
@@ -172,13 +179,12 @@ def _decode_attention_merge_kernel(
     # sizes and strides: out [B, Hq, Q, D]
     Q, GROUPS, sob, soh, soq,
     # meta-parameters
-    HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr,
     HAS_SINKS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
-    # one query row (head, position) per program
-    _merge_row(o_part_ptr, lse_part_ptr, sinks_ptr, out_ptr, tl.program_id(0), tl.program_id(1), Q, GROUPS,
-               sob, soh, soq, HKV, D, BLOCK_M, SPLITS, SPLITS_P2, HAS_SINKS, OUT, CAST)
+    _merge_pair(o_part_ptr, lse_part_ptr, sinks_ptr, out_ptr, tl.program_id(0), Q, GROUPS, sob, soh, soq,
+                HKV, D, BLOCK_M, SPLITS, ROWS, HAS_SINKS, OUT, CAST)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> str | None:
@@ -238,10 +244,10 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
     dot = tl.float32 if interpreting(_decode_attention_split_kernel) else tl.float16 if codes else FLOAT_TL[q.dtype]
     cast = float_cast_mode(_decode_attention_merge_kernel)
     out = torch.empty_like(q)
-    rows = groups * queries
-    count = counters(q.device, batch * heads_kv) if rows <= MERGE_ROWS else None
-    merge = dict(SPLITS_P2=next_power_of_2(splits), HAS_SINKS=sinks is not None, OUT=FLOAT_TL[q.dtype], CAST=cast,
-                 num_warps=warps, **launch_options(q.device))  # the merge's warps: the split's, so its bits
+    count = counters(q.device, batch * heads_kv)
+    # the merge kernel takes the split's warps: one tile layout for both callers of _merge_pair
+    merge = dict(ROWS=next_power_of_2(groups * queries), HAS_SINKS=sinks is not None, OUT=FLOAT_TL[q.dtype],
+                 CAST=cast, num_warps=warps, **launch_options(q.device))
     visible(_decode_attention_split_kernel)[(batch * heads_kv, splits)](
         q, k, v, k_scale if codes else q, v_scale if codes else q, mask if mask is not None else q,
         kv_lens if kv_lens is not None else q, o_part, lse_part,
@@ -256,11 +262,11 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
         SCALE_PER_TOKEN=per_token, MASK=0 if mask is None else 2 if mask.dtype == torch.bool else 1,
         MASK_PER_KEY=per_key,
         HAS_LENS=kv_lens is not None, SOFTCAP=softcap > 0, DOT=dot,
-        PRECISION="ieee" if dot == tl.float32 else "tf32", MERGE_ROWS=rows if count is not None else 0,
+        PRECISION="ieee" if dot == tl.float32 else "tf32", LAST_SPLIT_MERGES=count is not None,
         num_stages=2, **merge,
     )
     if count is None:
-        visible(_decode_attention_merge_kernel)[(batch * heads_kv, rows)](
+        visible(_decode_attention_merge_kernel)[(batch * heads_kv,)](
             o_part, lse_part, sinks if sinks is not None else q, out, queries, groups,
             out.stride(0), out.stride(1), out.stride(2),
             HKV=heads_kv, D=dim, BLOCK_M=block_m, SPLITS=splits, **merge,
