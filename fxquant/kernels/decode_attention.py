@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import cast_float, float_cast_mode, interpreting
-from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
+from fxquant.kernels.dependent_launch import await_previous, launch_options, start_next, wait_for_previous
 from fxquant.kernels.launch import cdiv, next_power_of_2, sm_count, visible
 from fxquant.kernels.splitk import counters
 
@@ -96,7 +96,7 @@ def _decode_attention_split_kernel(
     LAST_SPLIT_MERGES: tl.constexpr, ROWS: tl.constexpr, HAS_SINKS: tl.constexpr, OUT: tl.constexpr,
     CAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    wait_for_previous(PDL)
+    await_previous(PDL)
     bh, split = tl.program_id(0), tl.program_id(1)
     b, h = bh // HKV, bh % HKV
     rows = tl.arange(0, BLOCK_M)  # row r: query head h * GROUPS + r // Q, position r % Q
@@ -157,6 +157,9 @@ def _decode_attention_split_kernel(
         v = tl.load(v_base + keys[:, None] * svs + cols[None, :], mask=key_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PRECISION) * v_unit
         m_i = m_new
+    # The next kernel launches once every program is past its keys: launched at the start, its waiting programs
+    # held SM slots this kernel's own needed (H200, B16 1k: 22.4 against 29.5 us; decision 0021).
+    start_next(PDL)
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
     lse = tl.where(l_i > 0, m_safe + tl.log(l_i), float("-inf"))  # -inf: this slice attends to nothing
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -5,8 +5,10 @@ run. Each of its programs first waits (griddepcontrol.wait) until that kernel ha
 visible, then lets the next kernel begin its own launch. Between the dozen dependent kernels of a decode layer this
 hides the launch and tail each one otherwise waits for; stream capture keeps the edges, so CUDA graphs keep it.
 
-The wait comes before any load or store, so every result is the serial launch's, bit for bit. After a kernel
-launched without it (Inductor's, cuBLAS's), a kernel launched with it starts when that one ends, as before.
+The wait comes before any load or store, so every result is the serial launch's, bit for bit. Decode attention
+lets the next kernel launch only after its key loop: a next kernel as large as itself, resident early and waiting,
+took the slots its own programs needed (docs/decisions/0021-decode-attention-merged-by-the-last-split.md). After a
+kernel launched without it (Inductor's, cuBLAS's), a kernel launched with it starts when that one ends, as before.
 FXQUANT_PDL=0 in the environment, or `dependent_launches(False)`, turns it off. Measured: 6.5% of the 32-layer
 fp8_row step's GPU time at B1 (docs/decisions/0018-programmatic-dependent-launch.md).
 """
@@ -44,6 +46,19 @@ def dependent_launches(enabled: bool):
 def wait_for_previous(PDL: tl.constexpr):
     """A kernel's first statement: where launched dependent, wait for the previous kernel's writes, then let the
     next kernel start launching (it waits in turn, so starting it early is safe)."""
+    await_previous(PDL)
+    start_next(PDL)
+
+
+@triton.jit
+def await_previous(PDL: tl.constexpr):
+    """The wait alone, for a kernel that lets the next one launch later (`start_next`)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def start_next(PDL: tl.constexpr):
+    """Let the next kernel launch: its programs take SM slots from here on, waiting for this kernel to end."""
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
