@@ -7,9 +7,9 @@ query head. The slices (splits) make batch 1 fill the GPU; each writes its fp32 
 split that finishes last for its (batch, KV head) merges them, counted in at that pair's counter as split-K GEMMs
 count (`splitk.counters`), so a decode layer launches one attention kernel. The merge kernel stays where there are
 no counters (a package's tracing, a capture before the first GEMM made them, FXQUANT_SPLIT_REDUCE=kernel); both
-run `_merge_pair`, so they give the same bits. Scores, softmax and the merge are fp32; the probabilities are
-rounded to the cache's dtype for the tensor-core product with V, as flash attention does, and to fp16 for e4m3
-codes.
+run `_merge_pair`, so they give the same bits (docs/decisions/0021-decode-attention-merged-by-the-last-split.md).
+Scores, softmax and the merge are fp32; the probabilities are rounded to the cache's dtype for the tensor-core
+product with V, as flash attention does, and to fp16 for e4m3 codes.
 """
 
 from __future__ import annotations

@@ -10,10 +10,11 @@ Who sums: the slice that finishes last for its tile (`sum_if_last_slice`). Each 
 counts itself in at the tile's counter; the one that sees every other slice counted reads the partials back in
 slice order, writes the output and resets the counter. A decode layer thus launches one kernel per GEMM instead of
 two. The counters are zeros kept per device, and each GEMM leaves them zero; the next GEMM on the stream counts only
-once this one has ended. Split GEMMs that run at once on two streams of one device would count on the same
-counters: give them FXQUANT_SPLIT_REDUCE=kernel. The separate reduce kernel (`reduce_partials`) stays for GEMMs
-traced into a package (a kept buffer is not an input Inductor can see), for more tiles than there are counters,
-and where `reduce_in_gemm(False)` or FXQUANT_SPLIT_REDUCE=kernel asks. Both give the same bits
+once this one has ended. Decode attention counts its key splits on the same counters (`decode_attention.py`).
+Split GEMMs that run at once on two streams of one device would count on the same counters: give them
+FXQUANT_SPLIT_REDUCE=kernel. The separate reduce kernel (`reduce_partials`) stays for GEMMs traced into a package
+(a kept buffer is not an input Inductor can see), for more tiles than there are counters, and where
+`reduce_in_gemm(False)` or FXQUANT_SPLIT_REDUCE=kernel asks. Both give the same bits
 (docs/decisions/0019-split-k-summed-by-the-last-slice.md).
 """
 
@@ -142,5 +143,6 @@ def _zeros_outside_graph_pools(device: torch.device) -> torch.Tensor:
 
 
 def reduce_in_gemm(enabled: bool):
-    """Split GEMMs launched inside the block sum in their last slice (True) or through the reduce kernel (False)."""
+    """Split GEMMs and decode attention launched inside the block sum in their last slice (True) or through the
+    reduce and merge kernels (False)."""
     return set_inside(_in_gemm, enabled)
