@@ -227,4 +227,3 @@ def test_the_last_split_merges_the_merge_kernel_s_bits_and_leaves_the_counters_z
     assert torch.equal(got, want) and torch.equal(again, want)
     assert not splitk.counters(torch.device(DEVICE), 1).any()
     assert rel_err(got, RA.decode_attention(**args)) < BOUND[torch.bfloat16]
-

@@ -65,4 +65,3 @@ def test_a_dependent_chain_gives_the_serial_launch_s_bits_eagerly_and_in_a_cuda_
         got.zero_()
         graph.replay()
         assert torch.equal(got, want)
-
