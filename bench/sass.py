@@ -1,14 +1,17 @@
-"""The K loop of the weight-only GEMM in SASS, without a GPU: the kernel is compiled ahead of time for sm_90 with
-the specializations a real launch gets (unit strides, 16-divisible sizes and pointers), disassembled with the
-`cuobjdump` that Triton ships, and the longest loop's instructions are counted by opcode. The registers per thread
-(which cap the programs an SM holds) come from the same cubin.
+"""A decode kernel's main loop in SASS, without a GPU: the weight-only GEMM's K loop, or decode attention's key loop
+over a bf16 cache or e4m3 codes. The kernel is compiled ahead of time for sm_90 with the specializations a real
+launch gets (unit strides, 16-divisible sizes, strides and pointers), disassembled with the `cuobjdump` that Triton
+ships, and the longest loop's instructions are counted by opcode. The registers per thread (which cap the programs
+an SM holds) come from the same cubin.
 
 Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N]
+     python -m bench.sass attention [--codes] [--warps N] [--stages N]   (Llama-3-8B's heads at B16, 1k keys)
 """
 
 from __future__ import annotations
 
 import collections
+import inspect
 import os
 import re
 import subprocess
@@ -20,10 +23,11 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from fxquant.kernels import decode_attention as DA
 from fxquant.kernels.codes import FORMATS
 from fxquant.kernels.gemm_weight_only import _wo_gemm_kernel, wo_gemm_config
 
-ARGS = ["a_ptr", "w_ptr", "s_ptr", "z_ptr", "gs_ptr", "c_ptr", "ws_ptr", "bias_ptr", "M", "N", "K",
+ARGS = ["a_ptr", "w_ptr", "s_ptr", "z_ptr", "gs_ptr", "c_ptr", "ws_ptr", "bias_ptr", "counter_ptr", "M", "N", "K",
         "stride_am", "stride_ak", "stride_wn", "stride_wk", "stride_sn", "stride_sk", "stride_cm", "stride_cn"]
 UNIT_STRIDES = ("stride_ak", "stride_wk", "stride_sk", "stride_cn")
 DIVISIBLE = ("N", "K", "stride_am", "stride_wn", "stride_sn", "stride_cm")
@@ -31,24 +35,53 @@ GROUPS = {"int8": 1, "int4": 128, "mxfp4": 32, "nvfp4": 16}
 
 
 def decode_kernel_sass(fmt: str, stages: int | None = None) -> tuple[str, int]:
-    """SASS and registers per thread of the decode (M <= 16) configuration, split-K on, with zero points for
-    int4."""
+    """SASS and registers per thread of the decode (M <= 16) configuration, split-K on and summed by the last
+    slice, with zero points for int4."""
     cfg = wo_gemm_config(16, 4096, fmt)
     types = ["*bf16", "*i8" if fmt == "int8" else "*i32", "*fp32" if fmt in ("int8", "int4") else "*u8", "*u8",
-             "*fp32", "*bf16", "*fp32", "*bf16"] + ["i32"] * 11
+             "*fp32", "*bf16", "*fp32", "*bf16", "*i32"] + ["i32"] * 11
     signature = dict(zip(ARGS, types, strict=True))
     constexprs = dict(FMT=FORMATS[fmt], GROUP=GROUPS[fmt], HAS_ZP=fmt == "int4", HAS_BIAS=False, SPLIT_K=4,
-                      DOT=tl.bfloat16, OUT=tl.bfloat16, CAST=0, EVEN_K=True, BLOCK_M=cfg["BLOCK_M"],
-                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PDL=False,
+                      LAST_SLICE_SUMS=True, DOT=tl.bfloat16, OUT=tl.bfloat16, CAST=0, EVEN_K=True,
+                      BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+                      PDL=False,
                       **dict.fromkeys(UNIT_STRIDES, 1))
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    attrs = {(ARGS.index(name),): [["tt.divisibility", 16]] for name in ARGS[:8] + list(DIVISIBLE)}
-    kernel = triton.compile(ASTSource(fn=_wo_gemm_kernel, signature=signature, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=cfg["num_warps"], num_stages=stages or cfg["num_stages"]))
+    attrs = {(ARGS.index(name),): [["tt.divisibility", 16]] for name in ARGS[:9] + list(DIVISIBLE)}
+    return compiled_sass(_wo_gemm_kernel, signature, constexprs, attrs, cfg["num_warps"], stages or cfg["num_stages"])
+
+
+def attention_kernel_sass(codes: bool, warps: int | None = None, stages: int = 2) -> tuple[str, int]:
+    """SASS and registers per thread of the split-KV attention kernel as it runs for Llama-3-8B's heads at B16 over
+    1024 keys (128 pairs, three splits, merged by the last), with transformers' per-key mask: over bf16 or over e4m3
+    codes with per-token scales."""
+    params = list(inspect.signature(DA._decode_attention_split_kernel.fn).parameters)
+    plan = DA.CODES_PLAN if codes else DA.SHORT_PLAN
+    constexprs = dict(HKV=8, D=128, BLOCK_M=16, BLOCK_N=plan[3], SPLITS=3, KV_CODES=codes, SCALE_PER_TOKEN=codes,
+                      MASK=1, MASK_PER_KEY=True, HAS_LENS=False, SOFTCAP=False,
+                      DOT=tl.float16 if codes else tl.bfloat16, PRECISION="tf32", LAST_SPLIT_MERGES=True, ROWS=4,
+                      HAS_SINKS=False, OUT=tl.bfloat16, CAST=0, PDL=True)
+    cache = "*fp8e4nv" if codes else "*bf16"
+    pointers = dict(q_ptr="*bf16", k_ptr=cache, v_ptr=cache, k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+                    mask_ptr="*bf16", lens_ptr="*i32", o_part_ptr="*fp32", lse_part_ptr="*fp32", sinks_ptr="*bf16",
+                    out_ptr="*bf16", counter_ptr="*i32")
+    floats = ("scale", "softcap")
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name in floats else "i32")
+                 for name in params}
+    # pointers and the batch, head and token strides of q, k, v, the scales and out: multiples of 16 elements
+    divisible = [*pointers, "sqb", "sqh", "sqq", "skb", "skh", "sks", "svb", "svh", "svs", "ssb", "ssh", "sob",
+                 "soh", "soq"]
+    attrs = {(params.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    return compiled_sass(DA._decode_attention_split_kernel, signature, constexprs, attrs, warps or plan[2], stages)
+
+
+def compiled_sass(kernel, signature: dict, constexprs: dict, attrs: dict, warps: int, stages: int) -> tuple[str, int]:
+    """The kernel compiled for sm_90: its SASS, and its registers per thread."""
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
+        cubin.write(compiled.asm["cubin"])
         cubin.flush()
         dump = lambda flag: subprocess.run([cuobjdump, flag, cubin.name], capture_output=True, text=True,
                                            check=True).stdout
@@ -67,11 +100,18 @@ def longest_loop(sass: str) -> collections.Counter:
 
 
 def main():
-    fmt = next((a for a in sys.argv[1:] if a in FORMATS), "int4")
     stages = int(sys.argv[sys.argv.index("--stages") + 1]) if "--stages" in sys.argv else None
-    sass, registers = decode_kernel_sass(fmt, stages)
+    if "attention" in sys.argv:
+        codes = "--codes" in sys.argv
+        warps = int(sys.argv[sys.argv.index("--warps") + 1]) if "--warps" in sys.argv else None
+        sass, registers = attention_kernel_sass(codes, warps, stages or 2)
+        what, step = f"attention over {'e4m3 codes' if codes else 'bf16'}", "key block"
+    else:
+        fmt = next((a for a in sys.argv[1:] if a in FORMATS), "int4")
+        sass, registers = decode_kernel_sass(fmt, stages)
+        what, step = fmt, "K step"
     ops = longest_loop(sass)
-    print(f"{fmt}: {sum(ops.values())} instructions per K step per thread, {registers} registers per thread "
+    print(f"{what}: {sum(ops.values())} instructions per {step} per thread, {registers} registers per thread "
           f"(triton {triton.__version__}, sm_90)")
     for name, count in ops.most_common(12):
         print(f"  {count:5d}  {name}")

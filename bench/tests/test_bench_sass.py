@@ -1,0 +1,35 @@
+"""bench.sass compiles each kernel it reads for sm_90 with the arguments the kernel takes today, and finds its main
+loop: a kernel whose signature changed would otherwise break it silently until its next use. It compiles for real,
+so it runs in a process without Triton's interpreter."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+COUNT = """
+import json
+from bench import sass
+found = {}
+for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
+                                 "attention": sass.attention_kernel_sass(codes=False),
+                                 "attention codes": sass.attention_kernel_sass(codes=True)}.items():
+    found[what] = dict(registers=registers, ops=sass.longest_loop(code))
+print(json.dumps(found))
+"""
+
+
+def test_the_main_loop_of_each_kernel_is_found_and_counted():
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", COUNT], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = json.loads(run.stdout.splitlines()[-1])
+    for what, tensor_core in [("int4", "HMMA.16816.F32.BF16"), ("attention", "HMMA.16816.F32.BF16"),
+                              ("attention codes", "HMMA.16816.F32")]:
+        ops = found[what]["ops"]
+        assert 0 < found[what]["registers"] <= 255, (what, found[what]["registers"])
+        # the loop holds the products, not a prologue's backward jump
+        assert ops.get(tensor_core, 0) > 0 and sum(ops.values()) > 100, (what, ops)
