@@ -1,10 +1,11 @@
-"""A decode kernel's main loop in SASS, without a GPU: the weight-only GEMM's K loop, or decode attention's key loop
-over a bf16 cache or e4m3 codes. The kernel is compiled ahead of time for sm_90 with the specializations a real
+"""A decode kernel's main loop in SASS, without a GPU: the weight-only or fp8 GEMM's K loop, or decode attention's
+key loop over a bf16 cache or e4m3 codes. The kernel is compiled ahead of time for sm_90 with the specializations a real
 launch gets (unit strides, 16-divisible sizes, strides and pointers), disassembled with the `cuobjdump` that Triton
 ships, and the longest loop's instructions are counted by opcode. The registers per thread (which cap the programs
 an SM holds) come from the same cubin.
 
 Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N]
+     python -m bench.sass fp8 [--stages N]   (row scales, M <= 16, 14336x4096: the decode tiles of gemm_configs)
      python -m bench.sass attention [--codes] [--warps N] [--stages N]   (Llama-3-8B's heads at B16, 1k keys)
 """
 
@@ -24,7 +25,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fxquant.kernels import decode_attention as DA
+from fxquant.kernels import gemm_fp8
 from fxquant.kernels.codes import FORMATS
+from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_weight_only import _wo_gemm_kernel, wo_gemm_config
 
 ARGS = ["a_ptr", "w_ptr", "s_ptr", "z_ptr", "gs_ptr", "c_ptr", "ws_ptr", "bias_ptr", "counter_ptr", "M", "N", "K",
@@ -49,6 +52,24 @@ def decode_kernel_sass(fmt: str, stages: int | None = None) -> tuple[str, int]:
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     attrs = {(ARGS.index(name),): [["tt.divisibility", 16]] for name in ARGS[:9] + list(DIVISIBLE)}
     return compiled_sass(_wo_gemm_kernel, signature, constexprs, attrs, cfg["num_warps"], stages or cfg["num_stages"])
+
+
+def fp8_kernel_sass(stages: int | None = None) -> tuple[str, int]:
+    """SASS and registers per thread of the fp8 GEMM with row scales at decode (M <= 16) on the 14336x4096 weight,
+    in the tiles `gemm_configs` gives it, unsplit."""
+    cfg = fp8_gemm_config(16, 14336, 4096, block_scales=False)
+    params = list(inspect.signature(gemm_fp8._fp8_gemm_kernel.fn).parameters)
+    constexprs = dict(BLOCK_SCALES=False, SCALE_BLOCK=128, HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, SPLIT_K=1,
+                      LAST_SLICE_SUMS=False, COMPILER_PROMOTES=True, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                      BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PDL=True, stride_ak=1, stride_bk=1,
+                      stride_cn=1)
+    pointers = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", ws_ptr="*fp32", a_scale_ptr="*fp32",
+                    b_scale_ptr="*fp32", bias_ptr="*bf16", counter_ptr="*i32")
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in params}
+    divisible = [*pointers, "N", "K", "stride_am", "stride_bn", "stride_cm"]
+    attrs = {(params.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    return compiled_sass(gemm_fp8._fp8_gemm_kernel, signature, constexprs, attrs, cfg["num_warps"],
+                         stages or cfg["num_stages"])
 
 
 def attention_kernel_sass(codes: bool, warps: int | None = None, stages: int = 2) -> tuple[str, int]:
@@ -106,6 +127,9 @@ def main():
         warps = int(sys.argv[sys.argv.index("--warps") + 1]) if "--warps" in sys.argv else None
         sass, registers = attention_kernel_sass(codes, warps, stages or 2)
         what, step = f"attention over {'e4m3 codes' if codes else 'bf16'}", "key block"
+    elif "fp8" in sys.argv:
+        sass, registers = fp8_kernel_sass(stages)
+        what, step = "fp8 GEMM, row scales", "K step"
     else:
         fmt = next((a for a in sys.argv[1:] if a in FORMATS), "int4")
         sass, registers = decode_kernel_sass(fmt, stages)

@@ -14,6 +14,7 @@ import json
 from bench import sass
 found = {}
 for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
+                                 "fp8": sass.fp8_kernel_sass(),
                                  "attention": sass.attention_kernel_sass(codes=False),
                                  "attention codes": sass.attention_kernel_sass(codes=True)}.items():
     found[what] = dict(registers=registers, ops=sass.longest_loop(code))
@@ -27,7 +28,8 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     found = json.loads(run.stdout.splitlines()[-1])
-    for what, tensor_core in [("int4", "HMMA.16816.F32.BF16"), ("attention", "HMMA.16816.F32.BF16"),
+    for what, tensor_core in [("int4", "HMMA.16816.F32.BF16"), ("fp8", "HMMA.16816.F32"),
+                              ("attention", "HMMA.16816.F32.BF16"),
                               ("attention codes", "HMMA.16816.F32")]:
         ops = found[what]["ops"]
         assert 0 < found[what]["registers"] <= 255, (what, found[what]["registers"])
