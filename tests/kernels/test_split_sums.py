@@ -60,7 +60,7 @@ def test_the_last_slice_sums_the_reduce_kernel_s_bits_and_leaves_the_counters_ze
     assert len(launched) == 1  # no reduce kernel ran since
     assert torch.isfinite(want).all() and want.abs().max() > 0
     assert torch.equal(got, want) and torch.equal(again, want)
-    assert not splitk.counters(torch.device(DEVICE), 1).any()
+    assert not splitk.counters(want.device, 1).any()  # the buffer the GEMM counted on (cuda:0, not "cuda")
 
 
 def test_counters_are_one_zeroed_buffer_a_device_and_a_traced_gemm_launches_the_reduce_kernel():
