@@ -1,7 +1,7 @@
 """The pipeline: freeze_params -> localize_shards -> detect -> upcast, the numerics lint (and recipe="auto"'s
-measurements), then quantize_linear -> fuse_norm -> merge_linear -> fuse_linear -> pack_int4_lanes ->
-decode_attention -> pack_gqa -> cleanup. It sits above the passes: they never import the lint or the measurements,
-and what they hand each other travels in one `PipelineState`.
+measurements), then quantize_linear -> fuse_norm -> merge_linear -> fuse_silu_mul -> fuse_linear -> pack_int4_lanes
+-> fuse_rotary_cache -> decode_attention -> pack_gqa -> cleanup. It sits above the passes: they never import the lint
+or the measurements, and what they hand each other travels in one `PipelineState`.
 
 Each pass is timed and logged (logger "fxquant.compile.pipeline", one DEBUG line per pass: its time, whether it
 changed the graph, its nodes before and after); the times are in `PipelineResult.timings`. With
@@ -29,6 +29,7 @@ from fxquant.passes.detect import Detect
 from fxquant.passes.freeze_params import FreezeParams
 from fxquant.passes.fuse_linear import FuseLinear
 from fxquant.passes.fuse_norm import FuseNorm
+from fxquant.passes.fuse_rotary_cache import FuseRotaryCache
 from fxquant.passes.fuse_silu_mul import FuseSiluMul
 from fxquant.passes.localize_shards import LocalizeShards
 from fxquant.passes.merge_linear import MergeLinear
@@ -40,7 +41,7 @@ from fxquant.passes.upcast import Upcast
 
 log = logging.getLogger(__name__)
 PASS_TYPES = (FreezeParams, LocalizeShards, Detect, Upcast, QuantizeLinear, FuseNorm, MergeLinear, FuseSiluMul,
-              FuseLinear, PackInt4Lanes, DecodeAttention, PackGQA, Cleanup)
+              FuseLinear, PackInt4Lanes, FuseRotaryCache, DecodeAttention, PackGQA, Cleanup)
 PASSES = tuple(pass_type.name for pass_type in PASS_TYPES)
 PREPARE = PASSES[:4]  # the graph annotated and upcast, nothing quantized
 OPTIONAL = tuple(pass_type.name for pass_type in PASS_TYPES if pass_type.optional)
@@ -153,7 +154,8 @@ def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=N
         state.config = config = resolve_auto(config, measured)
         state.auto_reasons = {m.fqn: m.reason for m in measured if m.chosen_by_auto and m.recipe is None}
     gm = _run([QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseSiluMul(), FuseLinear(),
-               PackInt4Lanes(state), DecodeAttention(state), PackGQA(), Cleanup()], gm, config, stop_after, timings)
+               PackInt4Lanes(state), FuseRotaryCache(), DecodeAttention(state), PackGQA(), Cleanup()], gm, config,
+              stop_after, timings)
     findings += lint_layers(state, weights)
     refuse_errors(findings, "compile")
     return PipelineResult(gm, state.layers, state.upcast, config, findings, weights, auto, timings)

@@ -1,4 +1,5 @@
-"""The attention ops: decode attention over the KV cache as stored, and an e4m3 cache dequantized."""
+"""The attention ops: decode attention over the KV cache as stored, an e4m3 cache dequantized, and a decode
+step's rotary embedding with its cache write."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from torch import Tensor
 
 from fxquant.kernels.decode_attention import decode_attention as decode_attention_kernel
 from fxquant.kernels.decode_attention import supports as decode_attention_supports
+from fxquant.kernels.rotary_cache import rotary_cache_write as rotary_cache_kernel
+from fxquant.kernels.rotary_cache import supports as rotary_cache_supports
 from fxquant.numerics import reference_attention as RA
+from fxquant.numerics import reference_rotary as RR
 from fxquant.ops.declare import define, fake
 
 
@@ -44,3 +48,22 @@ dequantize_kv = define("dequantize_kv(Tensor codes, Tensor scale, ScalarType dty
 @fake("dequantize_kv")
 def _(codes, scale, dtype):
     return torch.empty_like(codes, dtype=dtype)
+
+
+def _rotary_cache_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, positions: Tensor,
+                        k_cache: Tensor, v_cache: Tensor) -> Tensor:
+    """q and k rotated (transformers' rotate_half form), k and v written into the caches at `positions`, q
+    returned: `reference_rotary`'s numerics. CUDA: one kernel where it serves the operands; else the reference."""
+    if q.is_cuda and rotary_cache_supports(q, k, v, cos, sin, positions, k_cache, v_cache) is None:
+        return rotary_cache_kernel(q, k, v, cos, sin, positions, k_cache, v_cache)
+    return RR.rotary_cache_write(q, k, v, cos, sin, positions, k_cache, v_cache)
+
+
+rotary_cache_write = define("rotary_cache_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, "
+                            "Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache) -> Tensor",
+                            _rotary_cache_write)
+
+
+@fake("rotary_cache_write")
+def _(q, k, v, cos, sin, positions, k_cache, v_cache):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -1,0 +1,181 @@
+"""fuse_rotary_cache: a decode step's rotary embedding of q and k and its KV cache write become one op, whose kernel
+rotates q, writes the rotated k and v into the cache, and returns q: one launch where Inductor makes three to five.
+
+Pre: a torch-level graph from dynamo (the cache written by `index_copy_`, as transformers' StaticCache writes it).
+Post: where both writes go to caches on a device in `devices`, for at most MAX_QUERIES positions:
+
+    %q2 = q * cos + cat(-q[..., D/2:], q[..., :D/2]) * sin;  %k2 likewise from k, with the same cos and sin
+    K.index_copy_(2, %p, %k2);  V.index_copy_(2, %p, v)
+        ->  %q2 = fxquant.rotary_cache_write(q, k, v, cos, sin, %p, K, V)
+
+The op runs where the value cache's write was. It is taken only where the rotated k feeds nothing but its write,
+the writes' results are unread, the rotated q is computed before the value write and read only after it, and
+nothing between the two writes reads or writes either cache: the writes keep their order against every read.
+Left as they are: torch.export's aten graphs (their writes are functional), rotations of part of a head (partial
+rotary), the interleaved form (rotate_every_two), a cache whose layer writes otherwise (sliding windows roll,
+the e4m3 cache quantizes first), and prefill. The op rounds the rotation's fp32 sum once
+(`fxquant.numerics.reference_rotary`): a rotated element may differ by one ulp from the unfused graph's.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx.passes.infra.pass_base import PassResult
+
+import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
+from fxquant.kernels.rotary_cache import supports as kernel_supports
+from fxquant.passes.annotations import fake_value
+from fxquant.passes.decode_attention import MAX_QUERIES
+from fxquant.passes.order import FxquantPass
+from fxquant.passes.side_effects import alias_root, has_side_effects
+from fxquant.passes.spellings import ADD, CAT, MUL, target_of
+
+ROTARY_CACHE_WRITE = torch.ops.fxquant.rotary_cache_write.default
+NEG = {torch.neg, torch.Tensor.neg, operator.neg}
+INDEX_COPY_ = torch.Tensor.index_copy_
+
+
+def _half_of(node, x: torch.fx.Node, half: int) -> str | None:
+    """"lo" or "hi" where node is x[..., :half] or x[..., half:] (the last dim sliced, the others whole)."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is operator.getitem
+            and node.args[0] is x and isinstance(node.args[1], tuple) and node.args[1]):
+        return None
+    *leading, last = node.args[1]
+    whole = slice(None, None, None)
+    value = fake_value(x)
+    if not isinstance(last, slice) or last.step not in (None, 1) or not all(i is Ellipsis or i == whole
+                                                                            for i in leading):
+        return None
+    if Ellipsis not in leading and (value is None or len(leading) != value.dim() - 1):
+        return None
+    if last.start in (None, 0) and last.stop == half:
+        return "lo"
+    if last.start == half and last.stop in (None, 2 * half):
+        return "hi"
+    return None
+
+
+def _turned(node, x: torch.fx.Node, half: int) -> bool:
+    """node is cat((-x[..., half:], x[..., :half]), dim=-1): transformers' rotate_half(x)."""
+    if not (isinstance(node, torch.fx.Node) and target_of(node) in CAT):
+        return False
+    parts = node.args[0] if node.args else node.kwargs.get("tensors")
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    value = fake_value(x)
+    if value is None or dim not in (-1, value.dim() - 1) or not isinstance(parts, list | tuple) or len(parts) != 2:
+        return False
+    negated, low = parts
+    return (isinstance(negated, torch.fx.Node) and target_of(negated) in NEG and len(negated.args) == 1
+            and _half_of(negated.args[0], x, half) == "hi" and _half_of(low, x, half) == "lo")
+
+
+def _operand_pairs(node) -> list:
+    """Both (a, b) orders of the node operands of a product a * b; [] where node is not one."""
+    if not (isinstance(node, torch.fx.Node) and target_of(node) in MUL and len(node.args) == 2 and not node.kwargs):
+        return []
+    a, b = node.args
+    return [(a, b), (b, a)] if isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node) else []
+
+
+def rotary(node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
+    """(x, cos, sin) where node is x * cos + rotate_half(x) * sin over x's whole last dim, in any operand order;
+    else None."""
+    if not (isinstance(node, torch.fx.Node) and target_of(node) in ADD and len(node.args) == 2 and not node.kwargs):
+        return None
+    for straight, turned in (node.args, node.args[::-1]):
+        for x, cos in _operand_pairs(straight):
+            value = fake_value(x)
+            if not isinstance(value, torch.Tensor) or value.dim() < 1 or value.shape[-1] % 2:
+                continue
+            for rotated_half, sin in _operand_pairs(turned):
+                if _turned(rotated_half, x, value.shape[-1] // 2):
+                    return x, cos, sin
+    return None
+
+
+def _cache_write(node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
+    """(cache, positions, value) where node is cache.index_copy_(2, positions, value) and its result is unread."""
+    if target_of(node) is not INDEX_COPY_ or node.users or node.kwargs or len(node.args) != 4:
+        return None
+    cache, dim, positions, value = node.args
+    if dim != 2 or not all(isinstance(n, torch.fx.Node) for n in (cache, positions, value)):
+        return None
+    return cache, positions, value
+
+
+class FuseRotaryCache(FxquantPass):
+    name = "fuse_rotary_cache"
+    optional = True
+
+    def __init__(self, devices: tuple[str, ...] = ("cuda",)):
+        super().__init__()
+        self.devices = devices  # where the kernel runs; elsewhere the op's reference would only add a copy
+
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
+        modified = False
+        order = {node: i for i, node in enumerate(gm.graph.nodes)}
+        writes = {node: found for node in gm.graph.nodes if (found := _cache_write(node)) is not None}
+        done = set()
+        for k_write, (_, positions, _) in writes.items():
+            # the value write: the next write at the same positions
+            v_write = next((w for w, (_, p, _) in writes.items() if order[w] > order[k_write] and p is positions
+                            and w not in done), None)
+            if k_write not in done and v_write is not None and self._fuse(gm.graph, order, k_write, v_write):
+                done |= {k_write, v_write}
+                modified = True
+        return PassResult(gm, modified)  # the rotations left unread go with cleanup's dead code
+
+    def _fuse(self, graph: torch.fx.Graph, order: dict, k_write: torch.fx.Node, v_write: torch.fx.Node) -> bool:
+        (k_cache, positions, k_rot), (v_cache, _, v) = _cache_write(k_write), _cache_write(v_write)
+        found = rotary(k_rot)
+        if found is None or len(k_rot.users) != 1:
+            return False
+        k, cos, sin = found
+        q_rot = self._query(k_rot, cos, sin)
+        if q_rot is None or order[q_rot] > order[v_write] or any(order[u] < order[v_write] for u in q_rot.users):
+            return False
+        q = rotary(q_rot)[0]
+        values = [fake_value(n) for n in (q, k, v, cos, sin, positions, k_cache, v_cache)]
+        if not all(isinstance(t, torch.Tensor) for t in values):
+            return False
+        fq, fk, fv, fcos, fsin, fpos, fkc, fvc = values
+        if (fq.device.type not in self.devices or fq.dim() != 4 or not isinstance(fq.shape[2], int)
+                or fq.shape[2] > MAX_QUERIES or fkc.dim() != 4 or fkc.shape[:2] != fk.shape[:2]
+                or fvc.shape[:2] != fv.shape[:2] or fkc.shape[-1] != fk.shape[-1]):
+            return False
+        try:
+            torch.broadcast_shapes(fcos.shape, fsin.shape, (fq.shape[0], 1, fq.shape[2], fq.shape[3]))
+        except RuntimeError:
+            return False
+        if fcos.dim() > 4 or (fcos.dim() == 4 and fcos.shape[1] != 1) or kernel_supports(*values) is not None:
+            return False
+        if self._caches_touched_between(graph, order, k_write, v_write, (k_cache, v_cache)):
+            return False
+        with graph.inserting_before(v_write):
+            op = graph.call_function(ROTARY_CACHE_WRITE, (q, k, v, cos, sin, positions, k_cache, v_cache))
+        op.meta.update(q_rot.meta)
+        q_rot.replace_all_uses_with(op)
+        graph.erase_node(v_write)
+        graph.erase_node(k_write)
+        return True
+
+    @staticmethod
+    def _query(k_rot: torch.fx.Node, cos: torch.fx.Node, sin: torch.fx.Node) -> torch.fx.Node | None:
+        """The one other rotation by the same cos and sin nodes: the query's."""
+        candidates = {user2 for user in cos.users for user2 in user.users
+                      if user2 is not k_rot and (found := rotary(user2)) is not None and found[1:] == (cos, sin)}
+        return candidates.pop() if len(candidates) == 1 else None
+
+    @staticmethod
+    def _caches_touched_between(graph, order, first, last, caches) -> bool:
+        """Whether a node strictly between two writes reads or writes a cache (or writes somewhere unknown)."""
+        roots = {alias_root(c) for c in caches}
+        for node in graph.nodes:
+            if not order[first] < order.get(node, -1) < order[last]:
+                continue
+            if any(alias_root(n) in roots for n in node.all_input_nodes) or (
+                    has_side_effects(node) and node.op == "call_module"):
+                return True
+        return False

@@ -1,0 +1,73 @@
+"""The rotary + cache write kernel against reference_rotary, bit for bit: q rotated, the cache rows written at their
+positions and every other cache row untouched, for q and k read through the strided views a merged q/k/v GEMM's
+output gives, cos and sin broadcast over the batch, several query positions and a head dim not a power of two."""
+
+import pytest
+import torch
+
+from fxquant.kernels.rotary_cache import rotary_cache_write, supports
+from fxquant.numerics import reference_rotary
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def operands(B, HQ, HKV, Q, D, S, dtype, cos_batch, seed=0):
+    """q, k, v as views of one merged projection output [B, Q, (HQ + 2 HKV) D], as attention's reshapes make them;
+    cos and sin [cos_batch, 1, Q, D] from angles of positions, as transformers' rotary embedding makes them."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, Q, (HQ + 2 * HKV) * D, generator=gen).to(dtype)
+    q, k, v = (t.view(B, Q, -1, D).transpose(1, 2) for t in qkv.split([HQ * D, HKV * D, HKV * D], dim=-1))
+    positions = torch.randperm(S, generator=gen)[:Q]
+    freqs = positions[:, None].float() * torch.rand(D // 2, generator=gen)
+    angles = torch.cat((freqs, freqs), dim=-1).expand(cos_batch, 1, Q, D)
+    caches = [torch.randn(B, HKV, S, D, generator=gen).to(dtype) for _ in range(2)]
+    moved = (t.to(DEVICE) for t in (q, k, v, angles.cos().to(dtype), angles.sin().to(dtype), positions, *caches))
+    return tuple(moved)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("B", "HQ", "HKV", "Q", "D", "cos_batch"), [
+    (1, 4, 2, 1, 64, 1),    # a decode step, cos shared
+    (3, 8, 2, 1, 128, 3),   # a batch, cos per sequence
+    (2, 4, 4, 3, 96, 1),    # three positions, a head dim not a power of two, no grouping
+])
+def test_the_kernel_gives_the_references_bits(B, HQ, HKV, Q, D, cos_batch, dtype):
+    q, k, v, cos, sin, positions, k_cache, v_cache = operands(B, HQ, HKV, Q, D, 16, dtype, cos_batch)
+    assert supports(q, k, v, cos, sin, positions, k_cache, v_cache) is None
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want = reference_rotary.rotary_cache_write(q, k, v, cos, sin, positions, want_k, want_v)
+    got = rotary_cache_write(q, k, v, cos, sin, positions, k_cache, v_cache)
+    assert got.is_contiguous() and got.shape == q.shape
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(k_cache.view(torch.int16), want_k.view(torch.int16))
+    assert torch.equal(v_cache.view(torch.int16), want_v.view(torch.int16))
+    rotated = reference_rotary.rotated(k, cos, sin)
+    assert torch.equal(k_cache[:, :, positions], rotated) and torch.equal(v_cache[:, :, positions], v)
+    assert not torch.equal(rotated, k)  # the rotation did something the check would see
+
+
+def test_the_reference_is_transformers_rotation_computed_in_fp32():
+    """The oracle is apply_rotary_pos_emb's formula, on fp32 operands rounded once: the rotation of a vector is a
+    rotation (its norm kept), and an fp32 evaluation of transformers' own expression agrees to fp32's rounding."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    q, k, _, cos, sin, *_ = operands(2, 4, 2, 1, 64, 16, torch.bfloat16, 2)
+    want_q, want_k = apply_rotary_pos_emb(q.float(), k.float(), cos.float()[:, 0], sin.float()[:, 0])
+    for x, want in ((q, want_q), (k, want_k)):
+        assert torch.equal(reference_rotary.rotated(x, cos, sin), want.to(torch.bfloat16))
+
+
+def test_a_position_outside_the_cache_writes_nothing():
+    q, k, v, cos, sin, _, k_cache, v_cache = operands(1, 4, 2, 2, 64, 16, torch.bfloat16, 1)
+    positions = torch.tensor([16, 3], device=DEVICE)  # 16 is one past the end
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    rotary_cache_write(q, k, v, cos, sin, positions, k_cache, v_cache)
+    untouched = [s for s in range(16) if s != 3]
+    assert torch.equal(k_cache[:, :, untouched], before_k[:, :, untouched])
+    assert torch.equal(v_cache[:, :, untouched], before_v[:, :, untouched])
+    assert torch.equal(v_cache[:, :, 3], v[:, :, 1])
+
+
+def test_the_kernel_refuses_mixed_dtypes():
+    q, k, v, cos, sin, positions, k_cache, v_cache = operands(1, 4, 2, 1, 64, 16, torch.bfloat16, 1)
+    assert "not all bf16" in supports(q, k, v, cos.float(), sin, positions, k_cache, v_cache)

@@ -1,0 +1,172 @@
+"""fuse_rotary_cache: a decode step's rotary embedding and KV cache write become one op, with every write kept and
+ordered against every read. On the CPU the op runs its reference, so the pass is enabled for the CPU here (it
+rewrites CUDA graphs only by default)."""
+
+import copy
+import functools
+
+import pytest
+import torch
+from hf_models import angle, compiled_graphs, decoder, static_decode
+
+from fxquant.compile import pipeline
+from fxquant.numerics import reference_rotary
+from fxquant.passes.fuse_rotary_cache import FuseRotaryCache, rotary
+from fxquant.passes.side_effects import has_side_effects
+
+OP = torch.ops.fxquant.rotary_cache_write.default
+
+
+@pytest.fixture
+def on_the_cpu(monkeypatch):
+    monkeypatch.setattr(pipeline, "FuseRotaryCache", functools.partial(FuseRotaryCache, devices=("cpu",)))
+
+
+def count(gm, target):
+    return sum(node.target == target for node in gm.graph.nodes)
+
+
+def cache_writes(gm):
+    return sum(node.op == "call_method" and node.target == "index_copy_" for node in gm.graph.nodes)
+
+
+@pytest.mark.parametrize(("arch", "overrides", "fused"), [
+    ("llama", {}, True),
+    ("qwen2", {}, True),
+    ("llama", dict(attn_implementation="eager"), True),
+    ("mistral", dict(sliding_window=4), False),  # a sliding layer rolls its cache: its write is not index_copy_
+])
+def test_decode_steps_rotate_and_write_the_cache_in_one_op(arch, overrides, fused, on_the_cpu):
+    model = decoder(arch, **overrides)
+    generator = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 512, (2, 5), generator=generator)
+    steps = torch.randint(0, 512, (2, 3), generator=generator)
+    eager = static_decode(model, model, prompt, steps)
+    wide = copy.deepcopy(model).float()
+    exact = static_decode(wide, wide, prompt, steps)
+    forward, graphs = compiled_graphs(model)
+    got = static_decode(model, forward, prompt, steps)
+    for step in range(len(got)):
+        # Both are bf16 computations of the fp32 model; the op rounds each rotation once, eager three times. A
+        # rotation by the wrong angle, a sign lost or a write to the wrong position moves the logits by far more.
+        assert angle(got[step], eager[step]) <= 2 * angle(eager[step], exact[step]), step
+    layers = model.config.num_hidden_layers
+    prefill, decode = graphs[0], graphs[-1]
+    assert count(prefill, OP) == 0  # 5 positions: prefill is left as it is
+    assert count(decode, OP) == (layers if fused else 0)
+    if fused:
+        assert cache_writes(prefill) == 2 * layers and cache_writes(decode) == 0
+    ops = [node for node in decode.graph.nodes if node.target is OP]
+    assert all(has_side_effects(node) for node in ops)  # the writes cleanup must keep
+
+
+def test_the_cache_holds_the_ops_rows_and_the_rest_is_untouched(on_the_cpu):
+    """One step after the same eager prefill: the first layer's value row is the unfused step's bits and its key row
+    that rotation to one bf16 ulp (eager rounds each product first; later layers inherit the difference), every row
+    the step does not write is untouched, in every layer."""
+    import transformers as T
+
+    model = decoder("llama")
+    prompt = torch.randint(0, 512, (1, 5), generator=torch.Generator().manual_seed(4))
+    caches = {}
+    for disable in ((), ("fuse_rotary_cache",)):
+        cache = T.StaticCache(config=model.config, max_cache_len=16)
+        with torch.no_grad():
+            model(input_ids=prompt, past_key_values=cache, use_cache=True)
+            torch._dynamo.reset()
+            step = torch.compile(model, backend="fxquant",
+                                 options={"inner": "eager", "skip": [".*"], "disable_passes": list(disable)})
+            step(input_ids=torch.tensor([[7]]), past_key_values=cache, cache_position=torch.tensor([5]), use_cache=True)
+        caches[disable] = [(layer.keys, layer.values) for layer in cache.layers]
+    fused, unfused = caches[()], caches[("fuse_rotary_cache",)]
+    for layer in range(len(fused)):
+        for got, want in zip(fused[layer], unfused[layer], strict=True):
+            assert torch.equal(got[:, :, :5], want[:, :, :5]) and torch.equal(got[:, :, 6:], want[:, :, 6:])
+            assert got[:, :, 5].abs().max() > 0  # written
+    (k, v), (k_unfused, v_unfused) = fused[0], unfused[0]
+    assert torch.equal(v[:, :, 5], v_unfused[:, :, 5])
+    row, unfused_row = k[:, :, 5].float(), k_unfused[:, :, 5].float()
+    assert (row - unfused_row).abs().max() <= 2 ** -7 * unfused_row.abs().max()  # one bf16 ulp
+
+
+def _step(q, k, v, cos, sin, positions, k_cache, v_cache, read_between=False):
+    """A hand-written decode step: transformers' rotation and cache writes, optionally reading the key cache between
+    the two writes."""
+    turn = lambda x: torch.cat((-x[..., 32:], x[..., :32]), dim=-1)
+    q_rot, k_rot = q * cos + turn(q) * sin, k * cos + turn(k) * sin
+    k_cache.index_copy_(2, positions, k_rot)
+    seen = k_cache.sum() if read_between else None
+    v_cache.index_copy_(2, positions, v)
+    return q_rot, seen
+
+
+def _operands():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(1, 4, 1, 64, generator=gen), torch.randn(1, 2, 1, 64, generator=gen), \
+        torch.randn(1, 2, 1, 64, generator=gen)
+    angles = torch.rand(1, 1, 1, 64, generator=gen) * 6
+    caches = torch.randn(1, 2, 8, 64, generator=gen), torch.randn(1, 2, 8, 64, generator=gen)
+    return [t.bfloat16() for t in (q, k, v, angles.cos(), angles.sin())] + [torch.tensor([3]),
+                                                                            *(c.bfloat16() for c in caches)]
+
+
+def _fused(read_between):
+    """The step compiled by a backend that runs the pass (its graph and whether it changed it recorded)."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append((gm, FuseRotaryCache(devices=("cpu",))(gm).modified))
+        return gm.forward
+
+    torch._dynamo.reset()
+    return torch.compile(functools.partial(_step, read_between=read_between), backend=backend, fullgraph=True), seen
+
+
+def test_a_read_of_the_cache_between_the_writes_keeps_them_apart():
+    step, seen = _fused(read_between=True)
+    step(*_operands())
+    (gm, modified), = seen
+    assert not modified and cache_writes(gm) == 2
+
+
+def test_the_fused_graph_computes_the_reference():
+    step, seen = _fused(read_between=False)
+    got_inputs, want_inputs = _operands(), _operands()
+    got, _ = step(*got_inputs)
+    (gm, modified), = seen
+    assert modified and count(gm, OP) == 1 and cache_writes(gm) == 0
+    q, k, v, cos, sin, positions, k_cache, v_cache = want_inputs
+    want = reference_rotary.rotary_cache_write(q, k, v, cos, sin, positions, k_cache, v_cache)
+    assert torch.equal(got, want)
+    assert torch.equal(got_inputs[-2], k_cache) and torch.equal(got_inputs[-1], v_cache)
+    assert not torch.equal(got_inputs[-2], _operands()[-2])  # the write happened
+    assert not FuseRotaryCache(devices=("cpu",))(gm).modified  # nothing left to fuse
+
+
+def _keep(captured, gm, example_inputs):
+    captured.append(gm)
+    return gm.forward
+
+
+def test_the_rotation_matcher_takes_only_the_whole_head_rotate_half_form():
+    def partial(x, cos, sin):  # a rotation of the first half of the head only (partial rotary)
+        turn = lambda y: torch.cat((-y[..., 16:], y[..., :16]), dim=-1)
+        return x[..., :32] * cos[..., :32] + turn(x[..., :32]) * sin[..., :32]
+
+    def swapped(x, cos, sin):  # the halves not negated: not a rotation
+        return x * cos + torch.cat((x[..., 32:], x[..., :32]), dim=-1) * sin
+
+    def whole(x, cos, sin):
+        return sin * torch.cat((-x[..., 32:], x[..., :32]), dim=-1) + cos * x
+
+    for fn, matched in ((partial, False), (swapped, False), (whole, True)):
+        captured = []
+        torch._dynamo.reset()
+        torch.compile(fn, backend=functools.partial(_keep, captured), fullgraph=True)(*_operands()[:1],
+                                                                                   *_operands()[3:5])
+        adds = [n for n in captured[0].graph.nodes if n.op == "call_function" and "add" in str(n.target)]
+        found = [rotary(n) for n in adds if rotary(n) is not None]
+        assert bool(found) == matched, fn.__name__
+        if matched:
+            x, cos, sin = found[0]
+            assert (x.name, cos.name, sin.name) == ("l_x_", "l_cos_", "l_sin_")
