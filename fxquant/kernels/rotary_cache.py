@@ -2,9 +2,10 @@
 the cache at their positions, q returned. Inductor otherwise spends three to five kernels a layer on them.
 
 The rotation is transformers' `rotate_half` form over the whole head: out = x * cos + rotate_half(x) * sin, with
-rotate_half(x) = cat(-x[D/2:], x[:D/2]). The products of bf16 or fp16 operands are exact in fp32, so the fp32 sum
-is the one rounding before the cast to x's dtype, with or without an FMA: the bits of
-`fxquant.numerics.reference_rotary`.
+rotate_half(x) = cat(-x[D/2:], x[:D/2]); cos and sin in x's dtype or in fp32 (the graph's values before their
+rounding, as Inductor reads them). It is computed in fp64, where the products of a bf16 or fp16 x and an fp32 cos
+are exact, so the sum rounds once, with or without an FMA; then to fp32 and to x's dtype, each to nearest even: the
+bits of `fxquant.numerics.reference_rotary` on every backend.
 
 One program per row: a (batch, query head, position) of q, or a (batch, KV head, position) of k with its v. A
 position outside the cache writes nothing, where index_copy_ would raise on the CPU and write out of bounds on the
@@ -28,14 +29,15 @@ MAX_HEAD_DIM = 512
 @triton.jit
 def _rotated(x_ptr, x_stride, c_ptr, c_stride, s_ptr, s_stride, offs, mask, HALF: tl.constexpr):
     """The two halves of x's rotary embedding in fp32: x1 * c1 - x2 * s1 and x2 * c2 + x1 * s2."""
-    x1 = tl.load(x_ptr + offs * x_stride, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + (offs + HALF) * x_stride, mask=mask, other=0.0).to(tl.float32)
-    c1 = tl.load(c_ptr + offs * c_stride, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(c_ptr + (offs + HALF) * c_stride, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(s_ptr + offs * s_stride, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(s_ptr + (offs + HALF) * s_stride, mask=mask, other=0.0).to(tl.float32)
-    # Exact products (8- or 11-bit significands): the sum rounds once, as the reference's and Inductor's.
-    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+    x1 = tl.load(x_ptr + offs * x_stride, mask=mask, other=0.0).to(tl.float64)
+    x2 = tl.load(x_ptr + (offs + HALF) * x_stride, mask=mask, other=0.0).to(tl.float64)
+    c1 = tl.load(c_ptr + offs * c_stride, mask=mask, other=0.0).to(tl.float64)
+    c2 = tl.load(c_ptr + (offs + HALF) * c_stride, mask=mask, other=0.0).to(tl.float64)
+    s1 = tl.load(s_ptr + offs * s_stride, mask=mask, other=0.0).to(tl.float64)
+    s2 = tl.load(s_ptr + (offs + HALF) * s_stride, mask=mask, other=0.0).to(tl.float64)
+    # fp64: the products (at most 11 x 24 significand bits) are exact, so an FMA or not gives the same sum, which
+    # rounds once; then fp32 by the round-to-nearest-even conversion.
+    return (x1 * c1 - x2 * s1).to(tl.float32), (x2 * c2 + x1 * s2).to(tl.float32)
 
 
 @triton.jit
@@ -80,9 +82,11 @@ def _rotary_cache_write_kernel(
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
     """None where the kernel computes the op as the reference does, else why not."""
-    tensors = (q, k, v, cos, sin, k_cache, v_cache)
+    tensors = (q, k, v, k_cache, v_cache)
     if any(t.dtype != q.dtype for t in tensors) or q.dtype not in TL_TYPES:
-        return f"operands of dtypes {sorted({str(t.dtype) for t in tensors})}, not all bf16 or all fp16"
+        return f"q, k, v and the caches of dtypes {sorted({str(t.dtype) for t in tensors})}, not all bf16 or fp16"
+    if cos.dtype != sin.dtype or cos.dtype not in (q.dtype, torch.float32):
+        return f"cos and sin of {cos.dtype} and {sin.dtype}: both q's dtype or both fp32"
     if q.dim() != 4 or k.dim() != 4 or q.shape[-1] % 2 or q.shape[-1] > MAX_HEAD_DIM:
         return f"q {tuple(q.shape)}: not [B, H, Q, D] with an even D up to {MAX_HEAD_DIM}"
     if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
@@ -91,7 +95,8 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tenso
 
 
 def rotary_cache_write(q, k, v, cos, sin, positions, k_cache, v_cache) -> torch.Tensor:
-    """q [B, HQ, Q, D], k [B, HKV, Q, D], v [B, HKV, Q, DV], cos and sin broadcastable to [B, 1, Q, D], positions [Q];
+    """q [B, HQ, Q, D], k [B, HKV, Q, D], v [B, HKV, Q, DV], cos and sin (q's dtype or fp32) broadcastable to
+    [B, 1, Q, D], positions [Q];
     writes rotated k and v into k_cache [B, HKV, S, D] and v_cache [B, HKV, S, DV] at `positions`; returns q rotated,
     contiguous."""
     B, HQ, Q, D = q.shape

@@ -1,10 +1,11 @@
 """The oracle for `fxquant::rotary_cache_write`: a decode step's rotary embedding of q and k (transformers'
 `rotate_half` form over the whole head) and its KV cache write, as transformers' StaticCache does it.
 
-- x rotated: x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]), computed in
-  fp32 and rounded once to x's dtype. For bf16 and fp16 operands the products are exact in fp32, so the sum is the
-  only rounding. Eager's bf16 ops round each product first; Inductor's code reads cos and sin before their rounding
-  to x's dtype. Either differs from this by one ulp in some elements (20 of a Llama key row's 128, on the CPU).
+- x rotated: x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]); x bf16 or
+  fp16, cos and sin in x's dtype or fp32. Computed in fp64, where those products are exact, so the sum rounds once;
+  then to fp32 and to x's dtype. With fp32 cos and sin (the values a graph rounds to x's dtype, which Inductor's code
+  reads unrounded) this is Inductor's fp32 arithmetic without its roundings of the products; eager's bf16 ops round
+  the cos, each product and the sum.
 - The rotated k and v are written into the caches [B, Hkv, S, D] at `positions` (dim 2), as index_copy_. A
   position outside [0, S) writes nothing.
 """
@@ -17,8 +18,8 @@ import torch
 def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    # fp32: exact products of bf16/fp16 operands, then one rounding of their sum to x's dtype
-    return (x.float() * cos.float() + turned.float() * sin.float()).to(x.dtype)
+    # fp64: exact products of a bf16/fp16 x and an fp32 cos, one rounding of the sum, then fp32, then x's dtype
+    return (x.double() * cos.double() + turned.double() * sin.double()).float().to(x.dtype)
 
 
 def rotary_cache_write(q, k, v, cos, sin, positions, k_cache, v_cache) -> torch.Tensor:

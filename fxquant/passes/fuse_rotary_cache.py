@@ -13,8 +13,9 @@ the writes' results are unread, the rotated q is computed before the value write
 nothing between the two writes reads or writes either cache: the writes keep their order against every read.
 Left as they are: torch.export's aten graphs (their writes are functional), rotations of part of a head (partial
 rotary), the interleaved form (rotate_every_two), a cache whose layer writes otherwise (sliding windows roll,
-the e4m3 cache quantizes first), and prefill. The op rounds the rotation's fp32 sum once
-(`fxquant.numerics.reference_rotary`): a rotated element may differ by one ulp from the unfused graph's.
+the e4m3 cache quantizes first), and prefill. Where the graph rounds cos and sin from fp32 to the model's dtype,
+the op takes them in fp32, as Inductor's unfused code reads them; it rounds the rotation once
+(`fxquant.numerics.reference_rotary`), so a rotated element may differ from the unfused graph's by one ulp.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from fxquant.passes.annotations import fake_value
 from fxquant.passes.decode_attention import MAX_QUERIES
 from fxquant.passes.order import FxquantPass
 from fxquant.passes.side_effects import alias_root, has_side_effects
-from fxquant.passes.spellings import ADD, CAT, MUL, target_of
+from fxquant.passes.spellings import ADD, CAT, DTYPE_CASTS, MUL, UNSQUEEZE, target_of
 
 ROTARY_CACHE_WRITE = torch.ops.fxquant.rotary_cache_write.default
 NEG = {torch.neg, torch.Tensor.neg, operator.neg}
@@ -95,6 +96,43 @@ def rotary(node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
     return None
 
 
+def _before_rounding(node: torch.fx.Node) -> tuple[torch.fx.Node, int | None] | None:
+    """(the fp32 source, the unsqueeze's dim or None) where node is unsqueeze(fp32.to(low), dim) or fp32.to(low): the
+    cos or sin before its rounding to the model's dtype, which Inductor's unfused code reads; else None."""
+    dim = None
+    if target_of(node) in UNSQUEEZE and len(node.args) == 2 and isinstance(node.args[1], int) and not node.kwargs:
+        node, dim = node.args[0], node.args[1]
+    if not (isinstance(node, torch.fx.Node) and target_of(node) in DTYPE_CASTS and node.args
+            and isinstance(node.args[0], torch.fx.Node)):
+        return None
+    source, rounded = fake_value(node.args[0]), fake_value(node)
+    if not (isinstance(source, torch.Tensor) and isinstance(rounded, torch.Tensor) and source.dtype == torch.float32
+            and rounded.dtype in (torch.bfloat16, torch.float16) and source.shape == rounded.shape
+            and source.device == rounded.device):
+        return None
+    return node.args[0], dim
+
+
+def _unrounded(graph: torch.fx.Graph, cos: torch.fx.Node, sin: torch.fx.Node, before: torch.fx.Node):
+    """cos and sin in fp32 where the graph rounds both from fp32 (new unsqueezes inserted before `before`), else as
+    they are."""
+    found = [_before_rounding(n) for n in (cos, sin)]
+    if None in found or found[0][1] != found[1][1]:
+        return cos, sin
+    unrounded = []
+    for source, dim in found:
+        if dim is None:
+            unrounded.append(source)
+            continue
+        with graph.inserting_before(before):
+            node = graph.call_method("unsqueeze", (source, dim))
+        value = fake_value(source)
+        with value.fake_mode:
+            node.meta["example_value"] = value.unsqueeze(dim)
+        unrounded.append(node)
+    return tuple(unrounded)
+
+
 def _cache_write(node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
     """(cache, positions, value) where node is cache.index_copy_(2, positions, value) and its result is unread."""
     if target_of(node) is not INDEX_COPY_ or node.users or node.kwargs or len(node.args) != 4:
@@ -153,6 +191,7 @@ class FuseRotaryCache(FxquantPass):
             return False
         if self._caches_touched_between(graph, order, k_write, v_write, (k_cache, v_cache)):
             return False
+        cos, sin = _unrounded(graph, cos, sin, v_write)  # what Inductor's unfused code reads: one rounding fewer
         with graph.inserting_before(v_write):
             op = graph.call_function(ROTARY_CACHE_WRITE, (q, k, v, cos, sin, positions, k_cache, v_cache))
         op.meta.update(q_rot.meta)

@@ -11,7 +11,7 @@ from fxquant.numerics import reference_rotary
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def operands(B, HQ, HKV, Q, D, S, dtype, cos_batch, seed=0):
+def operands(B, HQ, HKV, Q, D, S, dtype, cos_batch, seed=0, cos_dtype=None):
     """q, k, v as views of one merged projection output [B, Q, (HQ + 2 HKV) D], as attention's reshapes make them;
     cos and sin [cos_batch, 1, Q, D] from angles of positions, as transformers' rotary embedding makes them."""
     gen = torch.Generator().manual_seed(seed)
@@ -21,18 +21,21 @@ def operands(B, HQ, HKV, Q, D, S, dtype, cos_batch, seed=0):
     freqs = positions[:, None].float() * torch.rand(D // 2, generator=gen)
     angles = torch.cat((freqs, freqs), dim=-1).expand(cos_batch, 1, Q, D)
     caches = [torch.randn(B, HKV, S, D, generator=gen).to(dtype) for _ in range(2)]
-    moved = (t.to(DEVICE) for t in (q, k, v, angles.cos().to(dtype), angles.sin().to(dtype), positions, *caches))
+    cos, sin = angles.cos().to(cos_dtype or dtype), angles.sin().to(cos_dtype or dtype)
+    moved = (t.to(DEVICE) for t in (q, k, v, cos, sin, positions, *caches))
     return tuple(moved)
 
 
+@pytest.mark.parametrize("cos_dtype", [None, torch.float32], ids=["cos_as_q", "cos_fp32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(("B", "HQ", "HKV", "Q", "D", "cos_batch"), [
     (1, 4, 2, 1, 64, 1),    # a decode step, cos shared
     (3, 8, 2, 1, 128, 3),   # a batch, cos per sequence
     (2, 4, 4, 3, 96, 1),    # three positions, a head dim not a power of two, no grouping
 ])
-def test_the_kernel_gives_the_references_bits(B, HQ, HKV, Q, D, cos_batch, dtype):
-    q, k, v, cos, sin, positions, k_cache, v_cache = operands(B, HQ, HKV, Q, D, 16, dtype, cos_batch)
+def test_the_kernel_gives_the_references_bits(B, HQ, HKV, Q, D, cos_batch, dtype, cos_dtype):
+    q, k, v, cos, sin, positions, k_cache, v_cache = operands(B, HQ, HKV, Q, D, 16, dtype, cos_batch,
+                                                              cos_dtype=cos_dtype)
     assert supports(q, k, v, cos, sin, positions, k_cache, v_cache) is None
     want_k, want_v = k_cache.clone(), v_cache.clone()
     want = reference_rotary.rotary_cache_write(q, k, v, cos, sin, positions, want_k, want_v)
@@ -47,8 +50,8 @@ def test_the_kernel_gives_the_references_bits(B, HQ, HKV, Q, D, cos_batch, dtype
 
 
 def test_the_reference_is_transformers_rotation_computed_in_fp32():
-    """The oracle is apply_rotary_pos_emb's formula, on fp32 operands rounded once: the rotation of a vector is a
-    rotation (its norm kept), and an fp32 evaluation of transformers' own expression agrees to fp32's rounding."""
+    """The oracle is apply_rotary_pos_emb's formula: with cos and sin in bf16 its products are exact in fp32 as in
+    fp64, so transformers' own expression evaluated in fp32 gives the same bits."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     q, k, _, cos, sin, *_ = operands(2, 4, 2, 1, 64, 16, torch.bfloat16, 2)
@@ -70,4 +73,5 @@ def test_a_position_outside_the_cache_writes_nothing():
 
 def test_the_kernel_refuses_mixed_dtypes():
     q, k, v, cos, sin, positions, k_cache, v_cache = operands(1, 4, 2, 1, 64, 16, torch.bfloat16, 1)
-    assert "not all bf16" in supports(q, k, v, cos.float(), sin, positions, k_cache, v_cache)
+    assert "both fp32" in supports(q, k, v, cos.float(), sin, positions, k_cache, v_cache)
+    assert "not all bf16 or fp16" in supports(q, k.half(), v, cos, sin, positions, k_cache, v_cache)

@@ -58,6 +58,8 @@ def test_decode_steps_rotate_and_write_the_cache_in_one_op(arch, overrides, fuse
         assert cache_writes(prefill) == 2 * layers and cache_writes(decode) == 0
     ops = [node for node in decode.graph.nodes if node.target is OP]
     assert all(has_side_effects(node) for node in ops)  # the writes cleanup must keep
+    # cos and sin before the model rounds them to bf16, as Inductor's unfused code reads them
+    assert all(node.args[3].meta["example_value"].dtype == torch.float32 for node in ops)
 
 
 def test_the_cache_holds_the_ops_rows_and_the_rest_is_untouched(on_the_cpu):
