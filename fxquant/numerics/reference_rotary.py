@@ -8,11 +8,17 @@
   the cos, each product and the sum.
 - The rotated k and v are written into the caches [B, Hkv, S, D] at `positions` (dim 2), as index_copy_. A
   position outside [0, S) writes nothing.
+- An e4m3 cache (`fxquant.FP8StaticCache`) holds each row as `fxquant::quantize_fp8(row, 0)` makes it: the rotated
+  k (or v) in its dtype, quantized with a scale per (token, KV head); the codes go to uint8 caches at `positions`,
+  the scales to fp32 caches [B, Hkv, S, 1] at `scale_positions` (the cache's twin layer counts its own).
 """
 
 from __future__ import annotations
 
 import torch
+
+from fxquant.numerics import reference as R
+from fxquant.numerics.granularity import activation_granularity
 
 
 def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -28,4 +34,16 @@ def rotary_cache_write(q, k, v, cos, sin, positions, k_cache, v_cache) -> torch.
     inside = (positions >= 0) & (positions < k_cache.shape[2])
     k_cache.index_copy_(2, positions[inside], rotated(k, cos, sin)[:, :, inside])
     v_cache.index_copy_(2, positions[inside], v[:, :, inside])
+    return rotated(q, cos, sin)
+
+
+def rotary_cache_write_e4m3(q, k, v, cos, sin, positions, scale_positions, k_codes, v_codes, k_scales,
+                            v_scales) -> torch.Tensor:
+    """rotary_cache_write into an e4m3 cache: codes (uint8) at positions, their scales at scale_positions."""
+    inside = ((positions >= 0) & (positions < k_codes.shape[2]) & (scale_positions >= 0)
+              & (scale_positions < k_scales.shape[2]))
+    for row, codes, scales in ((rotated(k, cos, sin), k_codes, k_scales), (v, v_codes, v_scales)):
+        quantized = R.quantize(row, "fp8_e4m3", activation_granularity(0))  # per (token, KV head), as quantize_fp8
+        codes.index_copy_(2, positions[inside], quantized.data.view(torch.uint8)[:, :, inside])
+        scales.index_copy_(2, scale_positions[inside], quantized.scale[:, :, inside])
     return rotated(q, cos, sin)

@@ -10,6 +10,7 @@ from fxquant.kernels.decode_attention import decode_attention as decode_attentio
 from fxquant.kernels.decode_attention import supports as decode_attention_supports
 from fxquant.kernels.rotary_cache import rotary_cache_write as rotary_cache_kernel
 from fxquant.kernels.rotary_cache import supports as rotary_cache_supports
+from fxquant.kernels.rotary_cache import supports_codes as rotary_codes_supports
 from fxquant.numerics import reference_attention as RA
 from fxquant.numerics import reference_rotary as RR
 from fxquant.ops.declare import define, fake
@@ -66,4 +67,27 @@ rotary_cache_write = define("rotary_cache_write(Tensor q, Tensor k, Tensor v, Te
 
 @fake("rotary_cache_write")
 def _(q, k, v, cos, sin, positions, k_cache, v_cache):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def _rotary_cache_write_e4m3(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, positions: Tensor,
+                             scale_positions: Tensor, k_codes: Tensor, v_codes: Tensor, k_scales: Tensor,
+                             v_scales: Tensor) -> Tensor:
+    """rotary_cache_write into an e4m3 cache (fxquant.FP8StaticCache): k and v quantized per (token, KV head), their
+    codes (uint8) written at `positions` and their fp32 scales at `scale_positions`."""
+    if (q.is_cuda and rotary_cache_supports(q, k, v, cos, sin, positions, k_codes, v_codes) is None
+            and rotary_codes_supports(q, k_scales, v_scales) is None):
+        return rotary_cache_kernel(q, k, v, cos, sin, positions, k_codes, v_codes,
+                                   codes=(scale_positions, k_scales, v_scales))
+    return RR.rotary_cache_write_e4m3(q, k, v, cos, sin, positions, scale_positions, k_codes, v_codes, k_scales,
+                                      v_scales)
+
+
+rotary_cache_write_e4m3 = define("rotary_cache_write_e4m3(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, "
+                                 "Tensor positions, Tensor scale_positions, Tensor(a!) k_codes, Tensor(b!) v_codes, "
+                                 "Tensor(c!) k_scales, Tensor(d!) v_scales) -> Tensor", _rotary_cache_write_e4m3)
+
+
+@fake("rotary_cache_write_e4m3")
+def _(q, k, v, cos, sin, positions, scale_positions, k_codes, v_codes, k_scales, v_scales):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)

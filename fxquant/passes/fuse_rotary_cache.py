@@ -21,12 +21,14 @@ the op takes them in fp32, as Inductor's unfused code reads them; it rounds the 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 from torch.fx.passes.infra.pass_base import PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.kernels.rotary_cache import supports as kernel_supports
+from fxquant.kernels.rotary_cache import supports_codes as codes_supports
 from fxquant.passes.annotations import fake_value
 from fxquant.passes.decode_attention import MAX_QUERIES
 from fxquant.passes.order import FxquantPass
@@ -34,6 +36,8 @@ from fxquant.passes.side_effects import alias_root, has_side_effects
 from fxquant.passes.spellings import ADD, CAT, DTYPE_CASTS, MUL, UNSQUEEZE, target_of
 
 ROTARY_CACHE_WRITE = torch.ops.fxquant.rotary_cache_write.default
+ROTARY_CACHE_WRITE_E4M3 = torch.ops.fxquant.rotary_cache_write_e4m3.default
+QUANTIZE = torch.ops.fxquant.quantize_fp8.default
 NEG = {torch.neg, torch.Tensor.neg, operator.neg}
 INDEX_COPY_ = torch.Tensor.index_copy_
 
@@ -143,6 +147,82 @@ def _cache_write(node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | N
     return cache, positions, value
 
 
+def _quantized_codes(value) -> torch.fx.Node | None:
+    """The quantizer node q where value is q[0].view(uint8): e4m3 codes of a row quantizer (quantize_fp8(x, 0)),
+    stored as an e4m3 cache stores them, with nothing else reading the codes."""
+    if not (isinstance(value, torch.fx.Node) and target_of(value) is torch.Tensor.view and len(value.args) == 2
+            and value.args[1] is torch.uint8 and len(value.users) == 1):
+        return None
+    codes = value.args[0]
+    if not (isinstance(codes, torch.fx.Node) and codes.target is operator.getitem and codes.args[1] == 0
+            and len(codes.users) == 1):
+        return None
+    quantizer = codes.args[0]
+    if not (isinstance(quantizer, torch.fx.Node) and quantizer.target is QUANTIZE and quantizer.args[1:] == (0,)):
+        return None
+    return quantizer
+
+
+def _scale_write(writes: dict, quantizer: torch.fx.Node) -> torch.fx.Node | None:
+    """The write of quantizer's scales (its output 1, read by nothing else), among `writes`."""
+    return next((w for w, (_, _, value) in writes.items() if value.target is operator.getitem
+                 and value.args == (quantizer, 1) and len(value.users) == 1), None)
+
+
+VIEWS = {torch.Tensor.view, torch.Tensor.unsqueeze, torch.Tensor.expand, torch.Tensor.transpose}
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """A view made without reading memory: basic indexing (slices, ints, None, Ellipsis) or a view method."""
+    if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2:
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        return isinstance(node.args[0], torch.fx.Node) and all(
+            i is None or i is Ellipsis or isinstance(i, int | slice) for i in index)
+    return target_of(node) in VIEWS
+
+
+@dataclass
+class CacheWrites:
+    """A layer's cache writes the op replaces, and what it writes: k before rotation, v, the caches."""
+
+    writes: list[torch.fx.Node]
+    k_rot: torch.fx.Node  # the rotated k the writes store (or quantize)
+    k_reader: torch.fx.Node  # k_rot's one reader: its write, or its quantizer
+    v: torch.fx.Node
+    positions: torch.fx.Node
+    caches: tuple[torch.fx.Node, ...]  # (K, V), or the e4m3 cache's (K codes, V codes, K scales, V scales)
+    scale_positions: torch.fx.Node | None = None  # the e4m3 cache's scales', counted by its twin layer
+
+
+def _plain_writes(k_write: torch.fx.Node, writes: dict, later: list) -> CacheWrites | None:
+    """K.index_copy_(2, p, rotated k) and the next write at p, V.index_copy_(2, p, v)."""
+    k_cache, positions, k_rot = writes[k_write]
+    v_write = next((w for w in later if writes[w][1] is positions), None)
+    if v_write is None or rotary(k_rot) is None:
+        return None
+    v_cache, _, v = writes[v_write]
+    return CacheWrites([k_write, v_write], k_rot, k_write, v, positions, (k_cache, v_cache))
+
+
+def _e4m3_writes(k_write: torch.fx.Node, writes: dict, later: list) -> CacheWrites | None:
+    """An e4m3 cache's four: the codes of quantize_fp8(rotated k, 0) and of quantize_fp8(v, 0) at p, their scales at
+    the twin layer's p'."""
+    k_codes, positions, value = writes[k_write]
+    k_quantizer = _quantized_codes(value)
+    v_write = next((w for w in later if writes[w][1] is positions and _quantized_codes(writes[w][2])), None)
+    if k_quantizer is None or v_write is None:
+        return None
+    v_quantizer = _quantized_codes(writes[v_write][2])
+    k_scales, v_scales = _scale_write(writes, k_quantizer), _scale_write(writes, v_quantizer)
+    if k_scales is None or v_scales is None or writes[k_scales][1] is not writes[v_scales][1]:
+        return None
+    if len(k_quantizer.users) != 2 or len(v_quantizer.users) != 2:
+        return None
+    return CacheWrites([k_write, v_write, k_scales, v_scales], k_quantizer.args[0], k_quantizer,
+                       v_quantizer.args[0], positions, (k_codes, writes[v_write][0], writes[k_scales][0],
+                                                        writes[v_scales][0]), writes[k_scales][1])
+
+
 class FuseRotaryCache(FxquantPass):
     name = "fuse_rotary_cache"
     optional = True
@@ -156,29 +236,29 @@ class FuseRotaryCache(FxquantPass):
         order = {node: i for i, node in enumerate(gm.graph.nodes)}
         writes = {node: found for node in gm.graph.nodes if (found := _cache_write(node)) is not None}
         done = set()
-        for k_write, (_, positions, _) in writes.items():
-            # the value write: the next write at the same positions
-            v_write = next((w for w, (_, p, _) in writes.items() if order[w] > order[k_write] and p is positions
-                            and w not in done), None)
-            if k_write not in done and v_write is not None and self._fuse(gm.graph, order, k_write, v_write):
-                done |= {k_write, v_write}
+        for k_write in writes:
+            later = [w for w in writes if order[w] > order[k_write] and w not in done]
+            found = None if k_write in done else (_plain_writes(k_write, writes, later)
+                                                  or _e4m3_writes(k_write, writes, later))
+            if found is not None and self._fuse(gm.graph, order, found):
+                done |= set(found.writes)
                 modified = True
-        return PassResult(gm, modified)  # the rotations left unread go with cleanup's dead code
+        return PassResult(gm, modified)  # the rotations and quantizers left unread go with cleanup's dead code
 
-    def _fuse(self, graph: torch.fx.Graph, order: dict, k_write: torch.fx.Node, v_write: torch.fx.Node) -> bool:
-        (k_cache, positions, k_rot), (v_cache, _, v) = _cache_write(k_write), _cache_write(v_write)
-        found = rotary(k_rot)
-        if found is None or len(k_rot.users) != 1:
+    def _fuse(self, graph: torch.fx.Graph, order: dict, found: CacheWrites) -> bool:
+        rotation = rotary(found.k_rot)
+        if rotation is None or list(found.k_rot.users) != [found.k_reader]:
             return False
-        k, cos, sin = found
-        q_rot = self._query(k_rot, cos, sin)
-        if q_rot is None or order[q_rot] > order[v_write] or any(order[u] < order[v_write] for u in q_rot.users):
+        k, cos, sin = rotation
+        first, last = min(found.writes, key=order.get), max(found.writes, key=order.get)
+        q_rot = self._query(found.k_rot, cos, sin)
+        if q_rot is None or order[q_rot] > order[last] or any(order[u] < order[last] for u in q_rot.users):
             return False
         q = rotary(q_rot)[0]
-        values = [fake_value(n) for n in (q, k, v, cos, sin, positions, k_cache, v_cache)]
+        values = [fake_value(n) for n in (q, k, found.v, cos, sin, found.positions, *found.caches)]
         if not all(isinstance(t, torch.Tensor) for t in values):
             return False
-        fq, fk, fv, fcos, fsin, fpos, fkc, fvc = values
+        fq, fk, fv, fcos, fsin, fpos, fkc, fvc = values[:8]
         if (fq.device.type not in self.devices or fq.dim() != 4 or not isinstance(fq.shape[2], int)
                 or fq.shape[2] > MAX_QUERIES or fkc.dim() != 4 or fkc.shape[:2] != fk.shape[:2]
                 or fvc.shape[:2] != fv.shape[:2] or fkc.shape[-1] != fk.shape[-1]):
@@ -187,17 +267,24 @@ class FuseRotaryCache(FxquantPass):
             torch.broadcast_shapes(fcos.shape, fsin.shape, (fq.shape[0], 1, fq.shape[2], fq.shape[3]))
         except RuntimeError:
             return False
-        if fcos.dim() > 4 or (fcos.dim() == 4 and fcos.shape[1] != 1) or kernel_supports(*values) is not None:
+        if fcos.dim() > 4 or (fcos.dim() == 4 and fcos.shape[1] != 1) or kernel_supports(*values[:8]) is not None:
             return False
-        if self._caches_touched_between(graph, order, k_write, v_write, (k_cache, v_cache)):
+        if found.scale_positions is not None and codes_supports(fq, *values[8:]) is not None:
             return False
-        cos, sin = _unrounded(graph, cos, sin, v_write)  # what Inductor's unfused code reads: one rounding fewer
-        with graph.inserting_before(v_write):
-            op = graph.call_function(ROTARY_CACHE_WRITE, (q, k, v, cos, sin, positions, k_cache, v_cache))
+        if self._caches_touched_between(graph, order, first, last, found):
+            return False
+        cos, sin = _unrounded(graph, cos, sin, last)  # what Inductor's unfused code reads: one rounding fewer
+        with graph.inserting_before(last):
+            if found.scale_positions is None:
+                op = graph.call_function(ROTARY_CACHE_WRITE, (q, k, found.v, cos, sin, found.positions,
+                                                              *found.caches))
+            else:
+                op = graph.call_function(ROTARY_CACHE_WRITE_E4M3, (q, k, found.v, cos, sin, found.positions,
+                                                                   found.scale_positions, *found.caches))
         op.meta.update(q_rot.meta)
         q_rot.replace_all_uses_with(op)
-        graph.erase_node(v_write)
-        graph.erase_node(k_write)
+        for write in found.writes:
+            graph.erase_node(write)
         return True
 
     @staticmethod
@@ -208,11 +295,12 @@ class FuseRotaryCache(FxquantPass):
         return candidates.pop() if len(candidates) == 1 else None
 
     @staticmethod
-    def _caches_touched_between(graph, order, first, last, caches) -> bool:
-        """Whether a node strictly between two writes reads or writes a cache (or writes somewhere unknown)."""
-        roots = {alias_root(c) for c in caches}
+    def _caches_touched_between(graph, order, first, last, found: CacheWrites) -> bool:
+        """Whether a node strictly between the first and last write, other than the writes and views (which read
+        nothing; their readers count), reads or writes a cache (or is a module call, whose writes are not known)."""
+        roots = {alias_root(c) for c in found.caches}
         for node in graph.nodes:
-            if not order[first] < order.get(node, -1) < order[last]:
+            if not order[first] < order.get(node, -1) < order[last] or node in found.writes or _is_view(node):
                 continue
             if any(alias_root(n) in roots for n in node.all_input_nodes) or (
                     has_side_effects(node) and node.op == "call_module"):

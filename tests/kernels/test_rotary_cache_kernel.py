@@ -5,8 +5,9 @@ output gives, cos and sin broadcast over the batch, several query positions and 
 import pytest
 import torch
 
-from fxquant.kernels.rotary_cache import rotary_cache_write, supports
+from fxquant.kernels.rotary_cache import rotary_cache_write, supports, supports_codes
 from fxquant.numerics import reference_rotary
+from fxquant.ops import quantize_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -75,3 +76,28 @@ def test_the_kernel_refuses_mixed_dtypes():
     q, k, v, cos, sin, positions, k_cache, v_cache = operands(1, 4, 2, 1, 64, 16, torch.bfloat16, 1)
     assert "both fp32" in supports(q, k, v, cos.float(), sin, positions, k_cache, v_cache)
     assert "not all bf16 or fp16" in supports(q, k.half(), v, cos, sin, positions, k_cache, v_cache)
+
+
+@pytest.mark.parametrize(("B", "HQ", "HKV", "Q", "D"), [(1, 4, 2, 1, 64), (2, 8, 2, 3, 96)])
+def test_an_e4m3_cache_gets_the_row_quantizers_codes_and_scales(B, HQ, HKV, Q, D):
+    """The rows written into an e4m3 cache are quantize_fp8's of the rotated k and of v, bit for bit, at their
+    positions (codes) and the twin layer's (scales); every other row untouched. Rows of a wide range of magnitudes
+    (scaled by powers of two) exercise the scale per row."""
+    q, k, v, cos, sin, positions, *_ = operands(B, HQ, HKV, Q, D, 16, torch.bfloat16, 1, cos_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(9)
+    magnitudes = torch.exp2(torch.randint(-6, 8, (B, HKV, Q, 1), generator=gen)).to(DEVICE)
+    k, v = (k * magnitudes).bfloat16(), (v * magnitudes.flip(2)).bfloat16()
+    scale_positions = (positions + 1) % 16  # the twin layer's own count: here another position, to tell them apart
+    caches = [torch.randint(0, 255, (B, HKV, 16, D), generator=gen, dtype=torch.uint8).to(DEVICE) for _ in range(2)]
+    scales = [torch.rand(B, HKV, 16, 1, generator=gen).to(DEVICE) for _ in range(2)]
+    want_caches, want_scales = [c.clone() for c in caches], [s.clone() for s in scales]
+    assert supports(q, k, v, cos, sin, positions, *caches) is None and supports_codes(q, *scales) is None
+    want = reference_rotary.rotary_cache_write_e4m3(q, k, v, cos, sin, positions, scale_positions, *want_caches,
+                                                    *want_scales)
+    got = rotary_cache_write(q, k, v, cos, sin, positions, *caches, codes=(scale_positions, *scales))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    for got_t, want_t in zip(caches + scales, want_caches + want_scales, strict=True):
+        assert torch.equal(got_t.view(torch.uint8), want_t.view(torch.uint8))
+    codes, scale = quantize_fp8(v, 0)
+    assert torch.equal(caches[1][:, :, positions], codes.view(torch.uint8))
+    assert torch.equal(scales[1][:, :, scale_positions], scale)

@@ -7,14 +7,17 @@ import functools
 
 import pytest
 import torch
+import transformers as T
 from hf_models import angle, compiled_graphs, decoder, static_decode
 
+from fxquant import FP8StaticCache
 from fxquant.compile import pipeline
 from fxquant.numerics import reference_rotary
 from fxquant.passes.fuse_rotary_cache import FuseRotaryCache, rotary
 from fxquant.passes.side_effects import has_side_effects
 
 OP = torch.ops.fxquant.rotary_cache_write.default
+OP_E4M3 = torch.ops.fxquant.rotary_cache_write_e4m3.default
 
 
 @pytest.fixture
@@ -30,33 +33,36 @@ def cache_writes(gm):
     return sum(node.op == "call_method" and node.target == "index_copy_" for node in gm.graph.nodes)
 
 
-@pytest.mark.parametrize(("arch", "overrides", "fused"), [
-    ("llama", {}, True),
-    ("qwen2", {}, True),
-    ("llama", dict(attn_implementation="eager"), True),
-    ("mistral", dict(sliding_window=4), False),  # a sliding layer rolls its cache: its write is not index_copy_
-])
-def test_decode_steps_rotate_and_write_the_cache_in_one_op(arch, overrides, fused, on_the_cpu):
+@pytest.mark.parametrize(("arch", "overrides", "cache", "fused"), [
+    ("llama", {}, T.StaticCache, OP),
+    ("qwen2", {}, T.StaticCache, OP),
+    ("llama", dict(attn_implementation="eager"), T.StaticCache, OP),
+    ("llama", {}, FP8StaticCache, OP_E4M3),
+    ("mistral", dict(sliding_window=4), T.StaticCache, None),  # a sliding layer rolls its cache: no index_copy_
+], ids=["llama", "qwen2", "llama_eager", "llama_e4m3_cache", "mistral_sliding"])
+def test_decode_steps_rotate_and_write_the_cache_in_one_op(arch, overrides, cache, fused, on_the_cpu):
     model = decoder(arch, **overrides)
     generator = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, 512, (2, 5), generator=generator)
     steps = torch.randint(0, 512, (2, 3), generator=generator)
-    eager = static_decode(model, model, prompt, steps)
+    eager = static_decode(model, model, prompt, steps, cache_class=cache)
     wide = copy.deepcopy(model).float()
-    exact = static_decode(wide, wide, prompt, steps)
+    exact = static_decode(wide, wide, prompt, steps, cache_class=cache)
     forward, graphs = compiled_graphs(model)
-    got = static_decode(model, forward, prompt, steps)
+    got = static_decode(model, forward, prompt, steps, cache_class=cache)
     for step in range(len(got)):
         # Both are bf16 computations of the fp32 model; the op rounds each rotation once, eager three times. A
         # rotation by the wrong angle, a sign lost or a write to the wrong position moves the logits by far more.
         assert angle(got[step], eager[step]) <= 2 * angle(eager[step], exact[step]), step
     layers = model.config.num_hidden_layers
     prefill, decode = graphs[0], graphs[-1]
-    assert count(prefill, OP) == 0  # 5 positions: prefill is left as it is
-    assert count(decode, OP) == (layers if fused else 0)
+    assert count(prefill, OP) == count(prefill, OP_E4M3) == 0  # 5 positions: prefill is left as it is
+    assert count(decode, OP) + count(decode, OP_E4M3) == (count(decode, fused) if fused else 0)
     if fused:
-        assert cache_writes(prefill) == 2 * layers and cache_writes(decode) == 0
-    ops = [node for node in decode.graph.nodes if node.target is OP]
+        writes = 4 if fused is OP_E4M3 else 2  # codes and scales
+        assert count(decode, fused) == layers
+        assert cache_writes(prefill) == writes * layers and cache_writes(decode) == 0
+    ops = [node for node in decode.graph.nodes if node.target in (OP, OP_E4M3)]
     assert all(has_side_effects(node) for node in ops)  # the writes cleanup must keep
     # cos and sin before the model rounds them to bf16, as Inductor's unfused code reads them
     assert all(node.args[3].meta["example_value"].dtype == torch.float32 for node in ops)
@@ -66,8 +72,6 @@ def test_the_cache_holds_the_ops_rows_and_the_rest_is_untouched(on_the_cpu):
     """One step after the same eager prefill: the first layer's value row is the unfused step's bits and its key row
     that rotation to one bf16 ulp (eager rounds each product first; later layers inherit the difference), every row
     the step does not write is untouched, in every layer."""
-    import transformers as T
-
     model = decoder("llama")
     prompt = torch.randint(0, 512, (1, 5), generator=torch.Generator().manual_seed(4))
     caches = {}
