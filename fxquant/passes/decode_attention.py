@@ -41,12 +41,11 @@ from fxquant.passes.annotations import fake_value, module_path
 from fxquant.passes.attention_patterns import eager_attention
 from fxquant.passes.op_arguments import arguments
 from fxquant.passes.order import FxquantPass
-from fxquant.passes.patterns import SDPA_ARGS, repeated_kv
+from fxquant.passes.patterns import MAX_QUERIES, SDPA_ARGS, repeated_kv
 from fxquant.passes.side_effects import Writes
 from fxquant.passes.spellings import SDPA
 from fxquant.passes.state import PipelineState
 
-MAX_QUERIES = 4  # a decode step, or a few speculative or chunked positions; past that, prefill's kernels win
 ATTENTION = torch.ops.fxquant.decode_attention.default
 DEQUANTIZE_KV = torch.ops.fxquant.dequantize_kv.default
 

@@ -30,8 +30,8 @@ import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.kernels.rotary_cache import supports as kernel_supports
 from fxquant.kernels.rotary_cache import supports_codes as codes_supports
 from fxquant.passes.annotations import fake_value
-from fxquant.passes.decode_attention import MAX_QUERIES
 from fxquant.passes.order import FxquantPass
+from fxquant.passes.patterns import MAX_QUERIES
 from fxquant.passes.side_effects import alias_root, has_side_effects
 from fxquant.passes.spellings import ADD, CAT, DTYPE_CASTS, MUL, UNSQUEEZE, target_of
 

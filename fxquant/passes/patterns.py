@@ -241,6 +241,8 @@ def selects_experts(linear: torch.fx.Node) -> bool:
     return False
 
 
+# Decode: a step, or a few speculative or chunked positions; past that, prefill's kernels win
+MAX_QUERIES = 4
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
