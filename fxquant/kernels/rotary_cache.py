@@ -11,7 +11,8 @@ quantized by the row quantizer's own code (`quant_rows`): the bits of `fxquant::
 
 One program per row: a (batch, query head, position) of q, or a (batch, KV head, position) of k with its v. A
 position outside the cache writes nothing, where index_copy_ would raise on the CPU and write out of bounds on the
-GPU; the reference does the same.
+GPU; the reference does the same. In the 32-layer step it took the kernels a layer from 14.25 to 12.6 at B1
+(docs/decisions/0022-rotary-and-cache-write-in-one-kernel.md).
 """
 
 from __future__ import annotations

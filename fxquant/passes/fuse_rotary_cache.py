@@ -1,21 +1,29 @@
-"""fuse_rotary_cache: a decode step's rotary embedding of q and k and its KV cache write become one op, whose kernel
+"""fuse_rotary_cache: a decode step's rotary embedding of q and k and its KV cache writes become one op, whose kernel
 rotates q, writes the rotated k and v into the cache, and returns q: one launch where Inductor makes three to five.
 
 Pre: a torch-level graph from dynamo (the cache written by `index_copy_`, as transformers' StaticCache writes it).
-Post: where both writes go to caches on a device in `devices`, for at most MAX_QUERIES positions:
+Post: where the writes go to caches on a device in `devices`, for at most MAX_QUERIES positions:
 
     %q2 = q * cos + cat(-q[..., D/2:], q[..., :D/2]) * sin;  %k2 likewise from k, with the same cos and sin
     K.index_copy_(2, %p, %k2);  V.index_copy_(2, %p, v)
         ->  %q2 = fxquant.rotary_cache_write(q, k, v, cos, sin, %p, K, V)
 
-The op runs where the value cache's write was. It is taken only where the rotated k feeds nothing but its write,
-the writes' results are unread, the rotated q is computed before the value write and read only after it, and
-nothing between the two writes reads or writes either cache: the writes keep their order against every read.
-Left as they are: torch.export's aten graphs (their writes are functional), rotations of part of a head (partial
-rotary), the interleaved form (rotate_every_two), a cache whose layer writes otherwise (sliding windows roll,
-the e4m3 cache quantizes first), and prefill. Where the graph rounds cos and sin from fp32 to the model's dtype,
-the op takes them in fp32, as Inductor's unfused code reads them; it rounds the rotation once
-(`fxquant.numerics.reference_rotary`), so a rotated element may differ from the unfused graph's by one ulp.
+and over an e4m3 cache (fxquant.FP8StaticCache), whose twin layer writes the scales at its own positions %s:
+
+    %ck, %sk = quantize_fp8(%k2, 0);  %cv, %sv = quantize_fp8(v, 0)
+    Sk.index_copy_(2, %s, %sk);  Sv.index_copy_(2, %s, %sv)
+    K.index_copy_(2, %p, %ck.view(uint8));  V.index_copy_(2, %p, %cv.view(uint8))
+        ->  %q2 = fxquant.rotary_cache_write_e4m3(q, k, v, cos, sin, %p, %s, K, V, Sk, Sv)
+
+The op runs where the last write was. It is taken only where the rotated k feeds nothing but its write (or its
+quantizer, whose outputs feed only their writes), the writes' results are unread, the rotated q is computed before
+the last write and read only after it, and nothing but views touches a cache between the first write and the last:
+the writes keep their order against every read. Left as they are: torch.export's aten graphs (their writes are
+functional), rotations of part of a head (partial rotary), the interleaved form (rotate_every_two), sliding-window
+layers (they roll their cache), and prefill. Where the graph rounds cos and sin from fp32 to the model's dtype, the
+op takes them in fp32, as Inductor's unfused code reads them; it rounds the rotation once
+(`fxquant.numerics.reference_rotary`), so a rotated element may differ from the unfused graph's by one ulp
+(docs/decisions/0022-rotary-and-cache-write-in-one-kernel.md).
 """
 
 from __future__ import annotations
