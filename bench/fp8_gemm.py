@@ -72,7 +72,10 @@ def sweep_candidates(m):
         return [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=s, programs=p)
                 for bn in (32, 64, 128) for s in (4, 6) for p in (264, 528, 1056)] + [
                 dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=s, SPLIT_K=1)
-                for bn in (16, 32) for s in (4, 6)]
+                for bn in (16, 32) for s in (4, 6)] + [
+                # row scales: the operands swapped, the weight's rows as the MMA's M (wgmma with fp8 as stored)
+                dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=s, programs=p,
+                     SWAP_AB=True) for bn in (64, 128) for s in (4, 6) for p in (264, 528)]
     if m <= 128 and "--medium" in sys.argv:  # split-K toward a program count, as at decode
         return [dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, programs=p)
                 for bn in (64, 128) for p in (132, 264, 528)]

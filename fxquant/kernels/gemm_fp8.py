@@ -12,9 +12,12 @@ Two scale layouts:
   (stride 0 for per tensor), applied once in the epilogue, since they are constant along K;
 - block scales (1x128 activations, 128x128 weights): a_scale [M, K/128], b_scale [N/128, K/128], folded into
   the fp32 accumulator at every 128-wide K step, since they change along K.
-M/N/K tails are masked. Tile shapes come from `gemm_configs.py`, tuned per M bucket on the H200. Small M
-splits K across programs (`splitk.py`); the row scales are linear, so each K slice applies them to its partial, and
-the slice that finishes last for a tile sums them.
+M/N/K tails are masked. Tile shapes come from `gemm_configs.py`, tuned per M bucket on the H200. A config with
+SWAP_AB (row scales) computes (B @ A.T).T: the weight's rows become the MMA's M, so a decode tile of 16 tokens runs
+wgmma on the fp8 codes as stored (108 instructions a K step at 40 registers on sm_90, against 154 at 70 for the
+fp16 MMA after a conversion, `python -m bench.sass fp8 [--swap]`); the decode sweep tries it, no default takes it
+yet. Small M splits K across programs (`splitk.py`); the row scales are linear, so each K slice applies them to its
+partial, and the slice that finishes last for a tile sums them.
 Past M = 128 on sm_90+, operands that tensor descriptors can read go to the persistent TMA kernel
 (`gemm_fp8_tma.py`), about 20% faster there than this one (docs/decisions/0003-persistent-tma-fp8-gemm.md).
 """
@@ -77,6 +80,29 @@ def fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n
 
 
 @triton.jit
+def fp8_accumulate_swapped(a_ptr, b_ptr, offs_m, offs_n, M, N, K, first_k, last_k, stride_am, stride_ak, stride_bn,
+                           stride_bk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp8_accumulate for row scales with the operands swapped: (B[offs_n] @ A[offs_m].T).T, so that the weight's
+    BLOCK_N rows are the MMA's M (64 and up: wgmma on sm_90, fp8 operands as stored) and the few tokens its N."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[None, :].to(tl.int64) * stride_am + offs_k[:, None] * stride_ak  # A.T tile [BK, BM]
+    b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :] * stride_bk  # B tile [BN, BK]
+    mask_m, mask_n = offs_m < M, offs_n < N
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    a_ptrs += first_k * BLOCK_K * stride_ak
+    b_ptrs += first_k * BLOCK_K * stride_bk
+    for k in range(first_k, last_k):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_m[None, :] & (offs_k[:, None] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=mask_n[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        # The compiler adds each BLOCK_K step's partial into fp32, as fp8_accumulate's row-scale path.
+        acc = tl.dot(b, a, acc, max_num_imprecise_acc=BLOCK_K)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return tl.trans(acc)
+
+
+@triton.jit
 def fp8_scale_tile(acc, a_scale_ptr, b_scale_ptr, offs_m, offs_n, M, N, stride_asm, stride_bsn,
                    BLOCK_SCALES: tl.constexpr):
     """Row scales (per tensor, token, channel), constant along K, applied once to the tile."""
@@ -100,14 +126,19 @@ def _fp8_gemm_kernel(
     BLOCK_SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
     CAST: tl.constexpr, SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     await_previous(PDL)
     pid_k = tl.program_id(1)
     pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
-    acc = fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n, M, N, K, first_k, last_k,
-                         stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn, stride_bsk,
-                         BLOCK_SCALES, SCALE_BLOCK, COMPILER_PROMOTES, BLOCK_M, BLOCK_N, BLOCK_K)
+    if SWAP_AB:
+        acc = fp8_accumulate_swapped(a_ptr, b_ptr, offs_m, offs_n, M, N, K, first_k, last_k, stride_am, stride_ak,
+                                     stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        acc = fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n, M, N, K, first_k, last_k,
+                             stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn,
+                             stride_bsk, BLOCK_SCALES, SCALE_BLOCK, COMPILER_PROMOTES, BLOCK_M, BLOCK_N, BLOCK_K)
     # The next kernel launches after the K loop: resident earlier, its waiting programs took this one's slots
     # (the decode GEMM chain at B16: 88.4 -> 86.2 us a layer, bench.split_sums).
     start_next(PDL)
@@ -140,7 +171,8 @@ def _launch_plan(M: int, N: int, K: int, block_scales: bool, tma_ready: bool,
     # Configs that name a program target split K toward it (decode, and medium M where the sweep chose it).
     split = cfg.get("SPLIT_K") or (split_k(tiles, cdiv(K, cfg["BLOCK_K"]), cfg["programs"]) if "programs" in cfg
                                    else 1)
-    meta = dict(COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", not block_scales), BLOCK_M=cfg["BLOCK_M"],
+    meta = dict(COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", not block_scales),
+                SWAP_AB=cfg.get("SWAP_AB", False) and not block_scales, BLOCK_M=cfg["BLOCK_M"],
                 BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"])
     return tiles, split, tma_ready and cfg.get("TMA", False) and split == 1, meta

@@ -80,6 +80,19 @@ def test_decode_splits_k_and_stays_exact(scheme, config):
     assert torch.equal(out, again)  # slices add in a fixed order: the same bits every run
 
 
+@pytest.mark.parametrize("M, N, K", [(1, 256, 2048), (16, 200, 384), (5, 128, 176)], ids=str)
+def test_decode_with_the_operands_swapped_matches_the_product(M, N, K):
+    """SWAP_AB (row scales; the sweep's candidate): the weight's rows as the MMA's M, with N and K tails and split-K."""
+    qa, qw = operands(M, N, K, "row")
+    bias = torch.randn(N, device=DEVICE)
+    swapped = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, programs=264,
+                   SWAP_AB=True)
+    assert _launch_plan(M, N, K, False, False, tuple(sorted(swapped.items())))[3]["SWAP_AB"]
+    out = fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, bias, torch.float32, config=swapped)
+    assert rel_err(out, qa, qw, bias) < FP32_BOUND
+    assert not _launch_plan(M, N, K, True, False, tuple(sorted(swapped.items())))[3]["SWAP_AB"]  # row scales only
+
+
 @pytest.mark.parametrize("scheme", ["block", "row"])
 @pytest.mark.parametrize("M, N, K", [(40, 256, 2048), (100, 128, 8448)], ids=["short-k", "long-k"])
 def test_medium_m_splits_k_where_tiles_are_few(M, N, K, scheme):
