@@ -60,7 +60,7 @@ def _write_row(row, cache_ptr, scale_ptr, offs, mask, inside, E4M3_CODES: tl.con
 @triton.jit
 def _rotary_cache_write_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, scale_pos_ptr, out_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-    B, HQ, HKV, Q, S,
+    B, HQ, HKV, Q, S, stride_pos, stride_scale_pos,
     sqb, sqh, sqq, sqd, skb, skh, skq, skd, svb, svh, svq, svd,
     scb, scq, scd, ssb, ssq, ssd,
     skcb, skch, skcs, skcd, svcb, svch, svcs, svcd, sksb, sksh, skss, svsb, svsh, svss,
@@ -83,9 +83,9 @@ def _rotary_cache_write_kernel(
         b, h, i = kv // (HKV * Q), (kv // Q) % HKV, kv % Q
         rotated = _rotated(k_ptr + b * skb + h * skh + i * skq, skd, cos_ptr + b * scb + i * scq, scd,
                            sin_ptr + b * ssb + i * ssq, ssd, offs, mask, HALF)
-        position = tl.load(pos_ptr + i)
+        position = tl.load(pos_ptr + i * stride_pos)
         inside = (position >= 0) & (position < S)
-        scale_position = tl.load(scale_pos_ptr + i)  # the e4m3 cache's scales track their own positions
+        scale_position = tl.load(scale_pos_ptr + i * stride_scale_pos)  # an e4m3 cache's scales count their own
         scale_inside = (scale_position >= 0) & (scale_position < S)
         kc = kc_ptr + b.to(tl.int64) * skcb + h * skch + position * skcs
         ks = ks_ptr + b.to(tl.int64) * sksb + h * sksh + scale_position * skss
@@ -116,10 +116,13 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tenso
     return None
 
 
-def supports_codes(q: torch.Tensor, k_scales: torch.Tensor, v_scales: torch.Tensor) -> str | None:
-    """Beyond `supports`, for an e4m3 cache: fp32 scales [B, HKV, S, 1], and a GPU with fp8 conversions."""
-    if any(s.dtype != torch.float32 or s.dim() != 4 or s.shape[-1] != 1 for s in (k_scales, v_scales)):
-        return "scales that are not fp32 [B, HKV, S, 1]"
+def supports_codes(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor,
+                   v_scales: torch.Tensor) -> str | None:
+    """Beyond `supports`, for an e4m3 cache: fp32 scales [B, HKV, S, 1] beside codes [B, HKV, S, D], and a GPU with
+    fp8 conversions."""
+    if any(s.dtype != torch.float32 or s.dim() != 4 or s.shape[-1] != 1 or s.shape[:3] != k_codes.shape[:3]
+           for s in (k_scales, v_scales)):
+        return "scales that are not fp32 [B, HKV, S, 1] beside the codes"
     if q.is_cuda and capability(q.device) < (8, 9):
         return "a GPU without fp8 conversions (sm_89 and later have them)"
     return None
@@ -141,7 +144,7 @@ def rotary_cache_write(q, k, v, cos, sin, positions, k_cache, v_cache, codes=Non
     kernel = _rotary_cache_write_kernel
     visible(kernel)[(rows,)](
         q, k, v, cos, sin, positions, scale_positions, out, k_cache, v_cache, k_scales, v_scales,
-        B, HQ, HKV, Q, S,
+        B, HQ, HKV, Q, S, positions.stride(0), scale_positions.stride(0),
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
         *k_cache.stride(), *v_cache.stride(), *k_scales.stride()[:3], *v_scales.stride()[:3],
         HALF=D // 2, DV=DV, BLOCK_D=next_power_of_2(D), BLOCK_DV=next_power_of_2(DV), DTYPE=TL_TYPES[q.dtype],

@@ -76,7 +76,7 @@ def _rotary_cache_write_e4m3(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: 
     """rotary_cache_write into an e4m3 cache (fxquant.FP8StaticCache): k and v quantized per (token, KV head), their
     codes (uint8) written at `positions` and their fp32 scales at `scale_positions`."""
     if (q.is_cuda and rotary_cache_supports(q, k, v, cos, sin, positions, k_codes, v_codes) is None
-            and rotary_codes_supports(q, k_scales, v_scales) is None):
+            and rotary_codes_supports(q, k_codes, k_scales, v_scales) is None):
         return rotary_cache_kernel(q, k, v, cos, sin, positions, k_codes, v_codes,
                                    codes=(scale_positions, k_scales, v_scales))
     return RR.rotary_cache_write_e4m3(q, k, v, cos, sin, positions, scale_positions, k_codes, v_codes, k_scales,

@@ -277,7 +277,7 @@ class FuseRotaryCache(FxquantPass):
             return False
         if fcos.dim() > 4 or (fcos.dim() == 4 and fcos.shape[1] != 1) or kernel_supports(*values[:8]) is not None:
             return False
-        if found.scale_positions is not None and codes_supports(fq, *values[8:]) is not None:
+        if found.scale_positions is not None and codes_supports(fq, fkc, *values[8:]) is not None:
             return False
         if self._caches_touched_between(graph, order, first, last, found):
             return False

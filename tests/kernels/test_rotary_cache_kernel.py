@@ -63,7 +63,7 @@ def test_the_reference_is_transformers_rotation_computed_in_fp32():
 
 def test_a_position_outside_the_cache_writes_nothing():
     q, k, v, cos, sin, _, k_cache, v_cache = operands(1, 4, 2, 2, 64, 16, torch.bfloat16, 1)
-    positions = torch.tensor([16, 3], device=DEVICE)  # 16 is one past the end
+    positions = torch.tensor([16, 0, 3, 0], device=DEVICE)[::2]  # 16 is one past the end; a strided view
     before_k, before_v = k_cache.clone(), v_cache.clone()
     rotary_cache_write(q, k, v, cos, sin, positions, k_cache, v_cache)
     untouched = [s for s in range(16) if s != 3]
@@ -91,13 +91,14 @@ def test_an_e4m3_cache_gets_the_row_quantizers_codes_and_scales(B, HQ, HKV, Q, D
     caches = [torch.randint(0, 255, (B, HKV, 16, D), generator=gen, dtype=torch.uint8).to(DEVICE) for _ in range(2)]
     scales = [torch.rand(B, HKV, 16, 1, generator=gen).to(DEVICE) for _ in range(2)]
     want_caches, want_scales = [c.clone() for c in caches], [s.clone() for s in scales]
-    assert supports(q, k, v, cos, sin, positions, *caches) is None and supports_codes(q, *scales) is None
+    assert supports(q, k, v, cos, sin, positions, *caches) is None and supports_codes(q, caches[0], *scales) is None
     want = reference_rotary.rotary_cache_write_e4m3(q, k, v, cos, sin, positions, scale_positions, *want_caches,
                                                     *want_scales)
     got = rotary_cache_write(q, k, v, cos, sin, positions, *caches, codes=(scale_positions, *scales))
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     for got_t, want_t in zip(caches + scales, want_caches + want_scales, strict=True):
         assert torch.equal(got_t.view(torch.uint8), want_t.view(torch.uint8))
+    assert "beside the codes" in supports_codes(q, caches[0][:, :, :8], *scales)
     codes, scale = quantize_fp8(v, 0)
     assert torch.equal(caches[1][:, :, positions], codes.view(torch.uint8))
     assert torch.equal(scales[1][:, :, scale_positions], scale)
