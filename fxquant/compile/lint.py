@@ -121,6 +121,8 @@ def lint_layers(state, weights=()) -> list[Finding]:
         findings.append(Finding("info", "fused_norm", name, "norm and its fp8 quantizers run as one kernel"))
     for name in state.decode_attention:
         findings.append(Finding("info", "decode_attention", name, "decode attention runs fxquant's split-KV kernel"))
+    for name in state.rotary_cache:
+        findings.append(Finding("info", "rotary_cache", name, "rotary embedding and cache write run as one kernel"))
     for name, why in state.attention_left:
         findings.append(Finding("info", "attention_left", name, f"decode attention stays on SDPA: {why}"))
     return findings

@@ -104,12 +104,14 @@ def format_report(layers, findings=(), weights=(), auto=()) -> str:
         lines.append(SQNR_LEGEND)
     lines += [line for why in sorted(missing) for line in wrapped(f"weight SQNR -: {NO_SQNR[why]}")]
     lines += auto_summary + format_totals(layers, weights)
-    for kind, label in (("upcast", "reductions moved to fp32"), ("fused_norm", "norms fused with their fp8 "
-                        "quantizers"), ("decode_attention", "decode attention on fxquant's split-KV kernel")):
+    listed = (("upcast", "reductions moved to fp32"), ("fused_norm", "norms fused with their fp8 quantizers"),
+              ("rotary_cache", "rotary embedding and cache write in one kernel"),
+              ("decode_attention", "decode attention on fxquant's split-KV kernel"))
+    for kind, label in listed:
         found = [f.where for f in findings if f.kind == kind]
         if found:
             lines += wrapped(f"{label}: {', '.join(found)}")
     for finding in findings:
-        if finding.kind not in ("upcast", "skipped", "fused_norm", "decode_attention"):  # already shown above
+        if finding.kind != "skipped" and finding.kind not in dict(listed):  # already shown above
             lines += wrapped(f"{finding.severity}: {finding.where}: {finding.message}", indent="    ")
     return "fxquant report\n" + "\n".join(lines)

@@ -37,11 +37,12 @@ from torch.fx.passes.infra.pass_base import PassResult
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.kernels.rotary_cache import supports as kernel_supports
 from fxquant.kernels.rotary_cache import supports_codes as codes_supports
-from fxquant.passes.annotations import fake_value
+from fxquant.passes.annotations import fake_value, module_path
 from fxquant.passes.order import FxquantPass
 from fxquant.passes.patterns import MAX_QUERIES
 from fxquant.passes.side_effects import alias_root, has_side_effects
 from fxquant.passes.spellings import ADD, CAT, DTYPE_CASTS, MUL, UNSQUEEZE, target_of
+from fxquant.passes.state import PipelineState
 
 ROTARY_CACHE_WRITE = torch.ops.fxquant.rotary_cache_write.default
 ROTARY_CACHE_WRITE_E4M3 = torch.ops.fxquant.rotary_cache_write_e4m3.default
@@ -235,8 +236,9 @@ class FuseRotaryCache(FxquantPass):
     name = "fuse_rotary_cache"
     optional = True
 
-    def __init__(self, devices: tuple[str, ...] = ("cuda",)):
+    def __init__(self, state: PipelineState | None = None, devices: tuple[str, ...] = ("cuda",)):
         super().__init__()
+        self.state = state
         self.devices = devices  # where the kernel runs; elsewhere the op's reference would only add a copy
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
@@ -251,6 +253,8 @@ class FuseRotaryCache(FxquantPass):
             if found is not None and self._fuse(gm.graph, order, found):
                 done |= set(found.writes)
                 modified = True
+                if self.state is not None:
+                    self.state.rotary_cache.append(module_path(k_write) or k_write.name)
         return PassResult(gm, modified)  # the rotations and quantizers left unread go with cleanup's dead code
 
     def _fuse(self, graph: torch.fx.Graph, order: dict, found: CacheWrites) -> bool:

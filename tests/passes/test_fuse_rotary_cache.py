@@ -176,3 +176,12 @@ def test_the_rotation_matcher_takes_only_the_whole_head_rotate_half_form():
         if matched:
             x, cos, sin = found[0]
             assert (x.name, cos.name, sin.name) == ("l_x_", "l_cos_", "l_sin_")
+
+
+def test_the_report_names_the_layers_fused(on_the_cpu, capsys):
+    model = decoder("llama")
+    torch._dynamo.reset()
+    forward = torch.compile(model, backend="fxquant", options={"inner": "eager", "skip": [".*"], "report": True})
+    static_decode(model, forward, torch.randint(0, 512, (1, 5)), torch.randint(0, 512, (1, 2)))
+    layers = [f"model.layers.{i}.self_attn" for i in range(model.config.num_hidden_layers)]
+    assert f"rotary embedding and cache write in one kernel: {', '.join(layers)}" in capsys.readouterr().out
