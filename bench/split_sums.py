@@ -7,9 +7,11 @@ quantizes silu(gate) * up in one kernel, runs down_proj (4096 x 14336) and adds 
 layer, and 4 more where the reduce kernel sums the split products. Weights are e4m3 codes of N(0, 1) with per-channel
 scales 1 / sqrt(K), so activations keep their size through the layers. The two ways give the same bits (checked
 first); the table gives microseconds a layer with and without programmatic dependent launch, and the weights'
-bytes over that time as a share of the copy bandwidth measured in the same process.
+bytes over that time as a share of the copy bandwidth measured in the same process. --swap adds the chain with the
+GEMMs' operands swapped (SWAP_AB: wgmma on the weight's codes), summed by the last slice with PDL on; its sums run
+in another order, so it is checked against the others to the chain's bf16 rounding, not bit for bit.
 
-Run: python -m bench.split_sums [--layers 8] [--batches 1 16]
+Run: python -m bench.split_sums [--layers 8] [--batches 1 16] [--swap]
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from fxquant.kernels.quant_fp8 import quantize_fp8_rows, silu_mul_quantize_fp8_r
 from fxquant.kernels.splitk import reduce_in_gemm
 
 HIDDEN, INTER, QKV = 4096, 14336, 6144
+SWAPPED = {"SWAP_AB": True}  # over each GEMM's decode tiles (bench.fp8_gemm --sweep --decode tries more)
 SHAPES = ((QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))  # (N, K) of each GEMM of a layer
 
 
@@ -34,12 +37,13 @@ def weights(layers: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
               torch.full((n, 1), k ** -0.5, device="cuda")) for n, k in SHAPES] for _ in range(layers)]
 
 
-def chain(h: torch.Tensor, layers) -> torch.Tensor:
+def chain(h: torch.Tensor, layers, config: dict | None = None) -> torch.Tensor:
+    gemm = lambda a, a_scale, w, w_scale: fp8_scaled_mm(a, a_scale, w, w_scale, None, torch.bfloat16, config)
     for (w_qkv, s_qkv), (w_o, s_o), (w_gu, s_gu), (w_down, s_down) in layers:
-        qkv = fp8_scaled_mm(*quantize_fp8_rows(h, HIDDEN), w_qkv, s_qkv)
-        o = fp8_scaled_mm(*quantize_fp8_rows(qkv[:, :HIDDEN].contiguous(), HIDDEN), w_o, s_o)
-        gate, up = fp8_scaled_mm(*quantize_fp8_rows(o, HIDDEN), w_gu, s_gu).chunk(2, dim=-1)
-        h = h + fp8_scaled_mm(*silu_mul_quantize_fp8_rows(gate, up, INTER), w_down, s_down)
+        qkv = gemm(*quantize_fp8_rows(h, HIDDEN), w_qkv, s_qkv)
+        o = gemm(*quantize_fp8_rows(qkv[:, :HIDDEN].contiguous(), HIDDEN), w_o, s_o)
+        gate, up = gemm(*quantize_fp8_rows(o, HIDDEN), w_gu, s_gu).chunk(2, dim=-1)
+        h = h + gemm(*silu_mul_quantize_fp8_rows(gate, up, INTER), w_down, s_down)
     return h
 
 
@@ -47,11 +51,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--swap", action="store_true", help="also time the GEMMs with their operands swapped")
     args = parser.parse_args()
     print(header())
     bandwidth = copy_bandwidth_gbs()
     layers = weights(args.layers)
     layer_bytes = sum(n * k for n, k in SHAPES)  # one byte a code; the scales are 0.1% of it
+    share = lambda us: f"{us:.1f} us, {100 * layer_bytes / (us * 1e-6) / (bandwidth * 1e9):.0f}%"
     rows = []
     for batch in args.batches:
         h = torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -65,7 +71,15 @@ def main() -> None:
                     assert torch.equal(chain(h, layers), want), f"B{batch}: the sums differ"  # the bits, eagerly
                     us = 1e3 * graph_time_ms(lambda: chain(h, layers), [()]) / args.layers
                 name = f"{'last slice' if in_gemm else 'reduce kernel'}, PDL {'on' if pdl else 'off'}"
-                row[name] = f"{us:.1f} us, {100 * layer_bytes / (us * 1e-6) / (bandwidth * 1e9):.0f}%"
+                row[name] = share(us)
+        if args.swap:
+            with reduce_in_gemm(True), dependent_launches(True):
+                got = chain(h, layers, SWAPPED)
+                # Each layer re-quantizes its activations, so a sum rounded otherwise can move a code: the chain
+                # stays within a few bf16 roundings of the unswapped one, far from a wrong product's distance.
+                assert float((got.float() - want.float()).norm() / want.float().norm()) < 2e-2, f"B{batch}: swapped"
+                us = 1e3 * graph_time_ms(lambda: chain(h, layers, SWAPPED), [()]) / args.layers
+            row["swapped, last slice, PDL on"] = share(us)
         rows.append(row)
         print(row, flush=True)
     print(f"copy bandwidth {bandwidth:.0f} GB/s; {args.layers} layers; us a layer, weights' bytes over that time")
