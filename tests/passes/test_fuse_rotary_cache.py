@@ -39,7 +39,13 @@ def cache_writes(gm):
     ("llama", dict(attn_implementation="eager"), T.StaticCache, OP),
     ("llama", {}, FP8StaticCache, OP_E4M3),
     ("mistral", dict(sliding_window=4), T.StaticCache, None),  # a sliding layer rolls its cache: no index_copy_
-], ids=["llama", "qwen2", "llama_eager", "llama_e4m3_cache", "mistral_sliding"])
+    ("qwen3", {}, T.StaticCache, OP),  # q and k normed before their rotation
+    ("gemma3", {}, T.StaticCache, OP),
+    ("falcon", {}, T.StaticCache, OP),
+    ("gpt_neox", {}, T.StaticCache, None),  # a quarter of each head rotated: left to Inductor
+    ("olmo2", {}, T.StaticCache, None),  # k rotated in fp32, then cast to the cache's dtype: left to Inductor
+], ids=["llama", "qwen2", "llama_eager", "llama_e4m3_cache", "mistral_sliding", "qwen3", "gemma3", "falcon",
+        "gpt_neox_partial", "olmo2"])
 def test_decode_steps_rotate_and_write_the_cache_in_one_op(arch, overrides, cache, fused, on_the_cpu):
     model = decoder(arch, **overrides)
     generator = torch.Generator().manual_seed(3)
