@@ -4,9 +4,10 @@ spends three to five kernels a layer on them, and the e4m3 cache two quantizers 
 
 The rotation is transformers' `rotate_half` form over the whole head: out = x * cos + rotate_half(x) * sin, with
 rotate_half(x) = cat(-x[D/2:], x[:D/2]); cos and sin in x's dtype or in fp32 (the graph's values before their
-rounding, as Inductor reads them). It is computed in fp64, where the products of a bf16 or fp16 x and an fp32 cos
-are exact, so the sum rounds once, with or without an FMA; then to fp32 and to x's dtype, each to nearest even: the
-bits of `fxquant.numerics.reference_rotary` on every backend. An e4m3 cache row is the rotated k (or v) in x's dtype
+rounding, as Inductor reads them), as wide as the head or half as wide (GPT-OSS's spelling: one for both halves).
+It is computed in fp64, where the products of a bf16 or fp16 x and an fp32 cos are exact, so the sum rounds once,
+with or without an FMA; then to fp32 and to x's dtype, each to nearest even: the bits of
+`fxquant.numerics.reference_rotary` on every backend. An e4m3 cache row is the rotated k (or v) in x's dtype
 quantized by the row quantizer's own code (`quant_rows`): the bits of `fxquant::quantize_fp8(x, 0)`.
 
 One program per row: a (batch, query head, position) of q, or a (batch, KV head, position) of k with its v. A
@@ -32,14 +33,16 @@ MAX_HEAD_DIM = 512
 
 
 @triton.jit
-def _rotated(x_ptr, x_stride, c_ptr, c_stride, s_ptr, s_stride, offs, mask, HALF: tl.constexpr):
+def _rotated(x_ptr, x_stride, c_ptr, c_stride, s_ptr, s_stride, offs, mask, HALF: tl.constexpr,
+             HALF_COS: tl.constexpr):
     """x's rotary embedding at offs (< 2 * HALF), in fp32: x * cos + rotate_half(x) * sin."""
     turned = tl.where(offs < HALF, offs + HALF, offs - HALF)  # rotate_half's source of each element
     x = tl.load(x_ptr + offs * x_stride, mask=mask, other=0.0).to(tl.float64)
     t = tl.load(x_ptr + turned * x_stride, mask=mask, other=0.0).to(tl.float64)
     t = tl.where(offs < HALF, -t, t)
-    c = tl.load(c_ptr + offs * c_stride, mask=mask, other=0.0).to(tl.float64)
-    s = tl.load(s_ptr + offs * s_stride, mask=mask, other=0.0).to(tl.float64)
+    offs_cs = offs % HALF if HALF_COS else offs  # half-width cos and sin serve both halves
+    c = tl.load(c_ptr + offs_cs * c_stride, mask=mask, other=0.0).to(tl.float64)
+    s = tl.load(s_ptr + offs_cs * s_stride, mask=mask, other=0.0).to(tl.float64)
     # fp64: the products (at most 11 x 24 significand bits) are exact, so an FMA or not gives the same sum, which
     # rounds once; then fp32 by the round-to-nearest-even conversion.
     return (x * c + t * s).to(tl.float32)
@@ -64,7 +67,7 @@ def _rotary_cache_write_kernel(
     sqb, sqh, sqq, sqd, skb, skh, skq, skd, svb, svh, svq, svd,
     scb, scq, scd, ssb, ssq, ssd,
     skcb, skch, skcs, skcd, svcb, svch, svcs, svcd, sksb, sksh, skss, svsb, svsh, svss,
-    HALF: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HALF: tl.constexpr, HALF_COS: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DTYPE: tl.constexpr, CAST: tl.constexpr, E4M3_CODES: tl.constexpr, FMAX: tl.constexpr, FP8: tl.constexpr,
     AMAX_FLOOR: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -76,13 +79,13 @@ def _rotary_cache_write_kernel(
     if row < q_rows:
         b, h, i = row // (HQ * Q), (row // Q) % HQ, row % Q
         rotated = _rotated(q_ptr + b * sqb + h * sqh + i * sqq, sqd, cos_ptr + b * scb + i * scq, scd,
-                           sin_ptr + b * ssb + i * ssq, ssd, offs, mask, HALF)
+                           sin_ptr + b * ssb + i * ssq, ssd, offs, mask, HALF, HALF_COS)
         tl.store(out_ptr + row.to(tl.int64) * (2 * HALF) + offs, cast_float(rotated, DTYPE, CAST), mask=mask)
     else:
         kv = row - q_rows
         b, h, i = kv // (HKV * Q), (kv // Q) % HKV, kv % Q
         rotated = _rotated(k_ptr + b * skb + h * skh + i * skq, skd, cos_ptr + b * scb + i * scq, scd,
-                           sin_ptr + b * ssb + i * ssq, ssd, offs, mask, HALF)
+                           sin_ptr + b * ssb + i * ssq, ssd, offs, mask, HALF, HALF_COS)
         position = tl.load(pos_ptr + i * stride_pos)
         inside = (position >= 0) & (position < S)
         scale_position = tl.load(scale_pos_ptr + i * stride_scale_pos)  # an e4m3 cache's scales count their own
@@ -109,6 +112,8 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tenso
         return f"q, k, v and the caches of dtypes {sorted({str(t.dtype) for t in tensors})}, not all bf16 or fp16"
     if cos.dtype != sin.dtype or cos.dtype not in (q.dtype, torch.float32):
         return f"cos and sin of {cos.dtype} and {sin.dtype}: both q's dtype or both fp32"
+    if cos.shape[-1] != sin.shape[-1] or cos.shape[-1] not in (q.shape[-1], q.shape[-1] // 2):
+        return f"cos and sin {cos.shape[-1]} and {sin.shape[-1]} wide: as wide as the head or half as wide"
     if q.dim() != 4 or k.dim() != 4 or q.shape[-1] % 2 or q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
         return f"q {tuple(q.shape)}: not [B, H, Q, D] with an even D up to {MAX_HEAD_DIM}"
     if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
@@ -130,12 +135,13 @@ def supports_codes(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tenso
 
 def rotary_cache_write(q, k, v, cos, sin, positions, k_cache, v_cache, codes=None) -> torch.Tensor:
     """q [B, HQ, Q, D], k [B, HKV, Q, D], v [B, HKV, Q, DV], cos and sin (q's dtype or fp32) broadcastable to
-    [B, 1, Q, D], positions [Q]; writes rotated k and v into k_cache [B, HKV, S, D] and v_cache [B, HKV, S, DV] at
-    `positions`; returns q rotated, contiguous. codes: (scale_positions [Q], k_scales, v_scales [B, HKV, S, 1] fp32)
-    where the caches are uint8 views of e4m3 codes, whose scales go to scale_positions."""
+    [B, 1, Q, D] or [B, 1, Q, D / 2], positions [Q]; writes rotated k and v into k_cache [B, HKV, S, D] and v_cache
+    [B, HKV, S, DV] at `positions`; returns q rotated, contiguous. codes: (scale_positions [Q], k_scales, v_scales
+    [B, HKV, S, 1] fp32) where the caches are uint8 views of e4m3 codes, whose scales go to scale_positions."""
     B, HQ, Q, D = q.shape
     HKV, S, DV = k.shape[1], k_cache.shape[2], v.shape[-1]
-    cos, sin = (t.expand(B, 1, Q, D)[:, 0] for t in (cos, sin))  # [B, Q, D], stride 0 where broadcast
+    width = cos.shape[-1]  # D, or D / 2 for both halves
+    cos, sin = (t.expand(B, 1, Q, width)[:, 0] for t in (cos, sin))  # [B, Q, width], stride 0 where broadcast
     out = torch.empty((B, HQ, Q, D), dtype=q.dtype, device=q.device)
     rows = B * (HQ + HKV) * Q
     if rows == 0:
@@ -147,7 +153,8 @@ def rotary_cache_write(q, k, v, cos, sin, positions, k_cache, v_cache, codes=Non
         B, HQ, HKV, Q, S, positions.stride(0), scale_positions.stride(0),
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
         *k_cache.stride(), *v_cache.stride(), *k_scales.stride()[:3], *v_scales.stride()[:3],
-        HALF=D // 2, DV=DV, BLOCK_D=next_power_of_2(D), BLOCK_DV=next_power_of_2(DV), DTYPE=TL_TYPES[q.dtype],
+        HALF=D // 2, HALF_COS=width != D, DV=DV, BLOCK_D=next_power_of_2(D), BLOCK_DV=next_power_of_2(DV),
+        DTYPE=TL_TYPES[q.dtype],
         CAST=cast_mode(kernel, q.device) if codes is not None else float_cast_mode(kernel),  # fp8 casts: e4m3 only
         E4M3_CODES=codes is not None, FMAX=E4M3.max, FP8=tl.float8e4nv, AMAX_FLOOR=AMAX_FLOOR, num_warps=1,
         **launch_options(q.device),

@@ -2,10 +2,11 @@
 `rotate_half` form over the whole head) and its KV cache write, as transformers' StaticCache does it.
 
 - x rotated: x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]); x bf16 or
-  fp16, cos and sin in x's dtype or fp32. Computed in fp64, where those products are exact, so the sum rounds once;
-  then to fp32 and to x's dtype. With fp32 cos and sin (the values a graph rounds to x's dtype, which Inductor's code
-  reads unrounded) this is Inductor's fp32 arithmetic without its roundings of the products; eager's bf16 ops round
-  the cos, each product and the sum.
+  fp16, cos and sin in x's dtype or fp32, as wide as x or half as wide: one for both halves, GPT-OSS's
+  cat((a * c - b * s, b * c + a * s)) with a, b = x.chunk(2), the same rotation. Computed in fp64, where those
+  products are exact, so the sum rounds once; then to fp32 and to x's dtype. With fp32 cos and sin (the values a
+  graph rounds to x's dtype, which Inductor's code reads unrounded) this is Inductor's fp32 arithmetic without its
+  roundings of the products; eager's bf16 ops round the cos, each product and the sum.
 - The rotated k and v are written into the caches [B, Hkv, S, D] at `positions` (dim 2), as index_copy_. A
   position outside [0, S) writes nothing.
 - An e4m3 cache (`fxquant.FP8StaticCache`) holds each row as `fxquant::quantize_fp8(row, 0)` makes it: the rotated
@@ -23,6 +24,8 @@ from fxquant.numerics.granularity import activation_granularity
 
 def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
+    if cos.shape[-1] == half:  # GPT-OSS's spelling: the same cos and sin for both halves
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     # fp64: exact products of a bf16/fp16 x and an fp32 cos, one rounding of the sum, then fp32, then x's dtype
     return (x.double() * cos.double() + turned.double() * sin.double()).float().to(x.dtype)

@@ -8,7 +8,9 @@ Post: where the writes go to caches on a device in `devices`, for at most MAX_QU
     K.index_copy_(2, %p, %k2);  V.index_copy_(2, %p, v)
         ->  %q2 = fxquant.rotary_cache_write(q, k, v, cos, sin, %p, K, V)
 
-and over an e4m3 cache (fxquant.FP8StaticCache), whose twin layer writes the scales at its own positions %s:
+(GPT-OSS spells the rotation cat((a * c - b * s, b * c + a * s), -1) with a, b = q.chunk(2, -1) and c, s half as
+wide: the same rotation, taken with its half-width c and s), and over an e4m3 cache (fxquant.FP8StaticCache), whose
+twin layer writes the scales at its own positions %s:
 
     %ck, %sk = quantize_fp8(%k2, 0);  %cv, %sv = quantize_fp8(v, 0)
     Sk.index_copy_(2, %s, %sk);  Sv.index_copy_(2, %s, %sv)
@@ -41,13 +43,14 @@ from fxquant.passes.annotations import fake_value, module_path
 from fxquant.passes.order import FxquantPass
 from fxquant.passes.patterns import MAX_QUERIES
 from fxquant.passes.side_effects import alias_root, has_side_effects
-from fxquant.passes.spellings import ADD, CAT, DTYPE_CASTS, MUL, UNSQUEEZE, target_of
+from fxquant.passes.spellings import ADD, CAT, DTYPE_CASTS, MUL, SUB, UNSQUEEZE, target_of
 from fxquant.passes.state import PipelineState
 
 ROTARY_CACHE_WRITE = torch.ops.fxquant.rotary_cache_write.default
 ROTARY_CACHE_WRITE_E4M3 = torch.ops.fxquant.rotary_cache_write_e4m3.default
 QUANTIZE = torch.ops.fxquant.quantize_fp8.default
 NEG = {torch.neg, torch.Tensor.neg, operator.neg}
+CHUNK = {torch.chunk, torch.Tensor.chunk}
 INDEX_COPY_ = torch.Tensor.index_copy_
 
 
@@ -94,8 +97,58 @@ def _operand_pairs(node) -> list:
 
 
 def rotary(node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
-    """(x, cos, sin) where node is x * cos + rotate_half(x) * sin over x's whole last dim, in any operand order;
-    else None."""
+    """(x, cos, sin) where node rotates x's whole last dim, in either spelling, in any operand order: transformers'
+    x * cos + rotate_half(x) * sin (cos and sin as wide as x), or GPT-OSS's cat((a * c - b * s, b * c + a * s), -1)
+    with a, b = x.chunk(2, -1) (cos and sin half as wide); else None."""
+    return _rotate_half_form(node) or _chunked_form(node)
+
+
+def _chunk_of(node) -> tuple[torch.fx.Node, int] | None:
+    """(x, i) where node is x.chunk(2, dim=-1)[i]."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is operator.getitem
+            and isinstance(node.args[0], torch.fx.Node) and target_of(node.args[0]) in CHUNK):
+        return None
+    chunk = node.args[0]
+    x, chunks = chunk.args[0], chunk.args[1] if len(chunk.args) > 1 else chunk.kwargs.get("chunks")
+    dim = chunk.args[2] if len(chunk.args) > 2 else chunk.kwargs.get("dim", 0)
+    value = fake_value(x)
+    if chunks != 2 or not isinstance(value, torch.Tensor) or dim not in (-1, value.dim() - 1) or value.shape[-1] % 2:
+        return None
+    return x, node.args[1]
+
+
+def _chunked_form(node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
+    """(x, c, s) where node is cat((a * c - b * s, b * c + a * s), dim=-1) with a, b = x.chunk(2, -1)."""
+    if not (isinstance(node, torch.fx.Node) and target_of(node) in CAT and node.args):
+        return None
+    parts, dim = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if not isinstance(parts, list | tuple) or len(parts) != 2 or dim != -1:
+        return None
+    first, second = parts
+    if not (isinstance(first, torch.fx.Node) and target_of(first) in SUB and len(first.args) == 2
+            and isinstance(second, torch.fx.Node) and target_of(second) in ADD and len(second.args) == 2):
+        return None
+    for a, c in _operand_pairs(first.args[0]):
+        halves = _chunk_of(a)
+        if halves is None or halves[1] != 0:
+            continue
+        x = halves[0]
+        for b, s in _operand_pairs(first.args[1]):
+            if _chunk_of(b) != (x, 1):
+                continue
+            t1, t2 = second.args
+            if (_is_product(t1, b, c) and _is_product(t2, a, s)) or (_is_product(t2, b, c) and _is_product(t1, a, s)):
+                return x, c, s
+    return None
+
+
+def _is_product(node, p: torch.fx.Node, q: torch.fx.Node) -> bool:
+    """node is p * q, either order."""
+    return (p, q) in _operand_pairs(node)
+
+
+def _rotate_half_form(node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
+    """(x, cos, sin) where node is x * cos + rotate_half(x) * sin."""
     if not (isinstance(node, torch.fx.Node) and target_of(node) in ADD and len(node.args) == 2 and not node.kwargs):
         return None
     for straight, turned in (node.args, node.args[::-1]):
@@ -276,7 +329,8 @@ class FuseRotaryCache(FxquantPass):
                 or fvc.shape[:2] != fv.shape[:2] or fkc.shape[-1] != fk.shape[-1]):
             return False
         try:
-            torch.broadcast_shapes(fcos.shape, fsin.shape, (fq.shape[0], 1, fq.shape[2], fq.shape[3]))
+            width = fq.shape[3] if fcos.shape[-1] == fq.shape[3] else fq.shape[3] // 2  # the chunked spelling's half
+            torch.broadcast_shapes(fcos.shape, fsin.shape, (fq.shape[0], 1, fq.shape[2], width))
         except RuntimeError:
             return False
         if fcos.dim() > 4 or (fcos.dim() == 4 and fcos.shape[1] != 1) or kernel_supports(*values[:8]) is not None:
@@ -301,9 +355,14 @@ class FuseRotaryCache(FxquantPass):
 
     @staticmethod
     def _query(k_rot: torch.fx.Node, cos: torch.fx.Node, sin: torch.fx.Node) -> torch.fx.Node | None:
-        """The one other rotation by the same cos and sin nodes: the query's."""
-        candidates = {user2 for user in cos.users for user2 in user.users
-                      if user2 is not k_rot and (found := rotary(user2)) is not None and found[1:] == (cos, sin)}
+        """The one other rotation by the same cos and sin nodes, within the three steps from cos either spelling
+        takes: the query's."""
+        near, frontier = set(), {cos}
+        for _ in range(3):
+            frontier = {user for node in frontier for user in node.users}
+            near |= frontier
+        candidates = {node for node in near
+                      if node is not k_rot and (found := rotary(node)) is not None and found[1:] == (cos, sin)}
         return candidates.pop() if len(candidates) == 1 else None
 
     @staticmethod

@@ -61,6 +61,20 @@ def test_the_reference_is_transformers_rotation_computed_in_fp32():
         assert torch.equal(reference_rotary.rotated(x, cos, sin), want.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("cos_dtype", [None, torch.float32], ids=["cos_as_q", "cos_fp32"])
+def test_half_width_cos_and_sin_serve_both_halves(cos_dtype):
+    """GPT-OSS's spelling: cos and sin [.., D / 2] for both halves, the same rotation as the full-width ones."""
+    q, k, v, cos, sin, positions, k_cache, v_cache = operands(2, 4, 2, 1, 64, 16, torch.bfloat16, 2,
+                                                              cos_dtype=cos_dtype)
+    half_cos, half_sin = cos[..., :32], sin[..., :32]  # the full-width ones repeat them: cat((freqs, freqs))
+    assert torch.equal(torch.cat((half_cos, half_cos), -1), cos)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want = reference_rotary.rotary_cache_write(q, k, v, cos, sin, positions, want_k, want_v)
+    got = rotary_cache_write(q, k, v, half_cos, half_sin, positions, k_cache, v_cache)
+    assert torch.equal(got, want) and torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert "half as wide" in supports(q, k, v, cos[..., :16], sin[..., :16], positions, k_cache, v_cache)
+
+
 def test_a_position_outside_the_cache_writes_nothing():
     q, k, v, cos, sin, _, k_cache, v_cache = operands(1, 4, 2, 2, 64, 16, torch.bfloat16, 1)
     positions = torch.tensor([16, 0, 3, 0], device=DEVICE)[::2]  # 16 is one past the end; a strided view

@@ -43,9 +43,10 @@ def cache_writes(gm):
     ("gemma3", {}, T.StaticCache, OP),
     ("falcon", {}, T.StaticCache, OP),
     ("gpt_neox", {}, T.StaticCache, None),  # a quarter of each head rotated: left to Inductor
+    ("gpt_oss", dict(attn_implementation="eager"), T.StaticCache, OP),  # chunked halves, half-width cos; sinks
     ("olmo2", {}, T.StaticCache, None),  # k rotated in fp32, then cast to the cache's dtype: left to Inductor
 ], ids=["llama", "qwen2", "llama_eager", "llama_e4m3_cache", "mistral_sliding", "qwen3", "gemma3", "falcon",
-        "gpt_neox_partial", "olmo2"])
+        "gpt_neox_partial", "gpt_oss_chunked", "olmo2"])
 def test_decode_steps_rotate_and_write_the_cache_in_one_op(arch, overrides, cache, fused, on_the_cpu):
     model = decoder(arch, **overrides)
     generator = torch.Generator().manual_seed(3)
@@ -160,7 +161,7 @@ def _keep(captured, gm, example_inputs):
     return gm.forward
 
 
-def test_the_rotation_matcher_takes_only_the_whole_head_rotate_half_form():
+def test_the_rotation_matcher_takes_the_whole_head_in_either_spelling():
     def partial(x, cos, sin):  # a rotation of the first half of the head only (partial rotary)
         turn = lambda y: torch.cat((-y[..., 16:], y[..., :16]), dim=-1)
         return x[..., :32] * cos[..., :32] + turn(x[..., :32]) * sin[..., :32]
@@ -171,17 +172,28 @@ def test_the_rotation_matcher_takes_only_the_whole_head_rotate_half_form():
     def whole(x, cos, sin):
         return sin * torch.cat((-x[..., 32:], x[..., :32]), dim=-1) + cos * x
 
-    for fn, matched in ((partial, False), (swapped, False), (whole, True)):
+    def chunked(x, cos, sin):  # GPT-OSS's spelling, cos and sin half as wide
+        a, b = torch.chunk(x, 2, dim=-1)
+        c, s = cos[..., :32], sin[..., :32]
+        return torch.cat((a * c - b * s, s * a + c * b), dim=-1)
+
+    def chunked_signs_crossed(x, cos, sin):  # the second half's terms swapped: not a rotation
+        a, b = torch.chunk(x, 2, dim=-1)
+        c, s = cos[..., :32], sin[..., :32]
+        return torch.cat((a * c - b * s, a * c + b * s), dim=-1)
+
+    for fn, matched in ((partial, False), (swapped, False), (whole, True), (chunked, True),
+                        (chunked_signs_crossed, False)):
         captured = []
         torch._dynamo.reset()
         torch.compile(fn, backend=functools.partial(_keep, captured), fullgraph=True)(*_operands()[:1],
                                                                                    *_operands()[3:5])
-        adds = [n for n in captured[0].graph.nodes if n.op == "call_function" and "add" in str(n.target)]
-        found = [rotary(n) for n in adds if rotary(n) is not None]
+        found = [found for n in captured[0].graph.nodes if (found := rotary(n)) is not None]
         assert bool(found) == matched, fn.__name__
         if matched:
             x, cos, sin = found[0]
-            assert (x.name, cos.name, sin.name) == ("l_x_", "l_cos_", "l_sin_")
+            source = lambda n: n if n.op == "placeholder" else n.args[0]  # the chunked spelling slices its inputs
+            assert (x.name, source(cos).name, source(sin).name) == ("l_x_", "l_cos_", "l_sin_"), fn.__name__
 
 
 def test_the_report_names_the_layers_fused(on_the_cpu, capsys):
