@@ -323,7 +323,7 @@ class FuseRotaryCache(FxquantPass):
         values = [fake_value(n) for n in (q, k, found.v, cos, sin, found.positions, *found.caches)]
         if not all(isinstance(t, torch.Tensor) for t in values):
             return False
-        fq, fk, fv, fcos, fsin, fpos, fkc, fvc = values[:8]
+        fq, fk, fv, fcos, fsin, _, fkc, fvc = values[:8]
         if (fq.device.type not in self.devices or fq.dim() != 4 or not isinstance(fq.shape[2], int)
                 or fq.shape[2] > MAX_QUERIES or fkc.dim() != 4 or fkc.shape[:2] != fk.shape[:2]
                 or fvc.shape[:2] != fv.shape[:2] or fkc.shape[-1] != fk.shape[-1]):

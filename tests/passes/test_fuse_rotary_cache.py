@@ -203,3 +203,28 @@ def test_the_report_names_the_layers_fused(on_the_cpu, capsys):
     static_decode(model, forward, torch.randint(0, 512, (1, 5)), torch.randint(0, 512, (1, 2)))
     layers = [f"model.layers.{i}.self_attn" for i in range(model.config.num_hidden_layers)]
     assert f"rotary embedding and cache write in one kernel: {', '.join(layers)}" in capsys.readouterr().out
+
+
+def test_under_inductor_the_fused_step_gives_the_unfused_steps_bits_writing_the_cache_in_place(on_the_cpu):
+    """Inductor (not the eager inner compiler): the op reads cos and sin unrounded, as Inductor's unfused code does, so
+    the logits and caches are the same bits; and it runs on the cache inputs themselves, with no copy of the cache."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    model = decoder("llama", num_hidden_layers=1)
+    prompt = torch.randint(0, 512, (1, 5), generator=torch.Generator().manual_seed(8))
+    results = {}
+    for disable in ((), ("fuse_rotary_cache",)):
+        cache = T.StaticCache(config=model.config, max_cache_len=16)
+        with torch.no_grad():
+            model(input_ids=prompt, past_key_values=cache, use_cache=True)
+            torch._dynamo.reset()
+            step = torch.compile(model, backend="fxquant", options={"skip": [".*"], "disable_passes": list(disable)})
+            out, code = run_and_get_code(step, input_ids=torch.tensor([[7]]), past_key_values=cache,
+                                         cache_position=torch.tensor([5]), use_cache=True)
+        results[disable] = (out.logits, cache.layers[0].keys, cache.layers[0].values, "\n".join(code))
+    (*fused, code), (*unfused, _) = results[()], results[("fuse_rotary_cache",)]
+    assert all(torch.equal(a, b) for a, b in zip(fused, unfused, strict=True))
+    # the caches are the graph's inputs, written where they are: the call's last two arguments are input buffers
+    assert re.search(r"fxquant\.rotary_cache_write\.default\(.*, (arg\d+_1), (arg\d+_1)\)", code), code
