@@ -220,8 +220,8 @@ def num_splits(batch_heads: int, keys: int, device: torch.device, programs_per_s
 
 def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens, *, plan=None) -> torch.Tensor:
     """q [B, Hq, Q, D] over the cache k, v [B, Hkv, S, D]: reference_attention.decode_attention's result. plan:
-    (programs per SM, key blocks per split, warps, keys per block) in place of the defaults, for bench.attention's
-    sweep."""
+    (programs per SM, key blocks per split, warps, keys per block[, pipeline stages]) in place of the defaults, for
+    bench.attention's sweep."""
     batch, heads_q, queries, dim = q.shape
     heads_kv, keys = k.shape[1], k.shape[2]
     groups = heads_q // heads_kv
@@ -231,7 +231,7 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
         default = CODES_PLAN if batch * heads_kv >= CODES_PLAN_PAIRS else DEFAULT_PLAN
     else:
         default = SHORT_PLAN if keys <= SHORT_KEYS else DEFAULT_PLAN
-    programs_per_sm, blocks_per_split, warps, block_n = plan or default
+    programs_per_sm, blocks_per_split, warps, block_n, *stages = plan or default
     splits = num_splits(batch * heads_kv, keys, q.device, programs_per_sm, blocks_per_split, block_n)
     split_len = cdiv(cdiv(keys, splits), block_n) * block_n
     splits = cdiv(keys, split_len)
@@ -266,7 +266,7 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
         MASK_PER_KEY=per_key,
         HAS_LENS=kv_lens is not None, SOFTCAP=softcap > 0, DOT=dot,
         PRECISION="ieee" if dot == tl.float32 else "tf32", LAST_SPLIT_MERGES=count is not None,
-        num_stages=2, **merge,
+        num_stages=stages[0] if stages else 2, **merge,
     )
     if count is None:
         visible(_decode_attention_merge_kernel)[(batch * heads_kv,)](
