@@ -69,10 +69,10 @@ def scaled_mm_baselines(qa, qw, scheme):
 
 def sweep_candidates(m):
     if m <= 16:  # split-K toward a program count, or narrow tiles and no split (no reduce launch)
-        return [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=s, programs=p)
-                for bn in (32, 64, 128) for s in (4, 6) for p in (264, 528, 1056)] + [
-                dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=s, SPLIT_K=1)
-                for bn in (16, 32) for s in (4, 6)] + [
+        return [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=s, programs=p,
+                     SWAP_AB=False) for bn in (32, 64, 128) for s in (4, 6) for p in (264, 528, 1056)] + [
+                dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=s, SPLIT_K=1,
+                     SWAP_AB=False) for bn in (16, 32) for s in (4, 6)] + [
                 # row scales: the operands swapped, the weight's rows as the MMA's M (wgmma with fp8 as stored)
                 dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=s, programs=p,
                      SWAP_AB=True) for bn in (64, 128) for s in (4, 6) for p in (264, 528)]

@@ -5,8 +5,8 @@ ships, and the longest loop's instructions are counted by opcode. The registers 
 an SM holds) come from the same cubin.
 
 Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N]
-     python -m bench.sass fp8 [--stages N] [--swap]   (row scales, M <= 16, 14336x4096: the decode tiles of
-                                                     gemm_configs; --swap: the operands swapped, SWAP_AB)
+     python -m bench.sass fp8 [--stages N] [--unswapped]   (row scales, M <= 16, 14336x4096: the decode tiles
+                                               of gemm_configs, operands swapped; --unswapped: as given)
      python -m bench.sass attention [--codes] [--warps N] [--stages N]   (Llama-3-8B's heads at B16, 1k keys)
 """
 
@@ -55,11 +55,12 @@ def decode_kernel_sass(fmt: str, stages: int | None = None) -> tuple[str, int]:
     return compiled_sass(_wo_gemm_kernel, signature, constexprs, attrs, cfg["num_warps"], stages or cfg["num_stages"])
 
 
-def fp8_kernel_sass(stages: int | None = None, swap: bool = False) -> tuple[str, int]:
+def fp8_kernel_sass(stages: int | None = None, swap: bool | None = None) -> tuple[str, int]:
     """SASS and registers per thread of the fp8 GEMM with row scales at decode (M <= 16) on the 14336x4096 weight,
-    in the tiles `gemm_configs` gives it, unsplit; swap: with the operands swapped (the weight's rows as the MMA's
-    M)."""
+    in the tiles `gemm_configs` gives it, unsplit; swap: whether the operands are swapped (the weight's rows as the
+    MMA's M), else as the tiles say."""
     cfg = fp8_gemm_config(16, 14336, 4096, block_scales=False)
+    swap = cfg["SWAP_AB"] if swap is None else swap
     params = list(inspect.signature(gemm_fp8._fp8_gemm_kernel.fn).parameters)
     constexprs = dict(BLOCK_SCALES=False, SCALE_BLOCK=128, HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, SPLIT_K=1,
                       LAST_SLICE_SUMS=False, COMPILER_PROMOTES=True, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
@@ -74,16 +75,16 @@ def fp8_kernel_sass(stages: int | None = None, swap: bool = False) -> tuple[str,
                          stages or cfg["num_stages"])
 
 
-def attention_kernel_sass(codes: bool, warps: int | None = None, stages: int = 2) -> tuple[str, int]:
+def attention_kernel_sass(codes: bool, warps: int | None = None, stages: int | None = None) -> tuple[str, int]:
     """SASS and registers per thread of the split-KV attention kernel as it runs for Llama-3-8B's heads at B16 over
-    1024 keys (128 pairs, three splits, merged by the last), with transformers' per-key mask: over bf16 or over e4m3
-    codes with per-token scales."""
+    1024 keys (128 pairs, three splits over bf16 and two over codes, merged by the last), with transformers' per-key
+    mask: over bf16 or over e4m3 codes with per-token scales."""
     params = list(inspect.signature(DA._decode_attention_split_kernel.fn).parameters)
     plan = DA.CODES_PLAN if codes else DA.SHORT_PLAN
-    constexprs = dict(HKV=8, D=128, BLOCK_M=16, BLOCK_N=plan[3], SPLITS=3, KV_CODES=codes, SCALE_PER_TOKEN=codes,
-                      MASK=1, MASK_PER_KEY=True, HAS_LENS=False, SOFTCAP=False,
+    constexprs = dict(HKV=8, D=128, BLOCK_M=16, BLOCK_N=plan[3], SPLITS=2 if codes else 3, KV_CODES=codes,
+                      SCALE_PER_TOKEN=codes, MASK=1, MASK_PER_KEY=True, HAS_LENS=False, SOFTCAP=False,
                       DOT=tl.float16 if codes else tl.bfloat16, PRECISION="tf32", LAST_SPLIT_MERGES=True, ROWS=4,
-                      HAS_SINKS=False, OUT=tl.bfloat16, CAST=0, PDL=True)
+                      HAS_SINKS=False, OUT=tl.bfloat16, CAST=0, PDL=True, CODES_PTX=codes)
     cache = "*fp8e4nv" if codes else "*bf16"
     pointers = dict(q_ptr="*bf16", k_ptr=cache, v_ptr=cache, k_scale_ptr="*fp32", v_scale_ptr="*fp32",
                     mask_ptr="*bf16", lens_ptr="*i32", o_part_ptr="*fp32", lse_part_ptr="*fp32", sinks_ptr="*bf16",
@@ -95,7 +96,8 @@ def attention_kernel_sass(codes: bool, warps: int | None = None, stages: int = 2
     divisible = [*pointers, "sqb", "sqh", "sqq", "skb", "skh", "sks", "svb", "svh", "svs", "ssb", "ssh", "sob",
                  "soh", "soq"]
     attrs = {(params.index(name),): [["tt.divisibility", 16]] for name in divisible}
-    return compiled_sass(DA._decode_attention_split_kernel, signature, constexprs, attrs, warps or plan[2], stages)
+    return compiled_sass(DA._decode_attention_split_kernel, signature, constexprs, attrs, warps or plan[2],
+                         stages or (*plan[4:], 2)[0])
 
 
 def compiled_sass(kernel, signature: dict, constexprs: dict, attrs: dict, warps: int, stages: int) -> tuple[str, int]:
@@ -127,12 +129,12 @@ def main():
     if "attention" in sys.argv:
         codes = "--codes" in sys.argv
         warps = int(sys.argv[sys.argv.index("--warps") + 1]) if "--warps" in sys.argv else None
-        sass, registers = attention_kernel_sass(codes, warps, stages or 2)
+        sass, registers = attention_kernel_sass(codes, warps, stages)
         what, step = f"attention over {'e4m3 codes' if codes else 'bf16'}", "key block"
     elif "fp8" in sys.argv:
-        swap = "--swap" in sys.argv
+        swap = "--unswapped" not in sys.argv
         sass, registers = fp8_kernel_sass(stages, swap)
-        what, step = f"fp8 GEMM, row scales{', operands swapped' if swap else ''}", "K step"
+        what, step = f"fp8 GEMM, row scales, operands {'swapped' if swap else 'as given'}", "K step"
     else:
         fmt = next((a for a in sys.argv[1:] if a in FORMATS), "int4")
         sass, registers = decode_kernel_sass(fmt, stages)

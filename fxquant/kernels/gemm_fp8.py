@@ -12,12 +12,12 @@ Two scale layouts:
   (stride 0 for per tensor), applied once in the epilogue, since they are constant along K;
 - block scales (1x128 activations, 128x128 weights): a_scale [M, K/128], b_scale [N/128, K/128], folded into
   the fp32 accumulator at every 128-wide K step, since they change along K.
-M/N/K tails are masked. Tile shapes come from `gemm_configs.py`, tuned per M bucket on the H200. A config with
-SWAP_AB (row scales) computes (B @ A.T).T: the weight's rows become the MMA's M, so a decode tile of 16 tokens runs
-wgmma on the fp8 codes as stored (108 instructions a K step at 40 registers on sm_90, against 154 at 70 for the
-fp16 MMA after a conversion, `python -m bench.sass fp8 [--swap]`); the decode sweep tries it, no default takes it
-yet. Small M splits K across programs (`splitk.py`); the row scales are linear, so each K slice applies them to its
-partial, and the slice that finishes last for a tile sums them.
+M/N/K tails are masked. Tile shapes come from `gemm_configs.py`, tuned per M bucket on the H200. At decode (M <= 16)
+row scales compute (B @ A.T).T (SWAP_AB): the weight's rows become the MMA's M, so a tile of 16 tokens runs wgmma on
+the fp8 codes as stored (108 instructions a K step at 40 registers on sm_90, against 154 at 70 for the fp16 MMA
+after a conversion, `python -m bench.sass fp8 [--unswapped]`). Small M splits K across programs (`splitk.py`); the
+row scales are linear, so each K slice applies them to its partial, and the slice that finishes last for a tile sums
+them.
 Past M = 128 on sm_90+, operands that tensor descriptors can read go to the persistent TMA kernel
 (`gemm_fp8_tma.py`), about 20% faster there than this one (docs/decisions/0003-persistent-tma-fp8-gemm.md).
 """
@@ -171,8 +171,10 @@ def _launch_plan(M: int, N: int, K: int, block_scales: bool, tma_ready: bool,
     # Configs that name a program target split K toward it (decode, and medium M where the sweep chose it).
     split = cfg.get("SPLIT_K") or (split_k(tiles, cdiv(K, cfg["BLOCK_K"]), cfg["programs"]) if "programs" in cfg
                                    else 1)
-    meta = dict(COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", not block_scales),
-                SWAP_AB=cfg.get("SWAP_AB", False) and not block_scales, BLOCK_M=cfg["BLOCK_M"],
+    promotes = cfg.get("COMPILER_PROMOTES", not block_scales)
+    # the swapped loop takes row scales, and leaves the fp32 promotion to the compiler
+    meta = dict(COMPILER_PROMOTES=promotes, SWAP_AB=cfg.get("SWAP_AB", False) and not block_scales and promotes,
+                BLOCK_M=cfg["BLOCK_M"],
                 BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"])
     return tiles, split, tma_ready and cfg.get("TMA", False) and split == 1, meta
