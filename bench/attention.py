@@ -90,10 +90,10 @@ def paths(batch: int, context: int):
 
 
 # (programs per SM, key blocks per split, warps, keys per block[, pipeline stages])
-PLANS = [(2, 4, 4, 64), (2, 2, 4, 64), (2, 2, 4, 128), (2, 4, 8, 128), (4, 2, 4, 64), (2, 8, 4, 64), (1, 4, 8, 128),
+CANDIDATES = [(2, 4, 4, 64), (2, 2, 4, 64), (2, 2, 4, 128), (2, 4, 8, 128), (4, 2, 4, 64), (2, 8, 4, 64), (1, 4, 8, 128),
          (2, 4, 2, 64)]
 # codes hold half the bytes a block: more programs and deeper pipelines keep as many bytes in flight
-CODES_PLANS = [(4, 4, 2, 64), (8, 4, 2, 64), (4, 4, 4, 64), (2, 4, 2, 64, 3), (4, 4, 2, 64, 3), (2, 4, 2, 128),
+CODES_CANDIDATES = [(4, 4, 2, 64), (8, 4, 2, 64), (4, 4, 4, 64), (2, 4, 2, 64, 3), (4, 4, 2, 64, 3), (2, 4, 2, 128),
                (4, 4, 4, 128, 3), (8, 2, 2, 64, 3)]
 
 
@@ -112,7 +112,7 @@ def sweep(batches, contexts, codes: bool) -> None:
             (k, k_scale), (v, v_scale) = (fp8_cache(k), fp8_cache(v)) if codes else ((k, None), (v, None))
             mask = torch.zeros(batch, 1, 1, context, device="cuda", dtype=torch.bfloat16)
             row = {"B": batch, "context": context}
-            for plan in PLANS + (CODES_PLANS if codes else []):
+            for plan in CANDIDATES + (CODES_CANDIDATES if codes else []):
                 fn = lambda plan=plan: decode_attention(q, k, v, mask, DIM**-0.5, 0.0, None, k_scale, v_scale, None,
                                                         plan=plan)
                 row[str(plan)] = f"{1e3 * graph_time_ms(fn, [()]):.1f}"

@@ -80,11 +80,11 @@ def attention_kernel_sass(codes: bool, warps: int | None = None, stages: int | N
     1024 keys (128 pairs, three splits over bf16 and two over codes, merged by the last), with transformers' per-key
     mask: over bf16 or over e4m3 codes with per-token scales."""
     params = list(inspect.signature(DA._decode_attention_split_kernel.fn).parameters)
-    plan = DA.CODES_PLAN if codes else DA.SHORT_PLAN
+    plan = dict(DA.CODES_PLANS)[128] if codes else DA.SHORT_PLAN
     constexprs = dict(HKV=8, D=128, BLOCK_M=16, BLOCK_N=plan[3], SPLITS=2 if codes else 3, KV_CODES=codes,
                       SCALE_PER_TOKEN=codes, MASK=1, MASK_PER_KEY=True, HAS_LENS=False, SOFTCAP=False,
                       DOT=tl.float16 if codes else tl.bfloat16, PRECISION="tf32", LAST_SPLIT_MERGES=True, ROWS=4,
-                      HAS_SINKS=False, OUT=tl.bfloat16, CAST=0, PDL=True, CODES_PTX=codes)
+                      HAS_SINKS=False, OUT=tl.bfloat16, CAST=0, PDL=True)
     cache = "*fp8e4nv" if codes else "*bf16"
     pointers = dict(q_ptr="*bf16", k_ptr=cache, v_ptr=cache, k_scale_ptr="*fp32", v_scale_ptr="*fp32",
                     mask_ptr="*bf16", lens_ptr="*i32", o_part_ptr="*fp32", lse_part_ptr="*fp32", sinks_ptr="*bf16",

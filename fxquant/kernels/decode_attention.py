@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fxquant.kernels.cast import capability, cast_float, float_cast_mode, interpreting
+from fxquant.kernels.cast import cast_float, float_cast_mode, interpreting
 from fxquant.kernels.dependent_launch import await_previous, launch_options, start_next, wait_for_previous
 from fxquant.kernels.launch import cdiv, next_power_of_2, sm_count, visible
 from fxquant.kernels.splitk import counters
@@ -33,25 +33,13 @@ DEFAULT_PLAN = (2, 4, 4, 64)  # keys per block: a [64, 128] bf16 tile of K and o
 # Up to 4096 keys of a high-precision cache, two blocks a split: at B1 5.0 / 6.2 / 8.4 us at 1k / 2k / 4k against
 # 7.1 / 7.4 / 9.0 at four blocks, at B16 within 0.3% (docs/decisions/0020-decode-attention-two-blocks-up-to-4k.md).
 SHORT_PLAN, SHORT_KEYS = (2, 2, 4, 64), 4096
-# e4m3 codes, a block half the bytes of bf16's: blocks of 128 keys. Under 128 (batch, KV head) pairs, two blocks a
-# split; from 128 pairs (B16 at 8 KV heads), four programs an SM in three stages. H200 (bench.attention --sweep
-# --codes): B1 16k 16.2 us, 4k 8.2, against 22.8 and 11.0 at (2, 4, 4, 64); B16 16k 226.3, 4k 63.8, against 251.9
-# and 69.7 at (2, 4, 2, 64).
-CODES_PLAN, CODES_PLAN_FEW, CODES_PLAN_PAIRS = (4, 4, 4, 128, 3), (2, 2, 4, 128), 128
+# e4m3 codes, a block half the bytes of bf16's, by (batch, KV head) pairs. Under 128, blocks of 128 keys, two a
+# split; from 128 (B16 at 8 KV heads), four programs an SM in three stages. H200 (bench.attention --sweep --codes):
+# B1 16k 16.2 us, 4k 8.2, against 22.8 and 11.0 at (2, 4, 4, 64); B16 16k 226.3, 4k 63.8, against 251.9 and 69.7 at
+# (2, 4, 2, 64). From 512 pairs (B64), 2 warps over 64 keys, the plan measured there: 192 us at 4k against 318 at 4.
+CODES_PLANS = ((512, (2, 4, 2, 64)), (128, (4, 4, 4, 128, 3)), (0, (2, 2, 4, 128)))  # (from pairs, plan)
 LOG2_E = tl.constexpr(1.4426950408889634)
 FLOAT_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-@triton.jit
-def e4m3_as_f16(codes):
-    """e4m3 codes as fp16, exactly (fp16 holds every e4m3 value), four at a time in PTX (cvt.rn.f16x2.e4m3x2, sm_89+),
-    converted where they are loaded, so that the tile goes through shared memory in fp16 and ldmatrix reads it.
-    Triton moves its own conversion (and pure inline asm) past the shared-memory copy, where the key-major V tile
-    was read a byte at a time (LDS.U8): 1187 instructions a 128-key block at 246 registers, against 763 at 147 here
-    (`python -m bench.sass attention --codes`). Not pure, so that it stays where it is written."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-        "=r,=r,r", [codes.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
 
 
 @triton.jit
@@ -108,7 +96,7 @@ def _decode_attention_split_kernel(
     HAS_LENS: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     LAST_SPLIT_MERGES: tl.constexpr, ROWS: tl.constexpr, HAS_SINKS: tl.constexpr, OUT: tl.constexpr,
-    CAST: tl.constexpr, PDL: tl.constexpr, CODES_PTX: tl.constexpr,
+    CAST: tl.constexpr, PDL: tl.constexpr,
 ):
     await_previous(PDL)
     bh, split = tl.program_id(0), tl.program_id(1)
@@ -137,8 +125,6 @@ def _decode_attention_split_kernel(
         key_ok = keys < end
         k = tl.load(k_base + keys[:, None] * sks + cols[None, :], mask=key_ok[:, None], other=0.0)
         # e4m3 codes are exact in fp16, one conversion per pair on sm_89+: their scales are folded in below
-        if CODES_PTX:
-            k = e4m3_as_f16(k)
         s = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PRECISION)  # fp32 [BLOCK_M, BLOCK_N]
         if KV_CODES and SCALE_PER_TOKEN:
             s *= tl.load(k_scale_ptr + b * ssb + h * ssh + keys * sss, mask=key_ok, other=0.0)[None, :]
@@ -171,8 +157,6 @@ def _decode_attention_split_kernel(
         elif KV_CODES:
             v_unit = tl.load(v_scale_ptr)
         v = tl.load(v_base + keys[:, None] * svs + cols[None, :], mask=key_ok[:, None], other=0.0)
-        if CODES_PTX:
-            v = e4m3_as_f16(v)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PRECISION) * v_unit
         m_i = m_new
     # The next kernel launches once every program is past its keys: launched at the start, its waiting programs
@@ -246,7 +230,7 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
     block_m = max(16, next_power_of_2(groups * queries))
     codes = k.dtype == torch.float8_e4m3fn
     if codes:
-        default = CODES_PLAN if batch * heads_kv >= CODES_PLAN_PAIRS else CODES_PLAN_FEW
+        default = next(plan for pairs, plan in CODES_PLANS if batch * heads_kv >= pairs)
     else:
         default = SHORT_PLAN if keys <= SHORT_KEYS else DEFAULT_PLAN
     programs_per_sm, blocks_per_split, warps, block_n, *stages = plan or default
@@ -263,7 +247,6 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
     # Under Triton's interpreter, whose bf16 dot is wrong, the products run in fp32 on the same operands. e4m3 codes
     # multiply in fp16, which holds them exactly (bf16 would too, at two conversions per code on sm_90).
     dot = tl.float32 if interpreting(_decode_attention_split_kernel) else tl.float16 if codes else FLOAT_TL[q.dtype]
-    codes_ptx = codes and dot == tl.float16 and capability(q.device) >= (8, 9)  # cvt.rn.f16x2.e4m3x2 is sm_89's
     cast = float_cast_mode(_decode_attention_merge_kernel)
     out = torch.empty_like(q)
     count = counters(q.device, batch * heads_kv)
@@ -284,7 +267,7 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
         SCALE_PER_TOKEN=per_token, MASK=0 if mask is None else 2 if mask.dtype == torch.bool else 1,
         MASK_PER_KEY=per_key,
         HAS_LENS=kv_lens is not None, SOFTCAP=softcap > 0, DOT=dot,
-        PRECISION="ieee" if dot == tl.float32 else "tf32", LAST_SPLIT_MERGES=count is not None, CODES_PTX=codes_ptx,
+        PRECISION="ieee" if dot == tl.float32 else "tf32", LAST_SPLIT_MERGES=count is not None,
         num_stages=stages[0] if stages else 2, **merge,
     )
     if count is None:
