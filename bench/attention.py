@@ -90,11 +90,11 @@ def paths(batch: int, context: int):
 
 
 # (programs per SM, key blocks per split, warps, keys per block[, pipeline stages])
-CANDIDATES = [(2, 4, 4, 64), (2, 2, 4, 64), (2, 2, 4, 128), (2, 4, 8, 128), (4, 2, 4, 64), (2, 8, 4, 64), (1, 4, 8, 128),
-         (2, 4, 2, 64)]
+CANDIDATES = [(2, 4, 4, 64), (2, 2, 4, 64), (2, 2, 4, 128), (2, 4, 8, 128), (4, 2, 4, 64), (2, 8, 4, 64),
+              (1, 4, 8, 128), (2, 4, 2, 64)]
 # codes hold half the bytes a block: more programs and deeper pipelines keep as many bytes in flight
-CODES_CANDIDATES = [(4, 4, 2, 64), (8, 4, 2, 64), (4, 4, 4, 64), (2, 4, 2, 64, 3), (4, 4, 2, 64, 3), (2, 4, 2, 128),
-               (4, 4, 4, 128, 3), (8, 2, 2, 64, 3)]
+CODES_CANDIDATES = [(4, 4, 2, 64), (8, 4, 2, 64), (4, 4, 4, 64), (2, 4, 2, 64, 3), (4, 4, 2, 64, 3),
+                    (2, 4, 2, 128), (4, 4, 4, 128, 3), (8, 2, 2, 64, 3)]
 
 
 def sweep(batches, contexts, codes: bool) -> None:
