@@ -5,8 +5,8 @@ ships, and the longest loop's instructions are counted by opcode. The registers 
 an SM holds) come from the same cubin.
 
 Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N]
-     python -m bench.sass fp8 [--stages N] [--unswapped]   (row scales, M <= 16, 14336x4096: the decode tiles
-                                               of gemm_configs, operands swapped; --unswapped: as given)
+     python -m bench.sass fp8 [--stages N] [--swap]   (row scales, M <= 16, 14336x4096: the decode tiles of
+                                                     gemm_configs; --swap: the operands swapped, SWAP_AB)
      python -m bench.sass attention [--codes] [--warps N] [--stages N]   (Llama-3-8B's heads at B16, 1k keys)
 """
 
@@ -55,12 +55,11 @@ def decode_kernel_sass(fmt: str, stages: int | None = None) -> tuple[str, int]:
     return compiled_sass(_wo_gemm_kernel, signature, constexprs, attrs, cfg["num_warps"], stages or cfg["num_stages"])
 
 
-def fp8_kernel_sass(stages: int | None = None, swap: bool | None = None) -> tuple[str, int]:
+def fp8_kernel_sass(stages: int | None = None, swap: bool = False) -> tuple[str, int]:
     """SASS and registers per thread of the fp8 GEMM with row scales at decode (M <= 16) on the 14336x4096 weight,
-    in the tiles `gemm_configs` gives it, unsplit; swap: whether the operands are swapped (the weight's rows as the
-    MMA's M), else as the tiles say."""
+    in the tiles `gemm_configs` gives it, unsplit; swap: with the operands swapped (the weight's rows as the MMA's
+    M)."""
     cfg = fp8_gemm_config(16, 14336, 4096, block_scales=False)
-    swap = cfg["SWAP_AB"] if swap is None else swap
     params = list(inspect.signature(gemm_fp8._fp8_gemm_kernel.fn).parameters)
     constexprs = dict(BLOCK_SCALES=False, SCALE_BLOCK=128, HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, SPLIT_K=1,
                       LAST_SLICE_SUMS=False, COMPILER_PROMOTES=True, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
@@ -132,9 +131,9 @@ def main():
         sass, registers = attention_kernel_sass(codes, warps, stages)
         what, step = f"attention over {'e4m3 codes' if codes else 'bf16'}", "key block"
     elif "fp8" in sys.argv:
-        swap = "--unswapped" not in sys.argv
+        swap = "--swap" in sys.argv
         sass, registers = fp8_kernel_sass(stages, swap)
-        what, step = f"fp8 GEMM, row scales, operands {'swapped' if swap else 'as given'}", "K step"
+        what, step = f"fp8 GEMM, row scales{', operands swapped' if swap else ''}", "K step"
     else:
         fmt = next((a for a in sys.argv[1:] if a in FORMATS), "int4")
         sass, registers = decode_kernel_sass(fmt, stages)

@@ -8,11 +8,11 @@ layer, and 4 more where the reduce kernel sums the split products. Weights are e
 scales 1 / sqrt(K), so each product keeps its input's size (SiLU x up squares it: the residual grows through the
 layers). The two ways give the same bits (checked first); the table gives microseconds a layer with and without
 programmatic dependent launch, and the weights' bytes over that time as a share of the copy bandwidth measured in the
-same process. The decode GEMMs swap their operands (SWAP_AB: wgmma on the weight's codes); --unswapped adds the chain
-with the operands as given, summed by the last slice with PDL on. Its sums run in another order, so each GEMM of a
-layer is checked alone against the fp64 product, and the chain's distance from the default is printed.
+same process. --swap adds the chain with the GEMMs' operands swapped (SWAP_AB: wgmma on the weight's codes), summed
+by the last slice with PDL on. Its sums run in another order, so each GEMM of a layer is checked alone against the
+fp64 product, and the chain's distance from the default is printed.
 
-Run: python -m bench.split_sums [--layers 8] [--batches 1 16] [--unswapped]
+Run: python -m bench.split_sums [--layers 8] [--batches 1 16] [--swap]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from fxquant.kernels.quant_fp8 import quantize_fp8_rows, silu_mul_quantize_fp8_r
 from fxquant.kernels.splitk import reduce_in_gemm
 
 HIDDEN, INTER, QKV = 4096, 14336, 6144
-AS_GIVEN = {"SWAP_AB": False}  # over each GEMM's decode tiles (bench.fp8_gemm --sweep --decode tries more)
+SWAPPED = {"SWAP_AB": True}  # over each GEMM's decode tiles (bench.fp8_gemm --sweep --decode tries more)
 SHAPES = ((QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))  # (N, K) of each GEMM of a layer
 
 
@@ -52,7 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--unswapped", action="store_true", help="also time the GEMMs with their operands as given")
+    parser.add_argument("--swap", action="store_true", help="also time the GEMMs with their operands swapped")
     args = parser.parse_args()
     print(header())
     bandwidth = copy_bandwidth_gbs()
@@ -73,7 +73,7 @@ def main() -> None:
                     us = 1e3 * graph_time_ms(lambda: chain(h, layers), [()]) / args.layers
                 name = f"{'last slice' if in_gemm else 'reduce kernel'}, PDL {'on' if pdl else 'off'}"
                 row[name] = share(us)
-        if args.unswapped:
+        if args.swap:
             with reduce_in_gemm(True), dependent_launches(True):
                 # Each GEMM of a layer alone against the fp64 product of its codes: the two loops sum in another
                 # order, so they are bounded, not compared bit for bit. The chain itself is not the check: 8 layers
@@ -83,16 +83,16 @@ def main() -> None:
                                                    dtype=torch.bfloat16), k)
                     w, w_scale = layers[0][SHAPES.index((n, k))]
                     exact = (a.double() @ w.double().t()) * a_scale.double() * w_scale.double().t()
-                    for config in (None, AS_GIVEN):
+                    for config in (None, SWAPPED):
                         got = fp8_scaled_mm(a, a_scale, w, w_scale, None, torch.bfloat16, config)
                         err = float((got.double() - exact).norm() / exact.norm())
-                        name = "as given" if config else "default"
+                        name = "swapped" if config else "default"
                         print(f"B{batch} {n}x{k} {name}: relative error {err:.2e}", flush=True)
                         assert err < 1e-2, f"B{batch} {n}x{k} {name}: relative error {err:.2e}"
-                got = chain(h, layers, AS_GIVEN).float()
-                row["as given vs default, chain"] = f"{float((got - want.float()).norm() / want.float().norm()):.1e}"
-                us = 1e3 * graph_time_ms(lambda: chain(h, layers, AS_GIVEN), [()]) / args.layers
-            row["as given, last slice, PDL on"] = share(us)
+                got = chain(h, layers, SWAPPED).float()
+                row["swapped vs default, chain"] = f"{float((got - want.float()).norm() / want.float().norm()):.1e}"
+                us = 1e3 * graph_time_ms(lambda: chain(h, layers, SWAPPED), [()]) / args.layers
+            row["swapped, last slice, PDL on"] = share(us)
         rows.append(row)
         print(row, flush=True)
     print(f"copy bandwidth {bandwidth:.0f} GB/s; {args.layers} layers; us a layer, weights' bytes over that time")

@@ -15,7 +15,7 @@ from bench import sass
 found = {}
 for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
                                  "fp8": sass.fp8_kernel_sass(),
-                                 "fp8 unswapped": sass.fp8_kernel_sass(swap=False),
+                                 "fp8 swapped": sass.fp8_kernel_sass(swap=True),
                                  "attention": sass.attention_kernel_sass(codes=False),
                                  "attention codes": sass.attention_kernel_sass(codes=True)}.items():
     found[what] = dict(registers=registers, ops=sass.longest_loop(code))
@@ -29,9 +29,8 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     found = json.loads(run.stdout.splitlines()[-1])
-    for what, tensor_core in [("int4", "HMMA.16816.F32.BF16"),
-                              ("fp8", "QGMMA.64x16x32.F32.E4M3.E4M3"),  # swapped: wgmma on the codes as stored
-                              ("fp8 unswapped", "HMMA.16816.F32"),
+    for what, tensor_core in [("int4", "HMMA.16816.F32.BF16"), ("fp8", "HMMA.16816.F32"),
+                              ("fp8 swapped", "QGMMA.64x16x32.F32.E4M3.E4M3"),  # wgmma on the codes as stored
                               ("attention", "HMMA.16816.F32.BF16"),
                               ("attention codes", "HMMA.16816.F32")]:
         ops = found[what]["ops"]

@@ -12,10 +12,11 @@ Two scale layouts:
   (stride 0 for per tensor), applied once in the epilogue, since they are constant along K;
 - block scales (1x128 activations, 128x128 weights): a_scale [M, K/128], b_scale [N/128, K/128], folded into
   the fp32 accumulator at every 128-wide K step, since they change along K.
-M/N/K tails are masked. Tile shapes come from `gemm_configs.py`, tuned per M bucket on the H200. At decode (M <= 16)
-row scales compute (B @ A.T).T (SWAP_AB): the weight's rows become the MMA's M, so a tile of 16 tokens runs wgmma on
-the fp8 codes as stored (108 instructions a K step at 40 registers on sm_90, against 154 at 70 for the fp16 MMA
-after a conversion, `python -m bench.sass fp8 [--unswapped]`). Small M splits K across programs (`splitk.py`); the
+M/N/K tails are masked. Tile shapes come from `gemm_configs.py`, tuned per M bucket on the H200. A config with
+SWAP_AB (row scales) computes (B @ A.T).T: the weight's rows become the MMA's M, so a decode tile of 16 tokens runs
+wgmma on the fp8 codes as stored (108 instructions a K step at 40 registers on sm_90, against 154 at 70 for the fp16
+MMA after a conversion, `python -m bench.sass fp8 [--swap]`). No default takes it: it was faster, and less exact
+(docs/decisions/0023-decode-gemm-operands-as-given.md). Small M splits K across programs (`splitk.py`); the
 row scales are linear, so each K slice applies them to its partial, and the slice that finishes last for a tile sums
 them.
 Past M = 128 on sm_90+, operands that tensor descriptors can read go to the persistent TMA kernel
