@@ -36,7 +36,8 @@ SHORT_PLAN, SHORT_KEYS = (2, 2, 4, 64), 4096
 # e4m3 codes, a block half the bytes of bf16's, by (batch, KV head) pairs. Under 128, blocks of 128 keys, two a
 # split; from 128 (B16 at 8 KV heads), four programs an SM in three stages. H200 (bench.attention --sweep --codes):
 # B1 16k 16.2 us, 4k 8.2, against 22.8 and 11.0 at (2, 4, 4, 64); B16 16k 226.3, 4k 63.8, against 251.9 and 69.7 at
-# (2, 4, 2, 64). From 512 pairs (B64), 2 warps over 64 keys, the plan measured there: 192 us at 4k against 318 at 4.
+# (2, 4, 2, 64). From 512 pairs (B64), 2 warps over 64 keys, as before: 200.5 us at 4k, 199.1 at the B16 plan
+# (docs/decisions/0024-decode-attention-plans-over-codes.md).
 CODES_PLANS = ((512, (2, 4, 2, 64)), (128, (4, 4, 4, 128, 3)), (0, (2, 2, 4, 128)))  # (from pairs, plan)
 LOG2_E = tl.constexpr(1.4426950408889634)
 FLOAT_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
