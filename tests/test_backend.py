@@ -40,6 +40,7 @@ def test_fp32_and_fp16_models_keep_their_dtype(dtype):
     assert out.dtype == dtype and rel_err(out, model(x)) < 0.03
 
 
+@pytest.mark.cpu_only
 def test_inductor_lowering():
     model = tiny_block()
     torch._dynamo.reset()

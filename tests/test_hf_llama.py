@@ -62,6 +62,7 @@ def test_one_compile_serves_every_batch_and_length(llama):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.cpu_only
 def test_inductor_lowers_the_fused_graph(llama):
     model, ids = llama
     torch._dynamo.reset()

@@ -68,6 +68,7 @@ def test_quantized_model_compiles_without_quantizing_again(recipe, capsys):
     assert "weights quantized before compile (quantize_)" in capsys.readouterr().out
 
 
+@pytest.mark.cpu_only
 def test_quantized_model_compiles_under_inductor_and_exports():
     model = fxquant.quantize_(decoder("llama"), {"recipe": "int8_wo"})
     with torch.no_grad():
@@ -130,6 +131,7 @@ def test_every_graph_of_a_model_shares_one_quantized_copy():
     assert len(quantized) == 2 * 2 * 4  # each graph reads its 4 GEMMs' codes in each layer
 
 
+@pytest.mark.cpu_only
 def test_a_recompile_under_inductor_after_merging_into_the_models_parameters():
     """Merged q/k/v leave the model's parameters as views at storage offsets; a dynamic-shape recompile used to
     fakify them as graph inputs and fail. Inductor rounds the rest of the model its own way, so the outputs are

@@ -90,6 +90,7 @@ def test_generate_compiles_no_more_graphs_than_dynamo_alone():
     assert graphs["fxquant"] <= graphs["eager"], graphs
 
 
+@pytest.mark.cpu_only
 def test_generate_with_a_compile_config_naming_fxquant_decodes_as_quantize_does():
     """generate(cache_implementation="static", compile_config=...) as users call it: one graph for every decode
     step, and the tokens of the same recipe applied in place by quantize_ and run eagerly."""
