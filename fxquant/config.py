@@ -72,6 +72,9 @@ class QuantConfig:
     report: bool = False
     default_skip: tuple[str, ...] = field(default=DEFAULT_SKIP)
     disable_passes: tuple[str, ...] = ()  # fusing or packing passes to leave out (fxquant.compile.pipeline.OPTIONAL)
+    # Inductor's own options for the inner compile, as torch.compile(options=...) takes them without fxquant
+    # ({"combo_kernels": True}); they come after the ones `mode` sets
+    inductor: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self):
         _check_types(self)
@@ -148,6 +151,16 @@ def _check_types(config: QuantConfig) -> None:
             isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(e, str) for e in entry)
             for entry in config.layer_recipes):
         refuse("layer_recipes", "a dict {regex: recipe}")
+    if not isinstance(config.inductor, tuple) or not all(
+            isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str) for entry in config.inductor):
+        refuse("inductor", "a dict {Inductor option: value}")
+    if config.inductor:
+        from torch._inductor import list_options
+
+        unknown = sorted(set(name for name, _ in config.inductor) - set(list_options()))
+        if unknown:
+            raise ValueError(f"fxquant: option 'inductor' names {unknown}, which Inductor does not have; its "
+                             f"options are torch._inductor.config's (torch._inductor.list_options())")
     if not isinstance(config.report, bool):
         refuse("report", "True or False")
     if isinstance(config.min_sqnr_db, bool) or not isinstance(config.min_sqnr_db, int | float):
@@ -175,6 +188,8 @@ def from_options(options: dict | QuantConfig | str | None) -> QuantConfig:
             options[key] = (value,)
         elif isinstance(value, list | tuple | set | frozenset):  # other types are refused by name in QuantConfig
             options[key] = tuple(value)
+    if isinstance(options.get("inductor"), dict):
+        options["inductor"] = tuple(options["inductor"].items())
     if isinstance(options.get("layer_recipes"), dict):
         options["layer_recipes"] = tuple(options["layer_recipes"].items())
     elif isinstance(options.get("layer_recipes"), list):  # [(regex, recipe), ...]; anything else is refused

@@ -96,6 +96,7 @@ def test_weight_changed_after_compile_is_requantized_with_one_warning(inner):
     ({"inner": "tvm"}, "unknown inner 'tvm'"),
     ({"mode": "fast"}, "unknown mode 'fast'"),
     ({"skip": ["("]}, "is not a regex"),
+    ({"inductor": {"combo_kernel": True}}, r"option 'inductor' names \['combo_kernel'\], which Inductor does not have"),
 ])
 def test_malformed_options_are_clear_errors(options, match):
     with pytest.raises(Exception, match=match):
@@ -109,12 +110,39 @@ def test_malformed_options_are_clear_errors(options, match):
     ({"report": "yes"}, r"option 'report' must be True or False, got 'yes' \(str\)"),
     ({"recipe": 8}, r"option 'recipe' must be a string, got 8 \(int\)"),
     ({"min_sqnr_db": "30"}, r"option 'min_sqnr_db' must be a number of dB"),
+    ({"inductor": ["combo_kernels"]}, r"option 'inductor' must be a dict \{Inductor option: value\}"),
     (["fp8_row"], r"options must be a dict such as \{'recipe': 'fp8_row'\}.*got \['fp8_row'\] \(list\)"),
 ])
 def test_options_of_the_wrong_type_are_named_with_the_type_they_take(options, match):
     """A wrong type surfaced as "'int' object is not iterable" or a dict-update error naming no option."""
     with pytest.raises(TypeError, match=match):
         fxquant.from_options(options)
+
+
+def test_inductor_options_reach_the_inner_compile_after_the_modes(monkeypatch):
+    """options={"inductor": {...}}: Inductor's own options, as torch.compile(options=...) would pass them without
+    fxquant, reach compile_fx beside (and after) the ones the mode sets."""
+    import torch._inductor.compile_fx as inductor
+    from torch._inductor import config as inductor_config
+
+    seen, compile_fx = [], inductor.compile_fx
+
+    def recording(gm, inputs, config_patches=None, **kwargs):  # compile_fx calls itself again inside the patch
+        seen.append((dict(config_patches or {}), inductor_config.combo_kernels, inductor_config.triton.cudagraphs))
+        return compile_fx(gm, inputs, config_patches=config_patches, **kwargs)
+
+    monkeypatch.setattr(inductor, "compile_fx", recording)  # the function, not a config module
+    model = tiny_block()
+    options = {"recipe": "fp8_row", "mode": "reduce-overhead",
+               "inductor": {"triton.cudagraphs": False, "combo_kernels": True}}
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend="fxquant", options=options)(X)
+    torch._dynamo.reset()
+    assert seen[0][0] == {"triton.cudagraphs": False, "combo_kernels": True}  # the mode's, then the option's
+    assert seen[-1][1:] == (True, False)  # in force where Inductor compiles
+    assert rel_err(out, model(X)) < 0.03
+    assert fxquant.from_options(options).inductor == (("triton.cudagraphs", False), ("combo_kernels", True))
 
 
 def test_a_recipe_name_alone_is_the_options_and_include_none_or_empty_is_said():

@@ -150,6 +150,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs, *, config, mode, frozen) 
         patches = {"triton.cudagraphs": True} if mode == "reduce-overhead" else {}
         if mode in ("max-autotune", "max-autotune-no-cudagraphs"):
             patches.update({"max_autotune": True})
+        patches.update(config.inductor)
         compiled = compile_fx(lowered, inputs, config_patches=patches)
     return Variant(compiled, result, kept, [example_inputs[i] for i in frozen])
 
