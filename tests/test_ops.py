@@ -175,3 +175,73 @@ def test_dequantize_kv_op(per_token):
     opcheck(torch.ops.fxquant.dequantize_kv, (q.data, scale, torch.bfloat16))
     got = torch.ops.fxquant.dequantize_kv(q.data, scale, torch.bfloat16)
     assert torch.equal(got, R.dequantize(q, torch.bfloat16))
+
+
+def _call_arguments(line: str) -> list[str]:
+    """The top-level arguments of the call that opens on `line` of Inductor's output code."""
+    inside = line[line.index("(") + 1:]
+    args, depth, start = [], 0, 0
+    for i, ch in enumerate(inside):
+        if ch in "([":
+            depth += 1
+        elif ch in ")]" and depth:
+            depth -= 1
+        elif ch == ")" or (ch == "," and depth == 0):
+            args.append(inside[start:i].strip())
+            start = i + 1
+            if ch == ")":
+                break
+    return args
+
+
+def test_inductor_computes_a_mask_every_layer_reads_once():
+    """Two layers' fxquant::decode_attention read the step's one mask: Inductor computes it once and hands both calls
+    the same buffer (the decode ops take their inputs' layouts as they are). Under exact strides it copied the mask
+    for each call, recomputing it there: on the GPU one kernel a layer."""
+    from torch._inductor.utils import run_and_get_code
+
+    keys, dim = 64, 64
+    q = randn(2, 1, 4, 1, dim, dtype=torch.bfloat16)  # two layers' queries
+    k, v = randn(1, 2, keys, dim, dtype=torch.bfloat16), randn(1, 2, keys, dim, dtype=torch.bfloat16)
+    position = torch.tensor(9, device=DEVICE)
+
+    def step(q, k, v, position):
+        mask = (torch.arange(keys, device=q.device) <= position)[None, None, None, :].expand(1, 1, 1, keys)
+        return torch.stack([torch.ops.fxquant.decode_attention(q[i], k, v, mask, dim**-0.5, 0.0, None, None, None,
+                                                               None) for i in range(2)])
+
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        got, codes = run_and_get_code(torch.compile(step), q, k, v, position)
+    torch._dynamo.reset()
+    calls = [line for code in codes for line in code.splitlines() if "fxquant.decode_attention.default(" in line]
+    masks = {_call_arguments(line)[3] for line in calls}
+    assert len(calls) == 2 and len(masks) == 1, calls
+    assert torch.equal(got, step(q, k, v, position))
+
+
+def test_inductor_computes_cos_and_sin_every_layer_reads_once():
+    """The same for fxquant::rotary_cache_write: two layers' calls read one cos and one sin, computed once."""
+    from torch._inductor.utils import run_and_get_code
+
+    keys, dim = 16, 64
+    q, k, v = (randn(2, 1, h, 1, dim, dtype=torch.bfloat16) for h in (4, 2, 2))  # two layers' q, k, v
+    caches = [randn(1, 2, keys, dim, dtype=torch.bfloat16) for _ in range(4)]
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, dim, 2, device=DEVICE, dtype=torch.float32) / dim)
+    position = torch.tensor([5], device=DEVICE)
+
+    def step(q, k, v, position, caches):
+        angles = torch.cat([position[:, None] * inv_freq] * 2, dim=-1)[None]  # [1, 1, dim]
+        cos, sin = angles.cos(), angles.sin()
+        return torch.stack([torch.ops.fxquant.rotary_cache_write(q[i], k[i], v[i], cos, sin, position,
+                                                                 caches[2 * i], caches[2 * i + 1]) for i in range(2)])
+
+    eager_caches = [c.clone() for c in caches]
+    want = step(q, k, v, position, eager_caches)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        got, codes = run_and_get_code(torch.compile(step), q, k, v, position, caches)
+    torch._dynamo.reset()
+    calls = [line for code in codes for line in code.splitlines() if "fxquant.rotary_cache_write.default(" in line]
+    assert len(calls) == 2 and len({tuple(_call_arguments(line)[3:5]) for line in calls}) == 1, calls
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(caches, eager_caches, strict=True))

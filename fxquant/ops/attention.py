@@ -27,9 +27,14 @@ def _decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scal
     return RA.decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens)
 
 
+# The decode ops read their operands through their strides (attention asks a unit stride along the head dim, which
+# Inductor's layouts keep), so Inductor may hand them the inputs it computes (the mask, cos and sin, the positions)
+# in the layout they have. Under the default, exact strides, it copied such an input for each call that read it,
+# recomputing it there: transformers' mask once a layer, on the GPU a kernel of its own (1.0 us a layer at B1).
+DECODE_TAGS = (torch.Tag.flexible_layout,)
 decode_attention = define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap, "
                        "Tensor? sinks, Tensor? k_scale, Tensor? v_scale, Tensor? kv_lens) -> Tensor",
-                       _decode_attention)
+                       _decode_attention, DECODE_TAGS)
 
 
 @fake("decode_attention")
@@ -62,7 +67,7 @@ def _rotary_cache_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tenso
 
 rotary_cache_write = define("rotary_cache_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, "
                             "Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache) -> Tensor",
-                            _rotary_cache_write)
+                            _rotary_cache_write, DECODE_TAGS)
 
 
 @fake("rotary_cache_write")
@@ -85,7 +90,8 @@ def _rotary_cache_write_e4m3(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: 
 
 rotary_cache_write_e4m3 = define("rotary_cache_write_e4m3(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, "
                                  "Tensor positions, Tensor scale_positions, Tensor(a!) k_codes, Tensor(b!) v_codes, "
-                                 "Tensor(c!) k_scales, Tensor(d!) v_scales) -> Tensor", _rotary_cache_write_e4m3)
+                                 "Tensor(c!) k_scales, Tensor(d!) v_scales) -> Tensor", _rotary_cache_write_e4m3,
+                                 DECODE_TAGS)
 
 
 @fake("rotary_cache_write_e4m3")

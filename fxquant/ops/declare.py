@@ -9,12 +9,13 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 from fxquant.kernels.launch import inlined
 
 
-def define(schema: str, kernel) -> torch._ops.OpOverloadPacket:
+def define(schema: str, kernel, tags: tuple[torch.Tag, ...] = ()) -> torch._ops.OpOverloadPacket:
     """Define `fxquant::<schema>` with `kernel` as its implementation on every device; returns the op. While
     kernels are inlined (fxquant.io.export.package), functionalization traces into `kernel`, as into a
-    torch.library.triton_op's: its torch ops and its Triton launches; otherwise the op stays whole."""
+    torch.library.triton_op's: its torch ops and its Triton launches; otherwise the op stays whole. tags: the op's
+    (torch.Tag.flexible_layout: Inductor hands it its inputs in the layout they have)."""
     name, signature = schema.split("(", 1)
-    torch.library.define(f"fxquant::{name}", "(" + signature)
+    torch.library.define(f"fxquant::{name}", "(" + signature, tags=tags)
     torch.library.impl(f"fxquant::{name}", "default", kernel)
 
     def traced_into(mode, op, types, args, kwargs):
