@@ -16,9 +16,8 @@ M/N/K tails are masked. Tile shapes come from `gemm_configs.py`, tuned per M buc
 SWAP_AB (row scales) computes (B @ A.T).T: the weight's rows become the MMA's M, so a decode tile of 16 tokens runs
 wgmma on the fp8 codes as stored (108 instructions a K step at 40 registers on sm_90, against 154 at 70 for the fp16
 MMA after a conversion, `python -m bench.sass fp8 [--swap]`). No default takes it: it was faster, and less exact
-(docs/decisions/0023-decode-gemm-operands-as-given.md). Small M splits K across programs (`splitk.py`); the
-row scales are linear, so each K slice applies them to its partial, and the slice that finishes last for a tile sums
-them.
+(docs/decisions/0023-decode-gemm-operands-as-given.md). Small M splits K across programs (`splitk.py`); the row
+scales are linear, so each K slice applies them to its partial, and the slice that finishes last for a tile sums them.
 Past M = 128 on sm_90+, operands that tensor descriptors can read go to the persistent TMA kernel
 (`gemm_fp8_tma.py`), about 20% faster there than this one (docs/decisions/0003-persistent-tma-fp8-gemm.md).
 """
@@ -175,9 +174,8 @@ def _launch_plan(M: int, N: int, K: int, block_scales: bool, tma_ready: bool,
     promotes = cfg.get("COMPILER_PROMOTES", not block_scales)
     # the swapped loop takes row scales, and leaves the fp32 promotion to the compiler
     meta = dict(COMPILER_PROMOTES=promotes, SWAP_AB=cfg.get("SWAP_AB", False) and not block_scales and promotes,
-                BLOCK_M=cfg["BLOCK_M"],
-                BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"])
+                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return tiles, split, tma_ready and cfg.get("TMA", False) and split == 1, meta
 
 
