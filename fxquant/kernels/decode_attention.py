@@ -18,10 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from fxquant.kernels.cast import cast_float, float_cast_mode, interpreting
+from fxquant.kernels.cast import cast_float, cast_mode, float_cast_mode, interpreting
 from fxquant.kernels.dependent_launch import await_previous, launch_options, start_next, wait_for_previous
 from fxquant.kernels.launch import cdiv, next_power_of_2, sm_count, visible
+from fxquant.kernels.quant_fp8 import MAX_ROW_LEN, quant_rows, quantize_fp8_rows
 from fxquant.kernels.splitk import counters
+from fxquant.numerics.formats import AMAX_FLOOR, E4M3
 
 HEAD_DIMS = (64, 128, 256)  # a power of two for the tile's columns; these cover the models served
 MAX_ROWS = 64  # query heads per KV head x query positions in one tile
@@ -40,17 +42,22 @@ SHORT_PLAN, SHORT_KEYS = (2, 2, 4, 64), 4096
 # (docs/decisions/0024-decode-attention-plans-over-codes.md).
 CODES_PLANS = ((512, (2, 4, 2, 64)), (128, (4, 4, 4, 128, 3)), (0, (2, 2, 4, 128)))  # (from pairs, plan)
 LOG2_E = tl.constexpr(1.4426950408889634)
+PER_TOKEN, GROUPED = tl.constexpr(1), tl.constexpr(2)  # QUANT: a scale per token row, or per group of a head's row
+E4M3_MAX = E4M3.max
 FLOAT_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
-def _merge_pair(o_part_ptr, lse_part_ptr, sinks_ptr, out_ptr, bh, Q, GROUPS, sob, soh, soq,
+def _merge_pair(o_part_ptr, lse_part_ptr, sinks_ptr, out_ptr, codes_ptr, qscale_ptr, bh, Q, GROUPS, sob, soh, soq,
                 HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
-                ROWS: tl.constexpr, HAS_SINKS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr):
+                ROWS: tl.constexpr, HAS_SINKS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
+                QUANT: tl.constexpr, QGROUP: tl.constexpr, FMAX: tl.constexpr, FP8: tl.constexpr,
+                AMAX_FLOOR: tl.constexpr):
     """The query rows of pair `bh`: each split's partial output weighted by its share of the softmax's denominator
     (and a sink's), summed in split order in fp32 (an order no tile layout changes, so both callers give the same
     bits), cast once into out. Unrolled over the splits, so every split's loads are in flight at once; read through
-    L2 (.cg), since other SMs wrote the partials."""
+    L2 (.cg), since other SMs wrote the partials. QUANT == GROUPED: each head's row is quantized in groups of QGROUP
+    instead, from the values out would hold (`_quantize_rows`' layout)."""
     b, h = bh // HKV, bh % HKV
     rows = tl.arange(0, ROWS)
     row_ok = rows < GROUPS * Q
@@ -76,18 +83,43 @@ def _merge_pair(o_part_ptr, lse_part_ptr, sinks_ptr, out_ptr, bh, Q, GROUPS, sob
         acc += weight[:, None] * partial
     if HAS_SINKS:
         total += tl.exp(sink - top)
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]  # every key masked: 0, never NaN
-    tl.store(out_ptr + b * sob + head[:, None] * soh + pos[:, None] * soq + cols[None, :], cast_float(out, OUT, CAST),
-             mask=row_ok[:, None])
+    out = cast_float(acc / tl.where(total > 0, total, 1.0)[:, None], OUT, CAST)  # every key masked: 0, never NaN
+    if QUANT == GROUPED:  # the rounded output quantized as quantize_fp8 would read it from memory
+        codes, scale = quant_rows(tl.reshape(out.to(tl.float32), (ROWS * D // QGROUP, QGROUP)), FMAX, FP8, CAST,
+                                  AMAX_FLOOR)
+        row = (b * Q + pos) * HKV * GROUPS + head  # the output's [B, Q, Hq] rows of D
+        tl.store(codes_ptr + row[:, None].to(tl.int64) * D + cols[None, :], tl.reshape(codes, (ROWS, D)),
+                 mask=row_ok[:, None])
+        chunk = tl.arange(0, D // QGROUP)
+        tl.store(qscale_ptr + row[:, None] * (D // QGROUP) + chunk[None, :], tl.reshape(scale, (ROWS, D // QGROUP)),
+                 mask=row_ok[:, None])
+    else:
+        tl.store(out_ptr + b * sob + head[:, None] * soh + pos[:, None] * soq + cols[None, :], out,
+                 mask=row_ok[:, None])
+
+
+@triton.jit
+def _quantize_rows(out_ptr, codes_ptr, qscale_ptr, b, Q, WIDTH, FMAX: tl.constexpr, FP8: tl.constexpr,
+                   CAST: tl.constexpr, AMAX_FLOOR: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Batch row b's Q token rows of the [B, Q, WIDTH] output, each quantized with one scale, as quantize_fp8 reads
+    them. Read through L2 (.cg): the pairs merged on other SMs wrote them."""
+    cols = tl.arange(0, BLOCK_W)
+    col_ok = cols < WIDTH
+    for pos in range(Q):
+        row = (b * Q + pos).to(tl.int64)
+        x = tl.load(out_ptr + row * WIDTH + cols, mask=col_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        codes, scale = quant_rows(x[None, :], FMAX, FP8, CAST, AMAX_FLOOR)
+        tl.store(codes_ptr + row * WIDTH + cols[None, :], codes, mask=col_ok[None, :])
+        tl.store(qscale_ptr + row + tl.arange(0, 1), scale)
 
 
 @triton.jit
 def _decode_attention_split_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, mask_ptr, lens_ptr, o_part_ptr, lse_part_ptr,
-    sinks_ptr, out_ptr, counter_ptr,
+    sinks_ptr, out_ptr, counter_ptr, codes_ptr, qscale_ptr,
     # sizes
-    S, Q, GROUPS, SPLIT_LEN, scale, softcap,
+    S, Q, GROUPS, SPLIT_LEN, scale, softcap, B,
     # strides: q [B, Hq, Q, D], k and v [B, Hkv, S, D], scales [B, Hkv, S], mask [B, Hq, Q, S] (0 where broadcast),
     # out [B, Hq, Q, D]
     sqb, sqh, sqq, skb, skh, sks, svb, svh, svs, ssb, ssh, sss, smb, smh, smq, sms, sob, soh, soq,
@@ -97,7 +129,8 @@ def _decode_attention_split_kernel(
     HAS_LENS: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     LAST_SPLIT_MERGES: tl.constexpr, ROWS: tl.constexpr, HAS_SINKS: tl.constexpr, OUT: tl.constexpr,
-    CAST: tl.constexpr, PDL: tl.constexpr,
+    CAST: tl.constexpr, QUANT: tl.constexpr, QGROUP: tl.constexpr, FMAX: tl.constexpr, FP8: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr,
 ):
     await_previous(PDL)
     bh, split = tl.program_id(0), tl.program_id(1)
@@ -173,9 +206,17 @@ def _decode_attention_split_kernel(
         tl.debug_barrier()  # every thread's partial is stored before the count releases it
         done = tl.atomic_add(counter_ptr + bh, 1, sem="acq_rel", scope="gpu")
         if done == SPLITS - 1:
-            _merge_pair(o_part_ptr, lse_part_ptr, sinks_ptr, out_ptr, bh, Q, GROUPS, sob, soh, soq,
-                        HKV, D, BLOCK_M, SPLITS, ROWS, HAS_SINKS, OUT, CAST)
+            _merge_pair(o_part_ptr, lse_part_ptr, sinks_ptr, out_ptr, codes_ptr, qscale_ptr, bh, Q, GROUPS, sob, soh,
+                        soq, HKV, D, BLOCK_M, SPLITS, ROWS, HAS_SINKS, OUT, CAST, QUANT, QGROUP, FMAX, FP8,
+                        AMAX_FLOOR)
             tl.store(counter_ptr + bh, 0)  # the next kernel to count waits for this one to end
+            if QUANT == PER_TOKEN:  # the batch row's last pair to merge quantizes its rows (counter B * HKV + b)
+                tl.debug_barrier()  # every thread's output is stored before the count releases it
+                merged = tl.atomic_add(counter_ptr + B * HKV + b, 1, sem="acq_rel", scope="gpu")
+                if merged == HKV - 1:
+                    _quantize_rows(out_ptr, codes_ptr, qscale_ptr, b, Q, HKV * GROUPS * D, FMAX, FP8, CAST,
+                                   AMAX_FLOOR, BLOCK_W)
+                    tl.store(counter_ptr + B * HKV + b, 0)
 
 
 @triton.jit
@@ -189,8 +230,8 @@ def _decode_attention_merge_kernel(
     HAS_SINKS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
-    _merge_pair(o_part_ptr, lse_part_ptr, sinks_ptr, out_ptr, tl.program_id(0), Q, GROUPS, sob, soh, soq,
-                HKV, D, BLOCK_M, SPLITS, ROWS, HAS_SINKS, OUT, CAST)
+    _merge_pair(o_part_ptr, lse_part_ptr, sinks_ptr, out_ptr, out_ptr, out_ptr, tl.program_id(0), Q, GROUPS, sob, soh,
+                soq, HKV, D, BLOCK_M, SPLITS, ROWS, HAS_SINKS, OUT, CAST, 0, 1, 0.0, tl.float8e4nv, 0.0)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> str | None:
@@ -221,10 +262,38 @@ def num_splits(batch_heads: int, keys: int, device: torch.device, programs_per_s
     return max(1, min(want, cdiv(blocks, blocks_per_split), MAX_SPLITS))
 
 
-def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens, *, plan=None) -> torch.Tensor:
+def fuses_quantization(q: torch.Tensor, group_size: int) -> bool:
+    """Whether the kernel quantizes its own output in groups of `group_size` (0: a scale per token's row of all
+    heads), where the pairs have counters: a group within a head's row, or a token's row that fits a program's
+    registers (quant_fp8.MAX_ROW_LEN)."""
+    width = q.shape[1] * q.shape[3]
+    return (group_size == 0 and width <= MAX_ROW_LEN) or (group_size > 0 and q.shape[3] % group_size == 0)
+
+
+def decode_attention_quantized(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens, group_size: int):
+    """decode_attention's output o as the o-projection reads it, o.transpose(1, 2).reshape(B, Q, Hq * D), quantized
+    as quantize_fp8(.., group_size) quantizes it: (e4m3 codes [B, Q, Hq * D], fp32 scales [B, Q, groups]), with the
+    same bits. Where the pairs have counters and `fuses_quantization`, the kernel quantizes as it merges: a
+    group within a head's row at once, a token's row by the batch row's last pair to merge. Elsewhere the output is
+    stored, then quantized by quant_fp8's kernel."""
+    batch, heads_q, queries, dim = q.shape
+    width = heads_q * dim
+    if not fuses_quantization(q, group_size) or counters(q.device, batch * k.shape[1] + batch) is None:
+        out = decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens)
+        return quantize_fp8_rows(out.transpose(1, 2).reshape(batch, queries, width), group_size or width)
+    codes = torch.empty((batch, queries, width), device=q.device, dtype=torch.float8_e4m3fn)
+    scales = torch.empty((batch, queries, width // group_size if group_size else 1), device=q.device,
+                         dtype=torch.float32)
+    decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens, quantized=(codes, scales))
+    return codes, scales
+
+
+def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens, *, plan=None,
+                     quantized=None) -> torch.Tensor | None:
     """q [B, Hq, Q, D] over the cache k, v [B, Hkv, S, D]: reference_attention.decode_attention's result. plan:
     (programs per SM, key blocks per split, warps, keys per block[, pipeline stages]) in place of the defaults, for
-    bench.attention's sweep."""
+    bench.attention's sweep. quantized: (codes, scales) that `decode_attention_quantized` made, which the kernel
+    fills instead of returning the output."""
     batch, heads_q, queries, dim = q.shape
     heads_kv, keys = k.shape[1], k.shape[2]
     groups = heads_q // heads_kv
@@ -254,11 +323,22 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
     # the merge kernel takes the split's warps: one tile layout for both callers of _merge_pair
     merge = dict(ROWS=next_power_of_2(groups * queries), HAS_SINKS=sinks is not None, OUT=FLOAT_TL[q.dtype],
                  CAST=cast, num_warps=warps, **launch_options(q.device))
+    quantize = dict(QUANT=0, QGROUP=1, FMAX=0.0, FP8=tl.float8e4nv, AMAX_FLOOR=0.0, BLOCK_W=1)
+    codes_out = scales_out = q
+    if quantized is not None:
+        codes_out, scales_out = quantized
+        group = heads_q * dim // scales_out.shape[-1]
+        count = counters(q.device, batch * heads_kv + batch)  # the pairs', then each batch row's
+        quantize = dict(QUANT=PER_TOKEN if scales_out.shape[-1] == 1 else GROUPED, QGROUP=group, FMAX=E4M3_MAX,
+                        FP8=tl.float8e4nv, AMAX_FLOOR=AMAX_FLOOR, BLOCK_W=next_power_of_2(heads_q * dim))
+        merge["CAST"] = cast_mode(_decode_attention_split_kernel, q.device)  # casts to e4m3 too
+        if quantize["QUANT"] == PER_TOKEN:  # the rounded output, stored [B, Q, Hq, D] for the last pair to quantize
+            out = torch.empty((batch, queries, heads_q, dim), device=q.device, dtype=q.dtype).transpose(1, 2)
     visible(_decode_attention_split_kernel)[(batch * heads_kv, splits)](
         q, k, v, k_scale if codes else q, v_scale if codes else q, mask if mask is not None else q,
         kv_lens if kv_lens is not None else q, o_part, lse_part,
-        sinks if sinks is not None else q, out, count if count is not None else lse_part,
-        keys, queries, groups, split_len, scale, softcap,
+        sinks if sinks is not None else q, out, count if count is not None else lse_part, codes_out, scales_out,
+        keys, queries, groups, split_len, scale, softcap, batch,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         *(scales.stride() if per_token else (0, 0, 0)),
@@ -269,8 +349,10 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
         MASK_PER_KEY=per_key,
         HAS_LENS=kv_lens is not None, SOFTCAP=softcap > 0, DOT=dot,
         PRECISION="ieee" if dot == tl.float32 else "tf32", LAST_SPLIT_MERGES=count is not None,
-        num_stages=stages[0] if stages else 2, **merge,
+        num_stages=stages[0] if stages else 2, **merge, **quantize,
     )
+    if quantized is not None:
+        return None
     if count is None:
         visible(_decode_attention_merge_kernel)[(batch * heads_kv,)](
             o_part, lse_part, sinks if sinks is not None else q, out, queries, groups,

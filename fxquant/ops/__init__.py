@@ -12,7 +12,13 @@ refuses, with the fix, a graph whose inputs require grad; called directly, an op
 through the reference, and torch warns.
 """
 
-from fxquant.ops.attention import decode_attention, dequantize_kv, rotary_cache_write, rotary_cache_write_e4m3
+from fxquant.ops.attention import (
+                                    decode_attention,
+                                    decode_attention_quantize_fp8,
+                                    dequantize_kv,
+                                    rotary_cache_write,
+                                    rotary_cache_write_e4m3,
+)
 from fxquant.ops.experts import (
                                  grouped_linear_mxfp8,
                                  grouped_linear_weight_only,
@@ -31,8 +37,7 @@ from fxquant.ops.linear import (
 from fxquant.ops.norm import add_norm_quant_fp8, norm_quant_fp8
 from fxquant.ops.reference_gemm import CHUNK_ROWS
 
-__all__ = ["CHUNK_ROWS", "add_norm_quant_fp8", "decode_attention", "dequantize_kv", "grouped_linear_mxfp8",
-           "grouped_linear_weight_only", "grouped_scaled_mm_fp8", "linear_fp8", "linear_int4_lanes", "linear_mxfp8",
-           "linear_weight_only", "norm_quant_fp8", "quantize_fp8", "rotary_cache_write", "rotary_cache_write_e4m3",
-           "scaled_mm_fp8",
-           "sort_by_expert", "uniform_offsets"]
+__all__ = ["CHUNK_ROWS", "add_norm_quant_fp8", "decode_attention", "decode_attention_quantize_fp8", "dequantize_kv",
+           "grouped_linear_mxfp8", "grouped_linear_weight_only", "grouped_scaled_mm_fp8", "linear_fp8",
+           "linear_int4_lanes", "linear_mxfp8", "linear_weight_only", "norm_quant_fp8", "quantize_fp8",
+           "rotary_cache_write", "rotary_cache_write_e4m3", "scaled_mm_fp8", "sort_by_expert", "uniform_offsets"]

@@ -1,5 +1,5 @@
-"""The attention ops: decode attention over the KV cache as stored, an e4m3 cache dequantized, and a decode
-step's rotary embedding with its cache write."""
+"""The attention ops: decode attention over the KV cache as stored (alone, or with its output quantized for the
+o-projection), an e4m3 cache dequantized, and a decode step's rotary embedding with its cache write."""
 
 from __future__ import annotations
 
@@ -7,13 +7,16 @@ import torch
 from torch import Tensor
 
 from fxquant.kernels.decode_attention import decode_attention as decode_attention_kernel
+from fxquant.kernels.decode_attention import decode_attention_quantized
 from fxquant.kernels.decode_attention import supports as decode_attention_supports
+from fxquant.kernels.quant_fp8 import row_refusal
 from fxquant.kernels.rotary_cache import rotary_cache_write as rotary_cache_kernel
 from fxquant.kernels.rotary_cache import supports as rotary_cache_supports
 from fxquant.kernels.rotary_cache import supports_codes as rotary_codes_supports
 from fxquant.numerics import reference_attention as RA
 from fxquant.numerics import reference_rotary as RR
 from fxquant.ops.declare import define, fake
+from fxquant.ops.linear import quantize_fp8
 
 
 def _decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, softcap: float,
@@ -40,6 +43,33 @@ decode_attention = define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor
 @fake("decode_attention")
 def _(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens):
     return torch.empty_like(q)
+
+
+def _decode_attention_quantize_fp8(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+                                   softcap: float, sinks: Tensor | None, k_scale: Tensor | None,
+                                   v_scale: Tensor | None, kv_lens: Tensor | None,
+                                   group_size: int) -> tuple[Tensor, Tensor]:
+    """quantize_fp8(o.transpose(1, 2).reshape(B, Q, Hq * D), group_size) of decode_attention's output o [B, Hq, Q,
+    D]: the o-projection's input as its quantizer makes it, bit for bit. CUDA: the kernel quantizes as it merges
+    (`decode_attention_quantized`), where it serves the operands; else the reference, then the quantizer."""
+    batch, heads_q, queries, dim = q.shape
+    if q.is_cuda and decode_attention_supports(q, k, v, mask) is None and row_refusal(group_size or heads_q * dim) \
+            is None:
+        return decode_attention_quantized(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens, group_size)
+    out = _decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens)
+    return quantize_fp8(out.transpose(1, 2).reshape(batch, queries, heads_q * dim), group_size)
+
+
+decode_attention_quantize_fp8 = define(
+    "decode_attention_quantize_fp8(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap, "
+    "Tensor? sinks, Tensor? k_scale, Tensor? v_scale, Tensor? kv_lens, int group_size) -> (Tensor, Tensor)",
+    _decode_attention_quantize_fp8, DECODE_TAGS)
+
+
+@fake("decode_attention_quantize_fp8")
+def _(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens, group_size):
+    batch, heads_q, queries, dim = q.shape
+    return torch.ops.fxquant.quantize_fp8.default(q.new_empty((batch, queries, heads_q * dim)), group_size)
 
 
 def _dequantize_kv(codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:

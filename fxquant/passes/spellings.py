@@ -29,6 +29,7 @@ PERMUTE = {torch.permute, torch.Tensor.permute, aten.permute.default}
 UNSQUEEZE = {torch.unsqueeze, torch.Tensor.unsqueeze, aten.unsqueeze.default}
 EXPAND = {torch.Tensor.expand, aten.expand.default}
 RESHAPE = {torch.reshape, torch.Tensor.reshape, torch.Tensor.view, aten.reshape.default, aten.view.default}
+CONTIGUOUS = {torch.Tensor.contiguous, aten.clone.default}  # export spells x.contiguous() as a clone
 SDPA = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention,
         aten.scaled_dot_product_attention.default}
 GATHER_ROWS = {operator.getitem, aten.index.Tensor}

@@ -194,6 +194,23 @@ def test_the_op_runs_the_kernel_or_the_reference_and_passes_opcheck():
     assert rel_err(got, RA.decode_attention(q, k, v, mask, 0.125)) < BOUND[torch.bfloat16]
 
 
+@pytest.mark.parametrize("group", [0, 64, 16], ids=["per_token", "group64", "group16"])
+def test_the_quantized_op_is_attention_then_the_quantizer_and_passes_opcheck(group):
+    """fxquant.decode_attention_quantize_fp8 gives quantize_fp8's bits of decode_attention's output laid out for the
+    o-projection: on the GPU through the kernel's quantizing merge, on the CPU through the references."""
+    import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
+
+    q, k, v = operands(2, 4, 2, 1, 40, 64, torch.bfloat16, seed=5)
+    mask = torch.zeros(2, 1, 1, 40, dtype=torch.bfloat16, device=DEVICE)
+    args = (q, k, v, mask, 0.125, 0.0, None, None, None, None)
+    torch.library.opcheck(torch.ops.fxquant.decode_attention_quantize_fp8.default, (*args, group),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    codes, scales = torch.ops.fxquant.decode_attention_quantize_fp8(*args, group)
+    out = torch.ops.fxquant.decode_attention(*args)
+    want_codes, want_scales = torch.ops.fxquant.quantize_fp8(out.transpose(1, 2).reshape(2, 1, 256), group)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(scales, want_scales)
+
+
 MERGED_CASES = {  # (batch, query heads, KV heads, queries, keys, extra arguments' maker)
     "many splits": (1, 4, 2, 1, 4095, lambda q, k, v: {}),
     "sinks and lengths": (2, 8, 2, 1, 150, lambda q, k, v: dict(
@@ -227,3 +244,45 @@ def test_the_last_split_merges_the_merge_kernel_s_bits_and_leaves_the_counters_z
     assert torch.equal(got, want) and torch.equal(again, want)
     assert not splitk.counters(q.device, 1).any()  # the buffer the kernel counted on (cuda:0, not "cuda")
     assert rel_err(got, RA.decode_attention(**args)) < BOUND[torch.bfloat16]
+
+
+QUANTIZED_CASES = {  # (batch, query heads, KV heads, queries, keys, extra arguments' maker)
+    "two KV heads": (2, 4, 2, 1, 300, lambda q, k, v: {}),
+    "three positions, rows of 384": (2, 6, 2, 3, 150, lambda q, k, v: {}),  # a token row not a power of two
+    "e4m3 codes with lengths": (2, 4, 2, 1, 200, lambda q, k, v: dict(
+        zip(("k", "k_scale", "v", "v_scale"), (*fp8_cache(k), *fp8_cache(v)), strict=True),
+        kv_lens=torch.tensor([200, 77], device=DEVICE))),
+}
+
+
+@pytest.mark.parametrize("group", [0, 32, 64], ids=["per_token", "group32", "group64"])
+@pytest.mark.parametrize("name", QUANTIZED_CASES)
+def test_the_kernel_quantizes_its_output_with_the_quantizer_s_bits(name, group, monkeypatch):
+    """Quantized as it merges, the output's codes and scales are quantize_fp8's of the stored output, laid out as
+    the o-projection reads it, bit for bit: per token by each batch row's last pair to merge, in groups within a
+    head's row at once. One kernel runs, twice in a row (every counter zero again after each call); without
+    counters the output is stored and quantized by the quantizer's kernel, to the same bits."""
+    from fxquant.kernels import decode_attention as DA
+    from fxquant.kernels import splitk
+    from fxquant.kernels.quant_fp8 import quantize_fp8_rows
+
+    batch, heads_q, heads_kv, queries, keys, extra = QUANTIZED_CASES[name]
+    q, k, v = operands(batch, heads_q, heads_kv, queries, keys, 64, torch.bfloat16, seed=len(name) + group)
+    args = dict(q=q, k=k, v=v, mask=None, scale=0.125, softcap=0.0, sinks=None, k_scale=None, v_scale=None,
+                kv_lens=None) | extra(q, k, v)
+    width = heads_q * 64
+    out = decode_attention(**args)
+    want_codes, want_scales = quantize_fp8_rows(out.transpose(1, 2).reshape(batch, queries, width), group or width)
+    assert torch.isfinite(want_scales).all() and out.abs().max() > 0
+    launched = []
+    launch = DA.visible
+    monkeypatch.setattr(DA, "visible", lambda kernel: launched.append(kernel.__name__) or launch(kernel))
+    results = [DA.decode_attention_quantized(*args.values(), group) for _ in range(2)]
+    with splitk.reduce_in_gemm(False):  # no counters: stored, then the quantizer's kernel
+        results.append(DA.decode_attention_quantized(*args.values(), group))
+    assert launched == ["_decode_attention_split_kernel"] * 3 + ["_decode_attention_merge_kernel"]
+    for codes, scales in results:
+        assert codes.shape == (batch, queries, width) and scales.shape == want_scales.shape
+        assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+        assert torch.equal(scales, want_scales)
+    assert not splitk.counters(q.device, 1).any()  # the pairs' counters and the batch rows'
