@@ -33,7 +33,8 @@ def decode(model, recipe, **options):
     forward, graphs = compiled_results(model, options={"recipe": recipe, "inner": "eager", **options},
                                        keep=lambda result: result.gm)
     generator = torch.Generator().manual_seed(3)
-    prompt, steps = torch.randint(0, 512, (2, 5), generator=generator), torch.randint(0, 512, (2, 3), generator=generator)
+    prompt = torch.randint(0, 512, (2, 5), generator=generator)
+    steps = torch.randint(0, 512, (2, 3), generator=generator)
     return static_decode(model, forward, prompt, steps), graphs[-1]
 
 
