@@ -7,7 +7,8 @@ an SM holds) come from the same cubin.
 Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N]
      python -m bench.sass fp8 [--stages N] [--swap]   (row scales, M <= 16, 14336x4096: the decode tiles of
                                                      gemm_configs; --swap: the operands swapped, SWAP_AB)
-     python -m bench.sass attention [--codes] [--warps N] [--stages N]   (Llama-3-8B's heads at B16, 1k keys)
+     python -m bench.sass attention [--codes] [--warps N] [--stages N] [--quantize]   (Llama-3-8B's heads at
+                                                     B16, 1k keys; --quantize: the output quantized per token)
 """
 
 from __future__ import annotations
@@ -74,20 +75,24 @@ def fp8_kernel_sass(stages: int | None = None, swap: bool = False) -> tuple[str,
                          stages or cfg["num_stages"])
 
 
-def attention_kernel_sass(codes: bool, warps: int | None = None, stages: int | None = None) -> tuple[str, int]:
+def attention_kernel_sass(codes: bool, warps: int | None = None, stages: int | None = None,
+                          quantize: bool = False) -> tuple[str, int]:
     """SASS and registers per thread of the split-KV attention kernel as it runs for Llama-3-8B's heads at B16 over
     1024 keys (128 pairs, three splits over bf16 and two over codes, merged by the last), with transformers' per-key
-    mask: over bf16 or over e4m3 codes with per-token scales."""
+    mask: over bf16 or over e4m3 codes with per-token scales; quantize: its output quantized per token as it
+    merges (fuse_attention_quant)."""
     params = list(inspect.signature(DA._decode_attention_split_kernel.fn).parameters)
     plan = dict(DA.CODES_PLANS)[128] if codes else DA.SHORT_PLAN
     constexprs = dict(HKV=8, D=128, BLOCK_M=16, BLOCK_N=plan[3], SPLITS=2 if codes else 3, KV_CODES=codes,
                       SCALE_PER_TOKEN=codes, MASK=1, MASK_PER_KEY=True, HAS_LENS=False, SOFTCAP=False,
                       DOT=tl.float16 if codes else tl.bfloat16, PRECISION="tf32", LAST_SPLIT_MERGES=True, ROWS=4,
-                      HAS_SINKS=False, OUT=tl.bfloat16, CAST=0, PDL=True)
+                      HAS_SINKS=False, OUT=tl.bfloat16, CAST=0, PDL=True, QUANT=DA.PER_TOKEN if quantize else 0,
+                      QGROUP=1, FMAX=DA.E4M3_MAX if quantize else 0.0, FP8=tl.float8e4nv,
+                      AMAX_FLOOR=DA.AMAX_FLOOR if quantize else 0.0, BLOCK_W=4096 if quantize else 1)
     cache = "*fp8e4nv" if codes else "*bf16"
     pointers = dict(q_ptr="*bf16", k_ptr=cache, v_ptr=cache, k_scale_ptr="*fp32", v_scale_ptr="*fp32",
                     mask_ptr="*bf16", lens_ptr="*i32", o_part_ptr="*fp32", lse_part_ptr="*fp32", sinks_ptr="*bf16",
-                    out_ptr="*bf16", counter_ptr="*i32")
+                    out_ptr="*bf16", counter_ptr="*i32", codes_ptr="*fp8e4nv", qscale_ptr="*fp32")
     floats = ("scale", "softcap")
     signature = {name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name in floats else "i32")
                  for name in params}
@@ -113,14 +118,16 @@ def compiled_sass(kernel, signature: dict, constexprs: dict, attrs: dict, warps:
 
 
 def longest_loop(sass: str) -> collections.Counter:
-    """Opcodes of the longest backward branch's body: the K loop."""
+    """Opcodes of the longest backward branch's body that runs an MMA: the K loop (an epilogue's loop, such as the
+    quantizer's over a token's row, has none)."""
     lines = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
     address = lambda line: int(re.match(r"\s+/\*([0-9a-f]+)\*/", line).group(1), 16)
+    opcode = lambda line: re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", line).split()[0]
+    body = lambda loop: [opcode(line) for line in lines if loop[0] <= address(line) <= loop[1]]
     loops = [(int(m.group(1), 16), address(line)) for line in lines
              if (m := re.search(r"BRA\s+0x([0-9a-f]+)", line)) and int(m.group(1), 16) < address(line)]
-    first, last = max(loops, key=lambda loop: loop[1] - loop[0])
-    opcode = lambda line: re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", line).split()[0]
-    return collections.Counter(opcode(line) for line in lines if first <= address(line) <= last)
+    with_mma = [loop for loop in loops if any("MMA" in name for name in body(loop))]
+    return collections.Counter(body(max(with_mma or loops, key=lambda loop: loop[1] - loop[0])))
 
 
 def main():
@@ -128,8 +135,10 @@ def main():
     if "attention" in sys.argv:
         codes = "--codes" in sys.argv
         warps = int(sys.argv[sys.argv.index("--warps") + 1]) if "--warps" in sys.argv else None
-        sass, registers = attention_kernel_sass(codes, warps, stages)
-        what, step = f"attention over {'e4m3 codes' if codes else 'bf16'}", "key block"
+        quantize = "--quantize" in sys.argv
+        sass, registers = attention_kernel_sass(codes, warps, stages, quantize)
+        what = f"attention over {'e4m3 codes' if codes else 'bf16'}{', output quantized' if quantize else ''}"
+        step = "key block"
     elif "fp8" in sys.argv:
         swap = "--swap" in sys.argv
         sass, registers = fp8_kernel_sass(stages, swap)
