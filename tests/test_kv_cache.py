@@ -123,6 +123,20 @@ def test_compiled_decode_reads_the_codes_and_stays_within_the_bound(arch, on_the
     assert count(prefill, ATTENTION) == 0 and count(prefill, DEQUANTIZE_KV) == 2 * layers
 
 
+def test_a_full_layer_counts_its_positions_once_as_the_bf16_cache_does():
+    """The scales go where the codes go, at one count of the positions a layer: the compiled decode step advances as
+    many counters as over transformers' bf16 StaticCache, one a layer (a twin counter for the scales was a GPU kernel
+    a layer). The values written are checked against the fake-quantized cache by the tests above."""
+    advances = lambda gm: sum(node.op == "call_method" and node.target == "add_" for node in gm.graph.nodes)
+    model = decoder("llama")
+    counted = {}
+    for cache_class in (T.StaticCache, FP8StaticCache):
+        forward, graphs = compiled_graphs(model)
+        static_decode(model, forward, PROMPT, STEPS[:, :2], cache_class=cache_class)
+        counted[cache_class] = advances(graphs[-1])
+    assert counted[T.StaticCache] == counted[FP8StaticCache] == model.config.num_hidden_layers, counted
+
+
 @pytest.mark.slow
 def test_a_16k_token_decode_over_the_codes_stays_within_the_bound(on_the_cpu):
     """Long context: a 16384-token prompt, then compiled steps whose attention reads the codes (on a GPU the

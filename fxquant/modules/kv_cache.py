@@ -12,8 +12,9 @@
   copy of the cache is made. Elsewhere (eager, prefill, the CPU) each layer's read makes one, freed after its
   attention.
 - Layers of every kind transformers' StaticCache holds for attention, full and sliding, store codes: each keeps
-  transformers' own update (the write position, the sliding window's roll) and runs it on the codes, and on a twin
-  layer of the same kind for the scales. Layer kinds of other caches (linear attention, indexed) are refused.
+  transformers' own update (the write position, the sliding window's roll) and runs it on the codes. The scales live
+  in a twin layer of the same kind: a full layer writes them at its codes' positions, a sliding one runs the twin's
+  own update. Layer kinds of other caches (linear attention, indexed) are refused.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class _E4M3Codes:
         if self.static_scales is None:
             k_codes, k_scale = QUANTIZE(key_states, 0)  # per (token, KV head): [..., Q, 1]
             v_codes, v_scale = QUANTIZE(value_states, 0)
-            k_scale, v_scale = self.scales.update(k_scale, v_scale, *args, **kwargs)
+            k_scale, v_scale = self._write_scales(k_scale, v_scale, *args, **kwargs)
             k_scale, v_scale = k_scale[..., 0], v_scale[..., 0]  # [B, Hkv, S]
         else:
             k_scale, v_scale = (torch.full((1,), s, dtype=torch.float32, device=key_states.device)
@@ -51,6 +52,23 @@ class _E4M3Codes:
         keys, values = super().update(k_codes.view(torch.uint8), v_codes.view(torch.uint8), *args, **kwargs)
         return (DEQUANTIZE_KV(keys.view(CODES), k_scale, key_states.dtype),
                 DEQUANTIZE_KV(values.view(CODES), v_scale, key_states.dtype))
+
+    def _write_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor, *args, **kwargs):
+        """The scales written where this update writes the codes; returns the twin's (keys, values). A full layer
+        writes its codes at arange(n) + cumulative_length, which the scales take before the codes' update advances
+        it: one count a layer, which a compiled step computes once (the twin's own count cost a GPU kernel a layer).
+        A sliding layer, whose update rolls, runs its twin's update."""
+        twin = self.scales
+        if not isinstance(self, StaticSlidingWindowLayer) and isinstance(self.cumulative_length, torch.Tensor):
+            if not twin.is_initialized:
+                twin.lazy_initialization(k_scale, v_scale)
+            # (the count is still on the host before the codes' first update places it)
+            positions = torch.arange(k_scale.shape[-2], device=k_scale.device) + self.cumulative_length.to(
+                k_scale.device)
+            twin.keys.index_copy_(2, positions, k_scale)
+            twin.values.index_copy_(2, positions, v_scale)
+            return twin.keys, twin.values
+        return twin.update(k_scale, v_scale, *args, **kwargs)
 
     def reset(self) -> None:
         super().reset()
