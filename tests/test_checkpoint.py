@@ -244,10 +244,6 @@ def write_mixtral_with_compressed_tensors(model, preset: str, path) -> dict:
 def test_a_mixtral_checkpoint_compressed_tensors_wrote_loads_its_experts_bit_identically(tmp_path, preset):
     model = decoder("mixtral")
     expected = write_mixtral_with_compressed_tensors(model, preset, tmp_path)
-    if CT_SCHEMES[preset][2] == "int4_fp8":  # W4A8 experts: refused by name until a grouped W4A8 product exists
-        with pytest.raises(NotImplementedError, match="int4_fp8 has no grouped experts product"):
-            fxquant.load_quantized(skeleton(model), tmp_path)
-        return
     loaded = fxquant.load_quantized(skeleton(model), tmp_path)
     for i, layer in enumerate(loaded.model.layers):
         experts = layer.mlp.experts
@@ -262,7 +258,7 @@ def test_a_mixtral_checkpoint_compressed_tensors_wrote_loads_its_experts_bit_ide
         assert torch.isfinite(loaded(PROMPT, use_cache=False).logits).all()
 
 
-@pytest.mark.parametrize("recipe", [name for name, scheme in RECIPES.items() if scheme.kind != "int4_fp8"])
+@pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_quantized_experts_fxquant_wrote_decompress_in_compressed_tensors(tmp_path, arch, recipe):
     """Experts are written as the per-expert linears transformers' checkpoints hold (Mixtral: w1 / w3 / w2 under

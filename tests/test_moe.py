@@ -212,16 +212,20 @@ def test_skipped_experts_stay_whole_and_say_why(capsys):
     assert "model.layers.0.mlp.experts.gate_up_proj" in report and "skip option" in report
 
 
-def test_w4a8_keeps_experts_whole_and_says_why(capsys):
-    """int4_fp8 has no grouped product: quantize_ quantizes the attention linears, keeps the experts in high
-    precision with the reason and its fix in the report, and QuantizedExperts refuses the recipe by name."""
-    model = fxquant.quantize_(decoder("mixtral"), {"recipe": "int4_fp8", "report": True})
-    assert not any(isinstance(m, QuantizedExperts) for m in model.modules())
-    assert isinstance(model.model.layers[0].self_attn.q_proj, fxquant.QuantizedLinear)
-    report = capsys.readouterr().out
-    assert "model.layers.0.mlp.experts.gate_up_proj" in report and "no grouped experts product" in report
-    with pytest.raises(NotImplementedError, match="int4_fp8 has no grouped experts product"):
-        QuantizedExperts(2, 64, 128, "int4_fp8", {}, None)
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_w4a8_experts_are_quantized_compiled_and_in_place(arch, capsys):
+    """int4_fp8 experts (GPT-OSS's stored transposed, with biases): int4 codes times per-token e4m3 activations on
+    the grouped W4A8 product, in the compiled graph and through quantize_, each decode within the fake-quantized
+    bound and reported under the recipe."""
+    model = decoder(arch)
+    got, exact, plain, eager = bounds(model, "int4_fp8", compiled(model, recipe="int4_fp8", report=True))
+    assert not within_bound(got, exact, plain, eager)
+    rows = layer_rows(capsys.readouterr().out)
+    assert all("int4_fp8" in rows[name.removesuffix(".weight")] for name in expert_parameters(model))
+    quantized = fxquant.quantize_(copy.deepcopy(model), {"recipe": "int4_fp8"})
+    experts = [m for m in quantized.modules() if isinstance(m, QuantizedExperts)]
+    assert len(experts) == model.config.num_hidden_layers and all(m.recipe == "int4_fp8" for m in experts)
+    assert not within_bound(*bounds(model, "int4_fp8", quantized, compiled_forward=False))
 
 
 @pytest.mark.parametrize("amax, scale", [(2.7, 0.5), (5.5, 1.0), (1.2, 0.25)])

@@ -133,6 +133,22 @@ def test_grouped_scaled_mm_fp8_op(wgran, group):
     assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 2e-3
 
 
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero_point"])
+def test_grouped_scaled_mm_int4_fp8_op(symmetric):
+    """The experts' W4A8 op: each expert's rows through the dense op (the reference on the CPU, the kernels on a
+    GPU), within bf16's rounding of the product."""
+    offs, experts = expert_routing()
+    x = randn(9, 256, dtype=torch.bfloat16)
+    a, a_scale = torch.ops.fxquant.quantize_fp8(x, 0)
+    qw = R.quantize_experts(randn(experts, 128, 256) * 0.05, "int4", ("group", 128), symmetric=symmetric)
+    args = (a, a_scale, offs, qw.data, qw.scale, qw.zero_point, 128, 128, torch.bfloat16)
+    opcheck(torch.ops.fxquant.grouped_scaled_mm_int4_fp8, args)
+    out = torch.ops.fxquant.grouped_scaled_mm_int4_fp8(*args)
+    ref = R.grouped_linear(R.dequantize(R.quantize(x, "fp8_e4m3", "token"), torch.float32), offs, qw, torch.bfloat16)
+    assert torch.equal(out[7:], torch.zeros_like(out[7:]))  # rows past offs[-1]
+    assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 2e-3
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4", "nvfp4"])
 def test_grouped_linear_weight_only_op(fmt):
     offs, experts = expert_routing()

@@ -6,9 +6,10 @@ expert by scanning `offs` on the device (`tiles.expert_rows`), with no host sync
 whatever the routing. The grid covers the worst case, cdiv(M, BLOCK_M) + E + 1 row tiles, and programs past the
 last tile only scan. Rows past offs[-1] belong to no expert and come out zero; an expert with no rows has no tile.
 
-The K loops are the dense kernels' (`fp8_accumulate`, `wo_accumulate`), on the expert's slice of the weight and its
-scales: fp8 with row or 1x128 / 128x128 block scales, fp32 accumulation, scales folded in the K loop; weight-only
-int8, int4, MXFP4, NVFP4 and MXFP8 codes decoded in registers. Tiles are the dense tables' at the average rows per
+The K loops are the dense kernels' (`fp8_accumulate`, `wo_accumulate`, `int4_fp8_accumulate`), on the expert's
+slice of the weight and its scales: fp8 with row or 1x128 / 128x128 block scales, fp32 accumulation, scales folded in
+the K loop; weight-only int8, int4, MXFP4, NVFP4 and MXFP8 codes decoded in registers; W4A8, int4 codes as e4m3
+integers on the fp8 tensor cores, each group's partial scaled. Tiles are the dense tables' at the average rows per
 active expert; where the active tiles are too few for the SMs, K is split (`splitk.py`).
 """
 
@@ -20,10 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from fxquant.kernels.cast import float_cast_mode, interpreting
+from fxquant.kernels.cast import cast_mode, float_cast_mode, interpreting
 from fxquant.kernels.codes import FORMATS
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_fp8 import SCALE_BLOCK, TORCH_TO_TL, fp8_accumulate, fp8_scale_tile
+from fxquant.kernels.gemm_int4_fp8 import GROUP as INT4_GROUP
+from fxquant.kernels.gemm_int4_fp8 import int4_fp8_accumulate, int4_fp8_config
 from fxquant.kernels.gemm_weight_only import weight_operands, wo_accumulate, wo_gemm_config, wo_scale_tile
 from fxquant.kernels.launch import cdiv, visible
 from fxquant.kernels.splitk import reduce_partials, split_k
@@ -91,6 +94,30 @@ def _grouped_wo_kernel(
     acc = wo_scale_tile(acc, s_ptr, gs_ptr, offs_n, N, stride_sn, FMT)
     acc = tl.where(owned, acc, 0.0)  # a non-finite scale of the clamped expert must not reach the zero rows
     store_tile(acc, c_ptr, ws_ptr, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, tl.program_id(1),
+               False, SPLIT_K, OUT, CAST)
+
+
+@triton.jit
+def _grouped_int4_fp8_kernel(
+    # pointers
+    a_ptr, a_scale_ptr, offs_ptr, w_ptr, w_scale_ptr, w_zero_ptr, c_ptr, ws_ptr,
+    # sizes
+    M, N, K, E,
+    # strides (the codes' in bytes; zero points share the scales' layout)
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
+    # meta-parameters
+    HAS_ZP: tl.constexpr, SPLIT_K: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    expert, pid_n, offs_m, offs_n = expert_tile_offsets(offs_ptr, E, M, N, BLOCK_M, BLOCK_N)
+    owned, e, first, last = _expert_k_steps(expert, E, K, GROUP, SPLIT_K)
+    w_ptr += e * stride_we
+    w_scale_ptr += e * stride_se
+    w_zero_ptr += e * stride_se
+    acc = int4_fp8_accumulate(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, offs_m, offs_n, M, N, first, last,
+                              stride_am, stride_wn, stride_sn, HAS_ZP, CAST, GROUP, BLOCK_M, BLOCK_N)
+    acc = tl.where(owned, acc, 0.0)  # a non-finite scale of the clamped expert must not reach the zero rows
+    store_tile(acc, c_ptr, ws_ptr, c_ptr, offs_m, offs_n, M, N, stride_cm, 1, tl.program_id(1),
                False, SPLIT_K, OUT, CAST)
 
 
@@ -208,3 +235,41 @@ def grouped_weight_only_mm(a, offs, w, w_scale, fmt: str, group: int, N: int, *,
     )
     return _finish(ws, out, split, a.dtype)
 
+
+
+@functools.lru_cache(maxsize=1024)
+def _int4_fp8_plan(M: int, N: int, K: int, E: int, overrides: tuple):
+    """The dense W4A8 kernel's tiles at the average rows per active expert (past 128 rows, the tiles its sweep found
+    best: the dense product hands those rows to cuBLAS, which has no grouped W4A8 form); one K step per group."""
+    cfg = {**int4_fp8_config(cdiv(M, min(M, E)), N), **dict(overrides), "BLOCK_K": INT4_GROUP}
+    grid, split = _grid_and_split(M, N, K, E, cfg)
+    meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"])
+    return grid, split, meta
+
+
+def grouped_int4_fp8_mm(a, a_scale, offs, w, w_scale, zero_point, out_dtype=torch.bfloat16, config=None):
+    """W4A8 over rows sorted by expert: a [M, K] e4m3 with per-token scales a_scale [M, 1]; offs: int32 [E];
+    w: [E, N, K/2] packed int4 codes with scales [E, N, K/128] fp32 and zero points like them (or None: symmetric).
+    Returns [M, N] in out_dtype, each group's fp32 partial scaled as `int4_fp8_mm` scales it."""
+    M, K = a.shape
+    E, N = w.shape[:2]
+    _check_offs(offs, E)
+    if w.shape != (E, N, K // 2) or w_scale.shape != (E, N, K // INT4_GROUP) or a_scale.numel() != M:
+        raise ValueError(f"fxquant: grouped int4 x fp8 GEMM needs a [M, K], per-token scales [M, 1], codes [E, N, K/2] "
+                         f"and scales [E, N, K/{INT4_GROUP}] for K = {K}; got {tuple(a.shape)}, "
+                         f"{tuple(a_scale.shape)}, {tuple(w.shape)} and {tuple(w_scale.shape)}")
+    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    a, w, scale = a.contiguous(), w.contiguous().view(torch.uint8), w_scale.contiguous()
+    zero = zero_point.contiguous() if zero_point is not None else scale
+    grid, split, meta = _int4_fp8_plan(M, N, K, E, tuple(sorted((config or {}).items())))
+    ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
+    visible(_grouped_int4_fp8_kernel)[grid](
+        a, a_scale.reshape(M).contiguous(), offs, w, scale, zero, out, ws, M, N, K, E,
+        a.stride(0), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1), out.stride(0),
+        HAS_ZP=zero_point is not None, SPLIT_K=split, OUT=TORCH_TO_TL[out_dtype],
+        CAST=cast_mode(_grouped_int4_fp8_kernel, a.device), GROUP=INT4_GROUP, **meta,
+    )
+    return _finish(ws, out, split, out_dtype)

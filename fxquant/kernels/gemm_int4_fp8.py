@@ -102,15 +102,10 @@ def group_zeros(w_zero_ptr, offs_n, mask_n, g, stride_sn, HAS_ZP: tl.constexpr):
 
 
 @triton.jit
-def _int4_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
-                     M, N, K, stride_am, stride_wn, stride_sn, stride_om,
-                     HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
-                     SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, GROUP: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
-    pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pid_k = tl.program_id(1)
-    first, last = k_steps_of(pid_k, K, GROUP, SPLIT_K)  # this program's groups
+def int4_fp8_accumulate(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, offs_m, offs_n, M, N, first, last,
+                        stride_am, stride_wn, stride_sn, HAS_ZP: tl.constexpr, CAST: tl.constexpr,
+                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The fp32 tile (A[offs_m] * a_scale) @ (W[offs_n] * w_scale).T over weight groups [first, last)."""
     offs_k = tl.arange(0, GROUP)
     offs_b = tl.arange(0, GROUP // 2)
     mask_m, mask_n = offs_m < M, offs_n < N
@@ -127,7 +122,21 @@ def _int4_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, bias_pt
         a_ptrs += GROUP
         w_ptrs += GROUP // 2
     # The token's scale is linear: each K slice applies it to its own partial before they are summed.
-    acc *= tl.load(a_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
+    return acc * tl.load(a_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
+
+
+@triton.jit
+def _int4_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
+                     M, N, K, stride_am, stride_wn, stride_sn, stride_om,
+                     HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
+                     SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, GROUP: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    first, last = k_steps_of(pid_k, K, GROUP, SPLIT_K)  # this program's groups
+    acc = int4_fp8_accumulate(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, offs_m, offs_n, M, N, first, last,
+                              stride_am, stride_wn, stride_sn, HAS_ZP, CAST, GROUP, BLOCK_M, BLOCK_N)
     store_tile(acc, out_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, 1, pid_k, HAS_BIAS, SPLIT_K, OUT,
                CAST)
     if LAST_SLICE_SUMS:

@@ -95,9 +95,6 @@ class QuantizedExperts(FrozenParts):
         super().__init__()
         if recipe not in RECIPES:
             raise ValueError(f"fxquant: unknown recipe {recipe!r}; valid: {', '.join(RECIPES)}")
-        if RECIPES[recipe].kind == "int4_fp8":
-            raise NotImplementedError(f"fxquant: {recipe} has no grouped experts product yet, so experts cannot hold "
-                                      "it; quantize them with int4_wo or fp8_row (layer_recipes)")
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
         self.dense = dense
         self.recipe, self.act_fn = recipe, act_fn

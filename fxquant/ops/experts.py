@@ -1,4 +1,4 @@
-"""The experts' ops: grouped GEMMs over rows sorted by expert (fp8, weight-only, MXFP8), the sort itself, and the
+"""The experts' ops: grouped GEMMs over rows sorted by expert (fp8, W4A8, weight-only, MXFP8), the sort itself, and the
 offsets of experts that run densely."""
 
 from __future__ import annotations
@@ -6,15 +6,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fxquant.kernels import gemm_weight_only
+from fxquant.kernels import gemm_int4_fp8, gemm_weight_only
 from fxquant.kernels.cast import capability
-from fxquant.kernels.gemm_grouped import grouped_fp8_mm, grouped_weight_only_mm
+from fxquant.kernels.gemm_grouped import grouped_fp8_mm, grouped_int4_fp8_mm, grouped_weight_only_mm
 from fxquant.kernels.quant_mx import mxfp8_values
 from fxquant.numerics import reference as R
 from fxquant.ops.declare import define, fake
 
 # The implementations, not the ops: the fallback runs one per expert, and a dispatch each would cost 1-4 us
-from fxquant.ops.linear import _linear_mxfp8, _linear_weight_only, _scaled_mm_fp8
+from fxquant.ops.linear import _linear_mxfp8, _linear_weight_only, _scaled_mm_fp8, _scaled_mm_int4_fp8
 
 
 def _per_expert(x: Tensor, offs: Tensor, out_features: int, out_dtype: torch.dtype, expert_linear) -> Tensor:
@@ -52,6 +52,30 @@ grouped_scaled_mm_fp8 = define("grouped_scaled_mm_fp8(Tensor a, Tensor a_scale, 
 @fake("grouped_scaled_mm_fp8")
 def _(a, a_scale, offs, w, w_scale, out_dtype):
     return a.new_empty((a.shape[0], w.shape[1]), dtype=out_dtype)
+
+
+def _grouped_scaled_mm_int4_fp8(a: Tensor, a_scale: Tensor, offs: Tensor, w: Tensor, w_scale: Tensor,
+                                w_zero_point: Tensor | None, group_size: int, out_features: int,
+                                out_dtype: torch.dtype) -> Tensor:
+    """The experts' W4A8 products over rows sorted by expert: e4m3 activations a [M, K] with per-token scales
+    [M, 1], int4 experts w [E, N, K/2] with scales (and zero points, or None: symmetric) [E, N, K/group_size]; each
+    group's partial scaled in fp32, one cast."""
+    _check_grouped(a, offs, w)
+    if gemm_int4_fp8.supports(a, group_size, out_dtype) is None:
+        return grouped_int4_fp8_mm(a, a_scale, offs.int(), w, w_scale, w_zero_point, out_dtype)
+    pick = lambda t, e: None if t is None else t[e]
+    return _per_expert(a, offs, out_features, out_dtype, lambda e, rows: _scaled_mm_int4_fp8(
+        a[rows], a_scale[rows], w[e], w_scale[e], pick(w_zero_point, e), None, group_size, out_features, out_dtype))
+
+
+grouped_scaled_mm_int4_fp8 = define(
+    "grouped_scaled_mm_int4_fp8(Tensor a, Tensor a_scale, Tensor offs, Tensor w, Tensor w_scale, Tensor? w_zero_point, "
+    "int group_size, int out_features, ScalarType out_dtype) -> Tensor", _grouped_scaled_mm_int4_fp8)
+
+
+@fake("grouped_scaled_mm_int4_fp8")
+def _(a, a_scale, offs, w, w_scale, w_zero_point, group_size, out_features, out_dtype):
+    return a.new_empty((a.shape[0], out_features), dtype=out_dtype)
 
 
 def _grouped_linear_weight_only(x: Tensor, offs: Tensor, w: Tensor, w_scale: Tensor, w_global_scale: Tensor | None,

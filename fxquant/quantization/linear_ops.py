@@ -35,7 +35,10 @@ def emit_linear(call, s: LinearScheme, x, consts, bias, out_features: int, out_d
         # what remains. Per-token and 1 x 128 scales are per row: sorted experts' rows quantize as one tensor.
         q = call(ops.quantize_fp8.default, (x, s.act_group))
         a, a_scale = call(operator.getitem, (q, 0)), call(operator.getitem, (q, 1))
-        if s.kind == "int4_fp8":  # no grouped form: skip_reason keeps experts out of this recipe
+        if s.kind == "int4_fp8" and grouped:
+            return call(ops.grouped_scaled_mm_int4_fp8.default,
+                        (a, a_scale, offs, data, scale, zero_point, weight_group(s), out_features, out_dtype))
+        if s.kind == "int4_fp8":
             return call(ops.scaled_mm_int4_fp8.default,
                         (a, a_scale, data, scale, zero_point, bias, weight_group(s), out_features, out_dtype))
         if grouped:

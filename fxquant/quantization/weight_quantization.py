@@ -107,7 +107,4 @@ def skip_reason(w, fqn, config: QuantConfig, auto_reasons=None, dims: int = 2) -
     recipe = config.recipe_for(fqn)
     if recipe == KEEP:
         return (auto_reasons or {}).get(fqn, "layer_recipes keeps it in high precision")
-    if dims == 3 and RECIPES[recipe].kind == "int4_fp8":
-        return (f"{recipe} has no grouped experts product yet: name int4_wo or fp8_row for the experts in "
-                "layer_recipes")
     return alignment_reason(w.shape, RECIPES[recipe])

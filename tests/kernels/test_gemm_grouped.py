@@ -4,7 +4,7 @@ CPU): empty experts, one row, uneven groups, rows past the last expert, split K;
 import pytest
 import torch
 
-from fxquant.kernels.gemm_grouped import grouped_fp8_mm, grouped_weight_only_mm
+from fxquant.kernels.gemm_grouped import grouped_fp8_mm, grouped_int4_fp8_mm, grouped_weight_only_mm
 from fxquant.numerics import reference as R
 from fxquant.ops import quantize_fp8
 
@@ -72,6 +72,35 @@ def test_grouped_fp8(scheme, name):
     got = grouped_fp8_mm(a, a_scale, offs, q.data, q.scale, torch.bfloat16)
     qa = R.quantize(x, "fp8_e4m3", {0: "token", -1: "tensor"}.get(group, ("group", group)))
     check(got, R.grouped_linear(R.dequantize(qa, torch.float32), offs, q, torch.bfloat16), offs)
+
+
+@pytest.mark.parametrize("k", [K, 2048], ids=["k256", "k2048_split"])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero_point"])
+@pytest.mark.parametrize("name", list(ROUTINGS))
+def test_grouped_int4_fp8_is_the_exact_product_rounded_at_the_store(name, symmetric, k):
+    """W4A8 experts (int4_fp8): every e4m3 code times an int4 code less its zero point is exact, so each row is its
+    expert's fp64 product of the dequantized operands to the fp32 accumulation's error and one bf16 rounding, as
+    the dense kernel's (tests/kernels/test_gemm_int4_fp8.py states the bound); K = 2048 over few rows splits K."""
+    gen = torch.Generator().manual_seed(len(name) + k)
+    offs, m = routing(name)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16)
+    qa = R.quantize(x, "fp8_e4m3", "token")
+    w = (torch.randn(E, N, k, generator=gen) + 0.3).to(DEVICE)
+    experts = [R.quantize(w[e], "int4", ("group", 128), symmetric=symmetric) for e in range(E)]
+    qw = R.stack_experts(experts)
+    got = grouped_int4_fp8_mm(qa.data, qa.scale, offs, qw.data, qw.scale, qw.zero_point)
+    a_hp, end = R.dequantize(qa, torch.float64), int(offs[-1])
+    exact, bound = torch.zeros(m, N, dtype=torch.float64, device=DEVICE), torch.zeros(m, N, dtype=torch.float64,
+                                                                                    device=DEVICE)
+    for e, rows in R.expert_rows(offs):
+        w_hp = R.dequantize(experts[e], torch.float64)
+        exact[rows], bound[rows] = a_hp[rows] @ w_hp.T, a_hp[rows].abs() @ w_hp.abs().T
+    ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30)))) * torch.finfo(torch.bfloat16).eps
+    tolerance = ulp + (2**-10 if DEVICE == "cuda" else 2**-20) * bound
+    assert got.shape == (m, N) and got.dtype == torch.bfloat16
+    assert torch.equal(got[end:], torch.zeros_like(got[end:]))  # rows no expert owns
+    assert ((got.double() - exact).abs() <= tolerance).all()
+    assert end == 0 or got[:end].abs().max() > 0
 
 
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
