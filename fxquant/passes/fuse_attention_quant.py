@@ -52,7 +52,9 @@ def _attention_rows(x: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node
     if not isinstance(node, torch.fx.Node) or len(node.users) != 1:
         return None
     chain.reverse()
-    o, laid_out = fake_value(arguments(node)["q"]), fake_value(x)
+    o, laid_out = fake_value(node), fake_value(x)
+    if not isinstance(o, torch.Tensor):  # a node made by a pass, without its value: o is shaped as q
+        o = fake_value(arguments(node)["q"])
     if not isinstance(o, torch.Tensor) or not isinstance(laid_out, torch.Tensor):
         return None
     shape = tuple(o.shape)

@@ -1,7 +1,7 @@
 """fuse_attention_quant: decode attention feeding only the o-projection's fp8 quantizer becomes one op whose kernel
 quantizes as it merges. On the CPU the ops run their references, which give the unfused graph's bits, so a decode
-step fused must equal the same step with the pass left out, bit for bit; decode_attention is enabled for the CPU
-here (it rewrites CUDA graphs only by default)."""
+step fused must equal the same step with the pass left out, bit for bit; decode_attention and fuse_rotary_cache are
+enabled for the CPU here (they rewrite CUDA graphs only by default)."""
 
 import functools
 
@@ -14,6 +14,7 @@ from fxquant.compile import pipeline
 from fxquant.numerics import reference as R
 from fxquant.passes.decode_attention import DecodeAttention
 from fxquant.passes.fuse_attention_quant import FuseAttentionQuant
+from fxquant.passes.fuse_rotary_cache import FuseRotaryCache
 
 FUSED = torch.ops.fxquant.decode_attention_quantize_fp8.default
 ATTENTION = torch.ops.fxquant.decode_attention.default
@@ -21,7 +22,9 @@ ATTENTION = torch.ops.fxquant.decode_attention.default
 
 @pytest.fixture
 def on_the_cpu(monkeypatch):
+    """decode_attention and fuse_rotary_cache as they rewrite a GPU's graph: attention's query is the rotary op's."""
     monkeypatch.setattr(pipeline, "DecodeAttention", functools.partial(DecodeAttention, devices=("cpu",)))
+    monkeypatch.setattr(pipeline, "FuseRotaryCache", functools.partial(FuseRotaryCache, devices=("cpu",)))
 
 
 def count(gm, target):
