@@ -7,9 +7,11 @@ import functools
 
 import pytest
 import torch
+import transformers as T
 from hf_models import compiled_results, decoder, static_decode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from fxquant import FP8StaticCache
 from fxquant.compile import pipeline
 from fxquant.numerics import reference as R
 from fxquant.passes.decode_attention import DecodeAttention
@@ -31,30 +33,34 @@ def count(gm, target):
     return sum(node.target == target for node in gm.graph.nodes)
 
 
-def decode(model, recipe, **options):
-    """Logits of a prefill and three steps, and the decode step's graph, compiled with `recipe`."""
+def decode(model, recipe, cache_class=T.StaticCache, **options):
+    """Logits of a prefill and three steps over `cache_class`, and the decode step's graph, compiled with `recipe`."""
     forward, graphs = compiled_results(model, options={"recipe": recipe, "inner": "eager", **options},
                                        keep=lambda result: result.gm)
     generator = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, 512, (2, 5), generator=generator)
     steps = torch.randint(0, 512, (2, 3), generator=generator)
-    return static_decode(model, forward, prompt, steps), graphs[-1]
+    return static_decode(model, forward, prompt, steps, cache_class=cache_class), graphs[-1]
 
 
 @pytest.mark.parametrize(("arch", "overrides", "recipe", "fused"), [
     ("llama", {}, "fp8_row", True),
+    ("llama", {"cache": FP8StaticCache}, "fp8_row", True),  # attention over e4m3 codes
     ("qwen2", {}, "fp8_row", True),
     ("mixtral", {}, "fp8_row", True),
     ("gemma2", dict(attn_implementation="eager"), "fp8_row", True),  # soft-capped logits
     ("gpt_oss", dict(attn_implementation="eager"), "fp8_row", True),  # sinks, and an o-projection with a bias
     ("llama", {}, "int4_fp8", True),  # the W4A8 GEMM reads the quantizer's codes as they are
     ("llama", {}, "fp8_block", False),  # groups of 128 across 64-wide heads: the kernel would not fuse them
-], ids=["llama", "qwen2", "mixtral", "gemma2_softcap", "gpt_oss_sinks_bias", "llama_int4_fp8", "llama_fp8_block"])
+], ids=["llama", "llama_e4m3_cache", "qwen2", "mixtral", "gemma2_softcap", "gpt_oss_sinks_bias", "llama_int4_fp8",
+        "llama_fp8_block"])
 def test_the_decode_step_quantizes_attention_in_its_op_with_the_unfused_bits(arch, overrides, recipe, fused,
                                                                                on_the_cpu):
+    overrides = dict(overrides)
+    cache_class = overrides.pop("cache", T.StaticCache)
     model = decoder(arch, **overrides)
-    got, graph = decode(model, recipe)
-    want, unfused = decode(model, recipe, disable_passes=("fuse_attention_quant",))
+    got, graph = decode(model, recipe, cache_class)
+    want, unfused = decode(model, recipe, cache_class, disable_passes=("fuse_attention_quant",))
     layers = model.config.num_hidden_layers
     assert count(unfused, ATTENTION) == layers and count(unfused, FUSED) == 0
     assert count(graph, FUSED) == (layers if fused else 0)
