@@ -82,8 +82,8 @@ class FuseAttentionQuant(FxquantPass):
             if node.target not in (LINEAR_FP8, QUANTIZE):
                 continue
             named = arguments(node)
-            found = _attention_rows(named["x"])
-            if found is None or named["group_size"] < 0:
+            found = _attention_rows(named["x"]) if named["group_size"] >= 0 else None  # per tensor: two passes
+            if found is None:
                 continue
             attention, chain = found
             if not fuses_quantization(fake_value(arguments(attention)["q"]), named["group_size"]):

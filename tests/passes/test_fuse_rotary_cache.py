@@ -75,6 +75,18 @@ def test_decode_steps_rotate_and_write_the_cache_in_one_op(arch, overrides, cach
     assert all(node.args[3].meta["example_value"].dtype == torch.float32 for node in ops)
 
 
+def _one_step_after_prefill(model, prompt, options, run=lambda step, **inputs: step(**inputs)):
+    """An eager prefill of `prompt` [1, 5] into a StaticCache, then one step at position 5 compiled with `options`
+    (nothing quantized), run through `run`: (the cache, what run returned)."""
+    cache = T.StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        torch._dynamo.reset()
+        step = torch.compile(model, backend="fxquant", options={"skip": [".*"], **options})
+        return cache, run(step, input_ids=torch.tensor([[7]]), past_key_values=cache,
+                          cache_position=torch.tensor([5]), use_cache=True)
+
+
 def test_the_cache_holds_the_ops_rows_and_the_rest_is_untouched(on_the_cpu):
     """One step after the same eager prefill: the first layer's value row is the unfused step's bits and its key row
     that rotation to one bf16 ulp (eager rounds each product first; later layers inherit the difference), every row
@@ -83,13 +95,7 @@ def test_the_cache_holds_the_ops_rows_and_the_rest_is_untouched(on_the_cpu):
     prompt = torch.randint(0, 512, (1, 5), generator=torch.Generator().manual_seed(4))
     caches = {}
     for disable in ((), ("fuse_rotary_cache",)):
-        cache = T.StaticCache(config=model.config, max_cache_len=16)
-        with torch.no_grad():
-            model(input_ids=prompt, past_key_values=cache, use_cache=True)
-            torch._dynamo.reset()
-            step = torch.compile(model, backend="fxquant",
-                                 options={"inner": "eager", "skip": [".*"], "disable_passes": list(disable)})
-            step(input_ids=torch.tensor([[7]]), past_key_values=cache, cache_position=torch.tensor([5]), use_cache=True)
+        cache, _ = _one_step_after_prefill(model, prompt, {"inner": "eager", "disable_passes": list(disable)})
         caches[disable] = [(layer.keys, layer.values) for layer in cache.layers]
     fused, unfused = caches[()], caches[("fuse_rotary_cache",)]
     for layer in range(len(fused)):
@@ -216,13 +222,8 @@ def test_under_inductor_the_fused_step_gives_the_unfused_steps_bits_writing_the_
     prompt = torch.randint(0, 512, (1, 5), generator=torch.Generator().manual_seed(8))
     results = {}
     for disable in ((), ("fuse_rotary_cache",)):
-        cache = T.StaticCache(config=model.config, max_cache_len=16)
-        with torch.no_grad():
-            model(input_ids=prompt, past_key_values=cache, use_cache=True)
-            torch._dynamo.reset()
-            step = torch.compile(model, backend="fxquant", options={"skip": [".*"], "disable_passes": list(disable)})
-            out, code = run_and_get_code(step, input_ids=torch.tensor([[7]]), past_key_values=cache,
-                                         cache_position=torch.tensor([5]), use_cache=True)
+        cache, (out, code) = _one_step_after_prefill(model, prompt, {"disable_passes": list(disable)},
+                                                     run=run_and_get_code)
         results[disable] = (out.logits, cache.layers[0].keys, cache.layers[0].values, "\n".join(code))
     (*fused, code), (*unfused, _) = results[()], results[("fuse_rotary_cache",)]
     assert all(torch.equal(a, b) for a, b in zip(fused, unfused, strict=True))
