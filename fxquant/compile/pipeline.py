@@ -28,6 +28,7 @@ from fxquant.passes.decode_attention import DecodeAttention
 from fxquant.passes.detect import Detect
 from fxquant.passes.freeze_params import FreezeParams
 from fxquant.passes.fuse_attention_quant import FuseAttentionQuant
+from fxquant.passes.fuse_cache_length import FuseCacheLength
 from fxquant.passes.fuse_linear import FuseLinear
 from fxquant.passes.fuse_norm import FuseNorm
 from fxquant.passes.fuse_rotary_cache import FuseRotaryCache
@@ -42,7 +43,8 @@ from fxquant.passes.upcast import Upcast
 
 log = logging.getLogger(__name__)
 PASS_TYPES = (FreezeParams, LocalizeShards, Detect, Upcast, QuantizeLinear, FuseNorm, MergeLinear, FuseSiluMul,
-              FuseLinear, PackInt4Lanes, FuseRotaryCache, DecodeAttention, PackGQA, FuseAttentionQuant, Cleanup)
+              FuseLinear, PackInt4Lanes, FuseRotaryCache, FuseCacheLength, DecodeAttention, PackGQA,
+              FuseAttentionQuant, Cleanup)
 PASSES = tuple(pass_type.name for pass_type in PASS_TYPES)
 PREPARE = PASSES[:4]  # the graph annotated and upcast, nothing quantized
 OPTIONAL = tuple(pass_type.name for pass_type in PASS_TYPES if pass_type.optional)
@@ -155,8 +157,8 @@ def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=N
         state.config = config = resolve_auto(config, measured)
         state.auto_reasons = {m.fqn: m.reason for m in measured if m.chosen_by_auto and m.recipe is None}
     gm = _run([QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseSiluMul(), FuseLinear(),
-               PackInt4Lanes(state), FuseRotaryCache(state), DecodeAttention(state), PackGQA(), FuseAttentionQuant(),
-               Cleanup()], gm, config, stop_after, timings)
+               PackInt4Lanes(state), FuseRotaryCache(state), FuseCacheLength(), DecodeAttention(state), PackGQA(),
+               FuseAttentionQuant(), Cleanup()], gm, config, stop_after, timings)
     findings += lint_layers(state, weights)
     refuse_errors(findings, "compile")
     return PipelineResult(gm, state.layers, state.upcast, config, findings, weights, auto, timings)

@@ -14,6 +14,10 @@ One program per row: a (batch, query head, position) of q, or a (batch, KV head,
 position outside the cache writes nothing, where index_copy_ would raise on the CPU and write out of bounds on the
 GPU; the reference does the same. In the 32-layer step it took the kernels a layer from 14.25 to 12.6 at B1
 (docs/decisions/0022-rotary-and-cache-write-in-one-kernel.md).
+
+Appending (`append`), the positions are the cache's length plus 0..Q-1, and the last k/v row to count itself in at an
+arrival counter grows the length, once every row has read it: transformers' `arange + cumulative_length` and
+`cumulative_length.add_`, a kernel a layer, leave the step.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from fxquant.kernels.cast import capability, cast_float, cast_mode, float_cast_m
 from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.launch import next_power_of_2, visible
 from fxquant.kernels.quant_fp8 import quant_rows
+from fxquant.kernels.splitk import counters
 from fxquant.numerics.formats import AMAX_FLOOR, E4M3
 
 TL_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -63,13 +68,13 @@ def _write_row(row, cache_ptr, scale_ptr, offs, mask, inside, E4M3_CODES: tl.con
 @triton.jit
 def _rotary_cache_write_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, scale_pos_ptr, out_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-    B, HQ, HKV, Q, S, stride_pos, stride_scale_pos,
+    arrivals_ptr, B, HQ, HKV, Q, S, stride_pos, stride_scale_pos,
     sqb, sqh, sqq, sqd, skb, skh, skq, skd, svb, svh, svq, svd,
     scb, scq, scd, ssb, ssq, ssd,
     skcb, skch, skcs, skcd, svcb, svch, svcs, svcd, sksb, sksh, skss, svsb, svsh, svss,
     HALF: tl.constexpr, HALF_COS: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DTYPE: tl.constexpr, CAST: tl.constexpr, E4M3_CODES: tl.constexpr, FMAX: tl.constexpr, FP8: tl.constexpr,
-    AMAX_FLOOR: tl.constexpr, PDL: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr, APPEND: tl.constexpr, ADVANCE: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     row = tl.program_id(0)
@@ -86,9 +91,14 @@ def _rotary_cache_write_kernel(
         b, h, i = kv // (HKV * Q), (kv // Q) % HKV, kv % Q
         rotated = _rotated(k_ptr + b * skb + h * skh + i * skq, skd, cos_ptr + b * scb + i * scq, scd,
                            sin_ptr + b * ssb + i * ssq, ssd, offs, mask, HALF, HALF_COS)
-        position = tl.load(pos_ptr + i * stride_pos)
+        if APPEND:  # pos_ptr holds the cache's length: codes and scales go at length + i
+            length = tl.load(pos_ptr)
+            position = length + i
+            scale_position = position
+        else:
+            position = tl.load(pos_ptr + i * stride_pos)
+            scale_position = tl.load(scale_pos_ptr + i * stride_scale_pos)  # an e4m3 cache's scales: their own
         inside = (position >= 0) & (position < S)
-        scale_position = tl.load(scale_pos_ptr + i * stride_scale_pos)  # an e4m3 cache's scales count their own
         scale_inside = (scale_position >= 0) & (scale_position < S)
         kc = kc_ptr + b.to(tl.int64) * skcb + h * skch + position * skcs
         ks = ks_ptr + b.to(tl.int64) * sksb + h * sksh + scale_position * skss
@@ -101,12 +111,18 @@ def _rotary_cache_write_kernel(
         vs = vs_ptr + b.to(tl.int64) * svsb + h * svsh + scale_position * svss
         _write_row(v, vc, vs, offs_v * svcd, mask_v, inside & scale_inside, E4M3_CODES, FMAX, FP8, CAST,
                    AMAX_FLOOR)
+        if ADVANCE:  # the last k/v row to have read the length grows it: no row reads the grown one
+            tl.debug_barrier()  # every thread's read of the length is done before the count releases it
+            arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
+            if arrived == B * HKV * Q - 1:
+                tl.store(pos_ptr, length + Q)
+                tl.store(arrivals_ptr, 0)  # the next kernel to count waits for this one to end
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+             positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, append: bool = False) -> str | None:
     """None where the kernel computes the op as the reference does, else why not. The caches: q's dtype, or uint8
-    holding e4m3 codes."""
+    holding e4m3 codes. append: `positions` is the cache's length, one integer."""
     tensors = (q, k, v) + tuple(c for c in (k_cache, v_cache) if c.dtype != torch.uint8)
     if any(t.dtype != q.dtype for t in tensors) or q.dtype not in TL_TYPES:
         return f"q, k, v and the caches of dtypes {sorted({str(t.dtype) for t in tensors})}, not all bf16 or fp16"
@@ -116,7 +132,11 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tenso
         return f"cos and sin {cos.shape[-1]} and {sin.shape[-1]} wide: as wide as the head or half as wide"
     if q.dim() != 4 or k.dim() != 4 or q.shape[-1] % 2 or q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
         return f"q {tuple(q.shape)}: not [B, H, Q, D] with an even D up to {MAX_HEAD_DIM}"
-    if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
+    if positions.dtype not in (torch.int32, torch.int64):
+        return f"positions of {positions.dtype}, not int32 or int64"
+    if append and (positions.numel() != 1 or positions.dim() > 1):
+        return f"a cache length of shape {tuple(positions.shape)}, not one integer"
+    if not append and positions.dim() != 1:
         return "positions that are not one integer per query position"
     return None
 
@@ -133,30 +153,36 @@ def supports_codes(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tenso
     return None
 
 
-def rotary_cache_write(q, k, v, cos, sin, positions, k_cache, v_cache, codes=None) -> torch.Tensor:
+def rotary_cache_write(q, k, v, cos, sin, positions, k_cache, v_cache, codes=None, append=False) -> torch.Tensor:
     """q [B, HQ, Q, D], k [B, HKV, Q, D], v [B, HKV, Q, DV], cos and sin (q's dtype or fp32) broadcastable to
     [B, 1, Q, D] or [B, 1, Q, D / 2], positions [Q]; writes rotated k and v into k_cache [B, HKV, S, D] and v_cache
     [B, HKV, S, DV] at `positions`; returns q rotated, contiguous. codes: (scale_positions [Q], k_scales, v_scales
-    [B, HKV, S, 1] fp32) where the caches are uint8 views of e4m3 codes, whose scales go to scale_positions."""
+    [B, HKV, S, 1] fp32) where the caches are uint8 views of e4m3 codes, whose scales go to scale_positions.
+    append: `positions` is the cache's length L instead (one integer, transformers' `cumulative_length`); k and v
+    go at L + i, codes and scales alike, and L grows by Q: in the kernel, by the last k/v row to read it, where the
+    split GEMMs' counters serve; else by an add after it."""
     B, HQ, Q, D = q.shape
     HKV, S, DV = k.shape[1], k_cache.shape[2], v.shape[-1]
     width = cos.shape[-1]  # D, or D / 2 for both halves
     cos, sin = (t.expand(B, 1, Q, width)[:, 0] for t in (cos, sin))  # [B, Q, width], stride 0 where broadcast
     out = torch.empty((B, HQ, Q, D), dtype=q.dtype, device=q.device)
     rows = B * (HQ + HKV) * Q
-    if rows == 0:
-        return out
-    scale_positions, k_scales, v_scales = codes if codes is not None else (positions, k_cache, v_cache)
-    kernel = _rotary_cache_write_kernel
-    visible(kernel)[(rows,)](
-        q, k, v, cos, sin, positions, scale_positions, out, k_cache, v_cache, k_scales, v_scales,
-        B, HQ, HKV, Q, S, positions.stride(0), scale_positions.stride(0),
-        *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
-        *k_cache.stride(), *v_cache.stride(), *k_scales.stride()[:3], *v_scales.stride()[:3],
-        HALF=D // 2, HALF_COS=width != D, DV=DV, BLOCK_D=next_power_of_2(D), BLOCK_DV=next_power_of_2(DV),
-        DTYPE=TL_TYPES[q.dtype],
-        CAST=cast_mode(kernel, q.device) if codes is not None else float_cast_mode(kernel),  # fp8 casts: e4m3 only
-        E4M3_CODES=codes is not None, FMAX=E4M3.max, FP8=tl.float8e4nv, AMAX_FLOOR=AMAX_FLOOR, num_warps=1,
-        **launch_options(q.device),
-    )
+    arrivals = counters(q.device, 1) if append and rows else None
+    if rows:
+        scale_positions, k_scales, v_scales = codes if codes is not None else (positions, k_cache, v_cache)
+        kernel = _rotary_cache_write_kernel
+        visible(kernel)[(rows,)](
+            q, k, v, cos, sin, positions, scale_positions, out, k_cache, v_cache, k_scales, v_scales,
+            positions if arrivals is None else arrivals, B, HQ, HKV, Q, S,
+            positions.stride(0) if positions.dim() else 0, scale_positions.stride(0) if scale_positions.dim() else 0,
+            *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
+            *k_cache.stride(), *v_cache.stride(), *k_scales.stride()[:3], *v_scales.stride()[:3],
+            HALF=D // 2, HALF_COS=width != D, DV=DV, BLOCK_D=next_power_of_2(D), BLOCK_DV=next_power_of_2(DV),
+            DTYPE=TL_TYPES[q.dtype],
+            CAST=cast_mode(kernel, q.device) if codes is not None else float_cast_mode(kernel),  # fp8: e4m3 only
+            E4M3_CODES=codes is not None, FMAX=E4M3.max, FP8=tl.float8e4nv, AMAX_FLOOR=AMAX_FLOOR, APPEND=append,
+            ADVANCE=arrivals is not None, num_warps=1, **launch_options(q.device),
+        )
+    if append and arrivals is None:
+        positions.add_(Q)
     return out

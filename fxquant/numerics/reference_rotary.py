@@ -12,6 +12,8 @@
 - An e4m3 cache (`fxquant.FP8StaticCache`) holds each row as `fxquant::quantize_fp8(row, 0)` makes it: the rotated
   k (or v) in its dtype, quantized with a scale per (token, KV head); the codes go to uint8 caches at `positions`,
   the scales to fp32 caches [B, Hkv, S, 1] at `scale_positions` (the cache's twin layer counts its own).
+- Appended (`rotary_cache_append`): the positions are the cache's length L (a 0-d integer tensor, transformers'
+  `cumulative_length`) plus 0..Q-1, for codes and scales alike, and L grows by Q after the writes.
 """
 
 from __future__ import annotations
@@ -50,3 +52,23 @@ def rotary_cache_write_e4m3(q, k, v, cos, sin, positions, scale_positions, k_cod
         codes.index_copy_(2, positions[inside], quantized.data.view(torch.uint8)[:, :, inside])
         scales.index_copy_(2, scale_positions[inside], quantized.scale[:, :, inside])
     return rotated(q, cos, sin)
+
+
+def _appended(length: torch.Tensor, queries: int) -> torch.Tensor:
+    """The positions a step of `queries` tokens appends at: length + 0, ..., length + queries - 1."""
+    return length.reshape(()) + torch.arange(queries, device=length.device)
+
+
+def rotary_cache_append(q, k, v, cos, sin, length, k_cache, v_cache) -> torch.Tensor:
+    """rotary_cache_write at the cache's length, which then grows by the Q positions written."""
+    out = rotary_cache_write(q, k, v, cos, sin, _appended(length, q.shape[2]), k_cache, v_cache)
+    length.add_(q.shape[2])
+    return out
+
+
+def rotary_cache_append_e4m3(q, k, v, cos, sin, length, k_codes, v_codes, k_scales, v_scales) -> torch.Tensor:
+    """rotary_cache_write_e4m3 with codes and scales at the cache's length, which then grows by Q."""
+    positions = _appended(length, q.shape[2])
+    out = rotary_cache_write_e4m3(q, k, v, cos, sin, positions, positions, k_codes, v_codes, k_scales, v_scales)
+    length.add_(q.shape[2])
+    return out

@@ -1,5 +1,6 @@
 """The attention ops: decode attention over the KV cache as stored (alone, or with its output quantized for the
-o-projection), an e4m3 cache dequantized, and a decode step's rotary embedding with its cache write."""
+o-projection), an e4m3 cache dequantized, and a decode step's rotary embedding with its cache write (at given
+positions, or appended at the cache's length, which it grows)."""
 
 from __future__ import annotations
 
@@ -100,10 +101,6 @@ rotary_cache_write = define("rotary_cache_write(Tensor q, Tensor k, Tensor v, Te
                             _rotary_cache_write, DECODE_TAGS)
 
 
-@fake("rotary_cache_write")
-def _(q, k, v, cos, sin, positions, k_cache, v_cache):
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-
 
 def _rotary_cache_write_e4m3(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, positions: Tensor,
                              scale_positions: Tensor, k_codes: Tensor, v_codes: Tensor, k_scales: Tensor,
@@ -124,6 +121,41 @@ rotary_cache_write_e4m3 = define("rotary_cache_write_e4m3(Tensor q, Tensor k, Te
                                  DECODE_TAGS)
 
 
-@fake("rotary_cache_write_e4m3")
-def _(q, k, v, cos, sin, positions, scale_positions, k_codes, v_codes, k_scales, v_scales):
+
+def _rotary_cache_append(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, length: Tensor,
+                         k_cache: Tensor, v_cache: Tensor) -> Tensor:
+    """rotary_cache_write at the cache's length (a 0-d integer tensor, transformers' `cumulative_length`): k and v
+    written at length + 0..Q-1, then the length grown by Q. CUDA: one kernel where it serves the operands."""
+    if q.is_cuda and rotary_cache_supports(q, k, v, cos, sin, length, k_cache, v_cache, append=True) is None:
+        return rotary_cache_kernel(q, k, v, cos, sin, length, k_cache, v_cache, append=True)
+    return RR.rotary_cache_append(q, k, v, cos, sin, length, k_cache, v_cache)
+
+
+rotary_cache_append = define("rotary_cache_append(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, "
+                             "Tensor(a!) length, Tensor(b!) k_cache, Tensor(c!) v_cache) -> Tensor",
+                             _rotary_cache_append, DECODE_TAGS)
+
+
+
+def _rotary_cache_append_e4m3(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, length: Tensor,
+                              k_codes: Tensor, v_codes: Tensor, k_scales: Tensor, v_scales: Tensor) -> Tensor:
+    """rotary_cache_write_e4m3 at the cache's length, codes and scales alike, then the length grown by Q."""
+    if (q.is_cuda and rotary_cache_supports(q, k, v, cos, sin, length, k_codes, v_codes, append=True) is None
+            and rotary_codes_supports(q, k_codes, k_scales, v_scales) is None):
+        return rotary_cache_kernel(q, k, v, cos, sin, length, k_codes, v_codes, codes=(length, k_scales, v_scales),
+                                   append=True)
+    return RR.rotary_cache_append_e4m3(q, k, v, cos, sin, length, k_codes, v_codes, k_scales, v_scales)
+
+
+rotary_cache_append_e4m3 = define("rotary_cache_append_e4m3(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, "
+                                  "Tensor(a!) length, Tensor(b!) k_codes, Tensor(c!) v_codes, Tensor(d!) k_scales, "
+                                  "Tensor(e!) v_scales) -> Tensor", _rotary_cache_append_e4m3, DECODE_TAGS)
+
+
+def _rotated_query(q: Tensor, *operands) -> Tensor:
+    """What the rotary ops return: q rotated, contiguous."""
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+for _rotary_op in ("rotary_cache_write", "rotary_cache_write_e4m3", "rotary_cache_append", "rotary_cache_append_e4m3"):
+    fake(_rotary_op)(_rotated_query)

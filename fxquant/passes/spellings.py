@@ -38,6 +38,7 @@ SOFTMAX = {torch.softmax, F.softmax, torch.Tensor.softmax, aten._softmax.default
 TANH = {torch.tanh, torch.Tensor.tanh, aten.tanh.default}
 SILU = {F.silu, torch._C._nn.silu, aten.silu.default}
 CAT = {torch.cat, torch.concat, aten.cat.default}
+ARANGE = {torch.arange, aten.arange.default, aten.arange.start}
 AMAX = {torch.max, torch.Tensor.max, torch.amax, torch.Tensor.amax, aten.max.dim, aten.amax.default}
 SUB = {torch.sub, torch.Tensor.sub, aten.sub.Tensor, operator.sub}
 DROPOUT = {F.dropout, torch.dropout, aten.dropout.default}

@@ -116,3 +116,44 @@ def test_an_e4m3_cache_gets_the_row_quantizers_codes_and_scales(B, HQ, HKV, Q, D
     codes, scale = quantize_fp8(v, 0)
     assert torch.equal(caches[1][:, :, positions], codes.view(torch.uint8))
     assert torch.equal(scales[1][:, :, scale_positions], scale)
+
+
+@pytest.mark.parametrize("codes", [False, True], ids=["bf16_cache", "e4m3_cache"])
+@pytest.mark.parametrize("counted_in_kernel", [True, False], ids=["arrivals", "add_after"])
+@pytest.mark.parametrize(("B", "HQ", "HKV", "Q", "D"), [(1, 4, 2, 1, 64), (2, 8, 2, 3, 96)])
+def test_appending_writes_at_the_length_and_grows_it_once(B, HQ, HKV, Q, D, codes, counted_in_kernel):
+    """append: the rows go where positions length + 0..Q-1 put them, codes and scales alike, and the length grows by
+    Q exactly once, counted in the kernel by its last k/v row (whose arrival counter is left zero for the next
+    kernel) or, without the split GEMMs' counters, by an add after it: the reference's bits either way."""
+    from fxquant.kernels import splitk
+
+    q, k, v, cos, sin, _, k_cache, v_cache = operands(B, HQ, HKV, Q, D, 16, torch.bfloat16, 1,
+                                                      cos_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(11)
+    if codes:
+        k_cache, v_cache = (torch.randint(0, 255, (B, HKV, 16, D), generator=gen, dtype=torch.uint8).to(DEVICE)
+                            for _ in range(2))
+    scales = [torch.rand(B, HKV, 16, 1, generator=gen).to(DEVICE) for _ in range(2)] if codes else []
+    length = torch.tensor(7, device=DEVICE)
+    state = [length, k_cache, v_cache, *scales]
+    want_state = [t.clone() for t in state]
+    if codes:
+        want = reference_rotary.rotary_cache_append_e4m3(q, k, v, cos, sin, *want_state)
+    else:
+        want = reference_rotary.rotary_cache_append(q, k, v, cos, sin, *want_state)
+    with splitk.reduce_in_gemm(counted_in_kernel):
+        got = rotary_cache_write(q, k, v, cos, sin, length, k_cache, v_cache, append=True,
+                                 codes=(length, *scales) if codes else None)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    for got_t, want_t in zip(state, want_state, strict=True):
+        assert torch.equal(got_t.reshape(-1).view(torch.uint8), want_t.reshape(-1).view(torch.uint8))
+    assert int(length) == 7 + Q and not torch.equal(k_cache[:, :, 7:7 + Q], torch.zeros_like(k_cache[:, :, :Q]))
+    if counted_in_kernel:
+        assert not splitk.counters(torch.device(DEVICE), 1).any()  # left zero, as every counting kernel leaves them
+
+
+def test_a_length_must_be_one_integer():
+    q, k, v, cos, sin, positions, k_cache, v_cache = operands(1, 4, 2, 2, 64, 16, torch.bfloat16, 1)
+    assert "not one integer" in supports(q, k, v, cos, sin, positions, k_cache, v_cache, append=True)
+    assert supports(q, k, v, cos, sin, positions[:1], k_cache, v_cache, append=True) is None
+    assert "int32 or int64" in supports(q, k, v, cos, sin, positions.float(), k_cache, v_cache)

@@ -18,6 +18,9 @@ from fxquant.passes.side_effects import has_side_effects
 
 OP = torch.ops.fxquant.rotary_cache_write.default
 OP_E4M3 = torch.ops.fxquant.rotary_cache_write_e4m3.default
+# fuse_cache_length then counts the cache's length in the op: the same rotation and writes, at the length
+APPENDED = {OP: torch.ops.fxquant.rotary_cache_append.default,
+            OP_E4M3: torch.ops.fxquant.rotary_cache_append_e4m3.default}
 
 
 @pytest.fixture
@@ -26,7 +29,8 @@ def on_the_cpu(monkeypatch):
 
 
 def count(gm, target):
-    return sum(node.target == target for node in gm.graph.nodes)
+    """Nodes of `target`, or of its appending form."""
+    return sum(node.target in (target, APPENDED.get(target)) for node in gm.graph.nodes)
 
 
 def cache_writes(gm):
@@ -69,7 +73,7 @@ def test_decode_steps_rotate_and_write_the_cache_in_one_op(arch, overrides, cach
         writes = 4 if fused is OP_E4M3 else 2  # codes and scales
         assert count(decode, fused) == layers
         assert cache_writes(prefill) == writes * layers and cache_writes(decode) == 0
-    ops = [node for node in decode.graph.nodes if node.target in (OP, OP_E4M3)]
+    ops = [node for node in decode.graph.nodes if node.target in (OP, OP_E4M3, *APPENDED.values())]
     assert all(has_side_effects(node) for node in ops)  # the writes cleanup must keep
     # cos and sin before the model rounds them to bf16, as Inductor's unfused code reads them
     assert all(node.args[3].meta["example_value"].dtype == torch.float32 for node in ops)
@@ -218,14 +222,18 @@ def test_under_inductor_the_fused_step_gives_the_unfused_steps_bits_writing_the_
 
     from torch._inductor.utils import run_and_get_code
 
-    model = decoder("llama", num_hidden_layers=1)
+    model = decoder("llama")
     prompt = torch.randint(0, 512, (1, 5), generator=torch.Generator().manual_seed(8))
     results = {}
     for disable in ((), ("fuse_rotary_cache",)):
         cache, (out, code) = _one_step_after_prefill(model, prompt, {"disable_passes": list(disable)},
                                                      run=run_and_get_code)
-        results[disable] = (out.logits, cache.layers[0].keys, cache.layers[0].values, "\n".join(code))
+        state = [t for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
+        results[disable] = (out.logits, *state, "\n".join(code))
     (*fused, code), (*unfused, _) = results[()], results[("fuse_rotary_cache",)]
     assert all(torch.equal(a, b) for a, b in zip(fused, unfused, strict=True))
-    # the caches are the graph's inputs, written where they are: the call's last two arguments are input buffers
+    assert [int(layer.cumulative_length) for layer in cache.layers] == [6, 6]
+    # the caches (and the second layer's length, which fuse_cache_length counts in its op) are the graph's inputs,
+    # written where they are: the ops' last arguments are input buffers, not copies
     assert re.search(r"fxquant\.rotary_cache_write\.default\(.*, (arg\d+_1), (arg\d+_1)\)", code), code
+    assert re.search(r"fxquant\.rotary_cache_append\.default\(.*, (arg\d+_1), (arg\d+_1), (arg\d+_1)\)", code), code
