@@ -67,11 +67,16 @@ def _dequantize_kernel(
 
 
 def dequantize_weight(codes, scale, fmt: str, group: int, K: int, dtype: torch.dtype, *, zero_point=None,
-                      global_scale=None) -> torch.Tensor:
+                      global_scale=None, out=None) -> torch.Tensor:
     """codes: [N, K] int8 or e4m3 (as uint8), or [N, K/8] int32 words of packed 4-bit codes; scale: [N, K/group]
-    (E8M0/e4m3 as uint8), [N, 1] for int8. Returns the [N, K] weight in `dtype`, rounded once."""
+    (E8M0/e4m3 as uint8), [N, 1] for int8. Returns the [N, K] weight in `dtype`, rounded once: in `out` where given
+    (an [N, K] tensor of `dtype` with unit column stride)."""
     N = codes.shape[0]
-    out = torch.empty((N, K), dtype=dtype, device=codes.device)
+    if out is None:
+        out = torch.empty((N, K), dtype=dtype, device=codes.device)
+    elif out.shape != (N, K) or out.dtype != dtype or out.stride(1) != 1:
+        raise ValueError(f"fxquant: dequantize_weight's out must be [{N}, {K}] {dtype} with unit column stride, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if N == 0 or K == 0:
         return out
     block_n, block_k = 32, max(128, group)  # a multiple of every group (power-of-two groups)

@@ -10,7 +10,9 @@ The K loops are the dense kernels' (`fp8_accumulate`, `wo_accumulate`, `int4_fp8
 slice of the weight and its scales: fp8 with row or 1x128 / 128x128 block scales, fp32 accumulation, scales folded in
 the K loop; weight-only int8, int4, MXFP4, NVFP4 and MXFP8 codes decoded in registers; W4A8, int4 codes as e4m3
 integers on the fp8 tensor cores, each group's partial scaled. Tiles are the dense tables' at the average rows per
-active expert; where the active tiles are too few for the SMs, K is split (`splitk.py`).
+active expert; where the active tiles are too few for the SMs, K is split (`splitk.py`). Past DEQUANTIZE_ABOVE_M rows
+per active expert, weight-only experts are dequantized to bf16 and multiplied by `torch._grouped_mm`, as the dense
+weight-only product hands such rows to cuBLAS (the crossover is the dense one's, not yet timed for experts).
 """
 
 from __future__ import annotations
@@ -23,11 +25,19 @@ import triton.language as tl
 
 from fxquant.kernels.cast import cast_mode, float_cast_mode, interpreting
 from fxquant.kernels.codes import FORMATS
+from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_fp8 import SCALE_BLOCK, TORCH_TO_TL, fp8_accumulate, fp8_scale_tile
 from fxquant.kernels.gemm_int4_fp8 import GROUP as INT4_GROUP
 from fxquant.kernels.gemm_int4_fp8 import int4_fp8_accumulate, int4_fp8_config
-from fxquant.kernels.gemm_weight_only import weight_operands, wo_accumulate, wo_gemm_config, wo_scale_tile
+from fxquant.kernels.gemm_weight_only import (
+    CHUNK_ELEMENTS,
+    DEQUANTIZE_ABOVE_M,
+    weight_operands,
+    wo_accumulate,
+    wo_gemm_config,
+    wo_scale_tile,
+)
 from fxquant.kernels.launch import cdiv, visible
 from fxquant.kernels.splitk import reduce_partials, split_k
 from fxquant.kernels.tiles import expert_tile_offsets, k_steps_of, store_tile
@@ -210,17 +220,20 @@ def grouped_weight_only_mm(a, offs, w, w_scale, fmt: str, group: int, N: int, *,
                            global_scale=None, config=None):
     """a: [M, K] bf16/fp16 (bf16 for mxfp8), rows sorted by expert; offs: int32 [E]; w: [E, N, K] int8 / e4m3 or
     [E, N, K/2] packed 4-bit codes; w_scale: [E, N, ...] as `weight_only_mm` takes each expert's; zero_point: like
-    w_scale; global_scale: NVFP4's fp32 [E]. Returns [M, N] in a's dtype, every expert's codes decoded in
-    registers."""
+    w_scale; global_scale: NVFP4's fp32 [E]. Returns [M, N] in a's dtype. Up to DEQUANTIZE_ABOVE_M rows per active
+    expert, or given an explicit tile `config`, every expert's codes are decoded in registers; past it bf16
+    activations take the experts dequantized and `torch._grouped_mm`, as the dense product takes cuBLAS."""
     M, K = a.shape
     E = w.shape[0]
     _check_offs(offs, E)
     codes, scale = weight_operands(a, w, w_scale, fmt, group, N)
     if zero_point is not None and zero_point.stride() != scale.stride():
         raise ValueError("fxquant: int4 zero points must share the scales' layout [E, N, K/group]")
-    out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     if M == 0 or N == 0:
-        return out
+        return torch.empty((M, N), dtype=a.dtype, device=a.device)
+    if config is None and a.dtype == torch.bfloat16 and cdiv(M, min(M, E)) > DEQUANTIZE_ABOVE_M:
+        return _grouped_dequantized_mm(a, offs, codes, scale, fmt, group, zero_point, global_scale)
+    out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     grid, split, meta = _wo_plan(M, N, K, E, fmt, group, tuple(sorted((config or {}).items())))
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     visible(_grouped_wo_kernel)[grid](
@@ -234,6 +247,28 @@ def grouped_weight_only_mm(a, offs, w, w_scale, fmt: str, group: int, N: int, *,
         CAST=float_cast_mode(_grouped_wo_kernel), **meta,
     )
     return _finish(ws, out, split, a.dtype)
+
+
+def _grouped_dequantized_mm(a, offs, codes, scale, fmt, group, zero_point, global_scale):
+    """Each expert's rows of a times that expert dequantized to a's dtype (rounded once, as the dense product past
+    DEQUANTIZE_ABOVE_M rounds it), by torch._grouped_mm: every expert's block of output columns at once, each block
+    at most CHUNK_ELEMENTS of dequantized weight; rows past offs[-1] are zero, as the kernels leave them."""
+    (M, K), (E, N) = a.shape, codes.shape[:2]
+    columns = max(16, CHUNK_ELEMENTS // (E * K) // 16 * 16)  # whole 16-element column blocks, grouped_mm's alignment
+    owned = (torch.arange(M, device=a.device) < offs[-1])[:, None]
+    out = torch.empty((M, N), dtype=a.dtype, device=a.device) if columns < N else None
+    for n0 in range(0, N, columns):
+        n1 = min(N, n0 + columns)
+        weights = torch.empty((E, n1 - n0, K), dtype=a.dtype, device=a.device)
+        for e in range(E):  # an expert's rows are one launch; NVFP4's global scale is the expert's own
+            dequantize_weight(codes[e, n0:n1], scale[e, n0:n1], fmt, group, K, a.dtype, out=weights[e],
+                              zero_point=None if zero_point is None else zero_point[e, n0:n1],
+                              global_scale=None if global_scale is None else global_scale[e])
+        block = torch.where(owned, torch._grouped_mm(a, weights.transpose(1, 2), offs=offs), 0)
+        if out is None:
+            return block
+        out[:, n0:n1] = block
+    return out
 
 
 

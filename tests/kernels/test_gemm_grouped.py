@@ -60,6 +60,37 @@ def test_grouped_weight_only(fmt, name):
     check(got, R.grouped_linear(x, offs, q), offs)
 
 
+@pytest.mark.parametrize("tail", [0, 7], ids=["every_row_owned", "rows_past_the_last_expert"])
+@pytest.mark.parametrize("fmt", list(WEIGHT_ONLY))
+def test_many_rows_take_the_experts_dequantized(fmt, tail, monkeypatch):
+    """Past DEQUANTIZE_ABOVE_M rows per active expert the experts are dequantized to bf16, each weight rounded once
+    (half a bf16 ulp), for torch._grouped_mm, in column blocks when they are large: each row is its expert's fp64
+    product of the dequantized operands within that rounding, fp32 accumulation's error and one ulp at the store
+    (the dense dequantized product's bound, tests/kernels/test_gemm_weight_only.py); an empty expert among them, and
+    rows no expert owns left zero."""
+    from fxquant.kernels import gemm_grouped
+
+    monkeypatch.setattr(gemm_grouped, "CHUNK_ELEMENTS", E * K * 96)  # column blocks of 96, 96 and 64: their seams
+    gen = torch.Generator().manual_seed(1)
+    counts = [300, 0, 180, 90]  # 570 rows over 4 experts: 143 each on average, past 128
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).to(DEVICE)
+    granularity, group = WEIGHT_ONLY[fmt]
+    x = torch.randn(sum(counts) + tail, K, generator=gen).to(DEVICE, torch.bfloat16)
+    if fmt == "mxfp8":
+        x = R.dequantize(R.quantize(x, "mxfp8"), torch.bfloat16)
+    q = R.quantize_experts(torch.randn(E, N, K, generator=gen).to(DEVICE), fmt, granularity)
+    got = grouped_weight_only_mm(x, offs, q.data, q.scale, fmt, group, N, zero_point=q.zero_point,
+                                 global_scale=q.global_scale)
+    exact, bound = torch.zeros(x.shape[0], N, dtype=torch.float64), torch.zeros(x.shape[0], N, dtype=torch.float64)
+    for e, rows in R.expert_rows(offs.cpu()):
+        w_hp = R.dequantize(R.expert(q, e), torch.float64).cpu()
+        exact[rows], bound[rows] = x[rows].double().cpu() @ w_hp.T, x[rows].double().abs().cpu() @ w_hp.abs().T
+    ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30)))) * torch.finfo(torch.bfloat16).eps
+    assert got.shape == (x.shape[0], N) and got.dtype == torch.bfloat16
+    assert torch.equal(got[sum(counts):], torch.zeros_like(got[sum(counts):]))  # rows no expert owns
+    assert ((got.double().cpu() - exact).abs() <= ulp + (2**-20 + 2**-8) * bound).all()
+
+
 @pytest.mark.parametrize("name", list(ROUTINGS))
 @pytest.mark.parametrize("scheme", list(FP8))
 def test_grouped_fp8(scheme, name):
