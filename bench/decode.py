@@ -9,8 +9,9 @@ Per path, in one process:
 - decode: median ms per step over the steps after those, on the same static cache, the host's share of it (until
   the call returns), tokens/s, and the host ms inside CUDA graph replay() calls, unprofiled (graph replay ms);
 - profile (--profile-batches, in a worker process of its own after the timed one, launching without programmatic
-  dependent launch, whose waiting kernels would count their wait): GPU kernel ms per step, with the
-  table of kernels, and where the host's time goes, from the profiler's host ranges per step: dynamo's guards, the
+  dependent launch, whose waiting kernels would count their wait, unless --profile-pdl): GPU kernel ms per step, the
+  step's span on the GPU and the idle time in it (`bench.timeline`), with the table of kernels and the largest gaps
+  between them, and where the host's time goes, from the profiler's host ranges per step: dynamo's guards, the
   compiled region (dynamo's frame running the backend's callable), Inductor's compiled-graph call within it
   (CUDA-graph tree bookkeeping and the launch), and the graph launch itself; for fxquant, its wrapper's own per-call
   checks, timed alone (the graph it calls replaced by a no-op);
@@ -63,7 +64,7 @@ import torch
 import transformers as T
 
 import fxquant
-from bench import peers, workers
+from bench import peers, timeline, workers
 from bench.common import LLAMA_3_VOCAB, header, llama, llama_config, table
 from fxquant.compile.backend import fxquant as fxquant_backend
 from fxquant.kernels.dependent_launch import dependent_launches
@@ -131,9 +132,9 @@ class Decoder:
         return torch.stack(logits), returned, finished
 
     def profile(self, prompt, tokens, steps: int = 3) -> tuple[dict, str]:
-        """Per decode step: GPU kernel ms, the number of kernels, and the host ms of dynamo's guard check and of the
-        CUDA graph launch (both spent before the GPU starts a step); with the table of the kernels taking the GPU
-        time."""
+        """Per decode step: GPU kernel ms, the number of kernels, the step's span on the GPU and the idle time in it
+        (`bench.timeline`), and the host ms of dynamo's guard check and of the CUDA graph launch (both spent before
+        the GPU starts a step); with the table of the kernels taking the GPU time and the largest gaps."""
         cache = self.prefilled(prompt)
         activities = [torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if self.device == "cuda" else [])
@@ -149,8 +150,13 @@ class Decoder:
         ranges = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU}
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                    and e.name not in ranges]
+        windows = [(e.time_range.start, e.time_range.end) for e in prof.events()  # each step's graph on the GPU
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("## Call CompiledFxGraph")]
+        timelines = timeline.steps_timeline([timeline.Kernel(e.name, e.time_range.start, e.time_range.end)
+                                             for e in kernels], windows, steps)
+        idle = timeline.summary(timelines, steps) if timelines else {}
         numbers = {"GPU ms": f"{sum(e.device_time_total for e in kernels) / steps / 1e3:.3f}",
-                   "kernels": f"{len(kernels) / steps:.0f}",
+                   "kernels": f"{len(kernels) / steps:.0f}", **idle,
                    "guards ms": f"{spans('TorchDynamo Cache Lookup'):.3f}",
                    "compiled region ms": f"{spans('Torch-Compiled Region'):.3f}",
                    "Inductor call ms": f"{spans('## Call CompiledFxGraph'):.3f}",
@@ -158,7 +164,10 @@ class Decoder:
         if self.callables:
             numbers["fxquant wrapper us"] = f"{self.wrapper_us(prompt, tokens):.1f}"
         # 30 rows: every kind of kernel a decode layer launches (about 15), the small ones included
-        return numbers, events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70)
+        kernel_table = events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70)
+        if timelines:
+            kernel_table += "\nthe largest gaps between kernels (GPU idle):\n" + timeline.largest_gaps(timelines)
+        return numbers, kernel_table
 
     def wrapper_us(self, prompt, tokens, calls: int = 200, repeats: int = 15) -> float:
         """Microseconds of host time per decode step in fxquant's QuantizedCallable itself (its checks of the
@@ -359,7 +368,7 @@ def work(items: list[tuple[str, int]], args):
                     prompt, tokens[:, :CHECK_STEPS])[0] if compared else None
         current = None
         for path, batch in items:
-            with launch_settings(path, args.profile_only):
+            with launch_settings(path, args.profile_only and not args.profile_pdl):
                 if path != current:
                     current, decoder = path, None
                     torch._dynamo.reset()
@@ -428,6 +437,7 @@ def run_workers(items: list[tuple[str, int]], args, warm: bool = False, profile:
     forwarded = ("layers", "hidden", "vocab", "prefill", "steps", "mode", "device", "row_timeout")
     passed = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in forwarded]
     passed += ["--skip-guards"] if args.skip_guards else []
+    passed += ["--profile-pdl"] if args.profile_pdl else []
     for option in ("prefill_batches", "generate_batches", "fxquant_generate_batches"):
         passed += [f"--{option.replace('_', '-')}", *map(str, getattr(args, option))]
     passed += ["--warm"] if warm else ["--profile-only"] if profile else []
@@ -511,6 +521,9 @@ def main():
     parser.add_argument("--fxquant-generate-batches", type=int, nargs="*", default=[1],
                         help="batches whose row times fxquant.generate too (not for peers' paths)")
     parser.add_argument("--profile-batches", type=int, nargs="*", default=[1])
+    parser.add_argument("--profile-pdl", action="store_true",
+                        help="profile with programmatic dependent launch on, as the timed steps run: the span and "
+                             "idle columns are then the step's; GPU ms counts a dependent kernel's wait as its time")
     parser.add_argument("--skip-guards", action="store_true",
                         help="time the decode steps again under set_stance(skip_guard_eval_unsafe=True)")
     parser.add_argument("--row-timeout", type=float, default=240,
