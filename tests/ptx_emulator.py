@@ -1,0 +1,91 @@
+"""The part of PTX that fxquant's inline decode blocks use, run on the CPU over numpy words, so that the blocks are
+checked bit for bit where no GPU is: 32-bit shifts, ands and lop3, packed bf16/fp16 multiplies and fmas, and movs
+that pack or unpack 16-bit halves. An instruction outside that part raises, as does a packed product that its
+16-bit type cannot hold exactly (the decode blocks claim exact arithmetic; overflow to infinity excepted), so the
+emulator never has to pick a rounding the hardware might not make."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+
+U32 = np.uint32
+HALF_TYPES = {"bf16x2": torch.bfloat16, "f16x2": torch.float16}
+
+
+def _halves(word: np.ndarray, dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The low and high 16-bit halves of 32-bit words as float64 values of `dtype`."""
+    def value(bits):
+        return torch.from_numpy(bits.astype(np.int16)).view(dtype).double().numpy()
+    return value(word & 0xFFFF), value(word >> 16)
+
+
+def _packed(low: np.ndarray, high: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """float64 values rounded to `dtype` (exactly, or overflowing to infinity) and packed into 32-bit words."""
+    def bits(values):
+        rounded = torch.from_numpy(values).to(dtype)
+        back = rounded.double().numpy()
+        inexact = (back != values) & np.isfinite(back) & ~np.isnan(values)
+        if inexact.any():
+            raise ArithmeticError(f"a packed {dtype} result is not exact: {values[inexact][:4]}")
+        return rounded.view(torch.int16).numpy().astype(np.uint16).astype(U32)
+    return bits(low) | (bits(high) << U32(16))
+
+
+def _lop3(a, b, c, lut: int) -> np.ndarray:
+    """lop3.b32: bit i of the result is lut's bit (a_i << 2 | b_i << 1 | c_i)."""
+    out = np.zeros_like(a)
+    for index in range(8):
+        if lut >> index & 1:
+            pick = [(x if index >> shift & 1 else ~x) for x, shift in ((a, 2), (b, 1), (c, 0))]
+            out |= pick[0] & pick[1] & pick[2]
+    return out
+
+
+def run(asm: str, operands: list, outputs: int) -> list[np.ndarray]:
+    """Run `asm` with $outputs.. bound to `operands` (32-bit words: numpy arrays or ints, broadcast together); returns
+    $0..$(outputs - 1), each as it was last written (a 16-bit output in the low half of its word)."""
+    shape = np.broadcast_shapes((1,), *(np.shape(o) for o in operands))
+    regs = {f"${outputs + i}": np.broadcast_to(np.asarray(o, dtype=np.int64) & 0xFFFFFFFF, shape).astype(U32)
+            for i, o in enumerate(operands)}
+
+    def read(token: str) -> np.ndarray:
+        token = token.strip()
+        if token in regs:
+            return regs[token]
+        if re.fullmatch(r"0x[0-9a-fA-F]+|\d+", token):
+            return np.full(shape, int(token, 0) & 0xFFFFFFFF, dtype=U32)
+        raise KeyError(f"ptx_emulator: {token!r} is neither a register written before nor an immediate")
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";").strip()
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        opcode, _, rest = line.partition(" ")
+        if opcode == "mov.b32" and rest.startswith("{"):  # {lo, hi}, word: unpack
+            lo, hi, word = re.fullmatch(r"\{\s*(\S+),\s*(\S+)\s*\},\s*(\S+)", rest).groups()
+            regs[lo], regs[hi] = read(word) & U32(0xFFFF), read(word) >> U32(16)
+            continue
+        if opcode == "mov.b32" and "{" in rest:  # word, {lo, hi}: pack
+            word, lo, hi = re.fullmatch(r"(\S+),\s*\{\s*(\S+),\s*(\S+)\s*\}", rest).groups()
+            regs[word] = (read(lo) & U32(0xFFFF)) | (read(hi) << U32(16))
+            continue
+        dest, *args = [token.strip() for token in rest.split(",")]
+        if opcode == "shl.b32":
+            regs[dest] = read(args[0]) << U32(int(args[1], 0))
+        elif opcode == "shr.u32":
+            regs[dest] = read(args[0]) >> U32(int(args[1], 0))
+        elif opcode == "and.b32":
+            regs[dest] = read(args[0]) & read(args[1])
+        elif opcode == "lop3.b32":
+            regs[dest] = _lop3(read(args[0]), read(args[1]), read(args[2]), int(args[3], 0))
+        elif (m := re.fullmatch(r"(mul|fma)\.rn\.(bf16x2|f16x2)", opcode)):
+            dtype = HALF_TYPES[m.group(2)]
+            halves = [_halves(read(arg), dtype) for arg in args]
+            combine = (lambda x, y: x * y) if m.group(1) == "mul" else (lambda x, y, z: x * y + z)
+            regs[dest] = _packed(combine(*(h[0] for h in halves)), combine(*(h[1] for h in halves)), dtype)
+        else:
+            raise NotImplementedError(f"ptx_emulator: {opcode} is not emulated ({line!r})")
+    return [regs[f"${i}"] for i in range(outputs)]
