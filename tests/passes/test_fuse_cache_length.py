@@ -9,9 +9,11 @@ import torch
 import transformers as T
 from hf_models import compiled_results, decoder
 
+import fxquant
 from fxquant import FP8StaticCache
 from fxquant.compile import pipeline
 from fxquant.numerics import reference_rotary
+from fxquant.passes.decode_attention import DecodeAttention
 from fxquant.passes.fuse_cache_length import FuseCacheLength
 from fxquant.passes.fuse_rotary_cache import FuseRotaryCache
 
@@ -23,6 +25,12 @@ APPEND_E4M3 = torch.ops.fxquant.rotary_cache_append_e4m3.default
 @pytest.fixture
 def on_the_cpu(monkeypatch):
     monkeypatch.setattr(pipeline, "FuseRotaryCache", functools.partial(FuseRotaryCache, devices=("cpu",)))
+
+
+@pytest.fixture
+def decode_passes_on_the_cpu(on_the_cpu, monkeypatch):
+    """The rotary write and decode attention rewritten on the CPU too, as they rewrite a GPU's decode step."""
+    monkeypatch.setattr(pipeline, "DecodeAttention", functools.partial(DecodeAttention, devices=("cpu",)))
 
 
 def count(gm, *targets):
@@ -135,3 +143,22 @@ def test_a_length_read_or_grown_elsewhere_keeps_its_own_arithmetic(variant):
     want = _step(*want_inputs, variant=variant)
     assert torch.equal(got[0], want[0]) and (got[1] is want[1] is None or torch.equal(got[1], want[1]))
     assert all(torch.equal(a, b) for a, b in zip(got_inputs[5:], want_inputs[5:], strict=True))
+
+
+def test_fxquant_generate_gives_the_same_tokens_with_the_length_counted_in_the_op(decode_passes_on_the_cpu):
+    """fxquant.generate, as a user runs it: a left-padded batch whose second sequence ends early, greedy, decoded
+    through the rotary op that grows each layer's length (and decode attention over the cache), gives the tokens of
+    the same decode with the lengths grown by Inductor's adds, and a second call on the same model too."""
+    model = decoder("llama")
+    ids = torch.randint(1, 512, (3, 8), generator=torch.Generator().manual_seed(9))
+    mask = (torch.arange(8)[None, :] >= 3 * torch.arange(3)[:, None]).long()
+    ids = ids.masked_fill(mask == 0, 0)
+    settings = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    options = {"inner": "eager", "skip": [".*"]}
+    want = fxquant.generate(model, ids, options={**options, "disable_passes": ["fuse_cache_length"]}, **settings)
+    eos = int(want[1, 8 + 2])  # the second sequence ends mid-way
+    want_eos = fxquant.generate(model, ids, options={**options, "disable_passes": ["fuse_cache_length"]},
+                                eos_token_id=eos, **settings)
+    torch._dynamo.reset()
+    assert torch.equal(fxquant.generate(model, ids, options=options, **settings), want)
+    assert torch.equal(fxquant.generate(model, ids, options=options, eos_token_id=eos, **settings), want_eos)
