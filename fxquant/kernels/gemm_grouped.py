@@ -12,7 +12,9 @@ the K loop; weight-only int8, int4, MXFP4, NVFP4 and MXFP8 codes decoded in regi
 integers on the fp8 tensor cores, each group's partial scaled. Tiles are the dense tables' at the average rows per
 active expert; where the active tiles are too few for the SMs, K is split (`splitk.py`). Past DEQUANTIZE_ABOVE_M rows
 per active expert, weight-only experts are dequantized to bf16 and multiplied by `torch._grouped_mm`, as the dense
-weight-only product hands such rows to cuBLAS (the crossover is the dense one's, not yet timed for experts).
+weight-only product hands such rows to cuBLAS, and W4A8 experts take the dense W4A8 product expert by expert (cuBLAS's
+block-scaled GEMM, decision 0017), the offsets read on the host once; the crossovers are the dense ones', not yet
+timed for experts.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from fxquant.kernels.codes import FORMATS
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_fp8 import SCALE_BLOCK, TORCH_TO_TL, fp8_accumulate, fp8_scale_tile
+from fxquant.kernels.gemm_int4_fp8 import CUBLAS_ABOVE_M, int4_fp8_accumulate, int4_fp8_config, int4_fp8_mm
 from fxquant.kernels.gemm_int4_fp8 import GROUP as INT4_GROUP
-from fxquant.kernels.gemm_int4_fp8 import int4_fp8_accumulate, int4_fp8_config
 from fxquant.kernels.gemm_weight_only import (
     CHUNK_ELEMENTS,
     DEQUANTIZE_ABOVE_M,
@@ -286,7 +288,10 @@ def _int4_fp8_plan(M: int, N: int, K: int, E: int, overrides: tuple):
 def grouped_int4_fp8_mm(a, a_scale, offs, w, w_scale, zero_point, out_dtype=torch.bfloat16, config=None):
     """W4A8 over rows sorted by expert: a [M, K] e4m3 with per-token scales a_scale [M, 1]; offs: int32 [E];
     w: [E, N, K/2] packed int4 codes with scales [E, N, K/128] fp32 and zero points like them (or None: symmetric).
-    Returns [M, N] in out_dtype, each group's fp32 partial scaled as `int4_fp8_mm` scales it."""
+    Returns [M, N] in out_dtype, each group's fp32 partial scaled as `int4_fp8_mm` scales it. Past CUBLAS_ABOVE_M
+    rows per active expert, outside a CUDA graph capture and without an explicit `config`, each expert's rows take
+    the dense product (`int4_fp8_mm`, which hands them to cuBLAS's block-scaled GEMM past that many rows): the
+    one grouped GEMM that reads the expert offsets on the host."""
     M, K = a.shape
     E, N = w.shape[:2]
     _check_offs(offs, E)
@@ -297,6 +302,9 @@ def grouped_int4_fp8_mm(a, a_scale, offs, w, w_scale, zero_point, out_dtype=torc
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
+    if config is None and cdiv(M, min(M, E)) > CUBLAS_ABOVE_M and not (
+            a.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return _int4_fp8_by_expert(out, a, a_scale, offs, w, w_scale, zero_point)
     a, w, scale = a.contiguous(), w.contiguous().view(torch.uint8), w_scale.contiguous()
     zero = zero_point.contiguous() if zero_point is not None else scale
     grid, split, meta = _int4_fp8_plan(M, N, K, E, tuple(sorted((config or {}).items())))
@@ -308,3 +316,16 @@ def grouped_int4_fp8_mm(a, a_scale, offs, w, w_scale, zero_point, out_dtype=torc
         CAST=cast_mode(_grouped_int4_fp8_kernel, a.device), GROUP=INT4_GROUP, **meta,
     )
     return _finish(ws, out, split, out_dtype)
+
+
+def _int4_fp8_by_expert(out, a, a_scale, offs, w, w_scale, zero_point):
+    """Each expert's rows through the dense W4A8 product, written into out; rows no expert owns are zero. The
+    offsets come to the host once (the experts' row counts pick each product's route)."""
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = int4_fp8_mm(a[start:end], a_scale.reshape(-1, 1)[start:end], w[e], w_scale[e],
+                                         None if zero_point is None else zero_point[e], None, out.dtype)
+        start = max(start, end)
+    out[start:] = 0
+    return out

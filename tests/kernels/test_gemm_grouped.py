@@ -18,6 +18,8 @@ ROUTINGS = {
     "rows past the last expert": ([3, 4, 0, 6], 5),
     "a long group (several row tiles)": ([40, 1, 0, 2], 0),
 }
+# past 128 rows an active expert (570 over 4: 143 each on average), where some grouped GEMMs change route
+MANY_ROWS = {"past 128 rows an active expert, rows past the last": ([300, 0, 180, 90], 7)}
 WEIGHT_ONLY = {"int8": ("channel", 0), "int4": (None, 128), "mxfp4": (None, 32), "nvfp4": (None, 16),
                "mxfp8": (None, 32)}
 FP8 = {"per channel, per token": ("channel", 0), "128x128 blocks, 1x128 groups": (("block", 128, 128), 128),
@@ -28,7 +30,7 @@ REL_ERROR = 2e-3
 
 
 def routing(name):
-    counts, tail = ROUTINGS[name]
+    counts, tail = {**ROUTINGS, **MANY_ROWS}[name]
     offs = torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
     return offs, sum(counts) + tail
 
@@ -107,11 +109,12 @@ def test_grouped_fp8(scheme, name):
 
 @pytest.mark.parametrize("k", [K, 2048], ids=["k256", "k2048_split"])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero_point"])
-@pytest.mark.parametrize("name", list(ROUTINGS))
+@pytest.mark.parametrize("name", list(ROUTINGS) + list(MANY_ROWS))
 def test_grouped_int4_fp8_is_the_exact_product_rounded_at_the_store(name, symmetric, k):
     """W4A8 experts (int4_fp8): every e4m3 code times an int4 code less its zero point is exact, so each row is its
     expert's fp64 product of the dequantized operands to the fp32 accumulation's error and one bf16 rounding, as
-    the dense kernel's (tests/kernels/test_gemm_int4_fp8.py states the bound); K = 2048 over few rows splits K."""
+    the dense kernel's (tests/kernels/test_gemm_int4_fp8.py states the bound); K = 2048 over few rows splits K.
+    Past 128 rows an active expert, each expert's rows take the dense product (on a GPU cuBLAS's, past 128 rows)."""
     gen = torch.Generator().manual_seed(len(name) + k)
     offs, m = routing(name)
     x = torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16)
