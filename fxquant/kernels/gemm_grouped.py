@@ -40,7 +40,7 @@ from fxquant.kernels.gemm_weight_only import (
     wo_gemm_config,
     wo_scale_tile,
 )
-from fxquant.kernels.launch import cdiv, visible
+from fxquant.kernels.launch import cdiv, inlined, visible
 from fxquant.kernels.splitk import reduce_partials, split_k
 from fxquant.kernels.tiles import expert_tile_offsets, k_steps_of, store_tile
 
@@ -289,9 +289,9 @@ def grouped_int4_fp8_mm(a, a_scale, offs, w, w_scale, zero_point, out_dtype=torc
     """W4A8 over rows sorted by expert: a [M, K] e4m3 with per-token scales a_scale [M, 1]; offs: int32 [E];
     w: [E, N, K/2] packed int4 codes with scales [E, N, K/128] fp32 and zero points like them (or None: symmetric).
     Returns [M, N] in out_dtype, each group's fp32 partial scaled as `int4_fp8_mm` scales it. Past CUBLAS_ABOVE_M
-    rows per active expert, outside a CUDA graph capture and without an explicit `config`, each expert's rows take
-    the dense product (`int4_fp8_mm`, which hands them to cuBLAS's block-scaled GEMM past that many rows): the
-    one grouped GEMM that reads the expert offsets on the host."""
+    rows per active expert, outside a CUDA graph capture and a package's trace and without an explicit `config`,
+    each expert's rows take the dense product (`int4_fp8_mm`, which hands them to cuBLAS's block-scaled GEMM past
+    that many rows): the one grouped GEMM that reads the expert offsets on the host."""
     M, K = a.shape
     E, N = w.shape[:2]
     _check_offs(offs, E)
@@ -302,8 +302,8 @@ def grouped_int4_fp8_mm(a, a_scale, offs, w, w_scale, zero_point, out_dtype=torc
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
-    if config is None and cdiv(M, min(M, E)) > CUBLAS_ABOVE_M and not (
-            a.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if config is None and cdiv(M, min(M, E)) > CUBLAS_ABOVE_M and not inlined() and not (
+            a.is_cuda and torch.cuda.is_current_stream_capturing()):  # a package's trace cannot read the offsets
         return _int4_fp8_by_expert(out, a, a_scale, offs, w, w_scale, zero_point)
     a, w, scale = a.contiguous(), w.contiguous().view(torch.uint8), w_scale.contiguous()
     zero = zero_point.contiguous() if zero_point is not None else scale
