@@ -224,7 +224,8 @@ def grouped_weight_only_mm(a, offs, w, w_scale, fmt: str, group: int, N: int, *,
     [E, N, K/2] packed 4-bit codes; w_scale: [E, N, ...] as `weight_only_mm` takes each expert's; zero_point: like
     w_scale; global_scale: NVFP4's fp32 [E]. Returns [M, N] in a's dtype. Up to DEQUANTIZE_ABOVE_M rows per active
     expert, or given an explicit tile `config`, every expert's codes are decoded in registers; past it bf16
-    activations take the experts dequantized and `torch._grouped_mm`, as the dense product takes cuBLAS."""
+    activations take the experts dequantized and `torch._grouped_mm`, as the dense product takes cuBLAS (outside a
+    package's trace, whose kernels stay the ones it was tested with)."""
     M, K = a.shape
     E = w.shape[0]
     _check_offs(offs, E)
@@ -233,7 +234,7 @@ def grouped_weight_only_mm(a, offs, w, w_scale, fmt: str, group: int, N: int, *,
         raise ValueError("fxquant: int4 zero points must share the scales' layout [E, N, K/group]")
     if M == 0 or N == 0:
         return torch.empty((M, N), dtype=a.dtype, device=a.device)
-    if config is None and a.dtype == torch.bfloat16 and cdiv(M, min(M, E)) > DEQUANTIZE_ABOVE_M:
+    if config is None and a.dtype == torch.bfloat16 and cdiv(M, min(M, E)) > DEQUANTIZE_ABOVE_M and not inlined():
         return _grouped_dequantized_mm(a, offs, codes, scale, fmt, group, zero_point, global_scale)
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     grid, split, meta = _wo_plan(M, N, K, E, fmt, group, tuple(sorted((config or {}).items())))
