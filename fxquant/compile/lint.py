@@ -123,6 +123,8 @@ def lint_layers(state, weights=()) -> list[Finding]:
         findings.append(Finding("info", "decode_attention", name, "decode attention runs fxquant's split-KV kernel"))
     for name in state.rotary_cache:
         findings.append(Finding("info", "rotary_cache", name, "rotary embedding and cache write run as one kernel"))
+    for name in state.cache_length:
+        findings.append(Finding("info", "cache_length", name, "the cache's length is counted in that kernel"))
     for name, why in state.attention_left:
         findings.append(Finding("info", "attention_left", name, f"decode attention stays on SDPA: {why}"))
     return findings

@@ -157,7 +157,7 @@ def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=N
         state.config = config = resolve_auto(config, measured)
         state.auto_reasons = {m.fqn: m.reason for m in measured if m.chosen_by_auto and m.recipe is None}
     gm = _run([QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseSiluMul(), FuseLinear(),
-               PackInt4Lanes(state), FuseRotaryCache(state), FuseCacheLength(), DecodeAttention(state), PackGQA(),
+               PackInt4Lanes(state), FuseRotaryCache(state), FuseCacheLength(state), DecodeAttention(state), PackGQA(),
                FuseAttentionQuant(), Cleanup()], gm, config, stop_after, timings)
     findings += lint_layers(state, weights)
     refuse_errors(findings, "compile")

@@ -106,6 +106,7 @@ def format_report(layers, findings=(), weights=(), auto=()) -> str:
     lines += auto_summary + format_totals(layers, weights)
     listed = (("upcast", "reductions moved to fp32"), ("fused_norm", "norms fused with their fp8 quantizers"),
               ("rotary_cache", "rotary embedding and cache write in one kernel"),
+              ("cache_length", "the cache's length counted in that kernel"),
               ("decode_attention", "decode attention on fxquant's split-KV kernel"))
     for kind, label in listed:
         found = [f.where for f in findings if f.kind == kind]

@@ -26,11 +26,12 @@ import torch
 from torch.fx.passes.infra.pass_base import PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
-from fxquant.passes.annotations import fake_value
+from fxquant.passes.annotations import fake_value, module_path
 from fxquant.passes.op_arguments import arguments
 from fxquant.passes.order import FxquantPass
 from fxquant.passes.side_effects import alias_root
 from fxquant.passes.spellings import ADD, ARANGE, target_of
+from fxquant.passes.state import PipelineState
 
 APPENDED = {torch.ops.fxquant.rotary_cache_write.default: torch.ops.fxquant.rotary_cache_append.default,
             torch.ops.fxquant.rotary_cache_write_e4m3.default: torch.ops.fxquant.rotary_cache_append_e4m3.default}
@@ -85,36 +86,45 @@ class FuseCacheLength(FxquantPass):
     name = "fuse_cache_length"
     optional = True
 
+    def __init__(self, state: PipelineState | None = None):
+        super().__init__()
+        self.state = state
+
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         modified = False
         for op in [node for node in gm.graph.nodes if node.target in APPENDED]:
-            modified |= self._fuse(gm.graph, op)
+            where = self._fuse(gm.graph, op)
+            if where is not None:
+                modified = True
+                if self.state is not None:
+                    self.state.cache_length.append(where)
         return PassResult(gm, modified)  # the positions left unread go with cleanup's dead code
 
     @staticmethod
-    def _fuse(graph: torch.fx.Graph, op: torch.fx.Node) -> bool:
+    def _fuse(graph: torch.fx.Graph, op: torch.fx.Node) -> str | None:
+        """Rewrites op to count the length and returns the module that grew it (its attention), else None."""
         named = arguments(op)
         reads = [named["positions"]] + ([named["scale_positions"]] if "scale_positions" in named else [])
         found = [appended_positions(node) for node in reads]
         query = fake_value(named["q"])
         if None in found or len({(length, n) for length, n, _ in found}) != 1 or not isinstance(query, torch.Tensor):
-            return False
+            return None
         length, n, _ = found[0]
         growth = _growth(length, n)
         if n != query.shape[2] or growth is None or any(set(node.users) != {op} for node in set(reads)):
-            return False
+            return None
         order = {node: i for i, node in enumerate(graph.nodes)}
         computing = {node for _, _, nodes in found for node in nodes}
         if not set(length.users) <= computing | {growth}:
-            return False
+            return None
         first, last = min(order[node] for node in computing), max(order[op], order[growth])
         if not max(order[node] for node in computing) < order[growth]:
-            return False
+            return None
         root = alias_root(length)
         for node in graph.nodes:  # from the first read of L to the op or the growth: nothing else touches L
             if first < order[node] < last and node not in computing and node not in (growth, op) and (
                     node.op == "call_module" or any(alias_root(n) is root for n in node.all_input_nodes)):
-                return False
+                return None
         caches = [value for name, value in named.items() if name not in ("q", "k", "v", "cos", "sin", "positions",
                                                                            "scale_positions")]
         with graph.inserting_before(op):
@@ -122,6 +132,7 @@ class FuseCacheLength(FxquantPass):
                                                               named["sin"], length, *caches))
         fused.meta.update(op.meta)
         op.replace_all_uses_with(fused)
+        where = module_path(growth) or growth.name
         graph.erase_node(op)
         graph.erase_node(growth)
-        return True
+        return where

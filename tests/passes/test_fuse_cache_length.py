@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 import transformers as T
-from hf_models import compiled_results, decoder
+from hf_models import compiled_results, decoder, static_decode
 
 import fxquant
 from fxquant import FP8StaticCache
@@ -162,3 +162,11 @@ def test_fxquant_generate_gives_the_same_tokens_with_the_length_counted_in_the_o
     torch._dynamo.reset()
     assert torch.equal(fxquant.generate(model, ids, options=options, **settings), want)
     assert torch.equal(fxquant.generate(model, ids, options=options, eos_token_id=eos, **settings), want_eos)
+
+
+def test_the_report_names_the_layers_whose_length_the_op_counts(on_the_cpu, capsys):
+    model = decoder("llama", num_hidden_layers=3)
+    forward, _ = compiled_results(model, options={"inner": "eager", "skip": [".*"], "report": True})
+    static_decode(model, forward, torch.randint(0, 512, (1, 5)), torch.randint(0, 512, (1, 2)))
+    layers = ", ".join(f"model.layers.{i}.self_attn" for i in (1, 2))  # the first layer's length keeps its add
+    assert f"the cache's length counted in that kernel: {layers}" in capsys.readouterr().out
