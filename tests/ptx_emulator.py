@@ -2,7 +2,13 @@
 checked bit for bit where no GPU is: 32-bit shifts, ands and lop3, packed bf16/fp16 multiplies and fmas, and movs
 that pack or unpack 16-bit halves. An instruction outside that part raises, as does a packed product that its
 16-bit type cannot hold exactly (the decode blocks claim exact arithmetic; overflow to infinity excepted), so the
-emulator never has to pick a rounding the hardware might not make."""
+emulator never has to pick a rounding the hardware might not make.
+
+`mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}` runs too, over operands of one warp (32 lanes, lane i at index
+i), by the fragment layout PTX documents: lane (g, t) = (lane / 4, lane % 4) holds A rows g and g + 8 at columns
+2t, 2t + 1 (registers 0 and 1) and 2t + 8, 2t + 9 (2 and 3), B rows 2t, 2t + 1 and 2t + 8, 2t + 9 of column g, and
+D rows g, g + 8 at columns 2t, 2t + 1. Its products and sum are computed in fp64 and rounded once to fp32: the
+hardware's order of summation is its own, so a test of it states a bound, not bits."""
 
 from __future__ import annotations
 
@@ -72,8 +78,13 @@ def run(asm: str, operands: list, outputs: int) -> list[np.ndarray]:
             word, lo, hi = re.fullmatch(r"(\S+),\s*\{\s*(\S+),\s*(\S+)\s*\}", rest).groups()
             regs[word] = (read(lo) & U32(0xFFFF)) | (read(hi) << U32(16))
             continue
+        if opcode.startswith("mma.sync.aligned.m16n8k16.row.col.f32."):
+            _mma(regs, opcode, rest, read)
+            continue
         dest, *args = [token.strip() for token in rest.split(",")]
-        if opcode == "shl.b32":
+        if opcode == "mov.b32":
+            regs[dest] = read(args[0])
+        elif opcode == "shl.b32":
             regs[dest] = read(args[0]) << U32(int(args[1], 0))
         elif opcode == "shr.u32":
             regs[dest] = read(args[0]) >> U32(int(args[1], 0))
@@ -89,3 +100,25 @@ def run(asm: str, operands: list, outputs: int) -> list[np.ndarray]:
         else:
             raise NotImplementedError(f"ptx_emulator: {opcode} is not emulated ({line!r})")
     return [regs[f"${i}"] for i in range(outputs)]
+
+
+def _mma(regs: dict, opcode: str, rest: str, read) -> None:
+    """mma.sync m16n8k16, row.col, fp32 accumulators, 16-bit A and B: D = A @ B + C over one warp's fragments."""
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[opcode.split(".")[-3]]
+    d, a, b, c = [[token.strip() for token in group.split(",")] for group in re.findall(r"\{([^}]*)\}", rest)]
+    lane = np.arange(32)
+    g, t = lane // 4, lane % 4
+    if read(a[0]).shape != (32,):
+        raise ValueError("ptx_emulator: mma.sync takes the operands of one warp, 32 lanes")
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
+    for reg, rows, cols in ((0, g, 2 * t), (1, g + 8, 2 * t), (2, g, 2 * t + 8), (3, g + 8, 2 * t + 8)):
+        A[rows, cols], A[rows, cols + 1] = _halves(read(a[reg]), dtype)
+    for reg, k in ((0, 2 * t), (1, 2 * t + 8)):
+        B[k, g], B[k + 1, g] = _halves(read(b[reg]), dtype)
+    as_float = lambda word: word.astype(U32).view(np.float32).astype(np.float64)
+    C = np.zeros((16, 8))
+    for reg, rows, cols in ((0, g, 2 * t), (1, g, 2 * t + 1), (2, g + 8, 2 * t), (3, g + 8, 2 * t + 1)):
+        C[rows, cols] = as_float(read(c[reg]))
+    D = (A @ B + C).astype(np.float32)
+    for reg, rows, cols in ((0, g, 2 * t), (1, g, 2 * t + 1), (2, g + 8, 2 * t), (3, g + 8, 2 * t + 1)):
+        regs[d[reg]] = D[rows, cols].view(U32)

@@ -26,8 +26,9 @@ and casts.
 copies while one is multiplied.
 
 Inline PTX does not run under Triton's interpreter: there `supports` is false and the caller takes
-`gemm_weight_only`, which computes the same product. tests/kernels/test_gemm_int4_mma.py runs this kernel's data
-flow under the interpreter with the MMA emulated per warp, and on the GPU against an fp64 reference.
+`gemm_weight_only`, which computes the same product. tests/kernels/test_gemm_int4_mma.py runs this kernel under the
+interpreter with its PTX run by an emulator of the instructions it uses (tests/ptx_emulator.py), and on the GPU,
+both against an fp64 reference.
 """
 
 from __future__ import annotations

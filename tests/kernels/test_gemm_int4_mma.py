@@ -2,16 +2,17 @@
 the in-register kernel's bound (`within_bound`): exact q - z operands, fp32 sums, one rounding per group's scale
 and one at the store.
 
-Under the interpreter (the CPU) the kernel's Triton code runs with its inline PTX replaced by an fp64 emulation of
-one step of `mma.sync.m16n8k16` per warp, built from the instruction's documented fragment layout: lane (g, t)
-holds A rows g and g + 8 at K slots 2t, 2t + 1, 2t + 8, 2t + 9, and B column g at the same slots. That checks
-which words, lanes, zero points, scales and activation pairs meet; the PTX's own arithmetic (lop3, the packed
-FMA, the MMA) runs on the GPU."""
+Under the interpreter (the CPU) the kernel's Triton code runs and its inline PTX runs through `ptx_emulator`: the
+shifts, lop3 and packed FMA bit for bit, and `mma.sync.m16n8k16` per warp by the instruction's documented fragment
+layout (lane (g, t) holds A rows g and g + 8 at K slots 2t, 2t + 1, 2t + 8, 2t + 9, and B column g at the same
+slots), its sum in fp64 rounded once to fp32. That checks the PTX text and which words, lanes, zero points, scales
+and activation pairs meet; the GPU runs the PTX itself below."""
 
 import numpy as np
 import pytest
 import torch
 import triton.runtime.interpreter as interpreter
+from ptx_emulator import run
 from triton import language as tl
 
 from fxquant.kernels import gemm_int4_mma
@@ -51,49 +52,24 @@ def test_pack_lanes_puts_each_scale_and_zero_point_where_the_kernel_reads_it():
             assert flat_zero[at] == (zero[n, j] if n < N else 0)
 
 
-def _bits_as_float(halves: np.ndarray, dtype) -> np.ndarray:
-    """16-bit patterns as float64 values of bf16 or fp16."""
-    if dtype == torch.bfloat16:
-        return (halves.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return halves.astype(np.uint16).view(np.float16).astype(np.float64)
+def _ptx_step(self, asm, constraints, values, types, is_pure, pack):
+    """create_inline_asm for the interpreter: the kernel's PTX (`_step_asm`) run by ptx_emulator over the warp's 32
+    lanes, its fp32 accumulator out."""
+    out = run(asm, [np.broadcast_to(v.data, (32,)).astype(np.int64) for v in values], outputs=4)
+
+    class Result:
+        def get_result(self, i):
+            return interpreter.TensorHandle(out[i].view(np.float32), tl.float32)
+
+    return Result()
 
 
-def _emulated_step(dtype):
-    """create_inline_asm for the interpreter: one K step of one 16-row block (`_step_asm`'s operands) in fp64."""
-    lane = np.arange(32)
-    g, t = lane // 4, lane % 4
-
-    def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
-        words = [np.broadcast_to(v.data, (32,)).astype(np.int64) & 0xFFFFFFFF for v in values]
-        rows_g, rows_g8, z_g, z_g8, pairs = words[0:4], words[4:8], words[8] & 0xFF, words[9] & 0xFF, words[10:]
-        nibble = lambda word, n: (word >> (4 * n)) & 15
-        c_tile = np.zeros((16, 8))
-        for c in range(8):
-            u, e = divmod(c, 2)
-            a, b = np.zeros((16, 16)), np.zeros((16, 8))
-            for rows, zero, r in ((rows_g[u], z_g, g), (rows_g8[u], z_g8, g + 8)):
-                a[r, 2 * t], a[r, 2 * t + 1] = nibble(rows, 2 * e) - zero, nibble(rows, 2 * e + 4) - zero
-                a[r, 2 * t + 8], a[r, 2 * t + 9] = nibble(rows, 2 * e + 1) - zero, nibble(rows, 2 * e + 5) - zero
-            for word, k in ((pairs[2 * c], 2 * t), (pairs[2 * c + 1], 2 * t + 8)):
-                b[k, g], b[k + 1, g] = _bits_as_float(word & 0xFFFF, dtype), _bits_as_float(word >> 16, dtype)
-            c_tile += a @ b
-        out = [c_tile[g, 2 * t], c_tile[g, 2 * t + 1], c_tile[g + 8, 2 * t], c_tile[g + 8, 2 * t + 1]]
-
-        class Result:
-            def get_result(self, i):
-                return interpreter.TensorHandle(out[i].astype(np.float32), tl.float32)
-
-        return Result()
-
-    return create_inline_asm
-
-
-@pytest.mark.skipif(GPU, reason="the interpreter's emulation of the PTX; the GPU runs the PTX itself below")
+@pytest.mark.skipif(GPU, reason="the interpreter with an emulator of the PTX; the GPU runs the PTX itself below")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("M,N,K,group,symmetric,split", [(1, 128, 256, 128, False, 2), (3, 200, 384, 128, True, 1),
                                                          (8, 64, 512, 256, False, 3)])
-def test_the_kernels_data_flow_under_the_interpreter(monkeypatch, dtype, M, N, K, group, symmetric, split):
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", _emulated_step(dtype), raising=False)
+def test_the_kernel_under_the_interpreter(monkeypatch, dtype, M, N, K, group, symmetric, split):
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", _ptx_step, raising=False)
     q, x, bias, codes, lane_scale, lane_zero = operands(N, K, M, dtype, symmetric, group)
     out = int4_mma_mm(x, codes, lane_scale, lane_zero, group, bias, split=split)
     assert out.shape == (M, N) and out.dtype == dtype
