@@ -131,23 +131,38 @@ _INT4_PAIRS_BF16 = tl.constexpr(_INT4_PAIRS_ASM.replace("OFFSET", "0x43004300").
 _INT4_PAIRS_F16 = tl.constexpr(_INT4_PAIRS_ASM.replace("OFFSET", "0x64006400").replace("FMA", "fma.rn.f16x2"))
 
 
+# NVFP4's block scales are e4m3, at most 448: times 2^118 every one is a normal bf16 (448 x 2^118 < 2^127, 2^-9 x 2^118
+# > 2^-126), so a single multiply by it applies both a code's 2^126 and its scale, leaving each value 2^-8 of itself
+# (exact: a power of two, far from bf16's ends); the GEMM multiplies its fp32 sum by 2^8 with the global scale.
+NVFP4_PRESCALE = tl.constexpr(2.0**118)
+NVFP4_UNSCALE = tl.constexpr(2.0**8)
+
+
 @triton.jit
-def fp4_values(packed, scale, GROUP: tl.constexpr, DOT: tl.constexpr):
+def fp4_values(packed, scale, GROUP: tl.constexpr, DOT: tl.constexpr, PRESCALED: tl.constexpr = False):
     """Each e2m1 code of the [BLOCK_N, WORDS] words times its block's fp32 scale ([BLOCK_N, 8 * WORDS / GROUP]):
     [BLOCK_N, 8 * WORDS] in DOT, K order, exact wherever the product is (an E8M0 or e4m3 scale times an e2m1
     value has at most 6 significant bits). In bf16, two codes go at a time in PTX: each code's bits land in a bf16
     pair's sign, exponent and mantissa fields, which is the value times 2^-126 (e2m1's subnormal 0.5 lands on a
-    bf16 subnormal), and two packed multiplies, by 2^126 and by the scale, are exact. Elsewhere (fp16, whose range
-    could clip a scale, and the interpreter's fp32) the value is formed in fp32 and rounded once."""
+    bf16 subnormal), and two packed multiplies, by 2^126 and by the scale, are exact; PRESCALED (e4m3 scales, at
+    most 448): one multiply by the scale times NVFP4_PRESCALE, which leaves every value times 2^-8, exactly.
+    Elsewhere (fp16, whose range could clip a scale, and the interpreter's fp32) the value is formed in fp32 and
+    rounded once."""
     BLOCK_N: tl.constexpr = packed.shape[0]
     WORDS: tl.constexpr = packed.shape[1]
     BLOCKS: tl.constexpr = WORDS * 8 // GROUP
     if DOT == tl.bfloat16:
-        bits = scale.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # exact: 8-bit exponent
+        multiplier = scale * NVFP4_PRESCALE if PRESCALED else scale
+        bits = multiplier.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # exact: 8-bit exponent
         pair = tl.reshape(tl.broadcast_to((bits | (bits << 16))[:, :, None], (BLOCK_N, BLOCKS, GROUP // 8)),
                           (BLOCK_N, WORDS))
-        out = tl.inline_asm_elementwise(_FP4_PAIRS_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [packed, pair, 0x7E807E80],
-                                        dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        if PRESCALED:
+            out = tl.inline_asm_elementwise(_FP4_PAIRS_BF16_PRESCALED, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [packed, pair],
+                                            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        else:
+            out = tl.inline_asm_elementwise(_FP4_PAIRS_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
+                                            [packed, pair, 0x7E807E80], dtype=(tl.bfloat16,) * 8, is_pure=True,
+                                            pack=1)
         values = in_k_order(out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7])
     else:
         values = tl.reshape(e2m1_value(split_words(packed)), (BLOCK_N, BLOCKS, GROUP)) * scale[:, :, None]
@@ -155,13 +170,11 @@ def fp4_values(packed, scale, GROUP: tl.constexpr, DOT: tl.constexpr):
     return values
 
 
-# Outputs $0..$7 are codes 0..7 of word $8 times the bf16 scale held twice in $9; $10 holds 2^126 twice. Pair j
-# holds codes j (low half) and j + 4 (high half): a code's exponent and mantissa bits (2..0) shift to bf16 bits
-# 8..6 and its sign (bit 3) to bit 15. Both multiplies are exact, so their rounding mode never applies.
-_FP4_PAIRS_BF16 = tl.constexpr("""
-{
-.reg .b32 m, s, p0, p1, p2, p3;
-shl.b32 m, $8, 6;
+def _fp4_pairs_asm(multipliers: tuple[str, ...]) -> str:
+    """Outputs $0..$7 are codes 0..7 of word $8 times each of `multipliers` (bf16 pairs), in order. Pair j holds
+    codes j (low half) and j + 4 (high half): a code's exponent and mantissa bits (2..0) shift to bf16 bits 8..6 and
+    its sign (bit 3) to bit 15. Every multiply is exact, so its rounding mode never applies."""
+    decode = """shl.b32 m, $8, 6;
 and.b32 m, m, 0x01c001c0;
 shl.b32 s, $8, 12;
 lop3.b32 p0, s, 0x80008000, m, 0xea;
@@ -175,18 +188,11 @@ shl.b32 s, $8, 4;
 lop3.b32 p2, s, 0x80008000, m, 0xea;
 shr.u32 m, $8, 6;
 and.b32 m, m, 0x01c001c0;
-lop3.b32 p3, $8, 0x80008000, m, 0xea;
-mul.rn.bf16x2 p0, p0, $10;
-mul.rn.bf16x2 p1, p1, $10;
-mul.rn.bf16x2 p2, p2, $10;
-mul.rn.bf16x2 p3, p3, $10;
-mul.rn.bf16x2 p0, p0, $9;
-mul.rn.bf16x2 p1, p1, $9;
-mul.rn.bf16x2 p2, p2, $9;
-mul.rn.bf16x2 p3, p3, $9;
-mov.b32 {$0, $4}, p0;
-mov.b32 {$1, $5}, p1;
-mov.b32 {$2, $6}, p2;
-mov.b32 {$3, $7}, p3;
-}
-""")
+lop3.b32 p3, $8, 0x80008000, m, 0xea;"""
+    multiplies = [f"mul.rn.bf16x2 p{j}, p{j}, {register};" for register in multipliers for j in range(4)]
+    moves = [f"mov.b32 {{${j}, ${j + 4}}}, p{j};" for j in range(4)]
+    return "\n".join(["{", ".reg .b32 m, s, p0, p1, p2, p3;", decode, *multiplies, *moves, "}"])
+
+
+_FP4_PAIRS_BF16 = tl.constexpr(_fp4_pairs_asm(("$10", "$9")))  # $10: 2^126 twice; $9: the scale twice
+_FP4_PAIRS_BF16_PRESCALED = tl.constexpr(_fp4_pairs_asm(("$9",)))  # $9: the scale times 2^118, twice

@@ -103,7 +103,7 @@ def _grouped_wo_kernel(
     acc = wo_accumulate(a_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, M, N, K, first_k, last_k,
                         stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk,
                         FMT, GROUP, HAS_ZP, DOT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
-    acc = wo_scale_tile(acc, s_ptr, gs_ptr, offs_n, N, stride_sn, FMT)
+    acc = wo_scale_tile(acc, s_ptr, gs_ptr, offs_n, N, stride_sn, FMT, DOT)
     acc = tl.where(owned, acc, 0.0)  # a non-finite scale of the clamped expert must not reach the zero rows
     store_tile(acc, c_ptr, ws_ptr, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, tl.program_id(1),
                False, SPLIT_K, OUT, CAST)

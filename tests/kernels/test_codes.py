@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 from fp8_cases import same_bits
 
+from fxquant.kernels import codes
 from fxquant.kernels.codes import fp4_values, int4_differences
 from fxquant.numerics.formats import E2M1, E4M3, E8M0
 from fxquant.numerics.minifloat import decode, unpack_nibbles
@@ -41,32 +42,37 @@ def test_int4_differences_match_the_unpacked_codes(dtype):
 
 @triton.jit
 def _fp4_values_kernel(w_ptr, s_ptr, out_ptr, GROUP: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr,
-                      WORDS: tl.constexpr):
+                      WORDS: tl.constexpr, PRESCALED: tl.constexpr):
     rows = tl.arange(0, ROWS)
     packed = tl.load(w_ptr + rows[:, None] * WORDS + tl.arange(0, WORDS)[None, :])
     BLOCKS: tl.constexpr = WORDS * 8 // GROUP
     scale = tl.load(s_ptr + rows[:, None] * BLOCKS + tl.arange(0, BLOCKS)[None, :])
-    values = fp4_values(packed, scale, GROUP, DOT)
+    values = fp4_values(packed, scale, GROUP, DOT, PRESCALED)
     tl.store(out_ptr + rows[:, None] * 8 * WORDS + tl.arange(0, 8 * WORDS)[None, :], values)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in multiply")  # 6 x 2^127 is inf, as in the reference
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("fmt,group", [("mxfp4", 32), ("nvfp4", 16)])
-def test_fp4_values_match_the_decoded_codes(fmt, group, dtype):
+@pytest.mark.parametrize("fmt,group,prescaled", [("mxfp4", 32, False), ("nvfp4", 16, False), ("nvfp4", 16, True)],
+                         ids=["mxfp4", "nvfp4", "nvfp4_prescaled"])
+def test_fp4_values_match_the_decoded_codes(fmt, group, prescaled, dtype):
+    """prescaled (NVFP4's GEMM): in bf16 every value comes out times 2^-8, which the GEMM's epilogue restores; the
+    other paths take no prescale."""
     rows, words = 32, 16
     gen = torch.Generator().manual_seed(1)
     packed = torch.randint(0, 256, (rows, 4 * words), dtype=torch.uint8, generator=gen)
     blocks = words * 8 // group
     if fmt == "mxfp4":  # E8M0: the subnormal 2^-127, 1, 2^127 (6 x 2^127 overflows to inf), NaN, and random
-        codes = torch.randint(0, 256, (rows, blocks), dtype=torch.int32, generator=gen)
-        codes[0, :4] = torch.tensor([0, 127, 254, 255])
-        scale = decode(codes, E8M0)
+        exponents = torch.randint(0, 256, (rows, blocks), dtype=torch.int32, generator=gen)
+        exponents[0, :4] = torch.tensor([0, 127, 254, 255])
+        scale = decode(exponents, E8M0)
     else:  # e4m3 scales, subnormals included
         scale = decode(torch.randint(0, 127, (rows, blocks), generator=gen), E4M3)
     expected = (decode(unpack_nibbles(packed), E2M1).view(rows, blocks, group) * scale[:, :, None]).view(rows, -1)
     out = torch.empty(rows, 8 * words, dtype=dtype, device=DEVICE)
     _fp4_values_kernel[(1,)](packed.to(DEVICE).view(torch.int32), scale.to(DEVICE), out, GROUP=group,
-                             DOT=TL[dtype], ROWS=rows, WORDS=words)
+                             DOT=TL[dtype], ROWS=rows, WORDS=words, PRESCALED=prescaled)
+    if prescaled and dtype == torch.bfloat16:
+        expected = expected / codes.NVFP4_UNSCALE.value
     assert same_bits(out.cpu(), expected.to(dtype)) == 0
 

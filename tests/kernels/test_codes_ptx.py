@@ -59,6 +59,20 @@ def test_fp4_pairs_are_the_e2m1_values_times_their_scale(scales):
         assert torch.isinf(got).any() and torch.isnan(got).any()  # the range's ends were reached
 
 
+def test_nvfp4_pairs_prescaled_are_the_values_times_two_to_the_minus_8():
+    """NVFP4's one-multiply block: e4m3 scales times NVFP4_PRESCALE (2^118) in bf16, every e4m3 scale from the
+    smallest subnormal to 448: each output is the e2m1 value times its scale times 2^-8, bit for bit."""
+    packed = words(111, seed=3)
+    scale = decode(torch.arange(packed.size) % 127, E4M3)  # every positive e4m3 code, 0 included
+    multiplier = (scale * codes.NVFP4_PRESCALE.value).bfloat16()
+    assert torch.equal(multiplier.double(), scale.double() * codes.NVFP4_PRESCALE.value)  # exact: a normal bf16
+    half = multiplier.view(torch.int16).numpy().astype(np.uint16).astype(np.int64)
+    out = run(codes._FP4_PAIRS_BF16_PRESCALED.value, [packed, half | (half << 16)], outputs=8)
+    got = torch.from_numpy(np.stack(out, axis=1).astype(np.uint16).view(np.int16)).view(torch.bfloat16)
+    want = (decode(nibbles(packed), E2M1) * scale[:, None] / codes.NVFP4_UNSCALE.value).bfloat16()
+    assert same_bits(got, want) == 0 and (want != 0).any()
+
+
 def test_the_emulator_refuses_what_it_does_not_know():
     with pytest.raises(NotImplementedError, match="cvt"):
         run("cvt.rn.f16x2.f32 $0, $1, $2;", [0, 0], outputs=1)
