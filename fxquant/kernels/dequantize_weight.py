@@ -22,13 +22,20 @@ from fxquant.kernels.launch import cdiv, visible
 def _dequantize_kernel(
     # pointers
     w_ptr, s_ptr, z_ptr, gs_ptr, out_ptr,
-    # sizes and strides (the codes' in their own elements: bytes for int8, int32 words for 4-bit)
-    N, K, stride_wn, stride_wk, stride_sn, stride_sk, stride_on,
+    # sizes and strides (the codes' in their own elements: bytes for int8, int32 words for 4-bit); the experts'
+    # (program_id 2) where the weights are stacked, 0 for one weight
+    N, K, stride_wn, stride_wk, stride_sn, stride_sk, stride_on, stride_we, stride_se, stride_ge, stride_oe,
     # meta-parameters
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_k = tl.program_id(1)
+    expert = tl.program_id(2).to(tl.int64)
+    w_ptr += expert * stride_we
+    s_ptr += expert * stride_se
+    z_ptr += expert * stride_se  # zero points share the scales' layout
+    gs_ptr += expert * stride_ge
+    out_ptr += expert * stride_oe
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
@@ -67,23 +74,23 @@ def _dequantize_kernel(
 
 
 def dequantize_weight(codes, scale, fmt: str, group: int, K: int, dtype: torch.dtype, *, zero_point=None,
-                      global_scale=None, out=None) -> torch.Tensor:
+                      global_scale=None) -> torch.Tensor:
     """codes: [N, K] int8 or e4m3 (as uint8), or [N, K/8] int32 words of packed 4-bit codes; scale: [N, K/group]
-    (E8M0/e4m3 as uint8), [N, 1] for int8. Returns the [N, K] weight in `dtype`, rounded once: in `out` where given
-    (an [N, K] tensor of `dtype` with unit column stride)."""
-    N = codes.shape[0]
-    if out is None:
-        out = torch.empty((N, K), dtype=dtype, device=codes.device)
-    elif out.shape != (N, K) or out.dtype != dtype or out.stride(1) != 1:
-        raise ValueError(f"fxquant: dequantize_weight's out must be [{N}, {K}] {dtype} with unit column stride, got "
-                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
-    if N == 0 or K == 0:
+    (E8M0/e4m3 as uint8), [N, 1] for int8; or all of them with a leading dim of E stacked experts (NVFP4's global
+    scale then one per expert, [E]), one launch for all. Returns the [..., N, K] weight in `dtype`, rounded once."""
+    lead, N = tuple(codes.shape[:-2]), codes.shape[-2]
+    out = torch.empty((*lead, N, K), dtype=dtype, device=codes.device)
+    experts = lead[0] if lead else 1
+    if N == 0 or K == 0 or experts == 0:
         return out
+    expert_stride = lambda t: t.stride(0) if t is not None and lead else 0
+    zero = zero_point if zero_point is not None else scale
+    glob = global_scale if global_scale is not None else scale
     block_n, block_k = 32, max(128, group)  # a multiple of every group (power-of-two groups)
-    visible(_dequantize_kernel)[(cdiv(N, block_n), cdiv(K, block_k))](
-        codes, scale, zero_point if zero_point is not None else scale,
-        global_scale if global_scale is not None else scale, out,
-        N, K, codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1), out.stride(0),
+    visible(_dequantize_kernel)[(cdiv(N, block_n), cdiv(K, block_k), experts)](
+        codes, scale, zero, glob, out,
+        N, K, codes.stride(-2), codes.stride(-1), scale.stride(-2), scale.stride(-1), out.stride(-2),
+        expert_stride(codes), expert_stride(scale), expert_stride(global_scale), expert_stride(out),
         FMT=FORMATS[fmt], GROUP=group or 1, HAS_ZP=zero_point is not None, OUT=TORCH_TO_TL[dtype],
         CAST=float_cast_mode(_dequantize_kernel), EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4,

@@ -262,11 +262,9 @@ def _grouped_dequantized_mm(a, offs, codes, scale, fmt, group, zero_point, globa
     out = torch.empty((M, N), dtype=a.dtype, device=a.device) if columns < N else None
     for n0 in range(0, N, columns):
         n1 = min(N, n0 + columns)
-        weights = torch.empty((E, n1 - n0, K), dtype=a.dtype, device=a.device)
-        for e in range(E):  # an expert's rows are one launch; NVFP4's global scale is the expert's own
-            dequantize_weight(codes[e, n0:n1], scale[e, n0:n1], fmt, group, K, a.dtype, out=weights[e],
-                              zero_point=None if zero_point is None else zero_point[e, n0:n1],
-                              global_scale=None if global_scale is None else global_scale[e])
+        weights = dequantize_weight(codes[:, n0:n1], scale[:, n0:n1], fmt, group, K, a.dtype,  # every expert's
+                                    zero_point=None if zero_point is None else zero_point[:, n0:n1],
+                                    global_scale=global_scale)
         block = torch.where(owned, torch._grouped_mm(a, weights.transpose(1, 2), offs=offs), 0)
         if out is None:
             return block

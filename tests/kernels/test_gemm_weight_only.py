@@ -68,6 +68,25 @@ def test_dequantize_weight_is_the_reference_bit_for_bit(fmt, K, symmetric, dtype
     assert torch.equal(out, R.dequantize(q, dtype))
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4", "nvfp4", "mxfp8"])
+def test_stacked_experts_dequantize_in_one_launch_bit_for_bit(fmt):
+    """Three experts' codes [E, N, ...] as a block of their columns (a strided view, as the grouped product takes
+    them), each with its own scales, zero points and NVFP4 global scale: each expert's reference weight, bit for
+    bit."""
+    gen = torch.Generator().manual_seed(4)
+    experts = [quantized(fmt, 48, 256, gen) for _ in range(3)]
+    q = R.stack_experts(experts)
+    codes, scale = gemm_weight_only.weight_operands(torch.empty(1, 256, dtype=torch.bfloat16, device=DEVICE), q.data,
+                                                     q.scale, fmt, GROUP[fmt], 48)
+    columns = slice(16, 40)
+    zero = None if q.zero_point is None else q.zero_point[:, columns]
+    out = dequantize_weight(codes[:, columns], scale[:, columns], fmt, GROUP[fmt], 256, torch.bfloat16,
+                            zero_point=zero, global_scale=q.global_scale)
+    assert out.shape == (3, 24, 256)
+    for e, expert in enumerate(experts):
+        assert torch.equal(out[e], R.dequantize(expert, torch.bfloat16)[columns])
+
+
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no bias"])
 @pytest.mark.parametrize("M", [DEQUANTIZE_ABOVE_M + 1, DEQUANTIZE_ABOVE_M + 72])
 @pytest.mark.parametrize("chunk_elements", [2**26, 4 * 256], ids=["one chunk", "rows of 4"])
