@@ -265,10 +265,10 @@ def _grouped_dequantized_mm(a, offs, codes, scale, fmt, group, zero_point, globa
         weights = dequantize_weight(codes[:, n0:n1], scale[:, n0:n1], fmt, group, K, a.dtype,  # every expert's
                                     zero_point=None if zero_point is None else zero_point[:, n0:n1],
                                     global_scale=global_scale)
-        block = torch.where(owned, torch._grouped_mm(a, weights.transpose(1, 2), offs=offs), 0)
+        product = torch._grouped_mm(a, weights.transpose(1, 2), offs=offs)
         if out is None:
-            return block
-        out[:, n0:n1] = block
+            return torch.where(owned, product, 0)
+        torch.where(owned, product, product.new_zeros(()), out=out[:, n0:n1])  # zeros and the copy in one pass
     return out
 
 
