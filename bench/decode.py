@@ -33,8 +33,7 @@ fxquant:<recipe>+head=<recipe> (the lm_head quantized too, under the second reci
 fxquant:<recipe>+without=<pass> (without one of the pipeline's optional passes; repeatable),
 fxquant:<recipe>+inductor=<option> (one of Inductor's boolean options on, e.g. combo_kernels; repeatable),
 fxquant:<recipe>+nopdl (every fxquant kernel launched without programmatic dependent launch), +reducekernel (split
-GEMMs summed by the reduce kernel, not by their last slice), +tiles (weight-only products past M = 128, a prefill's,
-dequantized tile by tile in the GEMM),
+GEMMs summed by the reduce kernel, not by their last slice),
 torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head, +without, +inductor
 and the launch settings).
 
@@ -69,7 +68,6 @@ from bench import peers, timeline, workers
 from bench.common import LLAMA_3_VOCAB, header, llama, llama_config, table
 from fxquant.compile.backend import fxquant as fxquant_backend
 from fxquant.kernels.dependent_launch import dependent_launches
-from fxquant.kernels.gemm_weight_only_tiles import prefill_in_tiles
 from fxquant.kernels.splitk import reduce_in_gemm
 
 CHECK_STEPS = 4  # the first decode steps: they compile, their logits are compared with eager's, and go untimed
@@ -220,8 +218,7 @@ class Decoder:
 FP8_KV = "+fp8kv"
 NO_PDL = "+nopdl"  # fxquant:<recipe>+nopdl: every kernel launched without programmatic dependent launch
 REDUCE_KERNEL = "+reducekernel"  # split-K GEMMs summed by the reduce kernel, not by their last slice
-TILES = "+tiles"  # weight-only products past M = 128 dequantized tile by tile in the GEMM, not for cuBLAS
-LAUNCH_SETTINGS = (NO_PDL, REDUCE_KERNEL, TILES)
+LAUNCH_SETTINGS = (NO_PDL, REDUCE_KERNEL)
 
 
 @contextlib.contextmanager
@@ -229,8 +226,7 @@ def launch_settings(path: str, profiled: bool = False):
     """The path's launch settings for the launches inside the block, graphs captured included. A profile launches
     without PDL: a kernel launched dependent is resident while it waits for the one before, and the profile would
     count the wait as its time."""
-    with (dependent_launches(NO_PDL not in path and not profiled), reduce_in_gemm(REDUCE_KERNEL not in path),
-          prefill_in_tiles(TILES in path)):
+    with dependent_launches(NO_PDL not in path and not profiled), reduce_in_gemm(REDUCE_KERNEL not in path):
         yield
 
 

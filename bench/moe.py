@@ -7,23 +7,18 @@ Paths: transformers' experts in bf16 as `grouped_mm` (torch._grouped_mm) and as 
 before anything is timed. The graph-capturable paths are timed replaying a CUDA graph (GPU time, as decode runs
 under reduce-overhead); the eager loop syncs with the host on its routing and is timed as it runs.
 
-    python -m bench.moe [--tokens 1 16 64 512 4096] [--recipes fp8_block int4_wo ...] [--tiles]
-
---tiles: each weight-only recipe timed a second time ("<recipe>+tiles") with its experts past 128 rows dequantized
-tile by tile in the GEMM rather than written out for grouped_mm (`gemm_weight_only_tiles.prefill_in_tiles`).
+    python -m bench.moe [--tokens 1 16 64 512 4096] [--recipes fp8_block int4_wo ...]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 
 import torch
 import transformers as T
 
 from bench.common import graph_time_ms, header, table, time_ms
 from fxquant.config import RECIPES
-from fxquant.kernels.gemm_weight_only_tiles import prefill_in_tiles
 from fxquant.modules.quantized_experts import QuantizedExperts
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 4096, 14336, 8, 2
@@ -63,7 +58,6 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 512, 4096])
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES))
-    parser.add_argument("--tiles", action="store_true")
     args = parser.parse_args()
     print(header())
     baseline = experts_module("grouped_mm")
@@ -71,8 +65,6 @@ def main():
     for recipe in args.recipes:
         with torch.no_grad():
             paths[f"fxquant {recipe}"] = QuantizedExperts.from_module(baseline, recipe)
-            if args.tiles and RECIPES[recipe].kind == "weight_only":
-                paths[f"fxquant {recipe}+tiles"] = paths[f"fxquant {recipe}"]
     eager = experts_module("eager")
     eager.load_state_dict(baseline.state_dict())
     paths["bf16 eager loop"] = eager
@@ -86,14 +78,13 @@ def main():
             want = baseline(*sets[0])
             base_ms = None
             for name, module in paths.items():
-                with prefill_in_tiles(True) if name.endswith("+tiles") else contextlib.nullcontext():
-                    got = module(*sets[0])
-                    error = rel_error(got, want)
-                    fmt = RECIPES[name.split()[-1].removesuffix("+tiles")].weight_fmt if "fxquant" in name else None
-                    if not torch.isfinite(got).all() or (fmt and error > ERROR_CEILING[fmt]):
-                        raise SystemExit(f"{name} at {tokens} tokens: relative error {error:.3g} against bf16")
-                    timer = time_ms if "eager" in name else graph_time_ms
-                    ms = timer(module, sets)
+                got = module(*sets[0])
+                error = rel_error(got, want)
+                fmt = RECIPES[name.split()[-1]].weight_fmt if name.startswith("fxquant") else None
+                if not torch.isfinite(got).all() or (fmt and error > ERROR_CEILING[fmt]):
+                    raise SystemExit(f"{name} at {tokens} tokens: relative error {error:.3g} against bf16")
+                timer = time_ms if "eager" in name else graph_time_ms
+                ms = timer(module, sets)
                 base_ms = base_ms or ms
                 rows.append({"tokens": tokens, "path": name, "ms": f"{ms:.3f}", "vs bf16 grouped_mm":
                              f"{base_ms / ms:.2f}x", "rel err vs bf16": f"{error:.4f}",

@@ -9,8 +9,6 @@ Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N]
                                                      gemm_configs; --swap: the operands swapped, SWAP_AB)
      python -m bench.sass attention [--codes] [--warps N] [--stages N] [--quantize]   (Llama-3-8B's heads at
                                                      B16, 1k keys; --quantize: the output quantized per token)
-     python -m bench.sass tiles [int8|int4|mxfp4|nvfp4] [--stages N]   (the prefill GEMM that dequantizes its
-                                                     weight tile by tile, in tiles_config's tiles at M = 1024)
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ from fxquant.kernels import gemm_fp8
 from fxquant.kernels.codes import FORMATS
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_weight_only import _wo_gemm_kernel, wo_gemm_config
-from fxquant.kernels.gemm_weight_only_tiles import _wo_tiles_kernel, tiles_config
 
 ARGS = ["a_ptr", "w_ptr", "s_ptr", "z_ptr", "gs_ptr", "c_ptr", "ws_ptr", "bias_ptr", "counter_ptr", "M", "N", "K",
         "stride_am", "stride_ak", "stride_wn", "stride_wk", "stride_sn", "stride_sk", "stride_cm", "stride_cn"]
@@ -57,25 +54,6 @@ def decode_kernel_sass(fmt: str, stages: int | None = None) -> tuple[str, int]:
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     attrs = {(ARGS.index(name),): [["tt.divisibility", 16]] for name in ARGS[:9] + list(DIVISIBLE)}
     return compiled_sass(_wo_gemm_kernel, signature, constexprs, attrs, cfg["num_warps"], stages or cfg["num_stages"])
-
-
-def tiles_kernel_sass(fmt: str, stages: int | None = None) -> tuple[str, int]:
-    """SASS and registers per thread of the prefill GEMM that dequantizes its weight tile by tile, dense, in the
-    tiles tiles_config gives M = 1024, with zero points for int4."""
-    cfg = tiles_config(1024)
-    params = list(inspect.signature(_wo_tiles_kernel.fn).parameters)
-    constexprs = dict(FMT=FORMATS[fmt], GROUP=GROUPS[fmt], HAS_ZP=fmt == "int4", HAS_BIAS=False, GROUPED=False,
-                      DOT=tl.bfloat16, OUT=tl.bfloat16, CAST=0, EVEN_K=True, BLOCK_N=cfg["BLOCK_N"],
-                      BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_N=cfg["GROUP_N"], stride_ak=1,
-                      stride_wk=1, stride_sk=1, stride_cn=1)
-    pointers = dict(a_ptr="*bf16", offs_ptr="*i32", w_ptr="*i8" if fmt == "int8" else "*i32",
-                    s_ptr="*fp32" if fmt in ("int8", "int4") else "*u8", z_ptr="*u8", gs_ptr="*fp32", c_ptr="*bf16",
-                    bias_ptr="*bf16")
-    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in params}
-    divisible = [*pointers, "N", "K", "stride_am", "stride_wn", "stride_sn", "stride_cm"]
-    attrs = {(params.index(name),): [["tt.divisibility", 16]] for name in divisible}
-    return compiled_sass(_wo_tiles_kernel, signature, constexprs, attrs, cfg["num_warps"],
-                         stages or cfg["num_stages"])
 
 
 def fp8_kernel_sass(stages: int | None = None, swap: bool = False) -> tuple[str, int]:
@@ -161,10 +139,6 @@ def main():
         sass, registers = attention_kernel_sass(codes, warps, stages, quantize)
         what = f"attention over {'e4m3 codes' if codes else 'bf16'}{', output quantized' if quantize else ''}"
         step = "key block"
-    elif "tiles" in sys.argv:
-        fmt = next((a for a in sys.argv[1:] if a in FORMATS), "int4")
-        sass, registers = tiles_kernel_sass(fmt, stages)
-        what, step = f"{fmt} prefill, weight dequantized tile by tile", "K step"
     elif "fp8" in sys.argv:
         swap = "--swap" in sys.argv
         sass, registers = fp8_kernel_sass(stages, swap)

@@ -2,8 +2,6 @@
 (cuBLAS) and the unfused norm + quantize, measured in the same process.
 
 Run: python -m bench.weight_only [--sweep | --crossover] [--decode | --medium]
-     python -m bench.weight_only --prefill   (past M = 128: bf16 cuBLAS, the dequantized route, and the weight
-                                             dequantized tile by tile in the GEMM over its candidate tiles)
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from bench.common import copy_bandwidth_gbs, graph_time_ms, header, rotating, table
 from fxquant.kernels import gemm_weight_only
 from fxquant.kernels.gemm_int4_mma import pack_lanes
-from fxquant.kernels.gemm_weight_only import weight_only_mm, weight_operands, wo_gemm_config
-from fxquant.kernels.gemm_weight_only_tiles import tiles_config, weight_only_tiles_mm
+from fxquant.kernels.gemm_weight_only import weight_only_mm, wo_gemm_config
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8
 from fxquant.numerics import reference as R
 
@@ -175,48 +172,6 @@ def crossover(ceiling) -> list[dict]:
     return rows
 
 
-# The tiled prefill GEMM's candidates, named N x M x K tile, warps, stages: 128 weight rows are two warpgroups' MMAs.
-TILES_CANDIDATES = {f"{bn}x{bm}x{bk} w{w} s{st}": dict(BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, GROUP_N=8, num_warps=w,
-                                                       num_stages=st)
-                    for bn, bm, bk, w, st in [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 3),
-                                              (128, 128, 64, 8, 4), (128, 256, 128, 8, 3), (256, 128, 64, 8, 3),
-                                              (64, 256, 64, 4, 3)]}
-PREFILL_NKS = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)]  # o, merged qkv, merged gate/up, down
-
-
-def prefill() -> list[dict]:
-    """Past M = 128, us per product: bf16 cuBLAS, the shipped dequantized route, and the tiled GEMM on every
-    candidate (nan where its error against the fp64 product of the rounded weight passes 1e-2, or it does not
-    compile); `x bf16` is the best tiled candidate's speed over cuBLAS."""
-    rows = []
-    for fmt, (n, k), m in itertools.product(("int4", "mxfp4"), PREFILL_NKS, (256, 1024, 4096)):
-        q = quantized_weight(n, k, fmt)
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        exact = x.double() @ R.dequantize(q, torch.bfloat16).double().T
-        sets = rotating(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
-                                 torch.randn(n, k, device="cuda", dtype=torch.bfloat16)), (m + n) * k * 2)
-        row = {"format": fmt, "M": m, "N x K": f"{n}x{k}", "bf16": graph_time_ms(lambda x, w: x @ w.T, sets),
-               "dequantized": timed(m, n, k, fmt, None, q)[0]}
-        for name, cfg in {"default": tiles_config(m), **TILES_CANDIDATES}.items():
-            tiled = lambda x, q, cfg=cfg: weight_only_tiles_mm(x, *weight_operands(x, q.data, q.scale, fmt,
-                                                                                    FORMATS[fmt][1], n),
-                                                               fmt, FORMATS[fmt][1], n, q.zero_point,
-                                                               q.global_scale, config=cfg)
-            try:
-                err = float((tiled(x, q).double() - exact).norm() / exact.norm())
-                wsets = rotating(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16), _copy(q)),
-                                 q.nbytes + m * k * 2)
-                row[name] = graph_time_ms(tiled, wsets) if err < 1e-2 else float("nan")
-            except Exception as exc:  # a tile the compiler rejects (shared memory, registers)
-                print("  skip", fmt, name, type(exc).__name__, flush=True)
-                row[name] = float("nan")
-        best = min(TILES_CANDIDATES, key=lambda c: row[c] if row[c] == row[c] else float("inf"))
-        row = {key: (f"{v * 1e3:.1f}" if isinstance(v, float) else v) for key, v in row.items()}
-        rows.append(row | {"best": best, "x bf16": f"{float(row['bf16']) / float(row[best]):.2f}"})
-        print(rows[-1], flush=True)
-    return rows
-
-
 def _copy(q):
     clone = lambda t: None if t is None else t.clone()
     return type(q)(q.data.clone(), q.scale.clone(), q.fmt, q.granularity, q.shape, q.dtype,
@@ -261,9 +216,6 @@ def main():
         return
     if "--crossover" in sys.argv:
         print(table(crossover(ceiling)))
-        return
-    if "--prefill" in sys.argv:
-        print(table(prefill()))
         return
     if "--decode" not in sys.argv and "--medium" not in sys.argv:
         print(table(bench_norm(ceiling)))

@@ -80,7 +80,7 @@ def test_path_suffixes_become_backend_options():
         "recipe": "fp8_row", "disable_passes": ["fuse_silu_mul", "fuse_norm"]}
     assert recipe_options("fxquant:fp8_row+inductor=combo_kernels") == {
         "recipe": "fp8_row", "inductor": {"combo_kernels": True}}
-    for setting in ("+nopdl", "+reducekernel", "+tiles"):  # launch settings, applied by work()
+    for setting in ("+nopdl", "+reducekernel"):  # launch settings, applied by work()
         assert recipe_options("fxquant:fp8_row" + setting) == {"recipe": "fp8_row"}
     with pytest.raises(ValueError, match=r"'\+heads' is none of"):
         recipe_options("fxquant:fp8_row+heads=int8_wo")
@@ -88,12 +88,9 @@ def test_path_suffixes_become_backend_options():
 
 def test_launch_settings_turn_off_what_the_path_names_and_only_inside_the_block():
     from fxquant.kernels import dependent_launch, splitk
-    from fxquant.kernels.gemm_weight_only_tiles import in_tiles
 
     with launch_settings("fxquant:fp8_row+reducekernel"):
-        assert dependent_launch._enabled[0] and not splitk._in_gemm[0] and not in_tiles()
-    with launch_settings("fxquant:int4_wo+tiles"):
-        assert in_tiles() and splitk._in_gemm[0]
+        assert dependent_launch._enabled[0] and not splitk._in_gemm[0]
     with launch_settings("fxquant:fp8_row", profiled=True):  # a profile launches without PDL
         assert not dependent_launch._enabled[0] and splitk._in_gemm[0]
-    assert dependent_launch._enabled[0] and splitk._in_gemm[0] and not in_tiles()
+    assert dependent_launch._enabled[0] and splitk._in_gemm[0]

@@ -18,8 +18,7 @@ for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
                                  "fp8 swapped": sass.fp8_kernel_sass(swap=True),
                                  "attention": sass.attention_kernel_sass(codes=False),
                                  "attention codes": sass.attention_kernel_sass(codes=True),
-                                 "attention quantized": sass.attention_kernel_sass(codes=False, quantize=True),
-                                 "tiles int4": sass.tiles_kernel_sass("int4")}.items():
+                                 "attention quantized": sass.attention_kernel_sass(codes=False, quantize=True)}.items():
     found[what] = dict(registers=registers, ops=sass.longest_loop(code))
 print(json.dumps(found))
 """
@@ -35,8 +34,7 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
                               ("fp8 swapped", "QGMMA.64x16x32.F32.E4M3.E4M3"),  # wgmma on the codes as stored
                               ("attention", "HMMA.16816.F32.BF16"),
                               ("attention codes", "HMMA.16816.F32"),
-                              ("attention quantized", "HMMA.16816.F32.BF16"),  # the key loop, not the quantizer's
-                              ("tiles int4", "HGMMA.64x256x16.F32.BF16")]:  # wgmma, the weight from registers
+                              ("attention quantized", "HMMA.16816.F32.BF16")]:  # the key loop, not the quantizer's
         ops = found[what]["ops"]
         assert 0 < found[what]["registers"] <= 255, (what, found[what]["registers"])
         # the loop holds the products, not a prologue's backward jump

@@ -19,51 +19,6 @@ from fxquant.kernels.launch import cdiv, visible
 
 
 @triton.jit
-def dequantized_tile(w_ptr, s_ptr, z_ptr, gs_ptr, offs_n, step, N, K, stride_wn, stride_wk, stride_sn, stride_sk,
-                     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    """The fp32 values of weight rows offs_n over K step `step` ([BLOCK_N, BLOCK_K], in the reference's order of
-    operations, so that one rounding to bf16/fp16 gives the reference's weight). Rows past N are zero; columns
-    past K are finite, not always zero (a zero point's -z times a real scale), so a product must zero its other
-    operand there. Shared by the dequantizer and the GEMM that dequantizes its weight tile by tile."""
-    BLOCK_N: tl.constexpr = offs_n.shape[0]
-    k = step * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_n = offs_n < N
-    # scale blocks per tile: BLOCK_K is a multiple of every group, or (a GEMM's int4 tile) divides the group
-    BLOCKS: tl.constexpr = BLOCK_K // GROUP if BLOCK_K >= GROUP else 1
-    SPAN: tl.constexpr = BLOCK_K // BLOCKS  # a tile's columns under one scale
-    offs_b = step * BLOCK_K // GROUP + tl.arange(0, BLOCKS)
-    mask_b = mask_n[:, None] & (offs_b[None, :] * GROUP < K)
-    if FMT == 0 or FMT == 4:  # a byte per code
-        codes = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :] * stride_wk,
-                        mask=mask_n[:, None] & (k[None, :] < K), other=0)
-        if FMT == 0:  # code times its channel's scale
-            values = codes.to(tl.float32) * tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0)[:, None]
-        else:  # e4m3 value times its block's E8M0 scale
-            values = mxfp8_values(codes, block_scale(s_ptr, offs_n[:, None], offs_b[None, :], stride_sn, stride_sk,
-                                                     mask_b, FMT), GROUP)
-    else:
-        codes = nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
-        if FMT == 1:  # (q - z) * s: the difference of two biased integers is exact
-            scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_b[None, :] * stride_sk, mask=mask_b, other=0.0)
-            if HAS_ZP:
-                z = tl.load(z_ptr + offs_n[:, None] * stride_sn + offs_b[None, :] * stride_sk, mask=mask_b, other=0)
-                zero = biased(z.to(tl.int32))
-            else:  # a symmetric code c is (c ^ 8) - 8
-                zero = tl.full((BLOCK_N, BLOCKS), TWO_POW_23 + 8.0, tl.float32)
-                codes = codes ^ 8
-            ints = tl.reshape(biased(codes), (BLOCK_N, BLOCKS, SPAN)) - zero[:, :, None]
-            values = ints * scale[:, :, None]
-        else:  # the e2m1 value times the block scale (NVFP4: the block scale times the global one, as the reference)
-            scale = block_scale(s_ptr, offs_n[:, None], offs_b[None, :], stride_sn, stride_sk, mask_b, FMT)
-            if FMT == 3:
-                scale = scale * tl.load(gs_ptr)
-            values = tl.reshape(e2m1_value(codes), (BLOCK_N, BLOCKS, SPAN)) * scale[:, :, None]
-        values = tl.reshape(values, (BLOCK_N, BLOCK_K))
-    return values
-
-
-@triton.jit
 def _dequantize_kernel(
     # pointers
     w_ptr, s_ptr, z_ptr, gs_ptr, out_ptr,
@@ -84,8 +39,35 @@ def _dequantize_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
-    values = dequantized_tile(w_ptr, s_ptr, z_ptr, gs_ptr, offs_n, pid_k, N, K, stride_wn, stride_wk, stride_sn,
-                              stride_sk, FMT, GROUP, HAS_ZP, EVEN_K, BLOCK_K)
+    BLOCKS: tl.constexpr = BLOCK_K // GROUP  # scale blocks per tile (BLOCK_K is a multiple of every group)
+    offs_b = pid_k * BLOCKS + tl.arange(0, BLOCKS)
+    mask_b = mask_n[:, None] & (offs_b[None, :] * GROUP < K)
+    if FMT == 0 or FMT == 4:  # a byte per code
+        codes = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :] * stride_wk,
+                        mask=mask_n[:, None] & (k[None, :] < K), other=0)
+        if FMT == 0:  # code times its channel's scale
+            values = codes.to(tl.float32) * tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0)[:, None]
+        else:  # e4m3 value times its block's E8M0 scale
+            values = mxfp8_values(codes, block_scale(s_ptr, offs_n[:, None], offs_b[None, :], stride_sn, stride_sk,
+                                                     mask_b, FMT), GROUP)
+    else:
+        codes = nibbles(w_ptr, offs_n, mask_n, pid_k, K, stride_wn, BLOCK_K, EVEN_K)
+        if FMT == 1:  # (q - z) * s: the difference of two biased integers is exact
+            scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_b[None, :] * stride_sk, mask=mask_b, other=0.0)
+            if HAS_ZP:
+                z = tl.load(z_ptr + offs_n[:, None] * stride_sn + offs_b[None, :] * stride_sk, mask=mask_b, other=0)
+                zero = biased(z.to(tl.int32))
+            else:  # a symmetric code c is (c ^ 8) - 8
+                zero = tl.full((BLOCK_N, BLOCKS), TWO_POW_23 + 8.0, tl.float32)
+                codes = codes ^ 8
+            ints = tl.reshape(biased(codes), (BLOCK_N, BLOCKS, GROUP)) - zero[:, :, None]
+            values = ints * scale[:, :, None]
+        else:  # the e2m1 value times the block scale (NVFP4: the block scale times the global one, as the reference)
+            scale = block_scale(s_ptr, offs_n[:, None], offs_b[None, :], stride_sn, stride_sk, mask_b, FMT)
+            if FMT == 3:
+                scale = scale * tl.load(gs_ptr)
+            values = tl.reshape(e2m1_value(codes), (BLOCK_N, BLOCKS, GROUP)) * scale[:, :, None]
+        values = tl.reshape(values, (BLOCK_N, BLOCK_K))
     out_mask = mask_n[:, None] & (k[None, :] < K)
     tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + k[None, :], cast_float(values, OUT, CAST),
              mask=out_mask)

@@ -40,7 +40,6 @@ from fxquant.kernels.gemm_weight_only import (
     wo_gemm_config,
     wo_scale_tile,
 )
-from fxquant.kernels.gemm_weight_only_tiles import in_tiles, weight_only_tiles_mm
 from fxquant.kernels.launch import cdiv, inlined, visible
 from fxquant.kernels.splitk import reduce_partials, split_k
 from fxquant.kernels.tiles import expert_tile_offsets, k_steps_of, store_tile
@@ -226,8 +225,7 @@ def grouped_weight_only_mm(a, offs, w, w_scale, fmt: str, group: int, N: int, *,
     w_scale; global_scale: NVFP4's fp32 [E]. Returns [M, N] in a's dtype. Up to DEQUANTIZE_ABOVE_M rows per active
     expert, or given an explicit tile `config`, every expert's codes are decoded in registers; past it bf16
     activations take the experts dequantized and `torch._grouped_mm`, as the dense product takes cuBLAS (outside a
-    package's trace, whose kernels stay the ones it was tested with), or, under `prefill_in_tiles`, the GEMM that
-    dequantizes each expert's tiles in registers (`gemm_weight_only_tiles.py`)."""
+    package's trace, whose kernels stay the ones it was tested with)."""
     M, K = a.shape
     E = w.shape[0]
     _check_offs(offs, E)
@@ -236,10 +234,7 @@ def grouped_weight_only_mm(a, offs, w, w_scale, fmt: str, group: int, N: int, *,
         raise ValueError("fxquant: int4 zero points must share the scales' layout [E, N, K/group]")
     if M == 0 or N == 0:
         return torch.empty((M, N), dtype=a.dtype, device=a.device)
-    many_rows = config is None and cdiv(M, min(M, E)) > DEQUANTIZE_ABOVE_M
-    if many_rows and in_tiles():
-        return weight_only_tiles_mm(a, codes, scale, fmt, group, N, zero_point, global_scale, offs=offs)
-    if many_rows and a.dtype == torch.bfloat16 and not inlined():
+    if config is None and a.dtype == torch.bfloat16 and cdiv(M, min(M, E)) > DEQUANTIZE_ABOVE_M and not inlined():
         return _grouped_dequantized_mm(a, offs, codes, scale, fmt, group, zero_point, global_scale)
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     grid, split, meta = _wo_plan(M, N, K, E, fmt, group, tuple(sorted((config or {}).items())))

@@ -2,8 +2,7 @@
 
 Two paths, chosen by M from a measured crossover. Up to DEQUANTIZE_ABOVE_M the weight is dequantized in registers,
 tile by tile, with no full-precision copy of it. Past it the weight is dequantized to the activation dtype
-(`dequantize_weight.py`, at most CHUNK_ELEMENTS at a time) and cuBLAS multiplies it; under `prefill_in_tiles`, a
-candidate not yet timed on a GPU, the GEMM of `gemm_weight_only_tiles.py` dequantizes each tile to the same weight.
+(`dequantize_weight.py`, at most CHUNK_ELEMENTS at a time) and cuBLAS multiplies it.
 
 In registers, each code is turned into a value the activation dtype holds exactly, so the tensor cores multiply
 exact operands:
@@ -47,7 +46,6 @@ from fxquant.kernels.codes import (
 from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
-from fxquant.kernels.gemm_weight_only_tiles import in_tiles, weight_only_tiles_mm
 from fxquant.kernels.launch import cdiv, visible
 from fxquant.kernels.splitk import TARGET_PROGRAMS, counters, reduce_partials, split_k, sum_if_last_slice
 from fxquant.kernels.tiles import k_steps_of, store_tile, tile_offsets
@@ -249,16 +247,13 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
     Returns [M, N] in a's dtype.
     Up to DEQUANTIZE_ABOVE_M, or at any M given an explicit tile `config`, the weight is dequantized in registers;
     past it, and for int4 groups narrower than a K step, it is dequantized to the activation dtype in chunks of at
-    most CHUNK_ELEMENTS, each multiplied by cuBLAS, or, under `prefill_in_tiles`, tile by tile in the GEMM
-    (`gemm_weight_only_tiles.py`), to the same weight."""
+    most CHUNK_ELEMENTS, each multiplied by cuBLAS."""
     M, K = a.shape
     codes, scale = weight_operands(a, w, w_scale, fmt, group, N)
     if M == 0 or N == 0:
         return torch.empty((M, N), dtype=a.dtype, device=a.device)
     overrides = tuple(sorted(config.items())) if config is not None else None
     plan = _launch_plan(M, N, K, fmt, group, overrides)
-    if plan is None and in_tiles():
-        return weight_only_tiles_mm(a, codes, scale, fmt, group, N, zero_point, global_scale, bias)
     if plan is None:
         return _dequantized_mm(a, codes, scale, fmt, group, zero_point, global_scale, bias)
     tiles, split, meta = plan
