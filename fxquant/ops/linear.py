@@ -33,19 +33,20 @@ def reference_reason(kind: str, fmt: str, act_group: int, group: int, K: int, dt
 
 def _quantize_fp8(x: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     """Dynamic e4m3 codes and fp32 scales of x [..., K]: per token (group_size 0), per 1 x group_size, or
-    per tensor (group_size -1, scale of shape [1])."""
+    per tensor (group_size -1, scale of shape [1]). Both contiguous whatever x's layout, as the kernels write them
+    (and as the fake says: tests/test_fake_strides.py)."""
     if group_size < 0:
         if x.is_cuda:  # two kernels: amax partials, then scale and codes
             codes, scale = quant_fp8.quantize_fp8_tensor(x, E4M3)
         else:
             q = R.quantize(x, "fp8_e4m3", "tensor")
-            codes, scale = q.data, q.scale
+            codes, scale = q.data.contiguous(), q.scale
         return codes, scale.reshape(1)
     row_len = group_size or x.shape[-1]
     if quant_fp8.supports_rows(x, row_len) is None:
         return quant_fp8.quantize_fp8_rows(x, row_len, E4M3)
     q = R.quantize(x, "fp8_e4m3", activation_granularity(group_size))
-    return q.data, q.scale
+    return q.data.contiguous(), q.scale.contiguous()
 
 
 quantize_fp8 = define("quantize_fp8(Tensor x, int group_size) -> (Tensor, Tensor)", _quantize_fp8)
@@ -53,10 +54,11 @@ quantize_fp8 = define("quantize_fp8(Tensor x, int group_size) -> (Tensor, Tensor
 
 @fake("quantize_fp8")
 def _(x, group_size):
+    codes = x.new_empty(x.shape, dtype=E4M3)  # contiguous, whatever x's layout
     if group_size < 0:
-        return torch.empty_like(x, dtype=E4M3), x.new_empty((1,), dtype=torch.float32)
+        return codes, x.new_empty((1,), dtype=torch.float32)
     groups = x.shape[-1] // group_size if group_size else 1
-    return torch.empty_like(x, dtype=E4M3), x.new_empty((*x.shape[:-1], groups), dtype=torch.float32)
+    return codes, x.new_empty((*x.shape[:-1], groups), dtype=torch.float32)
 
 
 def _silu_mul_quantize_fp8(gate: Tensor, up: Tensor, group_size: int) -> tuple[Tensor, Tensor]:

@@ -18,7 +18,8 @@ def _norm_quant(x, residual, weight, bias, eps, group_size, rms):
         codes, scales, h, _ = norm_quant_kernel(x, weight, bias, eps, group_size, rms=rms, residual=residual)
         return codes, scales, h
     codes, scales, h, _ = RN.norm_quant_fp8(x, weight, bias, eps, group_size, rms=rms, residual=residual)
-    return codes, scales, h
+    # contiguous whatever x's layout, as the kernel writes them and the fakes say
+    return codes.contiguous(), scales.contiguous(), None if h is None else h.contiguous()
 
 
 def _norm_quant_fp8(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, group_size: int,
@@ -36,7 +37,7 @@ norm_quant_fp8 = define("norm_quant_fp8(Tensor x, Tensor? weight, Tensor? bias, 
 @fake("norm_quant_fp8")
 def _(x, weight, bias, eps, group_size, rms):
     groups = x.shape[-1] // group_size if group_size else 1
-    return torch.empty_like(x, dtype=E4M3), x.new_empty((*x.shape[:-1], groups), dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=E4M3), x.new_empty((*x.shape[:-1], groups), dtype=torch.float32)
 
 
 def _add_norm_quant_fp8(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
@@ -52,5 +53,5 @@ add_norm_quant_fp8 = define("add_norm_quant_fp8(Tensor x, Tensor residual, Tenso
 @fake("add_norm_quant_fp8")
 def _(x, residual, weight, bias, eps, group_size, rms):
     groups = x.shape[-1] // group_size if group_size else 1
-    return (torch.empty_like(x, dtype=E4M3), x.new_empty((*x.shape[:-1], groups), dtype=torch.float32),
-            torch.empty_like(x))
+    return (x.new_empty(x.shape, dtype=E4M3), x.new_empty((*x.shape[:-1], groups), dtype=torch.float32),
+            x.new_empty(x.shape))

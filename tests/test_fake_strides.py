@@ -1,0 +1,51 @@
+"""Each fxquant op's fake (what Inductor plans its buffers by) gives the real outputs' sizes, dtypes and strides, also
+for inputs in a transposed layout: transformers hands the KV cache [B, H, S, D] views of [B, S, H, D] projections.
+Inductor asserts the strides it planned, so a fake that keeps an input's layout while the kernel writes a contiguous
+output stops a compiled prefill on the GPU (an FP8 cache's prefill of 4096 tokens did). On the CPU the ops run their
+references; the GPU suite runs the same cases on the kernels."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+OPS = torch.ops.fxquant
+
+
+def transposed(*shape, dtype=torch.bfloat16):
+    """A [B, H, S, D] view of a contiguous [B, S, H, D] tensor, as attention's q, k, v."""
+    b, h, s, d = shape
+    return torch.randn(b, s, h, d, device=DEVICE).to(dtype).transpose(1, 2)
+
+
+def cases():
+    x, gate, up = transposed(1, 2, 6, 128), transposed(1, 2, 6, 128), transposed(1, 2, 6, 128)
+    weight = torch.randn(128, device=DEVICE).to(torch.bfloat16)
+    q, k, v = transposed(1, 8, 1, 64), transposed(1, 2, 16, 64), transposed(1, 2, 16, 64)
+    codes = transposed(1, 2, 16, 64).to(torch.float8_e4m3fn)
+    return {
+        "quantize_fp8 per token": (OPS.quantize_fp8, (x, 0)),
+        "quantize_fp8 1x64": (OPS.quantize_fp8, (x, 64)),
+        "quantize_fp8 per tensor": (OPS.quantize_fp8, (x, -1)),
+        "silu_mul_quantize_fp8": (OPS.silu_mul_quantize_fp8, (gate, up, 0)),
+        "norm_quant_fp8": (OPS.norm_quant_fp8, (x, weight, None, 1e-6, 0, True)),
+        "add_norm_quant_fp8": (OPS.add_norm_quant_fp8, (x, up, weight, None, 1e-6, 0, True)),
+        "decode_attention": (OPS.decode_attention, (q, k, v, None, 0.125, 0.0, None, None, None, None)),
+        "decode_attention_quantize_fp8": (OPS.decode_attention_quantize_fp8,
+                                          (q, k, v, None, 0.125, 0.0, None, None, None, None, 0)),
+        "dequantize_kv": (OPS.dequantize_kv, (codes, torch.ones(1, 2, 16, device=DEVICE), torch.bfloat16)),
+    }
+
+
+@pytest.mark.parametrize("name", list(cases()))
+def test_fake_outputs_have_the_real_outputs_layout(name):
+    op, args = cases()[name]
+    real = op(*args)
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    real, fake = (out if isinstance(out, tuple) else (out,) for out in (real, fake))
+    assert len(real) == len(fake)
+    for i, (r, f) in enumerate(zip(real, fake, strict=True)):
+        assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride()), (name, i)
