@@ -80,8 +80,11 @@ def main():
             for name, module in paths.items():
                 got = module(*sets[0])
                 error = rel_error(got, want)
-                fmt = RECIPES[name.split()[-1]].weight_fmt if name.startswith("fxquant") else None
-                if not torch.isfinite(got).all() or (fmt and error > ERROR_CEILING[fmt]):
+                scheme = RECIPES[name.split()[-1]] if name.startswith("fxquant") else None
+                # W4A8 adds its fp8 activations' rounding to the int4 weights' (0.207 at 16 tokens on the H200)
+                ceiling = scheme and ERROR_CEILING[scheme.weight_fmt] + (
+                    ERROR_CEILING["fp8_e4m3"] if scheme.kind == "int4_fp8" else 0)
+                if not torch.isfinite(got).all() or (scheme and error > ceiling):
                     raise SystemExit(f"{name} at {tokens} tokens: relative error {error:.3g} against bf16")
                 timer = time_ms if "eager" in name else graph_time_ms
                 ms = timer(module, sets)

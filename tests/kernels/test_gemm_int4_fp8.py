@@ -43,11 +43,12 @@ def test_the_product_is_the_exact_one_rounded_at_the_store(shape, symmetric, con
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="cuBLAS's block-scaled fp8 GEMM runs on the GPU")
+@pytest.mark.parametrize("M", [200, 1001], ids=["M 200", "M 1001"])  # 1001: rows padded for the scale grid
 @pytest.mark.parametrize("symmetric", [False, True], ids=["zero_point", "symmetric"])
-def test_past_m_128_cublas_computes_it_within_the_gpu_bound(symmetric, monkeypatch):
+def test_past_m_128_cublas_computes_it_within_the_gpu_bound(symmetric, M, monkeypatch):
     routed = []
     monkeypatch.setattr(gemm_int4_fp8, "cublas_int4_fp8", lambda *a: routed.append(1) or cublas_int4_fp8(*a))
-    M, N, K = 200, 256, 384
+    N, K = 256, 384
     gen = torch.Generator().manual_seed(7)
     qa = R.quantize(torch.randn(M, K, generator=gen).to(DEVICE, torch.bfloat16), "fp8_e4m3", "token")
     qw = R.quantize(torch.randn(N, K, generator=gen).to(DEVICE, torch.bfloat16), "int4", ("group", GROUP),
@@ -58,6 +59,31 @@ def test_past_m_128_cublas_computes_it_within_the_gpu_bound(symmetric, monkeypat
     ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30)))) * torch.finfo(torch.bfloat16).eps
     assert routed == [1]
     assert bool(((out.double() - exact).abs() <= ulp + 2**-10 * (a_hp.abs() @ w_hp.abs().T)).all())
+
+
+def test_cublas_rows_are_padded_to_16_and_the_padding_dropped(monkeypatch):
+    """M = 1001: cuBLAS gets 1008 rows, the 7 added zero with scale 1, its 1x128 scale grid outer-dimension-major;
+    the output is the 1001 real rows, within the GPU bound. torch._scaled_mm stands in as an fp64 emulation of
+    cuBLAS's block-scaled product that asserts what cuBLAS is handed (the GPU suite runs cuBLAS itself above)."""
+    def emulated(a, b, scale_a, scale_b, out_dtype):
+        rows, groups = a.shape[0], a.shape[1] // GROUP
+        assert rows % 16 == 0 and scale_a.shape == (rows, groups) and scale_a.stride() == (1, rows)
+        assert bool((a[1001:].view(torch.uint8) == 0).all()) and bool((scale_a[1001:] == 1).all())
+        parts = [(a[:, g * GROUP:(g + 1) * GROUP].double() @ b[g * GROUP:(g + 1) * GROUP].double())
+                 * scale_a[:, g:g + 1].double() * scale_b[g:g + 1].double() for g in range(groups)]
+        return sum(parts).to(out_dtype)
+
+    monkeypatch.setattr(gemm_int4_fp8.torch, "_scaled_mm", emulated)
+    M, N, K = 1001, 64, 256
+    gen = torch.Generator().manual_seed(8)
+    qa = R.quantize(torch.randn(M, K, generator=gen).to(DEVICE, torch.bfloat16), "fp8_e4m3", "token")
+    qw = R.quantize(torch.randn(N, K, generator=gen).to(DEVICE, torch.bfloat16), "int4", ("group", GROUP))
+    out = cublas_int4_fp8(qa.data, qa.scale, qw.data.view(torch.uint8), qw.scale, qw.zero_point)
+    a_hp, w_hp = R.dequantize(qa, torch.float64), R.dequantize(qw, torch.float64)
+    exact = a_hp @ w_hp.T
+    ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30)))) * torch.finfo(torch.bfloat16).eps
+    assert out.shape == (M, N)
+    assert bool(((out.double() - exact).abs() <= ulp + 2**-20 * (a_hp.abs() @ w_hp.abs().T)).all())
 
 
 def test_at_decode_k_is_split_and_the_slices_summed_once(monkeypatch):
