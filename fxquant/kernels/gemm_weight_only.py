@@ -169,7 +169,9 @@ def wo_gemm_config(M: int, K: int, fmt: str) -> dict:
 
 # Past this M, dequantizing the weight once per call and running cuBLAS beats dequantizing in registers: at M = 256
 # int4 took 138 us in registers against 93 us dequantized on 14336x4096. Up to it the in-register kernel with split-K
-# won on every Llama shape (docs/decisions/0006-weight-only-dequantize-past-m128.md).
+# won on every Llama shape (docs/decisions/0006-weight-only-dequantize-past-m128.md). A GEMM dequantizing its weight
+# tile by tile on wgmma ran 0.51-0.65x bf16 at M >= 1024, where this route runs 0.80-0.96x
+# (docs/decisions/0025-weight-only-prefill-stays-dequantized.md).
 DEQUANTIZE_ABOVE_M = 128
 # The dequantized weight exists at most this many elements at a time (256 MiB in bf16). At 2**26 a merged 28672x4096
 # gate/up took two chunks, each with a strided copy of its output columns: 7% of an int4_wo prefill
