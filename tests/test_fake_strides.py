@@ -9,6 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
+from fxquant.numerics import reference as R
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 OPS = torch.ops.fxquant
@@ -25,7 +26,18 @@ def cases():
     weight = torch.randn(128, device=DEVICE).to(torch.bfloat16)
     q, k, v = transposed(1, 8, 1, 64), transposed(1, 2, 16, 64), transposed(1, 2, 16, 64)
     codes = transposed(1, 2, 16, 64).to(torch.float8_e4m3fn)
+    cos, sin = (torch.randn(1, 2, 64, device=DEVICE).to(torch.bfloat16) for _ in range(2))
+    caches = [torch.zeros(1, 2, 16, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
+    rows = torch.randn(6, 2, 128, device=DEVICE).to(torch.bfloat16).transpose(0, 1)  # [2, 6, 128], not contiguous
+    w8 = R.quantize(torch.randn(64, 128, device=DEVICE) * 0.05, "fp8_e4m3", "channel")
+    w4 = R.quantize(torch.randn(64, 128, device=DEVICE) * 0.05, "int4", ("group", 128))
     return {
+        "rotary_cache_write": (OPS.rotary_cache_write, (transposed(1, 8, 2, 64), transposed(1, 2, 2, 64),
+                                                        transposed(1, 2, 2, 64), cos, sin,
+                                                        torch.tensor([3, 4], device=DEVICE), *caches)),
+        "linear_fp8": (OPS.linear_fp8, (rows, w8.data, w8.scale, None, 0)),
+        "linear_weight_only": (OPS.linear_weight_only, (rows, w4.data, w4.scale, None, w4.zero_point, None, "int4",
+                                                        128, 64)),
         "quantize_fp8 per token": (OPS.quantize_fp8, (x, 0)),
         "quantize_fp8 1x64": (OPS.quantize_fp8, (x, 64)),
         "quantize_fp8 per tensor": (OPS.quantize_fp8, (x, -1)),

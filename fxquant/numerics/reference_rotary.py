@@ -35,11 +35,11 @@ def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def rotary_cache_write(q, k, v, cos, sin, positions, k_cache, v_cache) -> torch.Tensor:
     """q and k [B, H, Q, D] rotated by cos and sin (broadcast to [B, 1, Q, D]); k rotated and v written into k_cache
-    and v_cache at positions [Q]; returns q rotated."""
+    and v_cache at positions [Q]; returns q rotated, contiguous (as the kernel writes it and the op's fake says)."""
     inside = (positions >= 0) & (positions < k_cache.shape[2])
     k_cache.index_copy_(2, positions[inside], rotated(k, cos, sin)[:, :, inside])
     v_cache.index_copy_(2, positions[inside], v[:, :, inside])
-    return rotated(q, cos, sin)
+    return rotated(q, cos, sin).contiguous()
 
 
 def rotary_cache_write_e4m3(q, k, v, cos, sin, positions, scale_positions, k_codes, v_codes, k_scales,
@@ -51,7 +51,7 @@ def rotary_cache_write_e4m3(q, k, v, cos, sin, positions, scale_positions, k_cod
         quantized = R.quantize(row, "fp8_e4m3", activation_granularity(0))  # per (token, KV head), as quantize_fp8
         codes.index_copy_(2, positions[inside], quantized.data.view(torch.uint8)[:, :, inside])
         scales.index_copy_(2, scale_positions[inside], quantized.scale[:, :, inside])
-    return rotated(q, cos, sin)
+    return rotated(q, cos, sin).contiguous()
 
 
 def _appended(length: torch.Tensor, queries: int) -> torch.Tensor:
