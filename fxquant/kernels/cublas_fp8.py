@@ -44,12 +44,35 @@ def supports(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
     return None
 
 
+# Rows a block-scaled product hands cuBLAS come in multiples of this. W4A8 experts' uneven row counts failed in
+# cuBLAS's 1x128 block-scaled GEMM on the H200 (CUBLAS_STATUS_NOT_SUPPORTED) where M = 200, 256 and multiples of
+# 16 ran; which counts it refuses is not established, so every count is padded.
+BLOCK_SCALED_ROWS = 16
+
+
+def block_scaled_rows(a: torch.Tensor, a_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a [M, K] e4m3 and its 1x128 scales [M, K/128] as cuBLAS takes them: rows padded with zeros to a multiple of
+    BLOCK_SCALED_ROWS (a copy of a, small against the product; none where M is one), their scales 1, and the scale
+    grid outer-dimension-major. The product's first M rows are a's."""
+    M, K = a.shape
+    rows = -(-M // BLOCK_SCALED_ROWS) * BLOCK_SCALED_ROWS
+    if rows != M:
+        padded = a.new_empty((rows, K))
+        padded.view(torch.uint8)[:M].copy_(a.view(torch.uint8))
+        padded.view(torch.uint8)[M:].zero_()
+        a = padded
+    grid = a_scale.new_ones((a_scale.shape[1], rows))
+    grid[:, :M] = a_scale.t()
+    return a, grid.t()
+
+
 def cublas_scaled_mm(a, a_scale, w, w_scale, block_scales: bool) -> torch.Tensor:
     """(a * a_scale) @ (w * w_scale).T in bf16; scales per tensor, per token/channel, or 1x128 / 128x128."""
+    M = a.shape[0]
     if block_scales:  # cuBLAS wants both scale grids outer-dimension-major
-        sa, sw = a_scale.t().contiguous().t(), w_scale.t()
+        (a, sa), sw = block_scaled_rows(a, a_scale), w_scale.t()
     elif a_scale.numel() == 1:
         sa, sw = a_scale.reshape(()), w_scale.reshape(())
     else:
         sa, sw = a_scale, w_scale.reshape(1, -1)
-    return torch._scaled_mm(a, w.t(), sa, sw, out_dtype=torch.bfloat16)
+    return torch._scaled_mm(a, w.t(), sa, sw, out_dtype=torch.bfloat16)[:M]

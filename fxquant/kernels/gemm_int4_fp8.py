@@ -20,6 +20,7 @@ import triton.language as tl
 
 from fxquant.kernels.cast import cast_fp8, cast_mode
 from fxquant.kernels.codes import biased
+from fxquant.kernels.cublas_fp8 import block_scaled_rows
 from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, visible
@@ -176,20 +177,9 @@ def cublas_int4_fp8(a, a_scale, w, w_scale, zero_point) -> torch.Tensor:
     group's partial scaled by the token's scale and the group's, in fp32 (the same sum as the kernel's), bf16 out.
     The e4m3 copy of the weight lives for the call: twice the int4 codes' bytes, read once by cuBLAS."""
     (M, K), w8 = a.shape, int4_as_e4m3(w, zero_point)
-    # The activations' scale grid is outer-dimension-major, a column of M scales a group. W4A8 experts' uneven row
-    # counts failed there on the H200 (CUBLAS_STATUS_NOT_SUPPORTED) where M = 200 and multiples of 16 ran, so the rows
-    # go padded with zeros to a multiple of 16 (a copy of A, small against the product), their scales 1, and the
-    # padding's output dropped.
-    rows = cdiv(M, 16) * 16
-    if rows != M:
-        padded = a.new_empty((rows, K))
-        padded.view(torch.uint8)[:M].copy_(a.view(torch.uint8))
-        padded.view(torch.uint8)[M:].zero_()
-        a = padded
-    sa = a_scale.new_ones((K // GROUP, rows))
-    sa[:, :M] = a_scale.reshape(1, M)
+    a, sa = block_scaled_rows(a, a_scale.reshape(M, 1).expand(M, K // GROUP))  # the token's scale in each group
     sw = w_scale.t().contiguous()  # [K/128, N], N-major: cuBLAS wants both scale grids outer-dimension-major
-    return torch._scaled_mm(a, w8.t(), sa.t(), sw, out_dtype=torch.bfloat16)[:M]
+    return torch._scaled_mm(a, w8.t(), sa, sw, out_dtype=torch.bfloat16)[:M]
 
 
 def int4_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
-from fxquant.kernels.cublas_fp8 import CUBLAS_ABOVE_M, cublas_scaled_mm, supports
+from fxquant.kernels.cublas_fp8 import CUBLAS_ABOVE_M, block_scaled_rows, cublas_scaled_mm, supports
 from fxquant.kernels.gemm_fp8 import is_block_scaled
 from fxquant.numerics import reference as R
 
@@ -29,13 +29,29 @@ def meta_operands(recipe, M=CUBLAS_ABOVE_M + 128, N=384, K=512, a_group=128):
     return torch.empty(M, K, **e4m3), a_scale, torch.empty(N, K, **e4m3), w_scale
 
 
+@pytest.mark.parametrize("M", [CUBLAS_ABOVE_M + 128, 1001], ids=["M 256", "M 1001"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_installed_torch_accepts_the_call_shapes(recipe):
+def test_installed_torch_accepts_the_call_shapes(recipe, M):
     """torch._scaled_mm's shape and layout checks run on meta tensors: an API change in torch fails here, on CPU."""
-    a, a_scale, w, w_scale = meta_operands(recipe)
+    a, a_scale, w, w_scale = meta_operands(recipe, M=M)
     assert supports(a, a_scale, w, w_scale, None, torch.bfloat16, recipe == "block") is None
     out = cublas_scaled_mm(a, a_scale, w, w_scale, recipe == "block")
     assert out.shape == (a.shape[0], w.shape[0]) and out.dtype == torch.bfloat16
+
+
+def test_block_scaled_rows_pad_with_zeros_of_scale_one_in_an_outer_major_grid():
+    """1001 rows become 1008: the first 1001 are a's codes and scales, the rest zero codes of scale 1; the grid is
+    [rows, K/128] with each group's scales contiguous (cuBLAS's outer-dimension-major layout)."""
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(1001, 256, generator=gen).to(torch.float8_e4m3fn)
+    scale = torch.rand(1001, 2, generator=gen) + 0.5
+    padded, grid = block_scaled_rows(a, scale)
+    assert padded.shape == (1008, 256) and grid.shape == (1008, 2) and grid.stride() == (1, 1008)
+    assert torch.equal(padded[:1001].view(torch.uint8), a.view(torch.uint8))
+    assert not padded[1001:].view(torch.uint8).any()
+    assert torch.equal(grid[:1001], scale) and bool((grid[1001:] == 1).all())
+    same, grid16 = block_scaled_rows(a[:992], scale[:992])  # a multiple of 16: no copy of a
+    assert same.data_ptr() == a.data_ptr() and grid16.stride() == (1, 992)
 
 
 @pytest.mark.parametrize("case, reason", [
@@ -61,9 +77,10 @@ def test_wide_weights_go_to_cublas_from_m_128_and_narrow_ones_above_it():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M", [CUBLAS_ABOVE_M + 128, 1001], ids=["M 256", "M 1001"])  # 1001: rows padded
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_op_at_large_m_matches_the_exact_product(recipe):
-    qa, qw, a_scale = operands(recipe)
+def test_op_at_large_m_matches_the_exact_product(recipe, M):
+    qa, qw, a_scale = operands(recipe, M=M)
     assert supports(qa.data, a_scale, qw.data, qw.scale, None, torch.bfloat16,
                     is_block_scaled(a_scale, qw.scale, qw.shape[0])) is None
     out = torch.ops.fxquant.scaled_mm_fp8(qa.data, a_scale, qw.data, qw.scale, None, torch.bfloat16)
