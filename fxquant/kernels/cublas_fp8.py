@@ -45,15 +45,15 @@ def supports(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
 
 
 # Rows a block-scaled product hands cuBLAS come in multiples of this. W4A8 experts' uneven row counts failed in
-# cuBLAS's 1x128 block-scaled GEMM on the H200 (CUBLAS_STATUS_NOT_SUPPORTED) where M = 200, 256 and multiples of
-# 16 ran; which counts it refuses is not established, so every count is padded.
+# cuBLAS's 1x128 block-scaled GEMM on the H200 (CUBLAS_STATUS_NOT_SUPPORTED) where M = 200 and multiples of
+# 16 ran; which counts it refuses is not established, so every count goes up to a multiple of 16.
 BLOCK_SCALED_ROWS = 16
 
 
 def block_scaled_rows(a: torch.Tensor, a_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """a [M, K] e4m3 and its 1x128 scales [M, K/128] as cuBLAS takes them: rows padded with zeros to a multiple of
-    BLOCK_SCALED_ROWS (a copy of a, small against the product; none where M is one), their scales 1, and the scale
-    grid outer-dimension-major. The product's first M rows are a's."""
+    BLOCK_SCALED_ROWS (a copy of a, small against the product; none where M is a multiple), their scales 1, and the
+    scale grid outer-dimension-major. The product's first M rows are a's."""
     M, K = a.shape
     rows = -(-M // BLOCK_SCALED_ROWS) * BLOCK_SCALED_ROWS
     if rows != M:
