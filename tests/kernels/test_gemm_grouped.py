@@ -18,8 +18,8 @@ ROUTINGS = {
     "rows past the last expert": ([3, 4, 0, 6], 5),
     "a long group (several row tiles)": ([40, 1, 0, 2], 0),
 }
-# past 128 rows an active expert (570 over 4: 143 each on average), where some grouped GEMMs change route; row counts
-# that are no multiple of 4 (cuBLAS's scale grids of W4A8 experts once failed on them)
+# past 128 rows an active expert (570 over 4: 143 each on average), where some grouped GEMMs change route; uneven row
+# counts, as routing gives them (W4A8 experts' once failed in cuBLAS on the H200, which counts is not established)
 MANY_ROWS = {"past 128 rows an active expert, rows past the last": ([301, 0, 179, 90], 7)}
 WEIGHT_ONLY = {"int8": ("channel", 0), "int4": (None, 128), "mxfp4": (None, 32), "nvfp4": (None, 16),
                "mxfp8": (None, 32)}
