@@ -1,6 +1,7 @@
 """Decode attention alone, Llama-3-8B heads (32 query heads, 8 KV heads, head dim 128), one query position, over a
 static KV cache of B sequences x context tokens: fxquant's split-KV kernel on the bf16 cache (with and without
-transformers' additive mask, and with the mask merged by the separate merge kernel rather than the last split) and on
+transformers' additive mask, with the mask merged by the separate merge kernel rather than the last split, and with
+its output quantized per token for an fp8 o-projection, in the kernel or by the row quantizer after it) and on
 an e4m3 cache with per-(token, KV head) or per-tensor scales, against torch's
 SDPA after repeat_kv (the cache copied per query head, as transformers' eager path and Inductor run it), SDPA with
 enable_gqa=True (no mask) and FlexAttention's decoding (compiled; at 4k only, its compile per shape is long).
@@ -83,6 +84,10 @@ def paths(batch: int, context: int):
          cache_bytes),
         ("fxquant bf16 cache, mask", masked, cache_bytes),
         ("fxquant bf16 cache, mask, merge kernel", with_merge_kernel(masked), cache_bytes),
+        ("fxquant bf16 cache, mask, output quantized", lambda c: torch.ops.fxquant.decode_attention_quantize_fp8(
+            c["q"], c["k"], c["v"], c["mask"], scale, 0.0, None, None, None, None, 0), cache_bytes),
+        ("fxquant bf16 cache, mask, then the row quantizer", lambda c: torch.ops.fxquant.quantize_fp8(
+            masked(c).transpose(1, 2).reshape(batch, 1, HEADS_Q * DIM), 0), cache_bytes),
         ("fxquant fp8 cache, mask",
          lambda c: attn(c["q"], c["kc"], c["vc"], c["mask"], scale, 0.0, None, c["ks"], c["vs"], None), codes_bytes),
         ("fxquant fp8 per-tensor, mask",
@@ -102,7 +107,9 @@ def paths(batch: int, context: int):
         flex = torch.compile(flex_attention, dynamic=False)
         rows.append(("FlexAttention, no mask", lambda c: flex(c["q"], c["k"], c["v"], enable_gqa=True), cache_bytes))
     q, k, v, mask = first["q"], first["k"], first["v"], first["mask"]
+    quantized_after = next(fn for name, fn, _ in rows if name.endswith("then the row quantizer"))
     checks = {
+        "fxquant bf16 cache, mask, output quantized": quantized_after(first),  # the same codes and scales, bit for bit
         "fxquant bf16 cache, mask": RA.decode_attention(q, k, v, mask, scale),
         "fxquant bf16 cache, mask, merge kernel": RA.decode_attention(q, k, v, mask, scale),
         "fxquant fp8 cache, mask": RA.decode_attention(q, first["kc"], first["vc"], mask, scale, k_scale=first["ks"],
@@ -166,7 +173,11 @@ def main() -> None:
             row = {"B": batch, "context": context}
             for name, fn, nbytes in rows:
                 out = fn(*sets[0])
-                if name in checks:  # the same numbers as the fp32 reference, within bf16's rounding
+                if isinstance(checks.get(name), tuple):  # (codes, scales): the bits of the unfused quantizer
+                    same = all(torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+                               for got, want in zip(out, checks[name], strict=True))
+                    assert same, f"{name} at B{batch} {context}: other bits than the row quantizer's"
+                elif name in checks:  # the same numbers as the fp32 reference, within bf16's rounding
                     want = checks[name].float()
                     err = float((out.float() - want).norm() / want.norm())
                     assert err < 1e-2, f"{name} at B{batch} {context}: relative error {err:.2e}"
