@@ -313,6 +313,8 @@ def generate_rate(model, path: str, prompt, args) -> str:
     kwargs = dict(max_new_tokens=args.steps, min_new_tokens=args.steps, do_sample=False, compile_config=config,
                   **cache)
     model.generate(prompt, **kwargs)  # compiles
+    if "past_key_values" in cache:  # generate() continues a cache it is given: empty it, or the prompt overruns it
+        cache["past_key_values"].reset()
     sync(args.device)
     start = time.perf_counter()
     model.generate(prompt, **kwargs)

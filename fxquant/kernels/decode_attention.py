@@ -41,6 +41,10 @@ SHORT_PLAN, SHORT_KEYS = (2, 2, 4, 64), 4096
 # (2, 4, 2, 64). From 512 pairs (B64), 2 warps over 64 keys, as before: 200.5 us at 4k, 199.1 at the B16 plan
 # (docs/decisions/0024-decode-attention-plans-over-codes.md).
 CODES_PLANS = ((512, (2, 4, 2, 64)), (128, (4, 4, 4, 128, 3)), (0, (2, 2, 4, 128)))  # (from pairs, plan)
+# Under 128 pairs up to 4096 keys, eight programs an SM, one 128-key block a split: over caches read from HBM (the
+# plans above were timed on one cache, which the L2 held at B1), B1 1k 6.0 us and 4k 8.7 against 8.3 and 10.2; at 16k
+# 22.8 against 19.8, so the plan above stays there (docs/decisions/0026-decode-attention-timed-from-hbm.md).
+CODES_SHORT_PLAN = (8, 1, 4, 128)
 LOG2_E = tl.constexpr(1.4426950408889634)
 PER_TOKEN, GROUPED = tl.constexpr(1), tl.constexpr(2)  # QUANT: a scale per token row, or per group of a head's row
 E4M3_MAX = E4M3.max
@@ -262,6 +266,15 @@ def num_splits(batch_heads: int, keys: int, device: torch.device, programs_per_s
     return max(1, min(want, cdiv(blocks, blocks_per_split), MAX_SPLITS))
 
 
+def output_like(q: torch.Tensor) -> torch.Tensor:
+    """The output of attention for q [B, Hq, Q, D]: stored [B, Q, Hq, D], as the o-projection reads it
+    (o.transpose(1, 2).reshape(B, Q, Hq * D) is a view) and as the fused quantizer's last pair reads a token's row.
+    One layout whatever q's, so the op's fake gives the same strides: empty_like(q) kept q's, which a fake tensor
+    and a real one lay out differently along a dim of size 1."""
+    batch, heads_q, queries, dim = q.shape
+    return torch.empty((batch, queries, heads_q, dim), device=q.device, dtype=q.dtype).transpose(1, 2)
+
+
 def fuses_quantization(q: torch.Tensor, group_size: int) -> bool:
     """Whether the kernel quantizes its own output in groups of `group_size` (0: a scale per token's row of all
     heads), where the pairs have counters: a group within a head's row, or a token's row that fits a program's
@@ -301,6 +314,8 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
     codes = k.dtype == torch.float8_e4m3fn
     if codes:
         default = next(plan for pairs, plan in CODES_PLANS if batch * heads_kv >= pairs)
+        if batch * heads_kv < 128 and keys <= SHORT_KEYS:
+            default = CODES_SHORT_PLAN
     else:
         default = SHORT_PLAN if keys <= SHORT_KEYS else DEFAULT_PLAN
     programs_per_sm, blocks_per_split, warps, block_n, *stages = plan or default
@@ -318,7 +333,7 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
     # multiply in fp16, which holds them exactly (bf16 would too, at two conversions per code on sm_90).
     dot = tl.float32 if interpreting(_decode_attention_split_kernel) else tl.float16 if codes else FLOAT_TL[q.dtype]
     cast = float_cast_mode(_decode_attention_merge_kernel)
-    out = torch.empty_like(q)
+    out = output_like(q)
     count = counters(q.device, batch * heads_kv)
     # the merge kernel takes the split's warps: one tile layout for both callers of _merge_pair
     merge = dict(ROWS=next_power_of_2(groups * queries), HAS_SINKS=sinks is not None, OUT=FLOAT_TL[q.dtype],
@@ -332,8 +347,6 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
         quantize = dict(QUANT=PER_TOKEN if scales_out.shape[-1] == 1 else GROUPED, QGROUP=group, FMAX=E4M3_MAX,
                         FP8=tl.float8e4nv, AMAX_FLOOR=AMAX_FLOOR, BLOCK_W=next_power_of_2(heads_q * dim))
         merge["CAST"] = cast_mode(_decode_attention_split_kernel, q.device)  # casts to e4m3 too
-        if quantize["QUANT"] == PER_TOKEN:  # the rounded output, stored [B, Q, Hq, D] for the last pair to quantize
-            out = torch.empty((batch, queries, heads_q, dim), device=q.device, dtype=q.dtype).transpose(1, 2)
     visible(_decode_attention_split_kernel)[(batch * heads_kv, splits)](
         q, k, v, k_scale if codes else q, v_scale if codes else q, mask if mask is not None else q,
         kv_lens if kv_lens is not None else q, o_part, lse_part,

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from fxquant.kernels.decode_attention import decode_attention as decode_attention_kernel
-from fxquant.kernels.decode_attention import decode_attention_quantized
+from fxquant.kernels.decode_attention import decode_attention_quantized, output_like
 from fxquant.kernels.decode_attention import supports as decode_attention_supports
 from fxquant.kernels.quant_fp8 import row_refusal
 from fxquant.kernels.rotary_cache import rotary_cache_write as rotary_cache_kernel
@@ -28,7 +28,8 @@ def _decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scal
     CUDA: the split-KV kernel where it serves the operands; else the reference."""
     if q.is_cuda and decode_attention_supports(q, k, v, mask) is None:
         return decode_attention_kernel(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens)
-    return RA.decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens)
+    out = output_like(q)  # the kernel's layout, which the fake gives
+    return out.copy_(RA.decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens))
 
 
 # The decode ops read their operands through their strides (attention asks a unit stride along the head dim, which
@@ -43,7 +44,7 @@ decode_attention = define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor
 
 @fake("decode_attention")
 def _(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens):
-    return torch.empty_like(q)
+    return output_like(q)
 
 
 def _decode_attention_quantize_fp8(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
