@@ -7,8 +7,8 @@ SDPA after repeat_kv (the cache copied per query head, as transformers' eager pa
 enable_gqa=True (no mask) and FlexAttention's decoding (compiled; at 4k only, its compile per shape is long).
 
 Each figure is microseconds per call from CUDA-graph replay, cycling through as many independent caches as defeat the
-L2 (every call reads its cache from HBM, as a decode step does; until 2026-12-05 one cache was timed, which stayed in
-the L2 at B1 up to 4k keys), and the percentage of the measured copy bandwidth that
+L2 (every call reads its cache from HBM, as a decode step does; one cache timed alone stayed in the L2 at B1 up to 4k
+keys: docs/decisions/0026-decode-attention-timed-from-hbm.md), and the percentage of the measured copy bandwidth that
 reading the cache once (K and V, codes and scales for fp8) at that time would be. The outputs are checked against
 reference_attention's fp32 result first.
 
