@@ -26,7 +26,7 @@ import torch
 from torch.fx.passes.infra.pass_base import PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
-from fxquant.kernels.decode_attention import fuses_quantization
+from fxquant.kernels.decode_attention import fuses_quantization, output_like
 from fxquant.passes.annotations import fake_value, node_dtype
 from fxquant.passes.op_arguments import arguments
 from fxquant.passes.order import FxquantPass
@@ -60,7 +60,9 @@ def _attention_rows(x: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node
     shape = tuple(o.shape)
     if not all(isinstance(size, int) for size in shape) or laid_out.shape != (shape[0], shape[2], shape[1] * shape[3]):
         return None
-    indices = torch.arange(o.numel()).reshape(shape)  # o's elements by index: the chain must place them as expected
+    # o's elements by index, laid out as the op stores o (views in the chain hold only for that layout): the chain
+    # must place them as expected
+    indices = output_like(torch.empty(shape, dtype=torch.int64)).copy_(torch.arange(o.numel()).reshape(shape))
     for link in chain:
         operands = []
         torch.fx.node.map_arg((link.args[1:], link.kwargs), operands.append)
