@@ -169,6 +169,30 @@ def test_gpt2_conv1d_checkpoint_round_trip_keeps_the_tied_head(tmp_path):
         assert torch.equal(loaded(PROMPT).logits, model(PROMPT).logits)
 
 
+def test_a_tied_head_named_in_layer_recipes_warns_with_the_fix_which_quantizes_and_saves_it_untied(tmp_path):
+    """A tied lm_head asked for by name stays in high precision with a warning that gives the fix; after the fix
+    the head is quantized, the embedding keeps its weight, and the checkpoint says the two are no longer tied, so a
+    skeleton built from it loads the quantized head and gives the same logits."""
+    options = {"recipe": "int8_wo", "layer_recipes": {"lm_head": "fp8_row"}}
+    tied = decoder("qwen2", tie_word_embeddings=True)
+    with pytest.warns(UserWarning, match=r"lm_head: .*shared with model\.embed_tokens.*asks for fp8_row.*"
+                                         r"torch\.nn\.Parameter\(layer\.weight\.detach\(\)\.clone\(\)\)"):
+        fxquant.quantize_(tied, options)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    model = decoder("qwen2", tie_word_embeddings=True)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # the fix, as the warning gives it
+    fxquant.quantize_(model, options)
+    assert model.lm_head.recipe == "fp8_row" and model.model.embed_tokens.weight.dtype == torch.bfloat16
+    fxquant.save_quantized(model, tmp_path)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert config.tie_word_embeddings is False and model.config.tie_word_embeddings is True
+    empty = skeleton(type(model)(config).to(torch.bfloat16))
+    loaded = fxquant.load_quantized(empty, tmp_path).eval()
+    assert isinstance(loaded.lm_head, fxquant.QuantizedLinear) and loaded.lm_head.recipe == "fp8_row"
+    with torch.no_grad():
+        assert torch.equal(loaded(PROMPT).logits, model(PROMPT).logits)
+
+
 def test_loading_leaves_nothing_on_meta_silently(tmp_path):
     """A non-persistent buffer (rotary frequencies) is in no checkpoint: loading names it and the fix."""
     model = fxquant.quantize_(decoder("llama"), {"recipe": "int8_wo"})

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 import torch
 
 from fxquant.compile.weights import ROLES
-from fxquant.config import RECIPES
+from fxquant.config import KEEP, RECIPES
 from fxquant.numerics.formats import FORMATS
 from fxquant.ops.linear import reference_reason
 from fxquant.passes.annotations import annotation, fetch_attr, linear_fqn, node_dtype
 from fxquant.passes.patterns import weight_operands
 from fxquant.passes.spellings import DIV, DTYPE_CASTS, MUL, target_of
 from fxquant.quantization.linear_ops import weight_group
+from fxquant.quantization.weight_quantization import SHARED_PREFIX, untie_hint
 
 FP16_MAX = FORMATS["fp16"].max
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
@@ -91,8 +92,14 @@ def lint_layers(state, weights=()) -> list[Finding]:
             # A layer of fewer than 16 outputs or inputs (a shared expert's scalar gate) holds no bytes worth a
             # warning on every compile; the report still lists it.
             misaligned = layer.reason.startswith("alignment") and min(layer.shape[-2:], default=0) >= GEMM_MIN
-            severity = "warning" if misaligned else "info"
-            findings.append(Finding(severity, "skipped", layer.fqn, f"stays in high precision: {layer.reason}"))
+            # A recipe asked for by name and not given, where the user can give the layer a weight of its own: a
+            # warning with that fix, not a line in a report they may not print.
+            asked = state.config.layer_recipe(layer.fqn)
+            untie = asked not in (None, KEEP) and SHARED_PREFIX in layer.reason
+            message = f"stays in high precision: {layer.reason}"
+            if untie:
+                message += f", although layer_recipes asks for {asked}; {untie_hint(layer.fqn)}"
+            findings.append(Finding("warning" if misaligned or untie else "info", "skipped", layer.fqn, message))
             continue
         fmt = RECIPES[layer.recipe].weight_fmt
         worst = layer.worst_row_sqnr

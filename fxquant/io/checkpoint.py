@@ -87,6 +87,10 @@ def save_quantized(model: nn.Module, path, kv_scales: list[tuple[float, float]] 
     path.mkdir(parents=True, exist_ok=True)
     _write_shards(tensors, path)
     config = model.config.to_dict() if hasattr(model, "config") and hasattr(model.config, "to_dict") else {}
+    if _head_untied(model):
+        for tied in (config, config.get("text_config") or {}):
+            if tied.get("tie_word_embeddings"):
+                tied["tie_word_embeddings"] = False
     floating = [t.dtype for key, t in tensors.items() if t.dtype in HIGH_PRECISION and "scale" not in key]
     if floating:  # the dtype the model ran in, for load_quantized(dtype="auto") and from_pretrained
         config["dtype"] = str(max(set(floating), key=floating.count)).removeprefix("torch.")
@@ -101,6 +105,15 @@ def save_quantized(model: nn.Module, path, kv_scales: list[tuple[float, float]] 
         "kv_cache_scheme": kv_cache_scheme.SCHEME if kv_scales is not None else None,
     }
     (path / "config.json").write_text(json.dumps(config, indent=2, default=str))
+
+
+def _head_untied(model: nn.Module) -> bool:
+    """A transformers model whose LM head holds a weight of its own (quantized after it was untied), which its config
+    may still call tied: saved tied, a loader would read the embedding for the head and drop the quantized one."""
+    if not (hasattr(model, "get_output_embeddings") and hasattr(model, "get_input_embeddings")):
+        return False
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and embedding is not None and getattr(head, "weight", None) is not embedding.weight
 
 
 def _write_shards(tensors: dict[str, torch.Tensor], path: Path) -> None:

@@ -28,7 +28,13 @@ from fxquant.numerics.metrics import sqnr_db, worst_row_sqnr_db
 from fxquant.numerics.reference import dequantize
 from fxquant.passes.annotations import annotation
 from fxquant.passes.state import LayerRecord, PipelineState
-from fxquant.quantization.weight_quantization import ALIGNMENT, ROUTER_REASON, SHARD_HINT, skip_reason
+from fxquant.quantization.weight_quantization import (
+    ALIGNMENT,
+    ROUTER_REASON,
+    SHARD_HINT,
+    shared_weight_reason,
+    skip_reason,
+)
 
 
 def linear_weight(module: nn.Module) -> torch.Tensor | None:
@@ -127,7 +133,7 @@ def quantize_layers(model: nn.Module, names: list[str], experts: list[str], conf
         weight = linear_weight(module)
         others = [name for name in shared.get(id(module.weight), ()) if name != fqn]
         reason = ROUTER_REASON if fqn in routers else (
-            f"its weight is shared with {', '.join(others)}, which keeps it in high precision" if others
+            shared_weight_reason(others) if others
             else sharded_reason(weight, module.bias, fqn, config))
         before = local(weight).numel() * weight.element_size()  # a tensor-parallel layer: this rank's share
         if reason:

@@ -47,6 +47,7 @@ from fxquant.quantization.weight_quantization import (
     ROUTER_REASON,
     SHARD_HINT,
     quantize_and_measure,
+    shared_weight_reason,
     skip_reason,
 )
 from fxquant.quantization.weight_store import shared_quantized
@@ -101,8 +102,7 @@ class QuantizeLinear(FxquantPass):
         reasons = [self._reason(node, w) for node in nodes]
         kept = [r for r in reasons if r]
         if others:
-            kept.append(f"its weight is shared with {', '.join(dict.fromkeys(map(_describe, others)))}, "
-                        "which stays in high precision")
+            kept.append(shared_weight_reason(map(_describe, others)))
         recipes = {self.state.config.recipe_for(linear_fqn(node)) for node in nodes} if not kept else set()
         if len(recipes) > 1 or len({o.transposed for o in operands}) > 1:
             kept.append(f"layers sharing its weight ask for different schemes ({', '.join(sorted(recipes))})")

@@ -19,6 +19,21 @@ ROUTER_REASON = "router: its output selects experts (top-k)"
 CAST_REASON = "its product reads the weight cast to another dtype (logits wanted in that precision)"
 SHARDED_REASON = ("a DTensor (tensor-parallel) weight not run on local shards: torch.compile(backend='fxquant') runs "
                   "column parallel over a replicated input and row parallel without bias, on a 1-D mesh, only")
+SHARED_PREFIX = "its weight is shared with "
+
+
+def shared_weight_reason(readers) -> str:
+    """Why a linear stays in high precision when modules kept in it also read its weight (a tied lm_head)."""
+    return f"{SHARED_PREFIX}{', '.join(dict.fromkeys(readers))}, which stays in high precision"
+
+
+def untie_hint(fqn: str) -> str:
+    """The fix for a shared weight that a layer_recipes entry asks to quantize: a weight of the layer's own."""
+    return (f"to quantize it, give it a weight of its own before quantizing (`layer = model.get_submodule({fqn!r}); "
+            "layer.weight = torch.nn.Parameter(layer.weight.detach().clone())`): the other readers keep the "
+            "high-precision copy, so the model grows by the quantized weight")
+
+
 SHARD_HINT = ("on this rank's shard of a tensor-parallel weight: shard on a multiple of the recipe's block (fewer "
               "ranks), or take a recipe with smaller blocks (fp8_row)")
 
