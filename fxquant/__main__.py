@@ -5,13 +5,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fxquant.config import RECIPES
+from fxquant.config import KEEP, RECIPES
 
 EXAMPLES = """examples:
   python -m fxquant quantize ./Llama-3.1-8B ./Llama-3.1-8B-int4 --recipe int4_sym_wo --device cuda
   python -m fxquant quantize ./model ./model-fp8 --recipe fp8_row --skip 'mlp\\.down_proj' --report
+  python -m fxquant quantize ./model ./model-int4 --recipe int4_sym_wo --layer-recipe down_proj=fp8_row lm_head=int8_wo
   python -m fxquant inspect ./Llama-3.1-8B-int4
 """
+
+
+def layer_recipe(text: str) -> tuple[str, str]:
+    """REGEX=RECIPE as a layer_recipes entry; split at the last '=', which no recipe's name holds."""
+    pattern, sep, recipe = text.rpartition("=")
+    if not sep or not pattern or recipe not in (*RECIPES, KEEP):
+        raise argparse.ArgumentTypeError(f"{text!r}: give REGEX=RECIPE, RECIPE one of {', '.join(RECIPES)} or {KEEP}")
+    return pattern, recipe
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     quantize.add_argument("--skip", nargs="*", default=[], metavar="REGEX", help="layers to keep in high precision "
                           "(lm_head is kept by default)")
     quantize.add_argument("--include", nargs="*", metavar="REGEX", help="quantize only the layers these match")
+    quantize.add_argument("--layer-recipe", nargs="*", default=[], type=layer_recipe, metavar="REGEX=RECIPE",
+                          help=f"the layers REGEX matches take RECIPE (or {KEEP}: kept), the first match winning; "
+                               "naming lm_head quantizes it")
     quantize.add_argument("--device", default="cpu", help="where to quantize: cpu or cuda (default: %(default)s)")
     quantize.add_argument("--report", action="store_true", help="print the per-layer report")
     quantize.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -46,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from fxquant.io.convert import quantize_checkpoint
 
-    options = {"recipe": args.recipe, "skip": args.skip, "report": args.report}
+    options = {"recipe": args.recipe, "skip": args.skip, "report": args.report,
+               "layer_recipes": dict(args.layer_recipe)}
     if args.include is not None:
         options["include"] = args.include
     how = quantize_checkpoint(args.source, args.target, options, device=args.device,

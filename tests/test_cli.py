@@ -44,6 +44,27 @@ def test_quantize_streams_a_sharded_checkpoint_into_the_one_quantize_and_save_wr
         assert torch.equal(loaded(PROMPT).logits, model(PROMPT).logits)
 
 
+def test_layer_recipes_from_the_command_line_quantize_the_lm_head_and_pin_layers(tmp_path):
+    """--layer-recipe REGEX=RECIPE is quantize_'s layer_recipes: naming lm_head quantizes it, a pinned layer takes its
+    own recipe, `none` keeps one; what is written equals quantize_ and save_quantized under the same options."""
+    model = decoder("llama")
+    model.save_pretrained(tmp_path / "source", max_shard_size="300KB")
+    pins = {"lm_head": "int8_wo", r"layers\.0\.mlp\.down_proj": "fp8_row", r"layers\.1\.mlp\.down_proj": "none"}
+    main(["quantize", str(tmp_path / "source"), str(tmp_path / "cli"), "--recipe", "int4_sym_wo", "--no-progress",
+          "--layer-recipe", *(f"{regex}={recipe}" for regex, recipe in pins.items())])
+    fxquant.save_quantized(fxquant.quantize_(model, {"recipe": "int4_sym_wo", "layer_recipes": pins}),
+                           tmp_path / "api")
+    cli, api = stored(tmp_path / "cli"), stored(tmp_path / "api")
+    assert cli.keys() == api.keys() and all(torch.equal(cli[k], api[k]) for k in api)
+    written = json.loads((tmp_path / "cli" / "config.json").read_text())["quantization_config"]
+    groups = {tuple(group["targets"]): group for group in written["config_groups"].values()}
+    assert any("lm_head" in targets for targets in groups) and "model.layers.1.mlp.down_proj" in written["ignore"]
+    assert any("model.layers.0.mlp.down_proj" in targets and group["weights"]["type"] == "float"
+               for targets, group in groups.items())
+    with pytest.raises(SystemExit):
+        main(["quantize", str(tmp_path / "source"), str(tmp_path / "bad"), "--layer-recipe", "lm_head=int3"])
+
+
 def test_quantize_loads_a_moe_checkpoint_whole_and_keeps_its_routers(tmp_path, capsys):
     """transformers converts Mixtral's per-expert tensors as it loads: that model is loaded whole, its routers found
     by structure (kept), its experts quantized."""
