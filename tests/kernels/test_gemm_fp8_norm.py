@@ -59,6 +59,21 @@ def test_one_kernel_gives_the_two_kernels_outputs(plan, M, norm):
     assert not splitk.counters(torch.device(DEVICE), 1).any()  # every counter left zero for the next kernel
 
 
+@pytest.mark.parametrize("plan", ["split in 2, four tiles", "the decode plan"])
+def test_tails_of_n_and_k_and_a_bf16_bias(plan):
+    """N = 200 and K = 176 leave masked tiles in the GEMM and a masked tail in the norm's row (256 wide)."""
+    a, w, residual, weight = operands(5, 200, 176, seed=7)
+    bias = torch.randn(200, device=DEVICE).to(torch.bfloat16)
+    config = PLANS[plan]
+    assert refusal(a.data, a.scale, w.data, w.scale, residual, 0, config) is None
+    got = fp8_scaled_mm_add_norm_quant(a.data, a.scale, w.data, w.scale, bias, residual, weight, None, 1e-6,
+                                       config=config)
+    want = unfused(a, w, bias, residual, weight, None, 0, True, config)
+    assert torch.equal(got[2], want[2])
+    if DEVICE == "cpu":
+        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(got, want, strict=True))
+
+
 def test_what_it_does_not_take_runs_the_two_kernels():
     """Past MAX_ROWS rows, block scales and an unaligned norm width each name why, and give the two kernels'
     outputs."""
