@@ -12,8 +12,9 @@ kernels' bits; the norm's statistics sum in this kernel's thread layout, which o
 fp32 ulp apart from the norm kernel's (Triton's interpreter sums both alike: the CPU tests compare bits).
 
 Row scales (per token, per channel, per tensor) and M <= MAX_ROWS only, on the split-K decode plans and the tile
-counters of `splitk.py`; anything else runs the two kernels. Measured before it is wired into a graph: `python -m
-bench.split_sums --norms` times a decode layer's GEMM chain with and without it.
+counters of `splitk.py`; anything else runs the two kernels. The op `scaled_mm_fp8_add_norm_quant` runs it, which the
+pass fuse_gemm_norm inserts where `enable_passes` names it: off by default until the decode step measures it faster
+(`python -m bench.gemm_norm` times a decode layer's GEMM chain with and without it).
 """
 
 from __future__ import annotations

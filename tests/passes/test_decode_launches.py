@@ -27,10 +27,10 @@ def on_the_cpu(monkeypatch):
     monkeypatch.setattr(pipeline, "FuseRotaryCache", functools.partial(FuseRotaryCache, devices=("cpu",)))
 
 
-def launches(layers: int) -> list[str]:
+def launches(layers: int, **options) -> list[str]:
     """The computing nodes (not views) of an fp8_row Llama decode step of `layers` layers, by target name."""
     model = decoder("llama", num_hidden_layers=layers)
-    forward, graphs = compiled_results(model, options={"recipe": "fp8_row", "inner": "eager"},
+    forward, graphs = compiled_results(model, options={"recipe": "fp8_row", "inner": "eager", **options},
                                        keep=lambda result: result.gm)
     generator = torch.Generator().manual_seed(2)
     static_decode(model, forward, torch.randint(0, 512, (1, 5), generator=generator),
@@ -48,3 +48,13 @@ def test_an_fp8_row_decode_layer_launches_nine_ops(on_the_cpu):
     for name in two:
         layer.remove(name)
     assert sorted(layer) == FP8_ROW_LAYER, layer
+
+
+def test_with_fuse_gemm_norm_enabled_a_layer_launches_seven(on_the_cpu):
+    """The o- and down-projections with the norms after them in their epilogues (off by default until measured)."""
+    two, three = launches(2, enable_passes="fuse_gemm_norm"), launches(3, enable_passes="fuse_gemm_norm")
+    layer = list(three)
+    for name in two:
+        layer.remove(name)
+    assert sorted(layer) == sorted(["scaled_mm_fp8"] * 2 + ["scaled_mm_fp8_add_norm_quant"] * 2 + [
+        "rotary_cache_append", "decode_attention_quantize_fp8", "silu_mul_quantize_fp8"]), layer
