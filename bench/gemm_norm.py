@@ -11,7 +11,7 @@ Checked first, on the first layer's operands: the fused kernel's residual stream
 bit, and its codes are within one e4m3 step (the norm's sums run in another thread layout). The table gives
 microseconds a layer, PDL on and off, and the weights' bytes over that time as a share of the copy bandwidth.
 
-Run: python -m bench.gemm_norm [--layers 8] [--batches 1 16]
+Run: python -m bench.gemm_norm [--layers 8] [--batches 1 4 16]
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def check(batch: int, layers, norms) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     args = parser.parse_args()
     print(header())
     bandwidth = copy_bandwidth_gbs()
