@@ -31,7 +31,7 @@ Run: python -m bench.decode [path ...] [--batches 1 16 64] [--prefill 1024] [--s
 paths: inductor, fxquant:<recipe>, fxquant:<recipe>+fp8kv (the same over fxquant.FP8StaticCache),
 fxquant:<recipe>+head=<recipe> (the lm_head quantized too, under the second recipe; +fp8kv may follow),
 fxquant:<recipe>+without=<pass> (without one of the pipeline's optional passes; repeatable),
-fxquant:<recipe>+with=<pass> (with one of the passes off by default, e.g. fuse_gemm_norm; repeatable),
+fxquant:<recipe>+with=<pass> (with one of the passes off by default, e.g. fuse_gemm_epilogue; repeatable),
 fxquant:<recipe>+inductor=<option> (one of Inductor's boolean options on, e.g. combo_kernels; repeatable),
 fxquant:<recipe>+nopdl (every fxquant kernel launched without programmatic dependent launch), +reducekernel (split
 GEMMs summed by the reduce kernel, not by their last slice),

@@ -7,8 +7,9 @@ an SM holds) come from the same cubin.
 Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N]
      python -m bench.sass fp8 [--stages N] [--swap]   (row scales, M <= 16, 14336x4096: the decode tiles of
                                                      gemm_configs; --swap: the operands swapped, SWAP_AB)
-     python -m bench.sass fp8 --norm [--stages N]    (4096x4096 split in 4, with the add, RMSNorm and per-token
-                                                     quantizer in its epilogue: gemm_fp8_norm)
+     python -m bench.sass fp8 --norm|--silu [--stages N]   (split in 4, with the add, RMSNorm and per-token
+                                                     quantizer in its epilogue, or SiLU x up and its quantizer:
+                                                     gemm_fp8_epilogue)
      python -m bench.sass attention [--codes] [--warps N] [--stages N] [--quantize]   (Llama-3-8B's heads at
                                                      B16, 1k keys; --quantize: the output quantized per token)
 """
@@ -29,7 +30,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fxquant.kernels import decode_attention as DA
-from fxquant.kernels import gemm_fp8, gemm_fp8_norm
+from fxquant.kernels import gemm_fp8, gemm_fp8_epilogue
 from fxquant.kernels.codes import FORMATS
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_weight_only import _wo_gemm_kernel, wo_gemm_config
@@ -77,16 +78,20 @@ def fp8_kernel_sass(stages: int | None = None, swap: bool = False) -> tuple[str,
                          stages or cfg["num_stages"])
 
 
-def fp8_norm_kernel_sass(stages: int | None = None) -> tuple[str, int]:
-    """SASS and registers per thread of the fp8 decode GEMM with the add, RMSNorm and per-token quantizer in its
-    epilogue, on the o-projection's 4096x4096 weight in its decode tiles, split in 4."""
-    cfg = fp8_gemm_config(16, 4096, 4096, block_scales=False)
-    kernel = gemm_fp8_norm._fp8_gemm_add_norm_quant_kernel
+def fp8_epilogue_kernel_sass(epilogue: int, stages: int | None = None) -> tuple[str, int]:
+    """SASS and registers per thread of the fp8 decode GEMM with row work in its epilogue (gemm_fp8_epilogue), split in
+    4 on its decode tiles: NORM, the add, RMSNorm and per-token quantizer on the o-projection's 4096x4096 weight; SILU,
+    SiLU x up and its per-token quantizer on the merged gate/up's 28672x4096."""
+    silu = epilogue == gemm_fp8_epilogue.SILU
+    n = 28672 if silu else 4096
+    cfg = fp8_gemm_config(16, n, 4096, block_scales=False)
+    kernel = gemm_fp8_epilogue._fp8_gemm_epilogue_kernel
     params = list(inspect.signature(kernel.fn).parameters)
-    constexprs = dict(HAS_BIAS=False, LP=tl.bfloat16, CAST=0, SPLIT_K=4, COMPILER_PROMOTES=True,
+    constexprs = dict(EPILOGUE=epilogue, HAS_BIAS=False, LP=tl.bfloat16, CAST=0, SPLIT_K=4, COMPILER_PROMOTES=True,
                       BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-                      PDL=True, RMS=True, HAS_W=True, HAS_B=False, GROUP=4096, FMAX=gemm_fp8_norm.E4M3_MAX,
-                      FP8=tl.float8e4nv, AMAX_FLOOR=gemm_fp8_norm.AMAX_FLOOR, BLOCK_D=4096, stride_ak=1, stride_bk=1)
+                      PDL=True, RMS=True, HAS_W=not silu, HAS_B=False, GROUP=1 if silu else 4096,
+                      FMAX=gemm_fp8_epilogue.E4M3_MAX, FP8=tl.float8e4nv, AMAX_FLOOR=gemm_fp8_epilogue.AMAX_FLOOR,
+                      BLOCK_D=gemm_fp8_epilogue.SILU_CHUNK if silu else 4096, stride_ak=1, stride_bk=1)
     pointers = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", ws_ptr="*fp32", a_scale_ptr="*fp32", b_scale_ptr="*fp32",
                     bias_ptr="*bf16", counter_ptr="*i32", res_ptr="*bf16", h_ptr="*bf16", w_ptr="*bf16",
                     nb_ptr="*bf16", codes_ptr="*fp8e4nv", scales_ptr="*fp32")
@@ -161,9 +166,11 @@ def main():
         sass, registers = attention_kernel_sass(codes, warps, stages, quantize)
         what = f"attention over {'e4m3 codes' if codes else 'bf16'}{', output quantized' if quantize else ''}"
         step = "key block"
-    elif "fp8" in sys.argv and "--norm" in sys.argv:
-        sass, registers = fp8_norm_kernel_sass(stages)
-        what, step = "fp8 GEMM, row scales, add + RMSNorm + quantizer in its epilogue", "K step"
+    elif "fp8" in sys.argv and ("--norm" in sys.argv or "--silu" in sys.argv):
+        silu = "--silu" in sys.argv
+        sass, registers = fp8_epilogue_kernel_sass(gemm_fp8_epilogue.SILU if silu else gemm_fp8_epilogue.NORM, stages)
+        what = f"fp8 GEMM, row scales, {'SiLU x up' if silu else 'add + RMSNorm'} + quantizer in its epilogue"
+        step = "K step"
     elif "fp8" in sys.argv:
         swap = "--swap" in sys.argv
         sass, registers = fp8_kernel_sass(stages, swap)

@@ -78,8 +78,8 @@ def test_path_suffixes_become_backend_options():
         "recipe": "fp8_row", "layer_recipes": {r"(^|\.)lm_head$": "int8_wo"}}
     assert recipe_options("fxquant:fp8_row+without=fuse_silu_mul+without=fuse_norm") == {
         "recipe": "fp8_row", "disable_passes": ["fuse_silu_mul", "fuse_norm"]}
-    assert recipe_options("fxquant:fp8_row+with=fuse_gemm_norm") == {
-        "recipe": "fp8_row", "enable_passes": ["fuse_gemm_norm"]}
+    assert recipe_options("fxquant:fp8_row+with=fuse_gemm_epilogue") == {
+        "recipe": "fp8_row", "enable_passes": ["fuse_gemm_epilogue"]}
     assert recipe_options("fxquant:fp8_row+inductor=combo_kernels") == {
         "recipe": "fp8_row", "inductor": {"combo_kernels": True}}
     for setting in ("+nopdl", "+reducekernel"):  # launch settings, applied by work()

@@ -1,8 +1,8 @@
 """The pipeline: freeze_params -> localize_shards -> detect -> upcast, the numerics lint (and recipe="auto"'s
 measurements), then quantize_linear -> fuse_norm -> merge_linear -> fuse_silu_mul -> fuse_linear -> pack_int4_lanes
--> fuse_rotary_cache -> fuse_cache_length -> decode_attention -> pack_gqa -> fuse_attention_quant -> fuse_gemm_norm (off
-by default) -> cleanup. It sits above the passes: they never import the lint
-or the measurements, and what they hand each other travels in one `PipelineState`.
+-> fuse_rotary_cache -> fuse_cache_length -> decode_attention -> pack_gqa -> fuse_attention_quant ->
+fuse_gemm_epilogue (off by default) -> cleanup. It sits above the passes: they never import the lint or the
+measurements, and what they hand each other travels in one `PipelineState`.
 
 Each pass is timed and logged (logger "fxquant.compile.pipeline", one DEBUG line per pass: its time, whether it
 changed the graph, its nodes before and after); the times are in `PipelineResult.timings`. With
@@ -32,7 +32,7 @@ from fxquant.passes.detect import Detect
 from fxquant.passes.freeze_params import FreezeParams
 from fxquant.passes.fuse_attention_quant import FuseAttentionQuant
 from fxquant.passes.fuse_cache_length import FuseCacheLength
-from fxquant.passes.fuse_gemm_norm import FuseGemmNorm
+from fxquant.passes.fuse_gemm_epilogue import FuseGemmEpilogue
 from fxquant.passes.fuse_linear import FuseLinear
 from fxquant.passes.fuse_norm import FuseNorm
 from fxquant.passes.fuse_rotary_cache import FuseRotaryCache
@@ -48,7 +48,7 @@ from fxquant.passes.upcast import Upcast
 log = logging.getLogger(__name__)
 PASS_TYPES = (FreezeParams, LocalizeShards, Detect, Upcast, QuantizeLinear, FuseNorm, MergeLinear, FuseSiluMul,
               FuseLinear, PackInt4Lanes, FuseRotaryCache, FuseCacheLength, DecodeAttention, PackGQA,
-              FuseAttentionQuant, FuseGemmNorm, Cleanup)
+              FuseAttentionQuant, FuseGemmEpilogue, Cleanup)
 PASSES = tuple(pass_type.name for pass_type in PASS_TYPES)
 PREPARE = PASSES[:4]  # the graph annotated and upcast, nothing quantized
 OPTIONAL = tuple(pass_type.name for pass_type in PASS_TYPES if pass_type.optional)
@@ -177,7 +177,7 @@ def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=N
         state.auto_reasons = {m.fqn: m.reason for m in measured if m.chosen_by_auto and m.recipe is None}
     gm = _run([QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseSiluMul(), FuseLinear(),
                PackInt4Lanes(state), FuseRotaryCache(state), FuseCacheLength(state), DecodeAttention(state), PackGQA(),
-               FuseAttentionQuant(), FuseGemmNorm(), Cleanup()], gm, config, stop_after, timings)
+               FuseAttentionQuant(), FuseGemmEpilogue(), Cleanup()], gm, config, stop_after, timings)
     findings += lint_layers(state, weights)
     refuse_errors(findings, "compile")
     return PipelineResult(gm, state.layers, state.upcast, config, findings, weights, auto, timings)

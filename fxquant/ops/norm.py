@@ -1,13 +1,13 @@
 """The norm ops: RMSNorm or LayerNorm fused with the fp8 quantizer after it, with or without the residual add
-before it, and with the fp8 GEMM whose product that add takes (fuse_gemm_norm)."""
+before it, and with the fp8 GEMM whose product that add takes (fuse_gemm_epilogue)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from fxquant.kernels.gemm_fp8_norm import fp8_scaled_mm_add_norm_quant
-from fxquant.kernels.gemm_fp8_norm import refusal as gemm_norm_refusal
+from fxquant.kernels.gemm_fp8_epilogue import fp8_scaled_mm_add_norm_quant
+from fxquant.kernels.gemm_fp8_epilogue import refusal as gemm_norm_refusal
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8 as norm_quant_kernel
 from fxquant.kernels.norm_quant_fp8 import supports as norm_quant_supports
 from fxquant.numerics import reference_norm as RN
@@ -65,7 +65,7 @@ def _scaled_mm_fp8_add_norm_quant(a: Tensor, a_scale: Tensor, w: Tensor, w_scale
                                   group_size: int, rms: bool) -> tuple[Tensor, Tensor, Tensor]:
     """add_norm_quant_fp8(residual, scaled_mm_fp8(a, a_scale, w, w_scale, bias, residual.dtype), ...): the fp8
     product added to the residual stream, then normalized and quantized: (codes, scales, h). CUDA: one kernel
-    (`gemm_fp8_norm`) where it serves the operands (row scales, a decode batch), else the two ops' own paths."""
+    (`gemm_fp8_epilogue`) where it serves the operands (row scales, a decode batch), else the two ops' own paths."""
     lead, K = a.shape[:-1], a.shape[-1]
     if a.is_cuda:
         a2 = a.reshape(-1, K)

@@ -1,16 +1,24 @@
-"""The decode fp8 GEMM with the add, norm and quantizer in its epilogue, against the two kernels it stands for
-(fp8_scaled_mm, then norm_quant_fp8 with the product as its residual), on random data: whole and split K, one and
-several output tiles, RMSNorm and LayerNorm, per token and 1 x 64 groups, a bias. Under Triton's interpreter every
-output is the two kernels' bits; on a GPU the sum is, and the norm's statistics sum in another thread layout, so a
-code may move one e4m3 step (gemm_fp8_norm.py)."""
+"""The decode fp8 GEMM with the row work after it in its epilogue, against the two kernels it stands for, on random
+data: whole and split K, one and several output tiles, tails. NORM (fp8_scaled_mm, then norm_quant_fp8 with the
+product as its residual): RMSNorm and LayerNorm, per token and 1 x 64 groups, a bias; under Triton's interpreter every
+output is the two kernels' bits, on a GPU the sum is, and the norm's statistics sum in another thread layout, so a
+code may move one e4m3 step. SILU (fp8_scaled_mm, then silu_mul_quantize_fp8_rows of its two halves): the two
+kernels' bits everywhere, its row in several chunks and one (gemm_fp8_epilogue.py)."""
 
 import pytest
 import torch
 
-from fxquant.kernels import splitk
+from fxquant.kernels import gemm_fp8_epilogue, splitk
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
-from fxquant.kernels.gemm_fp8_norm import MAX_ROWS, fp8_scaled_mm_add_norm_quant, refusal
+from fxquant.kernels.gemm_fp8_epilogue import (
+    MAX_ROWS,
+    fp8_scaled_mm_add_norm_quant,
+    fp8_scaled_mm_silu_mul_quantize,
+    refusal,
+    silu_refusal,
+)
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8
+from fxquant.kernels.quant_fp8 import silu_mul_quantize_fp8_rows
 from fxquant.numerics import reference as R
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -86,3 +94,50 @@ def test_what_it_does_not_take_runs_the_two_kernels():
     groups = R.quantize(torch.randn(1, 256, device=DEVICE), "fp8_e4m3", ("group", 128))
     assert "block scales" in refusal(groups.data, groups.scale, blocks.data, blocks.scale, residual[:1], 0)
     assert "group 96" in refusal(a.data[:1], a.scale[:1], w.data, w.scale, residual[:1], 96)
+
+
+def silu_unfused(a, a_scale, w, bias, config):
+    product = fp8_scaled_mm(a, a_scale, w.data, w.scale, bias, torch.bfloat16, config)
+    width = product.shape[1] // 2
+    return silu_mul_quantize_fp8_rows(product[:, :width], product[:, width:], width)
+
+
+def same_bits(got, want) -> bool:
+    """Codes and scales equal bit for bit, NaN scales included."""
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("M", [1, 3, MAX_ROWS])
+@pytest.mark.parametrize("chunk", [64, 2048], ids=["a row in chunks", "a row in one chunk"])
+def test_silu_in_the_epilogue_gives_the_two_kernels_bits(plan, M, chunk, monkeypatch):
+    """gate and up are the merged product's halves (384 columns each: a tail past every 64-wide chunk), with a bias."""
+    monkeypatch.setattr(gemm_fp8_epilogue, "SILU_CHUNK", chunk)
+    N, K = 768, 512
+    a, w, _, _ = operands(M, N, K, seed=M + 1)
+    bias = torch.randn(N, device=DEVICE).to(torch.bfloat16)
+    config = PLANS[plan]
+    assert silu_refusal(a.data, a.scale, w.data, w.scale, torch.bfloat16, config) is None
+    got = fp8_scaled_mm_silu_mul_quantize(a.data, a.scale, w.data, w.scale, bias, config=config)
+    assert got[0].shape == (M, N // 2) and got[1].shape == (M, 1) and torch.isfinite(got[1]).all()
+    assert same_bits(got, silu_unfused(a.data, a.scale, w, bias, config))
+    assert not splitk.counters(torch.device(DEVICE), 1).any()
+
+
+def test_a_nan_in_the_product_poisons_every_token_s_scale_as_the_silu_kernel_s():
+    """A NaN bias in the up half: every token's row holds a NaN, so every scale is NaN, as in the two kernels."""
+    a, w, _, _ = operands(3, 256, 256, seed=4)
+    bias = torch.zeros(256, device=DEVICE).to(torch.bfloat16)
+    bias[200] = float("nan")
+    got = fp8_scaled_mm_silu_mul_quantize(a.data, a.scale, w.data, w.scale, bias)
+    assert got[1].isnan().all() and same_bits(got, silu_unfused(a.data, a.scale, w, bias, None))
+
+
+def test_what_silu_does_not_take_runs_the_two_kernels():
+    a, w, _, _ = operands(MAX_ROWS + 1, 256, 256)
+    assert "rows" in silu_refusal(a.data, a.scale, w.data, w.scale, torch.bfloat16)
+    got = fp8_scaled_mm_silu_mul_quantize(a.data, a.scale, w.data, w.scale, None)
+    assert same_bits(got, silu_unfused(a.data, a.scale, w, None, None))
+    odd = R.quantize(torch.randn(255, 256, device=DEVICE), "fp8_e4m3", "channel")
+    assert "gate and up are its two halves" in silu_refusal(a.data[:1], a.scale[:1], odd.data, odd.scale,
+                                                            torch.bfloat16)

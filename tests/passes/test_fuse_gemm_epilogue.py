@@ -1,20 +1,19 @@
-"""fuse_gemm_norm: an fp8 GEMM feeding only a residual add + norm + quantizer becomes one op. Off by default; the option
-enable_passes runs it. On the CPU the ops run their references, which give the unfused graph's bits, so a decode run
-fused must equal the same run without the pass, bit for bit (the kernel is compared with the two kernels it stands
-for in tests/kernels/test_gemm_fp8_norm.py)."""
+"""fuse_gemm_epilogue: an fp8 GEMM feeding only a residual add + norm + quantizer, or SiLU x up + quantizer over its
+two halves, becomes one op. Off by default; the option enable_passes runs it. On the CPU the ops run their
+references, which give the unfused graph's bits, so a decode run fused must equal the same run without the pass, bit
+for bit (the kernel is compared with the two kernels it stands for in tests/kernels/test_gemm_fp8_epilogue.py)."""
 
 import pytest
 import torch
 from hf_models import compiled_results, decoder, static_decode
 
-FUSED = torch.ops.fxquant.scaled_mm_fp8_add_norm_quant.default
-NORM = torch.ops.fxquant.add_norm_quant_fp8.default
-GEMM = torch.ops.fxquant.scaled_mm_fp8.default
-LINEAR = torch.ops.fxquant.linear_fp8.default
+FUSED, FUSED_SILU = "scaled_mm_fp8_add_norm_quant", "scaled_mm_fp8_silu_mul_quantize"
+NORM, SILU, GEMM, LINEAR = "add_norm_quant_fp8", "silu_mul_quantize_fp8", "scaled_mm_fp8", "linear_fp8"
 
 
-def count(gm, target):
-    return sum(node.target == target for node in gm.graph.nodes)
+def count(gm, op: str) -> int:
+    """The graph's calls of fxquant's op by that name."""
+    return sum(node.target == getattr(torch.ops.fxquant, op).default for node in gm.graph.nodes)
 
 
 def decode(model, recipe, **options):
@@ -33,9 +32,9 @@ def decode(model, recipe, **options):
     ("mistral", "fp8_row", True),
     ("llama", "fp8_block", False),  # 1x128 and 128x128 block scales: the kernel takes none
 ])
-def test_enabled_the_o_and_down_projections_take_their_norms_with_the_unfused_bits(arch, recipe, fused):
+def test_enabled_each_projection_takes_the_row_work_after_it_with_the_unfused_bits(arch, recipe, fused):
     model = decoder(arch)
-    got, graph = decode(model, recipe, enable_passes="fuse_gemm_norm")
+    got, graph = decode(model, recipe, enable_passes="fuse_gemm_epilogue")
     want, default = decode(model, recipe)
     layers = model.config.num_hidden_layers
     gemms = lambda gm: count(gm, GEMM) + count(gm, LINEAR)
@@ -43,7 +42,10 @@ def test_enabled_the_o_and_down_projections_take_their_norms_with_the_unfused_bi
     expected = 2 * layers - 1 if fused else 0
     assert count(default, FUSED) == 0 and count(default, NORM) == 2 * layers - 1
     assert count(graph, FUSED) == expected and count(graph, NORM) == 2 * layers - 1 - expected
-    assert gemms(graph) == gemms(default) - expected
+    # the merged gate/up product and SiLU x up's quantizer: one op a layer
+    assert count(default, SILU) == layers and count(graph, FUSED_SILU) == (layers if fused else 0)
+    assert count(graph, SILU) == (0 if fused else layers)
+    assert gemms(graph) == gemms(default) - expected - (layers if fused else 0)
     assert torch.isfinite(got).all() and torch.equal(got, want)
 
 
@@ -53,6 +55,6 @@ def test_enable_passes_names_only_passes_off_by_default():
     for name, why in [("fuse_norm", "runs by default"), ("fuse_everything", "no such pass")]:
         compiled = torch.compile(model, backend="fxquant", options={"recipe": "fp8_row", "enable_passes": name})
         with pytest.raises(Exception, match=rf"enable_passes: {name} \({why}\).*off by default, which it may run: "
-                                            "fuse_gemm_norm"):
+                                            "fuse_gemm_epilogue"):
             compiled(ids)
         torch._dynamo.reset()

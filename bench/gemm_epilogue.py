@@ -1,17 +1,19 @@
-"""The decode fp8 GEMM with the residual add, RMSNorm and per-token quantizer in its epilogue (`gemm_fp8_norm.py`)
-against the GEMM and the norm kernel after it, in a chain of Llama-3-8B decode layers replayed from a CUDA graph.
+"""The decode fp8 GEMM with the row work after it in its epilogue (`gemm_fp8_epilogue.py`) against the GEMM and the
+kernel after it, in a chain of Llama-3-8B decode layers replayed from a CUDA graph.
 
 Each layer: the merged q/k/v product (6144 x 4096) of the normalized input, its first 4096 columns quantized per
 token (attention's stand-in), o_proj (4096 x 4096) then the residual add and post-attention norm, the merged gate/up
-product (28672 x 4096), silu(gate) * up quantized in one kernel, down_proj (4096 x 14336) then the add and the next
-layer's input norm: 8 kernels a layer as two GEMMs and two norms, 6 with the norms in the GEMMs. Weights are
-`bench.split_sums`'s (e4m3 codes of N(0, 1), scales 1 / sqrt(K)); each layer reads its own, past the L2.
+product (28672 x 4096) then silu(gate) * up quantized, down_proj (4096 x 14336) then the add and the next layer's
+input norm: 8 kernels a layer, 6 with the norms in their GEMMs ("norm"), 7 with SiLU in its GEMM ("silu"), 5 with
+both. Weights are `bench.split_sums`'s (e4m3 codes of N(0, 1), scales 1 / sqrt(K)); each layer reads its own, past
+the L2.
 
-Checked first, on the first layer's operands: the fused kernel's residual stream equals the two kernels' bit for
-bit, and its codes are within one e4m3 step (the norm's sums run in another thread layout). The table gives
-microseconds a layer, PDL on and off, and the weights' bytes over that time as a share of the copy bandwidth.
+Checked first, on the first layer's operands: each fused kernel's residual stream (norm) and codes (SiLU) equal the
+two kernels' bit for bit, and the norm's codes are within one e4m3 step (its sums run in another thread layout). The
+table gives microseconds a layer, PDL on and off, and the weights' bytes over that time as a share of the copy
+bandwidth.
 
-Run: python -m bench.gemm_norm [--layers 8] [--batches 1 4 16]
+Run: python -m bench.gemm_epilogue [--layers 8] [--batches 1 4 16]
 """
 
 from __future__ import annotations
@@ -24,11 +26,17 @@ from bench.common import copy_bandwidth_gbs, graph_time_ms, header, table
 from bench.split_sums import HIDDEN, INTER, SHAPES, weights
 from fxquant.kernels.dependent_launch import dependent_launches
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
-from fxquant.kernels.gemm_fp8_norm import fp8_scaled_mm_add_norm_quant, refusal
+from fxquant.kernels.gemm_fp8_epilogue import (
+    fp8_scaled_mm_add_norm_quant,
+    fp8_scaled_mm_silu_mul_quantize,
+    refusal,
+    silu_refusal,
+)
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8
 from fxquant.kernels.quant_fp8 import quantize_fp8_rows, silu_mul_quantize_fp8_rows
 
 EPS = 1e-5
+FUSIONS = {"two kernels each": (), "norm": ("norm",), "silu": ("silu",), "both": ("norm", "silu")}
 
 
 def add_norm(a, a_scale, w, w_scale, h, norm_weight, fused: bool):
@@ -40,32 +48,47 @@ def add_norm(a, a_scale, w, w_scale, h, norm_weight, fused: bool):
     return codes, scales, h
 
 
-def chain(h, layers, norms, fused: bool):
+def silu_mul(a, a_scale, w, w_scale, fused: bool):
+    """(codes, scales) of SiLU x up after the merged gate/up GEMM: one kernel, or the GEMM then the SiLU kernel."""
+    if fused:
+        return fp8_scaled_mm_silu_mul_quantize(a, a_scale, w, w_scale, None)
+    gate, up = fp8_scaled_mm(a, a_scale, w, w_scale, None, torch.bfloat16).chunk(2, dim=-1)
+    return silu_mul_quantize_fp8_rows(gate, up, gate.shape[-1])
+
+
+def chain(h, layers, norms, fused: tuple[str, ...]):
     codes, scales, _, _ = norm_quant_fp8(h, norms[0][0], None, EPS, 0)  # the first layer's input norm
     for ((w_qkv, s_qkv), (w_o, s_o), (w_gu, s_gu), (w_down, s_down)), (_, post, following) in zip(layers, norms,
                                                                                                    strict=True):
         qkv = fp8_scaled_mm(codes, scales, w_qkv, s_qkv, None, torch.bfloat16)
         codes, scales, h = add_norm(*quantize_fp8_rows(qkv[:, :HIDDEN].contiguous(), HIDDEN), w_o, s_o, h, post,
-                                    fused)
-        gate, up = fp8_scaled_mm(codes, scales, w_gu, s_gu, None, torch.bfloat16).chunk(2, dim=-1)
-        codes, scales, h = add_norm(*silu_mul_quantize_fp8_rows(gate, up, INTER), w_down, s_down, h, following, fused)
+                                    "norm" in fused)
+        codes, scales = silu_mul(codes, scales, w_gu, s_gu, "silu" in fused)
+        codes, scales, h = add_norm(codes, scales, w_down, s_down, h, following, "norm" in fused)
     return h
 
 
 def check(batch: int, layers, norms) -> None:
-    """The first layer's o_proj and down_proj, fused against the two kernels."""
+    """The first layer's o_proj, gate/up and down_proj, fused against the two kernels."""
     gen = torch.Generator(device="cuda").manual_seed(batch)
     h = torch.randn(batch, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
+    quantized = lambda k: quantize_fp8_rows(torch.randn(batch, k, device="cuda", generator=gen).to(torch.bfloat16), k)
     for (w, w_scale), k in ((layers[0][1], HIDDEN), (layers[0][3], INTER)):
-        a, a_scale = quantize_fp8_rows(torch.randn(batch, k, device="cuda", generator=gen).to(torch.bfloat16), k)
+        a, a_scale = quantized(k)
         assert refusal(a, a_scale, w, w_scale, h, 0) is None
         got, want = (add_norm(a, a_scale, w, w_scale, h, norms[0][1], fused) for fused in (True, False))
         assert torch.equal(got[2], want[2]), f"B{batch} K={k}: the residual stream differs"
         steps = (got[0].view(torch.uint8).int() - want[0].view(torch.uint8).int()).abs()
         moved = float((steps > 0).float().mean())
-        print(f"B{batch} K={k}: residual stream equal; codes moved {100 * moved:.3f}%, at most {int(steps.max())} "
-              f"step(s); scales differ at most {float((got[1] / want[1] - 1).abs().max()):.1e}", flush=True)
+        print(f"B{batch} norm after K={k}: residual stream equal; codes moved {100 * moved:.3f}%, at most "
+              f"{int(steps.max())} step(s); scales differ at most {float((got[1] / want[1] - 1).abs().max()):.1e}",
+              flush=True)
         assert steps.max() <= 1
+    (w, w_scale), (a, a_scale) = layers[0][2], quantized(HIDDEN)
+    assert silu_refusal(a, a_scale, w, w_scale, torch.bfloat16) is None
+    got, want = (silu_mul(a, a_scale, w, w_scale, fused) for fused in (True, False))
+    assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(got, want, strict=True))
+    print(f"B{batch} SiLU after gate/up: codes and scales equal", flush=True)
 
 
 def main() -> None:
@@ -85,16 +108,17 @@ def main() -> None:
     for batch in args.batches:
         check(batch, layers, norms)
         h = torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16)
-        row = {"B": batch}
-        for fused in (False, True):
-            for pdl in (True, False):
+        for pdl in (True, False):
+            row = {"B": batch, "PDL": "on" if pdl else "off"}
+            for name, fused in FUSIONS.items():
                 with dependent_launches(pdl):
                     assert torch.isfinite(chain(h, layers, norms, fused)).all()
                     us = 1e3 * graph_time_ms(lambda fused=fused: chain(h, layers, norms, fused), [()]) / args.layers
-                row[f"{'norm in the GEMM' if fused else 'GEMM, then norm'}, PDL {'on' if pdl else 'off'}"] = share(us)
-        rows.append(row)
-        print(row, flush=True)
-    print(f"copy bandwidth {bandwidth:.0f} GB/s; {args.layers} layers; us a layer, weights' bytes over that time")
+                row[name] = share(us)
+            rows.append(row)
+            print(row, flush=True)
+    print(f"copy bandwidth {bandwidth:.0f} GB/s; {args.layers} layers; us a layer, weights' bytes over that time; "
+          "columns: which epilogues the GEMMs run")
     print(table(rows))
 
 
