@@ -11,19 +11,24 @@ from models import rel_err, residual_norm_mlp, tiny_block
 import fxquant
 
 X = torch.randn(2, 8, 256, dtype=torch.bfloat16)
-CASES = {  # model, inputs, ops the program must hold
-    "tiny_block": (tiny_block, (X,), {"fxquant.linear_fp8.default"}),
+BLOCK = {"recipe": "fp8_block"}
+CASES = {  # model, inputs, config, ops the program must hold
+    "tiny_block": (tiny_block, (X,), BLOCK, {"fxquant.linear_fp8.default"}),
     # gate and up: one GEMM on merged weights, sliced
-    "residual_norm_mlp": (residual_norm_mlp, (X, torch.randn_like(X)),
+    "residual_norm_mlp": (residual_norm_mlp, (X, torch.randn_like(X)), BLOCK,
                           {"fxquant.add_norm_quant_fp8.default", "fxquant.scaled_mm_fp8.default", "aten.slice.Tensor"}),
+    # the merged gate/up GEMM with SiLU x up and its quantizer in its epilogue (a pass off by default)
+    "gemm_epilogue": (residual_norm_mlp, (X, torch.randn_like(X)),
+                      {"recipe": "fp8_row", "enable_passes": ["fuse_gemm_epilogue"]},
+                      {"fxquant.add_norm_quant_fp8.default", "fxquant.scaled_mm_fp8_silu_mul_quantize.default"}),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_export_round_trip_in_a_fresh_process(tmp_path, case):
-    build, args, ops = CASES[case]
+    build, args, config, ops = CASES[case]
     model = build()
-    ep = fxquant.export(model, args, config={"recipe": "fp8_block"})
+    ep = fxquant.export(model, args, config=config)
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert ops <= targets
     state = {**ep.state_dict, **ep.constants}
