@@ -12,6 +12,8 @@ from fxquant.kernels import gemm_fp8_epilogue, splitk
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
 from fxquant.kernels.gemm_fp8_epilogue import (
     MAX_ROWS,
+    NORM,
+    SILU,
     fp8_scaled_mm_add_norm_quant,
     fp8_scaled_mm_silu_mul_quantize,
     refusal,
@@ -42,7 +44,7 @@ def unfused(a, w, bias, residual, weight, norm_bias, group, rms, config):
 
 
 @pytest.mark.parametrize("plan", list(PLANS))
-@pytest.mark.parametrize("M", [1, 3, MAX_ROWS])
+@pytest.mark.parametrize("M", [1, 3, MAX_ROWS[NORM]])
 @pytest.mark.parametrize("norm", ["rms", "layer norm, group 64, bias"])
 def test_one_kernel_gives_the_two_kernels_outputs(plan, M, norm):
     N, K = 256, 512
@@ -85,7 +87,7 @@ def test_tails_of_n_and_k_and_a_bf16_bias(plan):
 def test_what_it_does_not_take_runs_the_two_kernels():
     """Past MAX_ROWS rows, block scales and an unaligned norm width each name why, and give the two kernels'
     outputs."""
-    a, w, residual, weight = operands(MAX_ROWS + 1, 256, 256)
+    a, w, residual, weight = operands(MAX_ROWS[NORM] + 1, 256, 256)
     assert "rows" in refusal(a.data, a.scale, w.data, w.scale, residual, 0)
     got = fp8_scaled_mm_add_norm_quant(a.data, a.scale, w.data, w.scale, None, residual, weight, None, 1e-6)
     want = unfused(a, w, None, residual, weight, None, 0, True, None)
@@ -108,7 +110,7 @@ def same_bits(got, want) -> bool:
 
 
 @pytest.mark.parametrize("plan", list(PLANS))
-@pytest.mark.parametrize("M", [1, 3, MAX_ROWS])
+@pytest.mark.parametrize("M", [1, 3, MAX_ROWS[SILU]])
 @pytest.mark.parametrize("chunk", [64, 2048], ids=["a row in chunks", "a row in one chunk"])
 def test_silu_in_the_epilogue_gives_the_two_kernels_bits(plan, M, chunk, monkeypatch):
     """gate and up are the merged product's halves (384 columns each: a tail past every 64-wide chunk), with a bias."""
@@ -134,7 +136,7 @@ def test_a_nan_in_the_product_poisons_every_token_s_scale_as_the_silu_kernel_s()
 
 
 def test_what_silu_does_not_take_runs_the_two_kernels():
-    a, w, _, _ = operands(MAX_ROWS + 1, 256, 256)
+    a, w, _, _ = operands(MAX_ROWS[SILU] + 1, 256, 256)
     assert "rows" in silu_refusal(a.data, a.scale, w.data, w.scale, torch.bfloat16)
     got = fp8_scaled_mm_silu_mul_quantize(a.data, a.scale, w.data, w.scale, None)
     assert same_bits(got, silu_unfused(a.data, a.scale, w, None, None))
