@@ -75,7 +75,8 @@ def _operands(gm: torch.fx.GraphModule, gemm: torch.fx.Node) -> tuple:
 def _halves(gm: torch.fx.GraphModule, gate, up) -> torch.fx.Node | None:
     """The product whose last dim gate and up slice into its two halves, [0, I) and [I, 2I), feeding nothing else; or
     None."""
-    if not all(isinstance(n, torch.fx.Node) and n.target is SLICE and len(n.users) == 1 for n in (gate, up)):
+    if not all(isinstance(n, torch.fx.Node) and n.target is SLICE and len(n.users) == 1 and not n.kwargs
+               for n in (gate, up)):
         return None
     (product, *g), (other, *u) = gate.args, up.args
     if product is not other or len(product.users) != 2 or product.target not in (GEMM, LINEAR):
@@ -86,7 +87,7 @@ def _halves(gm: torch.fx.GraphModule, gate, up) -> torch.fx.Node | None:
         return None
     width, n = g[2], fetch_attr(gm, weight).shape[0]
     return product if (g[0] == u[0] == -1 and g[1] in (0, None) and isinstance(width, int) and u[1] == width
-                       and n == 2 * width and u[2] >= n and g[3] == u[3] == 1) else None
+                       and n == 2 * width and (u[2] is None or u[2] >= n) and g[3] == u[3] == 1) else None
 
 
 class FuseGemmEpilogue(FxquantPass):
