@@ -143,3 +143,18 @@ def test_what_silu_does_not_take_runs_the_two_kernels():
     odd = R.quantize(torch.randn(255, 256, device=DEVICE), "fp8_e4m3", "channel")
     assert "gate and up are its two halves" in silu_refusal(a.data[:1], a.scale[:1], odd.data, odd.scale,
                                                             torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_both_epilogues_in_fp16_and_fp32_models(dtype):
+    """The product rounded to, and the residual stream kept in, the model's dtype: fp16 and fp32 as bf16."""
+    a, w, residual, weight = operands(3, 256, 512, seed=9)
+    residual, weight = residual.to(dtype), weight.to(dtype)
+    got = fp8_scaled_mm_add_norm_quant(a.data, a.scale, w.data, w.scale, None, residual, weight, None, 1e-6)
+    want = unfused(a, w, None, residual, weight, None, 0, True, None)
+    assert got[2].dtype == dtype and torch.equal(got[2], want[2])
+    if DEVICE == "cpu":
+        assert same_bits(got, want)
+    product = fp8_scaled_mm(a.data, a.scale, w.data, w.scale, None, dtype)
+    got = fp8_scaled_mm_silu_mul_quantize(a.data, a.scale, w.data, w.scale, None, dtype)
+    assert same_bits(got, silu_mul_quantize_fp8_rows(product[:, :128], product[:, 128:], 128))
