@@ -68,7 +68,7 @@ def _skip_casts(node):
     return node
 
 
-def _without_dropout(node):
+def without_dropout(node):
     """x where node is dropout(x) that drops nothing (p=0.0 or training=False), else node."""
     if not isinstance(node, torch.fx.Node) or target_of(node) not in DROPOUT:
         return node
@@ -197,7 +197,7 @@ def eager_attention(out: torch.fx.Node) -> EagerAttention | None:
     if target_of(out) not in MATMUL or len(out.args) != 2:
         return None
     probs, values_read = out.args
-    probs = _skip_casts(_without_dropout(_skip_casts(probs)))
+    probs = _skip_casts(without_dropout(_skip_casts(probs)))
     kept = _without_last_column(probs)
     logits = _softmax_input(_skip_casts(kept if kept is not None else probs))
     if logits is None:

@@ -31,8 +31,10 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.passes.annotations import fake_value, fetch_attr
+from fxquant.passes.attention_patterns import without_dropout
 from fxquant.passes.op_arguments import arguments
 from fxquant.passes.order import FxquantPass
+from fxquant.passes.patterns import call_arg
 from fxquant.passes.side_effects import eliminate_dead_code, mutation_epochs
 
 GEMM = torch.ops.fxquant.scaled_mm_fp8.default
@@ -46,13 +48,10 @@ FUSED_SILU = torch.ops.fxquant.scaled_mm_fp8_silu_mul_quantize.default
 
 
 def _row_scaled(gm: torch.fx.GraphModule, gemm: torch.fx.Node) -> bool:
-    """The GEMM's weight scales are per channel or per tensor, as every recipe pairs with per-token or per-tensor
-    activations (fp8_row, fp8_tensor), not 128x128 blocks. The kernel checks the activations' scales again at run
-    time, and runs the two ops where they are 1x128 groups."""
-    w, w_scale = (arguments(gemm)[name] for name in ("w", "w_scale"))
-    if not all(isinstance(node, torch.fx.Node) and node.op == "get_attr" for node in (w, w_scale)):
-        return False
-    w, w_scale = fetch_attr(gm, w), fetch_attr(gm, w_scale)
+    """The GEMM's (`_is_gemm`) weight scales are per channel or per tensor, as every recipe pairs with per-token or
+    per-tensor activations (fp8_row, fp8_tensor), not 128x128 blocks. The kernel checks the activations' scales again
+    at run time, and runs the two ops where they are 1x128 groups."""
+    w, w_scale = (fetch_attr(gm, arguments(gemm)[name]) for name in ("w", "w_scale"))
     return w_scale.numel() == 1 or tuple(w_scale.shape) in ((w.shape[0],), (w.shape[0], 1))
 
 
@@ -72,22 +71,36 @@ def _operands(gm: torch.fx.GraphModule, gemm: torch.fx.Node) -> tuple:
     return codes, scales, args["w"], args["w_scale"], args["bias"]
 
 
-def _halves(gm: torch.fx.GraphModule, gate, up) -> torch.fx.Node | None:
-    """The product whose last dim gate and up slice into its two halves, [0, I) and [I, 2I), feeding nothing else; or
-    None."""
-    if not all(isinstance(n, torch.fx.Node) and n.target is SLICE and len(n.users) == 1 and not n.kwargs
-               for n in (gate, up)):
+def _halves(gm: torch.fx.GraphModule, gate, up) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
+    """(the product whose last dim gate and up take the two halves of, [0, I) and [I, 2I), feeding nothing else; the
+    nodes between), or None. The halves as merge_linear slices them, or as a model's chunk(2, dim=-1) splits them."""
+    if not all(isinstance(n, torch.fx.Node) and len(n.users) == 1 and not n.kwargs for n in (gate, up)):
+        return None
+    if gate.target is operator.getitem and up.target is operator.getitem:  # p.chunk(2, dim=-1)[0], [1]
+        chunk = gate.args[0]
+        if (gate.args[1], up.args[0], up.args[1]) != (0, chunk, 1) or len(chunk.users) != 2 or not (
+                chunk.op == "call_method" and chunk.target == "chunk"
+                and call_arg(chunk, 1, "chunks") == 2 and call_arg(chunk, 2, "dim", default=0) == -1):
+            return None
+        product, between = chunk.args[0], [gate, up, chunk]
+        return (product, between) if _is_gemm(product) and len(product.users) == 1 else None
+    if gate.target is not SLICE or up.target is not SLICE:
         return None
     (product, *g), (other, *u) = gate.args, up.args
-    if product is not other or len(product.users) != 2 or product.target not in (GEMM, LINEAR):
+    if product is not other or not _is_gemm(product) or len(product.users) != 2:
         return None
     g, u = (tuple(args) + (0, None, None, 1)[len(args):] for args in (g, u))  # dim, start, end, step
-    weight = arguments(product)["w"]
-    if not (isinstance(weight, torch.fx.Node) and weight.op == "get_attr"):
-        return None
-    width, n = g[2], fetch_attr(gm, weight).shape[0]
-    return product if (g[0] == u[0] == -1 and g[1] in (0, None) and isinstance(width, int) and u[1] == width
-                       and n == 2 * width and (u[2] is None or u[2] >= n) and g[3] == u[3] == 1) else None
+    width, n = g[2], fetch_attr(gm, arguments(product)["w"]).shape[0]
+    halves = (g[0] == u[0] == -1 and g[1] in (0, None) and isinstance(width, int) and u[1] == width and n == 2 * width
+              and (u[2] is None or u[2] >= n) and g[3] == u[3] == 1)
+    return (product, [gate, up]) if halves else None
+
+
+def _is_gemm(node) -> bool:
+    """An fp8 GEMM node whose weight is a constant of the graph (its rows and scales are read at compile time)."""
+    return (isinstance(node, torch.fx.Node) and node.target in (GEMM, LINEAR)
+            and all(isinstance(arguments(node)[name], torch.fx.Node) and arguments(node)[name].op == "get_attr"
+                    for name in ("w", "w_scale")))
 
 
 class FuseGemmEpilogue(FxquantPass):
@@ -109,10 +122,12 @@ class FuseGemmEpilogue(FxquantPass):
 
     def _norm(self, gm, norm, epochs) -> bool:
         args = arguments(norm)
-        for product, stream in ((args["residual"], args["x"]), (args["x"], args["residual"])):
-            if (isinstance(product, torch.fx.Node) and product.target in (GEMM, LINEAR) and len(product.users) == 1
-                    and product is not stream and epochs[product] == epochs[norm] and _row_scaled(gm, product)
-                    and _product_dtype(product) == getattr(fake_value(stream), "dtype", None)):
+        for operand, stream in ((args["residual"], args["x"]), (args["x"], args["residual"])):
+            product = without_dropout(operand)  # a dropout that drops nothing (Phi-3's residual dropout, in eval)
+            if (_is_gemm(product) and len(product.users) == 1 and operand is not stream
+                    and (operand is product or len(operand.users) == 1) and epochs[product] == epochs[norm]
+                    and _row_scaled(gm, product) and _product_dtype(product) == getattr(fake_value(stream), "dtype",
+                                                                                         None)):
                 break
         else:
             return False
@@ -121,20 +136,20 @@ class FuseGemmEpilogue(FxquantPass):
                                                         args["eps"], args["group_size"], args["rms"]))
         fused.meta.update(norm.meta)
         norm.replace_all_uses_with(fused)
-        for node in (norm, product):
+        for node in dict.fromkeys((norm, operand, product)):  # users first
             gm.graph.erase_node(node)
         return True
 
     def _silu(self, gm, silu, epochs) -> bool:
         args = arguments(silu)
-        gate, up = args["gate"], args["up"]
-        product = _halves(gm, gate, up) if args["group_size"] == 0 else None
-        if product is None or epochs[product] != epochs[silu] or not _row_scaled(gm, product):
+        found = _halves(gm, args["gate"], args["up"]) if args["group_size"] == 0 else None
+        if found is None or epochs[found[0]] != epochs[silu] or not _row_scaled(gm, found[0]):
             return False
+        product, between = found
         with gm.graph.inserting_before(silu):
             fused = gm.graph.call_function(FUSED_SILU, (*_operands(gm, product), _product_dtype(product)))
         fused.meta.update(silu.meta)
         silu.replace_all_uses_with(fused)
-        for node in (silu, gate, up, product):
+        for node in (silu, *between, product):  # users first
             gm.graph.erase_node(node)
         return True
