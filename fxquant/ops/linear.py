@@ -80,6 +80,12 @@ def _(gate, up, group_size):
     return torch.ops.fxquant.quantize_fp8.default(gate, group_size)  # the quantizer's shapes, on gate's
 
 
+def as_rows(a: Tensor, a_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """a [..., K] as the kernels take it, [M, K], and its scales as [M, groups] (or one element, per tensor)."""
+    return a.reshape(-1, a.shape[-1]), a_scale.reshape(1) if a_scale.numel() == 1 else a_scale.reshape(
+        -1, a_scale.shape[-1])
+
+
 def _scaled_mm_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None,
                    out_dtype: torch.dtype) -> Tensor:
     """(a [..., K] * a_scale) @ (w [N, K] * w_scale).T + bias, fp32 accumulation, one cast to out_dtype.
@@ -87,8 +93,7 @@ def _scaled_mm_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, bias:
     a_scale: [..., 1] per token or [..., K/g] per 1 x g group; w_scale: one element, [N, 1] or [N/128, K/128].
     """
     lead, K = a.shape[:-1], a.shape[-1]
-    a2 = a.reshape(-1, K)
-    s2 = a_scale.reshape(1) if a_scale.numel() == 1 else a_scale.reshape(-1, a_scale.shape[-1])
+    a2, s2 = as_rows(a, a_scale)
     if a.is_cuda:
         block = is_block_scaled(s2, w_scale, w.shape[0])
         if cublas_fp8.supports(a2, s2, w, w_scale, bias, out_dtype, block) is None:
@@ -118,10 +123,9 @@ def _scaled_mm_fp8_silu_mul_quantize(a: Tensor, a_scale: Tensor, w: Tensor, w_sc
     """silu_mul_quantize_fp8(p[..., :N/2], p[..., N/2:], 0) of the merged gate/up product p = scaled_mm_fp8(a, a_scale,
     w, w_scale, bias, out_dtype): (codes [..., N/2], scales [..., 1]), per token. CUDA: one kernel
     (`gemm_fp8_epilogue`) where it serves the operands (row scales, a decode batch), else the two ops' own paths."""
-    lead, K = a.shape[:-1], a.shape[-1]
+    lead = a.shape[:-1]
     if a.is_cuda:
-        a2 = a.reshape(-1, K)
-        s2 = a_scale.reshape(1) if a_scale.numel() == 1 else a_scale.reshape(-1, a_scale.shape[-1])
+        a2, s2 = as_rows(a, a_scale)
         if gemm_fp8_epilogue.silu_refusal(a2, s2, w, w_scale, out_dtype) is None:
             codes, scales = gemm_fp8_epilogue.fp8_scaled_mm_silu_mul_quantize(a2, s2, w, w_scale, bias, out_dtype)
             return codes.reshape(*lead, codes.shape[-1]), scales.reshape(*lead, 1)

@@ -12,7 +12,7 @@ from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8 as norm_quant_kernel
 from fxquant.kernels.norm_quant_fp8 import supports as norm_quant_supports
 from fxquant.numerics import reference_norm as RN
 from fxquant.ops.declare import define, fake
-from fxquant.ops.linear import _scaled_mm_fp8
+from fxquant.ops.linear import _scaled_mm_fp8, as_rows
 from fxquant.ops.reference_gemm import E4M3
 
 
@@ -66,11 +66,9 @@ def _scaled_mm_fp8_add_norm_quant(a: Tensor, a_scale: Tensor, w: Tensor, w_scale
     """add_norm_quant_fp8(residual, scaled_mm_fp8(a, a_scale, w, w_scale, bias, residual.dtype), ...): the fp8
     product added to the residual stream, then normalized and quantized: (codes, scales, h). CUDA: one kernel
     (`gemm_fp8_epilogue`) where it serves the operands (row scales, a decode batch), else the two ops' own paths."""
-    lead, K = a.shape[:-1], a.shape[-1]
+    lead = a.shape[:-1]
     if a.is_cuda:
-        a2 = a.reshape(-1, K)
-        s2 = a_scale.reshape(1) if a_scale.numel() == 1 else a_scale.reshape(-1, a_scale.shape[-1])
-        r2 = residual.reshape(-1, residual.shape[-1])
+        (a2, s2), r2 = as_rows(a, a_scale), residual.reshape(-1, residual.shape[-1])
         if gemm_norm_refusal(a2, s2, w, w_scale, r2, group_size) is None:
             codes, scales, h = fp8_scaled_mm_add_norm_quant(a2, s2, w, w_scale, bias, r2, weight, norm_bias, eps,
                                                             group_size, rms=rms)
