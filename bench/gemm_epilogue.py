@@ -9,7 +9,8 @@ both. Weights are `bench.split_sums`'s (e4m3 codes of N(0, 1), scales 1 / sqrt(K
 the L2.
 
 Checked first, on the first layer's operands: each fused kernel's residual stream (norm) and codes (SiLU) equal the
-two kernels' bit for bit, and the norm's codes are within one e4m3 step (its sums run in another thread layout). The
+two kernels' bit for bit, and the norm's codes are within one e4m3 step (its sums run in another thread layout);
+past an epilogue's row cap (gemm_fp8_epilogue.MAX_ROWS) its column runs the two kernels, and says so. The
 table gives microseconds a layer, PDL on and off, and the weights' bytes over that time as a share of the copy
 bandwidth.
 
@@ -75,7 +76,9 @@ def check(batch: int, layers, norms) -> None:
     quantized = lambda k: quantize_fp8_rows(torch.randn(batch, k, device="cuda", generator=gen).to(torch.bfloat16), k)
     for (w, w_scale), k in ((layers[0][1], HIDDEN), (layers[0][3], INTER)):
         a, a_scale = quantized(k)
-        assert refusal(a, a_scale, w, w_scale, h, 0) is None
+        if (why := refusal(a, a_scale, w, w_scale, h, 0)) is not None:
+            print(f"B{batch} norm after K={k}: the two kernels run ({why})", flush=True)
+            continue
         got, want = (add_norm(a, a_scale, w, w_scale, h, norms[0][1], fused) for fused in (True, False))
         assert torch.equal(got[2], want[2]), f"B{batch} K={k}: the residual stream differs"
         steps = (got[0].view(torch.uint8).int() - want[0].view(torch.uint8).int()).abs()
@@ -85,7 +88,9 @@ def check(batch: int, layers, norms) -> None:
               flush=True)
         assert steps.max() <= 1
     (w, w_scale), (a, a_scale) = layers[0][2], quantized(HIDDEN)
-    assert silu_refusal(a, a_scale, w, w_scale, torch.bfloat16) is None
+    if (why := silu_refusal(a, a_scale, w, w_scale, torch.bfloat16)) is not None:
+        print(f"B{batch} SiLU after gate/up: the two kernels run ({why})", flush=True)
+        return
     got, want = (silu_mul(a, a_scale, w, w_scale, fused) for fused in (True, False))
     assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(got, want, strict=True))
     print(f"B{batch} SiLU after gate/up: codes and scales equal", flush=True)
