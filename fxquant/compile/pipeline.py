@@ -177,7 +177,7 @@ def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=N
         state.auto_reasons = {m.fqn: m.reason for m in measured if m.chosen_by_auto and m.recipe is None}
     gm = _run([QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseSiluMul(), FuseLinear(),
                PackInt4Lanes(state), FuseRotaryCache(state), FuseCacheLength(state), DecodeAttention(state), PackGQA(),
-               FuseAttentionQuant(), FuseGemmEpilogue(), Cleanup()], gm, config, stop_after, timings)
+               FuseAttentionQuant(), FuseGemmEpilogue(state), Cleanup()], gm, config, stop_after, timings)
     findings += lint_layers(state, weights)
     refuse_errors(findings, "compile")
     return PipelineResult(gm, state.layers, state.upcast, config, findings, weights, auto, timings)

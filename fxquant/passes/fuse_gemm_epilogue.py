@@ -30,12 +30,13 @@ import torch
 from torch.fx.passes.infra.pass_base import PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
-from fxquant.passes.annotations import fake_value, fetch_attr
+from fxquant.passes.annotations import fake_value, fetch_attr, module_path
 from fxquant.passes.attention_patterns import without_dropout
 from fxquant.passes.op_arguments import arguments
 from fxquant.passes.order import FxquantPass
 from fxquant.passes.patterns import call_arg
 from fxquant.passes.side_effects import eliminate_dead_code, mutation_epochs
+from fxquant.passes.state import PipelineState
 
 GEMM = torch.ops.fxquant.scaled_mm_fp8.default
 LINEAR = torch.ops.fxquant.linear_fp8.default
@@ -108,6 +109,18 @@ class FuseGemmEpilogue(FxquantPass):
     optional = True
     on_by_default = False
 
+    def __init__(self, state: PipelineState | None = None):
+        super().__init__()
+        self.state = state  # where it records each GEMM it fused, for the report
+
+    def _record(self, product: torch.fx.Node, halves=()) -> None:
+        """The fused GEMM's layer, by module path; a merged gate/up GEMM by its halves' (merge_linear gave its slices
+        the merged layers' places): model.layers.0.mlp.gate_proj+up_proj."""
+        if self.state is None:
+            return
+        paths = [path for path in map(module_path, halves) if path] or [module_path(product) or product.name]
+        self.state.gemm_epilogues.append("+".join([paths[0], *(path.rpartition(".")[2] for path in paths[1:])]))
+
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         # What earlier passes replaced (the add, the norm's own nodes) stays until cleanup; dead, it still uses the
         # product.
@@ -135,6 +148,7 @@ class FuseGemmEpilogue(FxquantPass):
             fused = gm.graph.call_function(FUSED_NORM, (*_operands(gm, product), stream, args["weight"], args["bias"],
                                                         args["eps"], args["group_size"], args["rms"]))
         fused.meta.update(norm.meta)
+        self._record(product)
         norm.replace_all_uses_with(fused)
         for node in dict.fromkeys((norm, operand, product)):  # users first
             gm.graph.erase_node(node)
@@ -149,6 +163,7 @@ class FuseGemmEpilogue(FxquantPass):
         with gm.graph.inserting_before(silu):
             fused = gm.graph.call_function(FUSED_SILU, (*_operands(gm, product), _product_dtype(product)))
         fused.meta.update(silu.meta)
+        self._record(product, between[:2] if between[0].target is SLICE else ())
         silu.replace_all_uses_with(fused)
         for node in (silu, *between, product):  # users first
             gm.graph.erase_node(node)

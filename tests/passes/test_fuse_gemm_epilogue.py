@@ -50,6 +50,16 @@ def test_enabled_each_projection_takes_the_row_work_after_it_with_the_unfused_bi
     assert torch.isfinite(got).all() and torch.equal(got, want)
 
 
+def test_the_report_names_each_gemm_that_took_the_work_after_it(capsys):
+    model = decoder("llama")
+    decode(model, "fp8_row", enable_passes="fuse_gemm_epilogue", report=True)
+    report = capsys.readouterr().out
+    start = report.index("GEMMs with the norm or SiLU after them in their epilogue:")
+    listed = report[start:report.index("fxquant report", start) if "fxquant report" in report[start:] else None]
+    for layer in ("layers.0.self_attn.o_proj", "layers.0.mlp.gate_proj+up_proj", "layers.0.mlp.down_proj"):
+        assert f"model.{layer}" in listed, (layer, listed)
+
+
 def test_enable_passes_names_only_passes_off_by_default():
     model = decoder("llama")
     ids = torch.randint(0, 512, (1, 4))
