@@ -132,7 +132,8 @@ def _fp8_gemm_epilogue_kernel(
 
 
 def _plan(epilogue, a, a_scale, b, b_scale, config) -> tuple[str | None, tuple]:
-    """(why the GEMM's plan keeps the epilogue out, or None; the plan: tiles, split, meta-parameters)."""
+    """(why the GEMM's plan keeps the epilogue out, or None; the plan: tiles, split, meta-parameters, counters). Made
+    once a call: the decode step's host time pays for each."""
     M, K = a.shape
     N = b.shape[0]
     if is_block_scaled(a_scale, b_scale, N):
@@ -143,38 +144,49 @@ def _plan(epilogue, a, a_scale, b, b_scale, config) -> tuple[str | None, tuple]:
     tiles, split, uses_tma, meta = _launch_plan(M, N, K, False, tma, tuple(sorted((config or {}).items())))
     if uses_tma:
         return "the TMA kernel's plan", ()
-    if counters(a.device, tiles + 1) is None:
+    count = counters(a.device, tiles + 1)
+    if count is None:
         return "no tile counters (a package's trace, more tiles than counters, or FXQUANT_SPLIT_REDUCE=kernel)", ()
     # the fused kernel keeps the operands as given, as every default plan does (the plan is cached: not changed)
-    return None, (tiles, split, {name: value for name, value in meta.items() if name != "SWAP_AB"})
+    return None, (tiles, split, {name: value for name, value in meta.items() if name != "SWAP_AB"}, count)
+
+
+def _norm_plan(a, a_scale, b, b_scale, residual, group_size, config) -> tuple[str | None, tuple]:
+    M, N = a.shape[0], b.shape[0]
+    if residual.shape != (M, N) or residual.dtype not in TORCH_TO_TL:
+        return f"a residual {tuple(residual.shape)} {residual.dtype} for a [{M}, {N}] product", ()
+    reason = norm_supports(N, group_size)
+    return (reason, ()) if reason else _plan(NORM, a, a_scale, b, b_scale, config)
+
+
+def _silu_plan(a, a_scale, b, b_scale, out_dtype, config) -> tuple[str | None, tuple]:
+    N = b.shape[0]
+    if N % 2 or out_dtype not in TORCH_TO_TL:
+        return f"a product of {N} columns in {out_dtype}: gate and up are its two halves, in a float dtype", ()
+    reason = row_refusal(N // 2)
+    return (reason, ()) if reason else _plan(SILU, a, a_scale, b, b_scale, config)
 
 
 def refusal(a, a_scale, b, b_scale, residual, group_size, config=None) -> str | None:
     """Why the GEMM does not take the add, norm and quantizer (the two kernels run instead), or None."""
-    M, N = a.shape[0], b.shape[0]
-    if residual.shape != (M, N) or residual.dtype not in TORCH_TO_TL:
-        return f"a residual {tuple(residual.shape)} {residual.dtype} for a [{M}, {N}] product"
-    return norm_supports(N, group_size) or _plan(NORM, a, a_scale, b, b_scale, config)[0]
+    return _norm_plan(a, a_scale, b, b_scale, residual, group_size, config)[0]
 
 
 def silu_refusal(a, a_scale, b, b_scale, out_dtype, config=None) -> str | None:
     """Why the GEMM does not take SiLU x up and its per-token quantizer (the two kernels run instead), or None."""
-    N = b.shape[0]
-    if N % 2 or out_dtype not in TORCH_TO_TL:
-        return f"a product of {N} columns in {out_dtype}: gate and up are its two halves, in a float dtype"
-    return row_refusal(N // 2) or _plan(SILU, a, a_scale, b, b_scale, config)[0]
+    return _silu_plan(a, a_scale, b, b_scale, out_dtype, config)[0]
 
 
 def _launch(epilogue, a, a_scale, b, b_scale, bias, residual, h, weight, norm_bias, codes, scales, eps, group, rms,
             block, plan):
-    tiles, split, meta = plan
+    tiles, split, meta, count = plan
     M, K = a.shape
     N = b.shape[0]
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else h
     asm = 0 if a_scale.numel() == 1 else a_scale.reshape(-1).stride(0)
     bsn = 0 if b_scale.numel() == 1 else b_scale.reshape(-1).stride(0)
     visible(_fp8_gemm_epilogue_kernel)[(tiles, split)](
-        a, b, ws, a_scale, b_scale, bias if bias is not None else h, counters(a.device, tiles + 1), residual, h,
+        a, b, ws, a_scale, b_scale, bias if bias is not None else h, count, residual, h,
         weight if weight is not None else h, norm_bias if norm_bias is not None else h, codes, scales,
         M, N, K, scales.shape[1], eps,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), asm, bsn,
@@ -185,39 +197,60 @@ def _launch(epilogue, a, a_scale, b, b_scale, bias, residual, h, weight, norm_bi
     )
 
 
-def fp8_scaled_mm_add_norm_quant(a, a_scale, b, b_scale, bias, residual, weight, norm_bias, eps, group_size=0, *,
-                                 rms=True, config=None):
-    """norm_quant_fp8(residual, weight, norm_bias, eps, group_size, rms=rms, residual=fp8_scaled_mm(a, a_scale, b,
-    b_scale, bias, residual.dtype)) without its stats: (codes [M, N] e4m3, scales [M, N / g or 1] fp32, h [M, N]),
-    h = residual + the product in residual's dtype. One kernel where `refusal` finds none, else the two."""
-    out_dtype = residual.dtype
-    residual = residual.contiguous()
-    if refusal(a, a_scale, b, b_scale, residual, group_size, config) is not None:
-        product = fp8_scaled_mm(a, a_scale, b, b_scale, bias, out_dtype, config)
-        codes, scales, h, _ = norm_quant_fp8(residual, weight, norm_bias, eps, group_size, rms=rms, residual=product)
-        return codes, scales, h
+def fused_add_norm_quant(a, a_scale, b, b_scale, bias, residual, weight, norm_bias, eps, group_size=0, *, rms=True,
+                         config=None):
+    """`fp8_scaled_mm_add_norm_quant`'s one kernel, or None where it does not take the operands (`refusal`): the
+    caller then runs its own two kernels. residual: contiguous."""
+    reason, plan = _norm_plan(a, a_scale, b, b_scale, residual, group_size, config)
+    if reason is not None:
+        return None
     M, N = a.shape[0], b.shape[0]
     block = next_power_of_2(N)
     codes = torch.empty((M, N), dtype=torch.float8_e4m3fn, device=a.device)
     scales = torch.empty((M, N // group_size if group_size else 1), dtype=torch.float32, device=a.device)
     h = torch.empty_like(residual)
     _launch(NORM, a, a_scale, b, b_scale, bias, residual, h, weight, norm_bias, codes, scales, eps,
-            group_size or block, rms, block, _plan(NORM, a, a_scale, b, b_scale, config)[1])
+            group_size or block, rms, block, plan)
     return codes, scales, h
+
+
+def fp8_scaled_mm_add_norm_quant(a, a_scale, b, b_scale, bias, residual, weight, norm_bias, eps, group_size=0, *,
+                                 rms=True, config=None):
+    """norm_quant_fp8(residual, weight, norm_bias, eps, group_size, rms=rms, residual=fp8_scaled_mm(a, a_scale, b,
+    b_scale, bias, residual.dtype)) without its stats: (codes [M, N] e4m3, scales [M, N / g or 1] fp32, h [M, N]),
+    h = residual + the product in residual's dtype. One kernel where `refusal` finds none, else the two."""
+    residual = residual.contiguous()
+    fused = fused_add_norm_quant(a, a_scale, b, b_scale, bias, residual, weight, norm_bias, eps, group_size, rms=rms,
+                                 config=config)
+    if fused is not None:
+        return fused
+    product = fp8_scaled_mm(a, a_scale, b, b_scale, bias, residual.dtype, config)
+    codes, scales, h, _ = norm_quant_fp8(residual, weight, norm_bias, eps, group_size, rms=rms, residual=product)
+    return codes, scales, h
+
+
+def fused_silu_mul_quantize(a, a_scale, b, b_scale, bias, out_dtype=torch.bfloat16, *, config=None):
+    """`fp8_scaled_mm_silu_mul_quantize`'s one kernel, or None where it does not take the operands (`silu_refusal`):
+    the caller then runs its own two kernels."""
+    reason, plan = _silu_plan(a, a_scale, b, b_scale, out_dtype, config)
+    if reason is not None:
+        return None
+    M, N = a.shape[0], b.shape[0]
+    codes = torch.empty((M, N // 2), dtype=torch.float8_e4m3fn, device=a.device)
+    scales = torch.empty((M, 1), dtype=torch.float32, device=a.device)
+    product = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    _launch(SILU, a, a_scale, b, b_scale, bias, product, product, None, None, codes, scales, 0.0, 1, True, SILU_CHUNK,
+            plan)
+    return codes, scales
 
 
 def fp8_scaled_mm_silu_mul_quantize(a, a_scale, b, b_scale, bias, out_dtype=torch.bfloat16, *, config=None):
     """silu_mul_quantize_fp8_rows(gate, up, N / 2) of the product p = fp8_scaled_mm(a, a_scale, b, b_scale, bias,
     out_dtype) [M, N], gate = p[:, :N/2] and up = p[:, N/2:]: (codes [M, N/2] e4m3, scales [M, 1] fp32), per token.
     One kernel where `silu_refusal` finds none, else the two."""
-    if silu_refusal(a, a_scale, b, b_scale, out_dtype, config) is not None:
-        product = fp8_scaled_mm(a, a_scale, b, b_scale, bias, out_dtype, config)
-        width = product.shape[1] // 2
-        return silu_mul_quantize_fp8_rows(product[:, :width], product[:, width:], width)
-    M, N = a.shape[0], b.shape[0]
-    codes = torch.empty((M, N // 2), dtype=torch.float8_e4m3fn, device=a.device)
-    scales = torch.empty((M, 1), dtype=torch.float32, device=a.device)
-    product = torch.empty((M, N), dtype=out_dtype, device=a.device)
-    _launch(SILU, a, a_scale, b, b_scale, bias, product, product, None, None, codes, scales, 0.0, 1, True, SILU_CHUNK,
-            _plan(SILU, a, a_scale, b, b_scale, config)[1])
-    return codes, scales
+    fused = fused_silu_mul_quantize(a, a_scale, b, b_scale, bias, out_dtype, config=config)
+    if fused is not None:
+        return fused
+    product = fp8_scaled_mm(a, a_scale, b, b_scale, bias, out_dtype, config)
+    width = product.shape[1] // 2
+    return silu_mul_quantize_fp8_rows(product[:, :width], product[:, width:], width)

@@ -125,9 +125,9 @@ def _scaled_mm_fp8_silu_mul_quantize(a: Tensor, a_scale: Tensor, w: Tensor, w_sc
     (`gemm_fp8_epilogue`) where it serves the operands (row scales, a decode batch), else the two ops' own paths."""
     lead = a.shape[:-1]
     if a.is_cuda:
-        a2, s2 = as_rows(a, a_scale)
-        if gemm_fp8_epilogue.silu_refusal(a2, s2, w, w_scale, out_dtype) is None:
-            codes, scales = gemm_fp8_epilogue.fp8_scaled_mm_silu_mul_quantize(a2, s2, w, w_scale, bias, out_dtype)
+        fused = gemm_fp8_epilogue.fused_silu_mul_quantize(*as_rows(a, a_scale), w, w_scale, bias, out_dtype)
+        if fused is not None:
+            codes, scales = fused
             return codes.reshape(*lead, codes.shape[-1]), scales.reshape(*lead, 1)
     product = _scaled_mm_fp8(a, a_scale, w, w_scale, bias, out_dtype)
     width = product.shape[-1] // 2

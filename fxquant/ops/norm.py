@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fxquant.kernels.gemm_fp8_epilogue import fp8_scaled_mm_add_norm_quant
-from fxquant.kernels.gemm_fp8_epilogue import refusal as gemm_norm_refusal
+from fxquant.kernels.gemm_fp8_epilogue import fused_add_norm_quant
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8 as norm_quant_kernel
 from fxquant.kernels.norm_quant_fp8 import supports as norm_quant_supports
 from fxquant.numerics import reference_norm as RN
@@ -68,10 +67,10 @@ def _scaled_mm_fp8_add_norm_quant(a: Tensor, a_scale: Tensor, w: Tensor, w_scale
     (`gemm_fp8_epilogue`) where it serves the operands (row scales, a decode batch), else the two ops' own paths."""
     lead = a.shape[:-1]
     if a.is_cuda:
-        (a2, s2), r2 = as_rows(a, a_scale), residual.reshape(-1, residual.shape[-1])
-        if gemm_norm_refusal(a2, s2, w, w_scale, r2, group_size) is None:
-            codes, scales, h = fp8_scaled_mm_add_norm_quant(a2, s2, w, w_scale, bias, r2, weight, norm_bias, eps,
-                                                            group_size, rms=rms)
+        (a2, s2), r2 = as_rows(a, a_scale), residual.reshape(-1, residual.shape[-1]).contiguous()
+        fused = fused_add_norm_quant(a2, s2, w, w_scale, bias, r2, weight, norm_bias, eps, group_size, rms=rms)
+        if fused is not None:
+            codes, scales, h = fused
             return codes.reshape(residual.shape), scales.reshape(*lead, scales.shape[-1]), h.reshape(residual.shape)
     product = _scaled_mm_fp8(a, a_scale, w, w_scale, bias, residual.dtype)
     return _norm_quant(residual, product, weight, norm_bias, eps, group_size, rms)
