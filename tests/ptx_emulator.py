@@ -1,8 +1,8 @@
 """The part of PTX that fxquant's inline decode blocks use, run on the CPU over numpy words, so that the blocks are
-checked bit for bit where no GPU is: 32-bit shifts, ands and lop3, packed bf16/fp16 multiplies and fmas, and movs
-that pack or unpack 16-bit halves. An instruction outside that part raises, as does a packed product that its
-16-bit type cannot hold exactly (the decode blocks claim exact arithmetic; overflow to infinity excepted), so the
-emulator never has to pick a rounding the hardware might not make.
+checked bit for bit where no GPU is: 32-bit shifts, ands and lop3, packed bf16/fp16 multiplies and fmas, e4m3 pairs
+converted to fp16 pairs, and movs that pack or unpack 16-bit halves. An instruction outside that part raises, as does a
+packed product that its 16-bit type cannot hold exactly (the decode blocks claim exact arithmetic; overflow to infinity
+excepted), so the emulator never has to pick a rounding the hardware might not make.
 
 `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}` runs too, over operands of one warp (32 lanes, lane i at index
 i), by the fragment layout PTX documents: lane (g, t) = (lane / 4, lane % 4) holds A rows g and g + 8 at columns
@@ -38,6 +38,13 @@ def _packed(low: np.ndarray, high: np.ndarray, dtype: torch.dtype) -> np.ndarray
             raise ArithmeticError(f"a packed {dtype} result is not exact: {values[inexact][:4]}")
         return rounded.view(torch.int16).numpy().astype(np.uint16).astype(U32)
     return bits(low) | (bits(high) << U32(16))
+
+
+def _e4m3_as_f16(code: np.ndarray) -> np.ndarray:
+    """e4m3 codes (bytes in 32-bit words) as fp16 bits; NaN as the canonical 0x7FFF."""
+    values = torch.from_numpy(code.astype(np.uint8)).view(torch.float8_e4m3fn).half()
+    bits = values.view(torch.int16).numpy().astype(np.uint16).astype(U32)
+    return np.where(torch.isnan(values).numpy(), U32(0x7FFF), bits)
 
 
 def _lop3(a, b, c, lut: int) -> np.ndarray:
@@ -90,6 +97,9 @@ def run(asm: str, operands: list, outputs: int) -> list[np.ndarray]:
             regs[dest] = read(args[0]) >> U32(int(args[1], 0))
         elif opcode == "and.b32":
             regs[dest] = read(args[0]) & read(args[1])
+        elif opcode == "cvt.rn.f16x2.e4m3x2":  # e4m3 is a subset of fp16: exact, the high byte to the high half
+            pair = read(args[0])
+            regs[dest] = _e4m3_as_f16(pair & U32(0xFF)) | (_e4m3_as_f16(pair >> U32(8) & U32(0xFF)) << U32(16))
         elif opcode == "lop3.b32":
             regs[dest] = _lop3(read(args[0]), read(args[1]), read(args[2]), int(args[3], 0))
         elif (m := re.fullmatch(r"(mul|fma)\.rn\.(bf16x2|f16x2)", opcode)):

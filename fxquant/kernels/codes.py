@@ -1,5 +1,6 @@
-"""In-kernel decoding of weight codes, shared by the weight-only GEMM and the weight dequantizer: packed 4-bit
-words split into codes, integers made exact floats from bits, e2m1 values, and per-block scales. The GEMM's
+"""In-kernel decoding of codes, shared by the weight-only GEMM, the weight dequantizer and decode attention over an
+e4m3 cache: packed 4-bit words split into codes, integers made exact floats from bits, e2m1 values, per-block
+scales, and words of e4m3 codes. The GEMM's
 bf16/fp16 paths decode two codes per instruction in inline PTX; the interpreter, which runs no PTX, takes a
 one-code-at-a-time path to the same values (tests/kernels/test_codes.py checks both, bit for bit, on a GPU; on the
 CPU tests/kernels/test_codes_ptx.py runs the PTX itself through an emulator of the instructions it uses)."""
@@ -129,6 +130,47 @@ mov.b32 {$3, $7}, p3;
 """
 _INT4_PAIRS_BF16 = tl.constexpr(_INT4_PAIRS_ASM.replace("OFFSET", "0x43004300").replace("FMA", "fma.rn.bf16x2"))
 _INT4_PAIRS_F16 = tl.constexpr(_INT4_PAIRS_ASM.replace("OFFSET", "0x64006400").replace("FMA", "fma.rn.f16x2"))
+
+
+@triton.jit
+def e4m3_words(words, DOT: tl.constexpr):
+    """[R, W] int32 words of four e4m3 codes each (byte j is code j) as their [R, 4 * W] values in DOT, in order.
+    On the GPU (fp16) two codes go to fp16 at a time (`cvt.rn.f16x2.e4m3x2`, sm_89+; exact: e4m3 is a subset of
+    fp16). A tensor of bytes would let the compiler move its conversion to the MMA's operand layout to before the
+    decode, where a transposed operand (decode attention's V) reads its bytes from shared memory one at a time: 128
+    one-byte loads a thread per key block on sm_90 (`python -m bench.sass attention --codes`). The interpreter
+    (fp32), which runs no PTX, converts byte by byte to the same values."""
+    if DOT == tl.float16:
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(_E4M3_QUADS_F16, "=h,=h,=h,=h,r", [words],
+                                                   dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+    else:
+        c0, c1, c2, c3 = _e4m3_byte(words, 0, DOT), _e4m3_byte(words, 1, DOT), _e4m3_byte(words, 2, DOT), \
+            _e4m3_byte(words, 3, DOT)
+    # a join appends its pair index as the last dimension: pairing codes 2 apart, then 1 apart, puts code j at j
+    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (words.shape[0], words.shape[1] * 4))
+
+
+@triton.jit
+def _e4m3_byte(words, j: tl.constexpr, DOT: tl.constexpr):
+    """Code j of each word as a DOT value; its NaN codes (S.1111.111) as NaN, which the interpreter's conversion
+    would make +-480."""
+    code = (words >> (8 * j)) & 255
+    value = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(DOT)
+    return tl.where((code & 127) == 127, float("nan"), value)
+
+
+# Outputs $0..$3 are codes 0..3 of word $4 (byte j) in fp16; each cvt converts a 16-bit half's two codes, low to low.
+_E4M3_QUADS_F16 = tl.constexpr("""
+{
+.reg .b16 lo, hi;
+.reg .b32 p0, p1;
+mov.b32 {lo, hi}, $4;
+cvt.rn.f16x2.e4m3x2 p0, lo;
+cvt.rn.f16x2.e4m3x2 p1, hi;
+mov.b32 {$0, $1}, p0;
+mov.b32 {$2, $3}, p1;
+}
+""")
 
 
 # NVFP4's block scales are e4m3, at most 448: times 2^118 every one is a normal bf16 (448 x 2^118 < 2^127, 2^-9 x 2^118

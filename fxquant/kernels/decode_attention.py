@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import cast_float, cast_mode, float_cast_mode, interpreting
+from fxquant.kernels.codes import e4m3_words
 from fxquant.kernels.dependent_launch import await_previous, launch_options, start_next, wait_for_previous
 from fxquant.kernels.launch import cdiv, next_power_of_2, sm_count, visible
 from fxquant.kernels.quant_fp8 import MAX_ROW_LEN, quant_rows, quantize_fp8_rows
@@ -194,7 +195,12 @@ def _decode_attention_split_kernel(
             p *= (v_scale / v_unit)[None, :]
         elif KV_CODES:
             v_unit = tl.load(v_scale_ptr)
-        v = tl.load(v_base + keys[:, None] * svs + cols[None, :], mask=key_ok[:, None], other=0.0)
+        if KV_CODES:  # as words of four codes: the operand is transposed for the product (codes.e4m3_words)
+            words = tl.arange(0, D // 4)
+            v = e4m3_words(tl.load(v_base.to(tl.pointer_type(tl.int32)) + keys[:, None] * (svs // 4)
+                                   + words[None, :], mask=key_ok[:, None], other=0), DOT)
+        else:
+            v = tl.load(v_base + keys[:, None] * svs + cols[None, :], mask=key_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PRECISION) * v_unit
         m_i = m_new
     # The next kernel launches once every program is past its keys: launched at the start, its waiting programs
@@ -240,8 +246,8 @@ def _decode_attention_merge_kernel(
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> str | None:
     """Why the kernel does not serve these operands, or None where it does: it needs a head dim it tiles, every
-    query row of a KV head in one tile, a cache in the query's dtype or in e4m3 codes, rows of contiguous head dims,
-    and a 4-D mask over the whole cache."""
+    query row of a KV head in one tile, a cache in the query's dtype or in e4m3 codes, rows of contiguous head dims
+    (of an e4m3 V, on 4-byte words), and a 4-D mask over the whole cache."""
     if q.shape[-1] not in HEAD_DIMS:
         return f"head dim {q.shape[-1]}; the kernel tiles {', '.join(map(str, HEAD_DIMS))}"
     if q.shape[1] % k.shape[1]:
@@ -254,6 +260,9 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         return f"a mask of shape {tuple(mask.shape)} over {k.shape[2]} cached positions"
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         return "a query or cache whose head dim is not contiguous"
+    if v.dtype == torch.float8_e4m3fn and any(n % 4 for n in (*v.stride()[:-1], v.storage_offset())):
+        return f"an e4m3 V cache of strides {v.stride()} at offset {v.storage_offset()}: the kernel reads its codes " \
+               "as 4-byte words"
     return None
 
 

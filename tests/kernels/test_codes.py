@@ -1,6 +1,6 @@
-"""In-kernel decoding of packed 4-bit weights, bit for bit against the reference's unpacking and decoding: every
-code, every int4 zero point and FP4 scales across their range, in K order. On the GPU the bf16 (and for int4
-fp16) paths run PTX; the interpreter runs the fp32 path."""
+"""In-kernel decoding of packed 4-bit weights and of words of e4m3 codes, bit for bit against the reference's
+unpacking and decoding: every code, every int4 zero point and FP4 scales across their range, in K order. On the GPU
+the bf16 (and for int4 and e4m3 words fp16) paths run PTX; the interpreter runs the fp32 path."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ import triton.language as tl
 from fp8_cases import same_bits
 
 from fxquant.kernels import codes
-from fxquant.kernels.codes import fp4_values, int4_differences
+from fxquant.kernels.codes import e4m3_words, fp4_values, int4_differences
 from fxquant.numerics.formats import E2M1, E4M3, E8M0
 from fxquant.numerics.minifloat import decode, unpack_nibbles
 
@@ -76,3 +76,22 @@ def test_fp4_values_match_the_decoded_codes(fmt, group, prescaled, dtype):
         expected = expected / codes.NVFP4_UNSCALE.value
     assert same_bits(out.cpu(), expected.to(dtype)) == 0
 
+
+
+@triton.jit
+def _e4m3_words_kernel(w_ptr, out_ptr, DOT: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    rows = tl.arange(0, ROWS)
+    words = tl.load(w_ptr + rows[:, None] * WORDS + tl.arange(0, WORDS)[None, :])
+    tl.store(out_ptr + rows[:, None] * 4 * WORDS + tl.arange(0, 4 * WORDS)[None, :], e4m3_words(words, DOT))
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.bfloat16], ids=str)
+def test_e4m3_words_are_their_codes_in_order(dtype):
+    """Every e4m3 code (NaNs, zeros of both signs and subnormals included) in each of a word's four bytes."""
+    rows, words = 16, 16
+    every = torch.arange(256, dtype=torch.uint8)
+    codes_in_rows = torch.cat([every.roll(j) for j in range(4)]).reshape(rows, 4 * words)  # round j: byte (c + j) % 4
+    out = torch.empty(rows, 4 * words, dtype=dtype, device=DEVICE)
+    _e4m3_words_kernel[(1,)](codes_in_rows.contiguous().to(DEVICE).view(torch.int32), out, DOT=TL[dtype], ROWS=rows,
+                             WORDS=words)
+    assert same_bits(out.cpu(), codes_in_rows.view(torch.float8_e4m3fn).to(dtype)) == 0

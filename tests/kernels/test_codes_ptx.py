@@ -1,7 +1,7 @@
-"""The inline PTX that decodes packed 4-bit codes on the GPU (`kernels/codes.py`), run on the CPU by
-`ptx_emulator`, bit for bit against the reference's decoding: every nibble in every position of a word, every int4
-zero point in bf16 and fp16, and E8M0 and e4m3 scales across their range. The interpreter runs no PTX, so without
-this the blocks are checked only on a GPU (tests/kernels/test_codes.py)."""
+"""The inline PTX that decodes packed 4-bit codes and words of e4m3 codes on the GPU (`kernels/codes.py`), run on the
+CPU by `ptx_emulator`, bit for bit against the reference's decoding: every nibble in every position of a word, every
+int4 zero point in bf16 and fp16, E8M0 and e4m3 scales across their range, and every e4m3 code in every byte. The
+interpreter runs no PTX, so without this the blocks are checked only on a GPU (tests/kernels/test_codes.py)."""
 
 import numpy as np
 import pytest
@@ -78,3 +78,12 @@ def test_the_emulator_refuses_what_it_does_not_know():
         run("cvt.rn.f16x2.f32 $0, $1, $2;", [0, 0], outputs=1)
     with pytest.raises(ArithmeticError, match="not exact"):  # 1 + 2^-8 has no bf16: the blocks claim exactness
         run("mul.rn.bf16x2 $0, $1, $2;", [0x3F813F81, 0x3F813F81], outputs=1)
+
+
+def test_e4m3_quads_are_their_codes_in_fp16():
+    every = np.arange(256, dtype=np.int64)
+    packed = sum(np.roll(every, 64 * j) << (8 * j) for j in range(4))  # code c in byte j of word (c + 64 j) % 256
+    out = run(codes._E4M3_QUADS_F16.value, [packed], outputs=4)
+    got = torch.from_numpy(np.stack(out, axis=1).astype(np.uint16).view(np.int16)).view(torch.float16)
+    want = torch.from_numpy(np.stack([(packed >> (8 * j)) & 255 for j in range(4)], axis=1).astype(np.uint8))
+    assert same_bits(got, want.view(torch.float8_e4m3fn).half()) == 0
