@@ -1,7 +1,8 @@
 """Weight-only GEMMs and the fused norm -> fp8 on the GPU: correctness first, then time against bf16 torch.mm
 (cuBLAS) and the unfused norm + quantize, measured in the same process.
 
-Run: python -m bench.weight_only [--sweep | --crossover] [--decode | --medium]
+Run: python -m bench.weight_only [--sweep | --crossover | --pair-order] [--decode | --medium]
+     (--pair-order: the shipped tiles with packed 4-bit operands in codes.pair_order and in K order, M = 1, 16, 32)
 """
 
 from __future__ import annotations
@@ -146,6 +147,26 @@ def sweep_medium() -> list[dict]:
     return rows
 
 
+def pair_order_ab(ceiling) -> list[dict]:
+    """Each packed format's shipped tile at M = 1, 16, 32 on every shape, its operands in codes.pair_order (shipped
+    up to 32 rows) and in K order: us, % of the copy ceiling on the weight's bytes, and error against fp64."""
+    rows = []
+    for (n, k), m, fmt in itertools.product(NKS, (1, 16, 32), ("int4", "mxfp4", "nvfp4")):
+        q = quantized_weight(n, k, fmt)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        exact = x.double() @ R.dequantize(q, torch.float64).T
+        row = {"format": fmt, "M": m, "N x K": f"{n}x{k}"}
+        for name, order in (("pairs", True), ("K order", False)):
+            cfg = {**wo_gemm_config(m, k, fmt), "PAIR_ORDER": order}
+            err = float((run(x, q, fmt, cfg).double() - exact).norm() / exact.norm())
+            ms, nbytes = timed(m, n, k, fmt, cfg, q)
+            row |= {f"{name} us": f"{ms * 1e3:.1f}", f"{name} % copy": f"{100 * nbytes / ms / 1e6 / ceiling:.0f}",
+                    f"{name} err": f"{err:.1e}"}
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def _dequantized_ms(m, n, k, fmt, q):
     threshold, gemm_weight_only.DEQUANTIZE_ABOVE_M = gemm_weight_only.DEQUANTIZE_ABOVE_M, 0  # every M dequantizes
     gemm_weight_only._launch_plan.cache_clear()
@@ -213,6 +234,9 @@ def main():
     print(f"copy ceiling (read+write): {ceiling:.0f} GB/s")
     if "--sweep" in sys.argv:
         print(table(sweep_medium() if "--medium" in sys.argv else sweep(ceiling)))
+        return
+    if "--pair-order" in sys.argv:
+        print(table(pair_order_ab(ceiling)))
         return
     if "--crossover" in sys.argv:
         print(table(crossover(ceiling)))

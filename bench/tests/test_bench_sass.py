@@ -14,6 +14,8 @@ import json
 from bench import sass
 found = {}
 for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
+                                 "mxfp4": sass.decode_kernel_sass("mxfp4"),
+                                 "nvfp4 on 32 rows": sass.decode_kernel_sass("nvfp4", rows=32),
                                  "fp8": sass.fp8_kernel_sass(),
                                  "fp8 swapped": sass.fp8_kernel_sass(swap=True),
                                  "fp8 with the norm": sass.fp8_epilogue_kernel_sass(1),
@@ -32,7 +34,8 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     found = json.loads(run.stdout.splitlines()[-1])
-    for what, tensor_core in [("int4", "HMMA.16816.F32.BF16"), ("fp8", "HMMA.16816.F32"),
+    for what, tensor_core in [("int4", "HMMA.16816.F32.BF16"), ("mxfp4", "HMMA.16816.F32.BF16"),
+                              ("nvfp4 on 32 rows", "HMMA.16816.F32.BF16"), ("fp8", "HMMA.16816.F32"),
                               ("fp8 swapped", "QGMMA.64x16x32.F32.E4M3.E4M3"),  # wgmma on the codes as stored
                               ("fp8 with the norm", "HMMA.16816.F32"),  # the K loop, not the norm's loop over rows
                               ("fp8 with SiLU", "HMMA.16816.F32"),
@@ -43,3 +46,5 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
         assert 0 < found[what]["registers"] <= 255, (what, found[what]["registers"])
         # the loop holds the products, not a prologue's backward jump
         assert ops.get(tensor_core, 0) > 0 and sum(ops.values()) > 100, (what, ops)
+    # V's codes reach the transposed MMA operand as fp16 (codes.e4m3_words), not one shared-memory byte at a time
+    assert "LDS.U8" not in found["attention codes"]["ops"], found["attention codes"]["ops"]

@@ -34,14 +34,24 @@ def e2m1_value(code):
 
 
 @triton.jit
+def scale_codes(s_ptr, offs_n, k_index, stride_sn, stride_sk, mask):
+    """The per-(n, k-block) scale codes as stored (E8M0 or e4m3 bytes), as int32."""
+    return tl.load(s_ptr + offs_n * stride_sn + k_index * stride_sk, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def scale_value(raw, FMT: tl.constexpr):
+    """Scale codes as their fp32 values: E8M0 (MXFP4, MXFP8) or e4m3 (NVFP4)."""
+    if FMT == 2 or FMT == 4:
+        value = (raw << 23).to(tl.float32, bitcast=True)
+        return tl.where(raw == 0, E8M0_MIN, tl.where(raw == 255, float("nan"), value))
+    return raw.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def block_scale(s_ptr, offs_n, k_index, stride_sn, stride_sk, mask, FMT: tl.constexpr):
     """The per-(n, k-block) scales as fp32, from E8M0 (MXFP4, MXFP8) or e4m3 (NVFP4) codes."""
-    raw = tl.load(s_ptr + offs_n * stride_sn + k_index * stride_sk, mask=mask, other=0)
-    if FMT == 2 or FMT == 4:
-        e = raw.to(tl.int32)
-        value = (e << 23).to(tl.float32, bitcast=True)
-        return tl.where(e == 0, E8M0_MIN, tl.where(e == 255, float("nan"), value))
-    return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return scale_value(scale_codes(s_ptr, offs_n, k_index, stride_sn, stride_sk, mask), FMT)
 
 
 @triton.jit
@@ -71,6 +81,18 @@ def in_k_order(c0, c1, c2, c3, c4, c5, c6, c7):
     the index: pairing codes 4 apart innermost, then 2 apart, then 1 apart puts code k at position k."""
     joined = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
     return tl.reshape(joined, (c0.shape[0], c0.shape[1] * 8))
+
+
+@triton.jit
+def pair_order(t):
+    """A [R, 8 * W] operand in K order, permuted within each 8-long run of K so that K positions j and j + 4 (the
+    two codes that one PTX instruction of the decoders below decodes together, 16 bits apart in a word) sit side by
+    side: position 2j + h holds K position j + 4h. An MMA sums over K in any order, so a product whose two operands
+    are both permuted is the same sum; in pair order, each decoded pair is already the register the MMA reads, where
+    in K order the pairs were split and repacked (`gemm_weight_only.wo_gemm_config`)."""
+    R: tl.constexpr = t.shape[0]
+    K: tl.constexpr = t.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(t, (R, K // 8, 2, 4)), (0, 1, 3, 2)), (R, K))
 
 
 @triton.jit
@@ -181,24 +203,23 @@ NVFP4_UNSCALE = tl.constexpr(2.0**8)
 
 
 @triton.jit
-def fp4_values(packed, scale, GROUP: tl.constexpr, DOT: tl.constexpr, PRESCALED: tl.constexpr = False):
-    """Each e2m1 code of the [BLOCK_N, WORDS] words times its block's fp32 scale ([BLOCK_N, 8 * WORDS / GROUP]):
-    [BLOCK_N, 8 * WORDS] in DOT, K order, exact wherever the product is (an E8M0 or e4m3 scale times an e2m1
-    value has at most 6 significant bits). In bf16, two codes go at a time in PTX: each code's bits land in a bf16
-    pair's sign, exponent and mantissa fields, which is the value times 2^-126 (e2m1's subnormal 0.5 lands on a
-    bf16 subnormal), and two packed multiplies, by 2^126 and by the scale, are exact; PRESCALED (e4m3 scales, at
-    most 448): one multiply by the scale times NVFP4_PRESCALE, which leaves every value times 2^-8, exactly.
-    Elsewhere (fp16, whose range could clip a scale, and the interpreter's fp32) the value is formed in fp32 and
-    rounded once."""
+def fp4_values(packed, raw, GROUP: tl.constexpr, DOT: tl.constexpr, FMT: tl.constexpr):
+    """Each e2m1 code of the [BLOCK_N, WORDS] words times its block's scale, from the scale codes `raw` ([BLOCK_N,
+    8 * WORDS / GROUP] int32: E8M0 for MXFP4, FMT 2; e4m3 for NVFP4, FMT 3): [BLOCK_N, 8 * WORDS] in DOT, K order,
+    exact wherever the product is (an E8M0 or e4m3 scale times an e2m1 value has at most 6 significant bits).
+    In bf16, two codes go at a time in PTX: each code's bits land in a bf16 pair's sign, exponent and mantissa
+    fields, which is the value times 2^-126 (e2m1's subnormal 0.5 lands on a bf16 subnormal), and packed multiplies
+    are exact. MXFP4: by 2^126, then by the scale, whose bf16 bits are its E8M0 code shifted into the exponent field
+    (integer ops only); NVFP4: one multiply by the scale times NVFP4_PRESCALE (e4m3 scales are at most 448), which
+    leaves every value times 2^-8, exactly. Elsewhere (fp16, whose range could clip a scale, and the interpreter's
+    fp32) the value is formed in fp32 and rounded once."""
     BLOCK_N: tl.constexpr = packed.shape[0]
     WORDS: tl.constexpr = packed.shape[1]
     BLOCKS: tl.constexpr = WORDS * 8 // GROUP
     if DOT == tl.bfloat16:
-        multiplier = scale * NVFP4_PRESCALE if PRESCALED else scale
-        bits = multiplier.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # exact: 8-bit exponent
-        pair = tl.reshape(tl.broadcast_to((bits | (bits << 16))[:, :, None], (BLOCK_N, BLOCKS, GROUP // 8)),
+        pair = tl.reshape(tl.broadcast_to(scale_bf16_pair(raw, FMT)[:, :, None], (BLOCK_N, BLOCKS, GROUP // 8)),
                           (BLOCK_N, WORDS))
-        if PRESCALED:
+        if FMT == 3:
             out = tl.inline_asm_elementwise(_FP4_PAIRS_BF16_PRESCALED, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [packed, pair],
                                             dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
         else:
@@ -207,9 +228,22 @@ def fp4_values(packed, scale, GROUP: tl.constexpr, DOT: tl.constexpr, PRESCALED:
                                             pack=1)
         values = in_k_order(out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7])
     else:
-        values = tl.reshape(e2m1_value(split_words(packed)), (BLOCK_N, BLOCKS, GROUP)) * scale[:, :, None]
-        values = tl.reshape(values, (BLOCK_N, WORDS * 8)).to(DOT)
+        values = tl.reshape(e2m1_value(split_words(packed)), (BLOCK_N, BLOCKS, GROUP))
+        values = tl.reshape(values * scale_value(raw, FMT)[:, :, None], (BLOCK_N, WORDS * 8)).to(DOT)
     return values
+
+
+@triton.jit
+def scale_bf16_pair(raw, FMT: tl.constexpr):
+    """The multiplier `fp4_values` applies in bf16, its bits in both halves of an int32: an E8M0 code's value (MXFP4,
+    FMT 2), or an e4m3 code's times NVFP4_PRESCALE (NVFP4). 2^(e - 127) is bf16 exponent field e, mantissa 0, save
+    the subnormal 2^-127 (code 0: mantissa 0x40) and NaN (code 255): a multiply and two selects, where the fp32
+    route (the value, two selects, a conversion to bf16, then the halves) took 403 instructions a K step of the
+    decode GEMM on sm_90 against 391 (`python -m bench.sass mxfp4 --k-order`)."""
+    if FMT == 2:
+        return tl.where(raw == 0, 0x00400040, tl.where(raw == 255, 0x7FC07FC0, raw * 0x00800080))
+    bits = (scale_value(raw, FMT) * NVFP4_PRESCALE).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
+    return (bits & 0xFFFF) * 0x10001  # the 16 bits in both halves, in one multiply
 
 
 def _fp4_pairs_asm(multipliers: tuple[str, ...]) -> str:

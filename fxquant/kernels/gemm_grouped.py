@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import cast_mode, float_cast_mode, interpreting
-from fxquant.kernels.codes import FORMATS
+from fxquant.kernels.codes import FORMATS, PACKED
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_fp8 import SCALE_BLOCK, TORCH_TO_TL, fp8_accumulate, fp8_scale_tile
@@ -92,7 +92,7 @@ def _grouped_wo_kernel(
     # meta-parameters
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIR_ORDER: tl.constexpr,
 ):
     expert, pid_n, offs_m, offs_n = expert_tile_offsets(offs_ptr, E, M, N, BLOCK_M, BLOCK_N)
     owned, e, first_k, last_k = _expert_k_steps(expert, E, K, BLOCK_K, SPLIT_K)
@@ -102,7 +102,7 @@ def _grouped_wo_kernel(
     gs_ptr += e
     acc = wo_accumulate(a_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, M, N, K, first_k, last_k,
                         stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk,
-                        FMT, GROUP, HAS_ZP, DOT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+                        FMT, GROUP, HAS_ZP, DOT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PAIR_ORDER)
     acc = wo_scale_tile(acc, s_ptr, gs_ptr, offs_n, N, stride_sn, FMT, DOT)
     acc = tl.where(owned, acc, 0.0)  # a non-finite scale of the clamped expert must not reach the zero rows
     store_tile(acc, c_ptr, ws_ptr, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, tl.program_id(1),
@@ -214,7 +214,8 @@ def _wo_plan(M: int, N: int, K: int, E: int, fmt: str, group: int, overrides: tu
         cfg["BLOCK_K"] = group  # one int4 group per K step, at least
     grid, split = _grid_and_split(M, N, K, E, cfg)
     meta = dict(EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                PAIR_ORDER=cfg.get("PAIR_ORDER", False) and fmt in PACKED)
     return grid, split, meta
 
 

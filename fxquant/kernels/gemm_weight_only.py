@@ -18,7 +18,8 @@ exact operands:
   fp32's exponent range down to 2^-133; fp16 could clip it).
 Packed 4-bit weights hold K-pairs per byte (low nibble first); the kernel reads them as int32 words of 8 codes
 (4-bit K must be a multiple of 8) and decodes each word in the thread that loaded it, two codes per instruction
-in bf16, and in fp16 for int4 (`codes.py`).
+in bf16, and in fp16 for int4 (`codes.py`). On tiles of up to 32 rows the weight and the activations meet with K
+permuted into the decoded pairs' order (`codes.pair_order`), so no pair is split and repacked for the MMA.
 Where the output tiles are too few for the SMs, K is split across programs (`splitk.py`). K and N tails are masked.
 Under Triton's interpreter, whose bf16 dot is wrong, the dot runs in fp32 on the same exact operands.
 """
@@ -37,11 +38,13 @@ from fxquant.kernels.codes import (
     FORMATS,
     NVFP4_UNSCALE,
     PACKED,
-    block_scale,
     fp4_values,
     int4_differences,
     mxfp8_values,
     packed_words,
+    pair_order,
+    scale_codes,
+    scale_value,
 )
 from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.dequantize_weight import dequantize_weight
@@ -55,9 +58,11 @@ from fxquant.kernels.tiles import k_steps_of, store_tile, tile_offsets
 def wo_accumulate(a_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, M, N, K, first_k, last_k,
                   stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk,
                   FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, DOT: tl.constexpr,
-                  EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PAIR_ORDER: tl.constexpr):
     """The fp32 tile A[offs_m] @ W[offs_n].T over K steps [first_k, last_k), each code decoded in registers to a
-    value DOT holds exactly; int8's channel scale and NVFP4's global scale are left to `wo_scale_tile`."""
+    value DOT holds exactly; int8's channel scale and NVFP4's global scale are left to `wo_scale_tile`.
+    PAIR_ORDER: packed 4-bit codes and the activations meet in `codes.pair_order`, not in K order."""
     offs_k = tl.arange(0, BLOCK_K)
     mask_m, mask_n = offs_m < M, offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -83,19 +88,26 @@ def wo_accumulate(a_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, M, N, K, first_k, 
                 packed = packed ^ -0x77777778  # 0x88888888 as int32: bit 3 of every nibble
                 z = tl.full((BLOCK_N,), 8, tl.int32)
             ints = int4_differences(packed, z[:, None], DOT)
-            acc += tl.dot(a, tl.trans(ints)) * scale[None, :]
+            if PAIR_ORDER:
+                acc += tl.dot(pair_order(a), tl.trans(pair_order(ints))) * scale[None, :]
+            else:
+                acc += tl.dot(a, tl.trans(ints)) * scale[None, :]
         else:
             BLOCKS: tl.constexpr = BLOCK_K // GROUP  # scale blocks per K step (BLOCK_K is a multiple of 16, 32)
             offs_b = step * BLOCKS + tl.arange(0, BLOCKS)
-            scale = block_scale(s_ptr, offs_n[:, None], offs_b[None, :], stride_sn, stride_sk,
-                                 mask_n[:, None] & (offs_b[None, :] * GROUP < K), FMT)  # [BN, BLOCKS]
+            raw = scale_codes(s_ptr, offs_n[:, None], offs_b[None, :], stride_sn, stride_sk,
+                              mask_n[:, None] & (offs_b[None, :] * GROUP < K))  # [BN, BLOCKS]
             if FMT == 4:
                 codes = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :] * stride_wk,
                                 mask=mask_n[:, None] & (k[None, :] < K), other=0)  # [BN, BK]
-                acc = tl.dot(a, tl.trans(mxfp8_values(codes, scale, GROUP).to(DOT)), acc)
+                acc = tl.dot(a, tl.trans(mxfp8_values(codes, scale_value(raw, FMT), GROUP).to(DOT)), acc)
             else:
                 packed = packed_words(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
-                acc = tl.dot(a, tl.trans(fp4_values(packed, scale, GROUP, DOT, FMT == 3)), acc)
+                values = fp4_values(packed, raw, GROUP, DOT, FMT)
+                if PAIR_ORDER:
+                    acc = tl.dot(pair_order(a), tl.trans(pair_order(values)), acc)
+                else:
+                    acc = tl.dot(a, tl.trans(values), acc)
     return acc
 
 
@@ -122,6 +134,7 @@ def _wo_gemm_kernel(
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     LAST_SLICE_SUMS: tl.constexpr, DOT: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    PAIR_ORDER: tl.constexpr,
 ):
     wait_for_previous(PDL)
     pid_k = tl.program_id(1)
@@ -129,7 +142,7 @@ def _wo_gemm_kernel(
     first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
     acc = wo_accumulate(a_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, M, N, K, first_k, last_k,
                         stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk,
-                        FMT, GROUP, HAS_ZP, DOT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+                        FMT, GROUP, HAS_ZP, DOT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PAIR_ORDER)
     acc = wo_scale_tile(acc, s_ptr, gs_ptr, offs_n, N, stride_sn, FMT, DOT)
     store_tile(acc, c_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, pid_k,
                HAS_BIAS, SPLIT_K, OUT, CAST)
@@ -149,16 +162,23 @@ def wo_gemm_config(M: int, K: int, fmt: str) -> dict:
     int4 product at M = 32 took 27.8 us against 80.2 us dequantized. BLOCK_K divides int4's group of 128 and is a
     multiple of every block (16, 32). MXFP8, whose codes are decoded through fp32, takes the 4-bit formats' decode
     tiles and FP4's medium ones: at M = 1 they took 12.7 / 27.1 / 26.5 us on 4096x4096 / 14336x4096 / 4096x14336
-    against 12.2 / 30.5 / 32.6 on int8's tile, and at M = 64 46.1 against 50.9 on 14336x4096."""
+    against 12.2 / 30.5 / 32.6 on int8's tile, and at M = 64 46.1 against 50.9 on 14336x4096.
+    PAIR_ORDER (packed 4-bit codes on tiles of up to 32 rows): the operands meet in `codes.pair_order`, where each
+    decoded pair is the register the MMA reads. In K order the pairs were split and repacked, and the activations'
+    fragments copied into place: compiled for sm_90 (`python -m bench.sass int4|mxfp4|nvfp4`, Triton 3.8) a 16-row
+    tile's K step took int4 263 -> 227 instructions a thread (123 -> 96 registers), MXFP4 391 -> 355, NVFP4 359 ->
+    319; a 32-row tile int4 377 -> 302, MXFP4 472 -> 419. On 64-row tiles the permuted activations cost more than
+    they saved (int4 481 -> 553), so those stay in K order. Counted, not yet timed."""
     decoded = fmt != "int8"  # codes that take more instructions than int8's one conversion to become values
     narrow = fmt in ("mxfp4", "nvfp4", "mxfp8")
+    pairs = fmt in PACKED
     if M <= 16:
         programs = (528 if K > 8192 else 1056) if decoded else TARGET_PROGRAMS
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3 if decoded else 5,
-                    programs=programs)
-    medium = dict(BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, programs=TARGET_PROGRAMS)
+                    programs=programs, PAIR_ORDER=pairs)
+    medium = dict(BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, programs=TARGET_PROGRAMS, PAIR_ORDER=False)
     if M <= 32:
-        return {**medium, "BLOCK_M": 32, "BLOCK_N": 64}
+        return {**medium, "BLOCK_M": 32, "BLOCK_N": 64, "PAIR_ORDER": pairs}
     if M > 64 and fmt != "int4":
         # 128-row tiles on 8 warps, split toward 132: at M = 128 int8 took 45.6 us against 54.7 on 64x128 tiles
         # (14336x4096) and MXFP4 67.2 against 72.3 (4096x14336); int4 ran slower on them (85.7 against 68.1).
@@ -195,7 +215,7 @@ def _launch_plan(M: int, N: int, K: int, fmt: str, group: int, overrides: tuple 
     split = split_k(tiles, cdiv(K, cfg["BLOCK_K"]), cfg["programs"]) if cfg.get("programs") else 1
     meta = dict(EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                 BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"])
+                num_stages=cfg["num_stages"], PAIR_ORDER=cfg.get("PAIR_ORDER", False) and fmt in PACKED)
     return tiles, split, meta
 
 
