@@ -195,7 +195,10 @@ def _decode_attention_split_kernel(
             p *= (v_scale / v_unit)[None, :]
         elif KV_CODES:
             v_unit = tl.load(v_scale_ptr)
-        if KV_CODES:  # as words of four codes: the operand is transposed for the product (codes.e4m3_words)
+        # e4m3 V as words of four codes (codes.e4m3_words): its fp16 tile then reaches the transposed operand through
+        # shared memory, 32 KB more a program at 128-key blocks (sm_90, the B16 plan: 75.8 -> 108.5 KB, still two
+        # programs an SM, which 246 registers had capped before; 168 now)
+        if KV_CODES:
             words = tl.arange(0, D // 4)
             v = e4m3_words(tl.load(v_base.to(tl.pointer_type(tl.int32)) + keys[:, None] * (svs // 4)
                                    + words[None, :], mask=key_ok[:, None], other=0), DOT)
