@@ -12,6 +12,7 @@ Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--k-o
      python -m bench.sass fp8 --norm|--silu [--stages N]   (split in 4, with the add, RMSNorm and per-token
                                                      quantizer in its epilogue, or SiLU x up and its quantizer:
                                                      gemm_fp8_epilogue)
+     python -m bench.sass w4a8 [--stages N]   (int4_fp8's GEMM at decode, 4096 rows, split in 8)
      python -m bench.sass attention [--codes] [--warps N] [--stages N] [--quantize]   (Llama-3-8B's heads at
                                                      B16, 1k keys; --quantize: the output quantized per token)
 """
@@ -32,7 +33,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fxquant.kernels import decode_attention as DA
-from fxquant.kernels import gemm_fp8, gemm_fp8_epilogue
+from fxquant.kernels import gemm_fp8, gemm_fp8_epilogue, gemm_int4_fp8
 from fxquant.kernels.codes import FORMATS
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_weight_only import _wo_gemm_kernel, wo_gemm_config
@@ -105,6 +106,23 @@ def fp8_epilogue_kernel_sass(epilogue: int, stages: int | None = None) -> tuple[
     return compiled_sass(kernel, signature, constexprs, attrs, cfg["num_warps"], stages or cfg["num_stages"])
 
 
+def w4a8_kernel_sass(stages: int | None = None) -> tuple[str, int]:
+    """SASS and registers per thread of the W4A8 GEMM (int4 codes with zero points, e4m3 activations) at decode (M <=
+    16) on a 4096-row weight, in the tiles `int4_fp8_config` gives it, split in 8 and summed by the last slice."""
+    cfg = gemm_int4_fp8.int4_fp8_config(16, 4096)
+    params = list(inspect.signature(gemm_int4_fp8._int4_fp8_kernel.fn).parameters)
+    constexprs = dict(HAS_ZP=True, HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, SPLIT_K=8, LAST_SLICE_SUMS=True,
+                      GROUP=gemm_int4_fp8.GROUP, DOT=tl.float16, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                      GROUP_M=cfg["GROUP_M"], PDL=True, PAIR_ORDER=cfg["PAIR_ORDER"])
+    pointers = dict(a_ptr="*i32", a_scale_ptr="*fp32", w_ptr="*i32", w_scale_ptr="*fp32", w_zero_ptr="*u8",
+                    bias_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32", counter_ptr="*i32")
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in params}
+    divisible = [*pointers, "N", "K", "stride_am", "stride_wn", "stride_sn", "stride_om"]
+    attrs = {(params.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    return compiled_sass(gemm_int4_fp8._int4_fp8_kernel, signature, constexprs, attrs, cfg["num_warps"],
+                         stages or cfg["num_stages"])
+
+
 def attention_kernel_sass(codes: bool, warps: int | None = None, stages: int | None = None,
                           quantize: bool = False) -> tuple[str, int]:
     """SASS and registers per thread of the split-KV attention kernel as it runs for Llama-3-8B's heads at B16 over
@@ -169,6 +187,9 @@ def main():
         sass, registers = attention_kernel_sass(codes, warps, stages, quantize)
         what = f"attention over {'e4m3 codes' if codes else 'bf16'}{', output quantized' if quantize else ''}"
         step = "key block"
+    elif "w4a8" in sys.argv:
+        sass, registers = w4a8_kernel_sass(stages)
+        what, step = "W4A8 (int4 codes, e4m3 activations)", "K step"
     elif "fp8" in sys.argv and ("--norm" in sys.argv or "--silu" in sys.argv):
         silu = "--silu" in sys.argv
         sass, registers = fp8_epilogue_kernel_sass(gemm_fp8_epilogue.SILU if silu else gemm_fp8_epilogue.NORM, stages)

@@ -16,6 +16,7 @@ found = {}
 for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
                                  "mxfp4": sass.decode_kernel_sass("mxfp4"),
                                  "nvfp4 on 32 rows": sass.decode_kernel_sass("nvfp4", rows=32),
+                                 "w4a8": sass.w4a8_kernel_sass(),
                                  "fp8": sass.fp8_kernel_sass(),
                                  "fp8 swapped": sass.fp8_kernel_sass(swap=True),
                                  "fp8 with the norm": sass.fp8_epilogue_kernel_sass(1),
@@ -35,7 +36,8 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
     assert run.returncode == 0, run.stderr[-2000:]
     found = json.loads(run.stdout.splitlines()[-1])
     for what, tensor_core in [("int4", "HMMA.16816.F32.BF16"), ("mxfp4", "HMMA.16816.F32.BF16"),
-                              ("nvfp4 on 32 rows", "HMMA.16816.F32.BF16"), ("fp8", "HMMA.16816.F32"),
+                              ("nvfp4 on 32 rows", "HMMA.16816.F32.BF16"), ("w4a8", "HMMA.16816.F32"),
+                              ("fp8", "HMMA.16816.F32"),
                               ("fp8 swapped", "QGMMA.64x16x32.F32.E4M3.E4M3"),  # wgmma on the codes as stored
                               ("fp8 with the norm", "HMMA.16816.F32"),  # the K loop, not the norm's loop over rows
                               ("fp8 with SiLU", "HMMA.16816.F32"),

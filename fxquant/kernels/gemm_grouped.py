@@ -6,16 +6,15 @@ expert by scanning `offs` on the device (`tiles.expert_rows`), with no host sync
 whatever the routing. The grid covers the worst case, cdiv(M, BLOCK_M) + E + 1 row tiles, and programs past the
 last tile only scan. Rows past offs[-1] belong to no expert and come out zero; an expert with no rows has no tile.
 
-The K loops are the dense kernels' (`fp8_accumulate`, `wo_accumulate`, `int4_fp8_accumulate`), on the expert's
-slice of the weight and its scales: fp8 with row or 1x128 / 128x128 block scales, fp32 accumulation, scales folded in
-the K loop; weight-only int8, int4, MXFP4, NVFP4 and MXFP8 codes decoded in registers; W4A8, int4 codes as e4m3
-integers on the fp8 tensor cores, each group's partial scaled. Tiles are the dense tables' at the average rows per
-active expert; where the active tiles are too few for the SMs, K is split (`splitk.py`). Past DEQUANTIZE_ABOVE_M rows
-per active expert, weight-only experts are dequantized to bf16 and multiplied by `torch._grouped_mm`, as the dense
+The K loops are the dense kernels' (`fp8_accumulate`, `wo_accumulate`, `int4_fp8_accumulate`), on the expert's slice of
+the weight and its scales: fp8 with row or 1x128 / 128x128 block scales, fp32 accumulation, scales folded in the K loop;
+weight-only int8, int4, MXFP4, NVFP4 and MXFP8 codes decoded in registers; W4A8, int4 codes as fp16 integers beside the
+widened e4m3 activations, each group's partial scaled. Tiles are the dense tables' at the average rows per active
+expert; where the active tiles are too few for the SMs, K is split (`splitk.py`). Past DEQUANTIZE_ABOVE_M rows per
+active expert, weight-only experts are dequantized to bf16 and multiplied by `torch._grouped_mm`, as the dense
 weight-only product hands such rows to cuBLAS, and W4A8 experts take the dense W4A8 product expert by expert (cuBLAS's
-block-scaled GEMM, decision 0017), the offsets read on the host once; the crossovers are the dense ones', not yet
-timed for experts.
-"""
+block-scaled GEMM, decision 0017), the offsets read on the host once; the crossovers are the dense ones', not yet timed
+for experts."""
 
 from __future__ import annotations
 
@@ -30,7 +29,14 @@ from fxquant.kernels.codes import FORMATS, PACKED
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_fp8 import SCALE_BLOCK, TORCH_TO_TL, fp8_accumulate, fp8_scale_tile
-from fxquant.kernels.gemm_int4_fp8 import CUBLAS_ABOVE_M, int4_fp8_accumulate, int4_fp8_config, int4_fp8_mm
+from fxquant.kernels.gemm_int4_fp8 import (
+    CUBLAS_ABOVE_M,
+    as_words,
+    dot_type,
+    int4_fp8_accumulate,
+    int4_fp8_config,
+    int4_fp8_mm,
+)
 from fxquant.kernels.gemm_int4_fp8 import GROUP as INT4_GROUP
 from fxquant.kernels.gemm_weight_only import (
     CHUNK_ELEMENTS,
@@ -115,11 +121,11 @@ def _grouped_int4_fp8_kernel(
     a_ptr, a_scale_ptr, offs_ptr, w_ptr, w_scale_ptr, w_zero_ptr, c_ptr, ws_ptr,
     # sizes
     M, N, K, E,
-    # strides (the codes' in bytes; zero points share the scales' layout)
+    # strides (in int32 words: four activation codes, eight weight codes; zero points share the scales' layout)
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
     # meta-parameters
     HAS_ZP: tl.constexpr, SPLIT_K: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR_ORDER: tl.constexpr,
 ):
     expert, pid_n, offs_m, offs_n = expert_tile_offsets(offs_ptr, E, M, N, BLOCK_M, BLOCK_N)
     owned, e, first, last = _expert_k_steps(expert, E, K, GROUP, SPLIT_K)
@@ -127,7 +133,7 @@ def _grouped_int4_fp8_kernel(
     w_scale_ptr += e * stride_se
     w_zero_ptr += e * stride_se
     acc = int4_fp8_accumulate(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, offs_m, offs_n, M, N, first, last,
-                              stride_am, stride_wn, stride_sn, HAS_ZP, CAST, GROUP, BLOCK_M, BLOCK_N)
+                              stride_am, stride_wn, stride_sn, HAS_ZP, DOT, GROUP, BLOCK_M, BLOCK_N, PAIR_ORDER)
     acc = tl.where(owned, acc, 0.0)  # a non-finite scale of the clamped expert must not reach the zero rows
     store_tile(acc, c_ptr, ws_ptr, c_ptr, offs_m, offs_n, M, N, stride_cm, 1, tl.program_id(1),
                False, SPLIT_K, OUT, CAST)
@@ -281,7 +287,7 @@ def _int4_fp8_plan(M: int, N: int, K: int, E: int, overrides: tuple):
     cfg = {**int4_fp8_config(cdiv(M, min(M, E)), N), **dict(overrides), "BLOCK_K": INT4_GROUP}
     grid, split = _grid_and_split(M, N, K, E, cfg)
     meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"])
+                num_stages=cfg["num_stages"], PAIR_ORDER=cfg.get("PAIR_ORDER", False))
     return grid, split, meta
 
 
@@ -305,15 +311,17 @@ def grouped_int4_fp8_mm(a, a_scale, offs, w, w_scale, zero_point, out_dtype=torc
     if config is None and cdiv(M, min(M, E)) > CUBLAS_ABOVE_M and not inlined() and not (
             a.is_cuda and torch.cuda.is_current_stream_capturing()):  # a package's trace cannot read the offsets
         return _int4_fp8_by_expert(out, a, a_scale, offs, w, w_scale, zero_point)
-    a, w, scale = a.contiguous(), w.contiguous().view(torch.uint8), w_scale.contiguous()
+    a, scale = a.contiguous(), w_scale.contiguous()
+    words = w.contiguous().view(torch.uint8).view(torch.int32)  # eight codes a word (K is a multiple of 128)
     zero = zero_point.contiguous() if zero_point is not None else scale
     grid, split, meta = _int4_fp8_plan(M, N, K, E, tuple(sorted((config or {}).items())))
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     visible(_grouped_int4_fp8_kernel)[grid](
-        a, a_scale.reshape(M).contiguous(), offs, w, scale, zero, out, ws, M, N, K, E,
-        a.stride(0), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1), out.stride(0),
+        as_words(a), a_scale.reshape(M).contiguous(), offs, words, scale, zero, out, ws, M, N, K, E,
+        K // 4, words.stride(0), words.stride(1), scale.stride(0), scale.stride(1), out.stride(0),
         HAS_ZP=zero_point is not None, SPLIT_K=split, OUT=TORCH_TO_TL[out_dtype],
-        CAST=cast_mode(_grouped_int4_fp8_kernel, a.device), GROUP=INT4_GROUP, **meta,
+        CAST=cast_mode(_grouped_int4_fp8_kernel, a.device), GROUP=INT4_GROUP,
+        DOT=dot_type(_grouped_int4_fp8_kernel), **meta,
     )
     return _finish(ws, out, split, out_dtype)
 

@@ -1,15 +1,17 @@
-"""W4A8: out[M, N] = (A[M, K] * a_scale) @ (W[N, K] * w_scale).T (+ bias), with e4m3 activations and int4 weights
-multiplied on the fp8 tensor cores.
+"""W4A8: out[M, N] = (A[M, K] * a_scale) @ (W[N, K] * w_scale).T (+ bias), with e4m3 activations and int4 weights.
 
 Each int4 code, less its group's zero point (-15..15), or sign-extended where the scheme has none (-8..7), is an
-integer e4m3 holds exactly, so the codes go into the MMA as e4m3 with no rounding. One K step is one weight group
-(128): its fp32 partial sum takes the group's scales [N] before it joins the fp32 accumulator, and the per-token
-activation scales [M] multiply the tile once at the end, since they are constant along K.
+integer e4m3 holds exactly, and so does fp16, which holds every e4m3 value too. Up to 128 rows the kernel multiplies
+both in fp16 (the fp16 MMA, fp32 accumulation): sm_90's mma.sync takes e4m3 only by converting it to fp16 first, and
+the codes become fp16 integers from bits in two instructions a pair, where making them e4m3 took a conversion and a
+cast each. One K step is one weight group (128): its fp32 partial sum takes the group's scales [N] before it joins the
+fp32 accumulator, and the per-token activation scales [M] multiply the tile once at the end, since they are constant
+along K.
 
-The kernel decodes each K step's 64 bytes of codes per weight row in registers; at decode its K is split across
+The kernel decodes each K step's 16 words of codes per weight row in registers; at decode its K is split across
 programs (`splitk.py`). Tiles come from `int4_fp8_config`, from `bench/int4_fp8_gemm.py --sweep` on an H200. Past
-M = 128 a second route makes the codes e4m3 integers once per call and multiplies them through cuBLAS's
-1x128-by-1x128 block-scaled fp8 GEMM (`cublas_int4_fp8`).
+M = 128 a second route makes the codes e4m3 integers once per call and multiplies them on the fp8 tensor cores,
+through cuBLAS's 1x128-by-1x128 block-scaled fp8 GEMM (`cublas_int4_fp8`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fxquant.kernels.cast import cast_fp8, cast_mode
-from fxquant.kernels.codes import biased
+from fxquant.kernels.cast import cast_fp8, cast_mode, interpreting
+from fxquant.kernels.codes import biased, e4m3_words, int4_differences, packed_words, pair_order
 from fxquant.kernels.cublas_fp8 import block_scaled_rows
 from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
@@ -39,10 +41,12 @@ def int4_fp8_config(M: int, N: int) -> dict:
         # won on every shape measured, 12.6 -> 10.7 us on 4096x4096, 31.9 -> 26.8 on 14336x4096 and 34.2 -> 26.5 on
         # 4096x14336 at M = 1 (1.13-1.26x bf16 cuBLAS): the narrow weights reach 8 slices at 264 programs (16 were
         # slower at K = 14336), the wide ones at 1056.
+        # K meets in codes.pair_order here: 414 -> 382 instructions a K step on sm_90 (`python -m bench.sass w4a8`);
+        # on the 64-row tiles below K order keeps 220 registers where pair order takes 254.
         return dict(BLOCK_M=16, BLOCK_N=128, GROUP_M=1, num_warps=4, num_stages=3,
-                    programs=TARGET_PROGRAMS if N <= 4096 else 4 * TARGET_PROGRAMS)
+                    programs=TARGET_PROGRAMS if N <= 4096 else 4 * TARGET_PROGRAMS, PAIR_ORDER=True)
     if M <= CUBLAS_ABOVE_M:
-        return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, PAIR_ORDER=False)
     # At M = 1024 and 4096 on the Llama shapes cuBLAS ran at 1.05-1.09x and 1.23-1.27x bf16 cuBLAS, the kernel's best
     # tiles (these) at 0.44-0.50x: its per-group scaling and decoding stall the MMA
     # (docs/decisions/0017-w4a8-past-m128-on-cublas-block-scales.md).
@@ -104,24 +108,37 @@ def group_zeros(w_zero_ptr, offs_n, mask_n, g, stride_sn, HAS_ZP: tl.constexpr):
 
 @triton.jit
 def int4_fp8_accumulate(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, offs_m, offs_n, M, N, first, last,
-                        stride_am, stride_wn, stride_sn, HAS_ZP: tl.constexpr, CAST: tl.constexpr,
-                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The fp32 tile (A[offs_m] * a_scale) @ (W[offs_n] * w_scale).T over weight groups [first, last)."""
-    offs_k = tl.arange(0, GROUP)
-    offs_b = tl.arange(0, GROUP // 2)
+                        stride_am, stride_wn, stride_sn, HAS_ZP: tl.constexpr, DOT: tl.constexpr,
+                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR_ORDER: tl.constexpr):
+    """The fp32 tile (A[offs_m] * a_scale) @ (W[offs_n] * w_scale).T over weight groups [first, last); a_ptr and
+    w_ptr: int32 words of four activation codes and of eight weight codes (strides in words). Each e4m3 activation
+    and each q - z is exact in fp16 (DOT on the GPU), where sm_90's mma.sync multiplies fp8 operands anyway, after
+    converting them: the codes become q - z two at a time from bits (`codes.int4_differences`), the activations fp16
+    two at a time (`codes.e4m3_words`); PAIR_ORDER: K meets in `codes.pair_order`. Compiled for sm_90 at the decode
+    tile (`python -m bench.sass w4a8`, Triton 3.8) a K step takes 382 instructions a thread and 128 registers, where
+    the codes made e4m3 through fp32 and the bit-exact cast, then widened with the activations, took 816 and 168; at
+    the 64-row tile 507 against 801, on fp16 wgmma where fp8 wgmma ran, whose accumulator keeps fewer bits
+    (docs/decisions/0002)."""
+    offs_w = tl.arange(0, GROUP // 4)
     mask_m, mask_n = offs_m < M, offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + first * GROUP + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + first * (GROUP // 2) + offs_b[None, :]
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + first * (GROUP // 4) + offs_w[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g in range(first, last):
-        a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)  # [BM, GROUP] e4m3
-        packed = tl.load(w_ptrs, mask=mask_n[:, None], other=0)  # [BN, GROUP / 2] bytes
-        w8 = e4m3_codes(packed, group_zeros(w_zero_ptr, offs_n, mask_n, g, stride_sn, HAS_ZP), HAS_ZP, CAST)
+        a = e4m3_words(tl.load(a_ptrs, mask=mask_m[:, None], other=0), DOT)  # [BM, GROUP], exact
+        packed = packed_words(w_ptr, offs_n, mask_n, g, GROUP, stride_wn, GROUP, True)  # [BN, GROUP / 8] words
+        if HAS_ZP:
+            zero = group_zeros(w_zero_ptr, offs_n, mask_n, g, stride_sn, HAS_ZP)
+        else:  # a symmetric code c is (c ^ 8) - 8
+            packed = packed ^ -0x77777778  # 0x88888888 as int32: bit 3 of every nibble
+            zero = tl.full((BLOCK_N,), 8, tl.int32)
+        ints = int4_differences(packed, zero[:, None], DOT)
         scale = tl.load(w_scale_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)
         # The group's partial in fp32, scaled, then added: the MMA's short accumulator spans one group only.
-        acc += tl.dot(a, tl.trans(w8)) * scale[None, :]
-        a_ptrs += GROUP
-        w_ptrs += GROUP // 2
+        if PAIR_ORDER:
+            acc += tl.dot(pair_order(a), tl.trans(pair_order(ints))) * scale[None, :]
+        else:
+            acc += tl.dot(a, tl.trans(ints)) * scale[None, :]
+        a_ptrs += GROUP // 4
     # The token's scale is linear: each K slice applies it to its own partial before they are summed.
     return acc * tl.load(a_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
 
@@ -130,14 +147,15 @@ def int4_fp8_accumulate(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, offs
 def _int4_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
                      M, N, K, stride_am, stride_wn, stride_sn, stride_om,
                      HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
-                     SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, GROUP: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
+                     SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+                     PAIR_ORDER: tl.constexpr):
     wait_for_previous(PDL)
     pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     first, last = k_steps_of(pid_k, K, GROUP, SPLIT_K)  # this program's groups
     acc = int4_fp8_accumulate(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, offs_m, offs_n, M, N, first, last,
-                              stride_am, stride_wn, stride_sn, HAS_ZP, CAST, GROUP, BLOCK_M, BLOCK_N)
+                              stride_am, stride_wn, stride_sn, HAS_ZP, DOT, GROUP, BLOCK_M, BLOCK_N, PAIR_ORDER)
     store_tile(acc, out_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, 1, pid_k, HAS_BIAS, SPLIT_K, OUT,
                CAST)
     if LAST_SLICE_SUMS:
@@ -182,6 +200,18 @@ def cublas_int4_fp8(a, a_scale, w, w_scale, zero_point) -> torch.Tensor:
     return torch._scaled_mm(a, w8.t(), sa, sw, out_dtype=torch.bfloat16)[:M]
 
 
+def as_words(a: torch.Tensor) -> torch.Tensor:
+    """Contiguous [M, K] e4m3 codes (K a multiple of 4) as [M, K / 4] int32 words, copied first where a view starts
+    off a 4-byte boundary."""
+    return (a if a.storage_offset() % 4 == 0 else a.clone()).view(torch.int32)
+
+
+def dot_type(kernel):
+    """The products' dtype: fp16 on the GPU; fp32 under Triton's interpreter, whose 16-bit dots are wrong (both hold
+    the operands exactly)."""
+    return tl.float32 if interpreting(kernel) else tl.float16
+
+
 def int4_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                 zero_point: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype,
                 config: dict | None = None) -> torch.Tensor:
@@ -200,19 +230,21 @@ def int4_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     cfg = {**int4_fp8_config(M, N), **(config or {})}
     if cfg.get("CUBLAS") and cublas_supports(a, N, bias, out_dtype) is None:
         return cublas_int4_fp8(a, a_scale, w, scale, zero_point)
+    words, a_words = w.view(torch.int32), as_words(a)  # eight codes, four codes a word (K is a multiple of 128)
     zero = zero_point.contiguous() if zero_point is not None else scale
     tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
     split = split_k(tiles, K // GROUP, cfg["programs"]) if cfg.get("programs") else 1
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     count = counters(a.device, tiles) if split > 1 else None
     visible(_int4_fp8_kernel)[(tiles, split)](
-        a, a_scale.reshape(M).contiguous(), w, scale, zero, bias if bias is not None else out, out, ws,
+        a_words, a_scale.reshape(M).contiguous(), words, scale, zero, bias if bias is not None else out, out, ws,
         count if count is not None else ws, M, N, K,
-        a.stride(0), w.stride(0), scale.stride(0), out.stride(0),
+        a_words.stride(0), words.stride(0), scale.stride(0), out.stride(0),
         HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
         CAST=cast_mode(_int4_fp8_kernel, a.device), SPLIT_K=split, LAST_SLICE_SUMS=count is not None, GROUP=GROUP,
+        DOT=dot_type(_int4_fp8_kernel),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **launch_options(a.device))
+        num_stages=cfg["num_stages"], PAIR_ORDER=cfg.get("PAIR_ORDER", False), **launch_options(a.device))
     if split > 1 and count is None:
         reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])
     return out

@@ -1,9 +1,10 @@
-"""The W4A8 GEMM (int4 weights x e4m3 activations on the fp8 tensor cores) against the fp64 product of its dequantized
-operands. Every product of an e4m3 code and an int4 code less its zero point is exact, so the error is the fp32
-accumulation's, one rounding per group scale and one at the store: under the interpreter within one ulp of the output
-plus 2^-20 * sum |x w|. On the GPU the fp8 MMA sums each group in its reduced-precision accumulator
-(docs/decisions/0002), so the bound there is looser, 2^-10 * sum |x w|; on the H200 at 47f2bdd every case held it, and
-bench/int4_fp8_gemm.py measured the relative error at Llama shapes, 1.7e-3 (bf16's output rounding)."""
+"""The W4A8 GEMM (int4 weights x e4m3 activations) against the fp64 product of its dequantized operands. Every product
+of an e4m3 code and an int4 code less its zero point is exact, so the error is the fp32 accumulation's, one rounding
+per group scale and one at the store: under the interpreter within one ulp of the output plus 2^-20 * sum |x w|. On
+the GPU the bound is looser, 2^-10 * sum |x w|: set when the kernel's 64-row tiles ran on the fp8 MMA, which sums each
+group in its reduced-precision accumulator (docs/decisions/0002); on the H200 at 47f2bdd every case held it, and
+bench/int4_fp8_gemm.py measured the relative error at Llama shapes, 1.7e-3 (bf16's output rounding). Past 128 rows
+cuBLAS's fp8 GEMM still takes the product."""
 
 import dataclasses
 
@@ -95,6 +96,21 @@ def test_at_decode_k_is_split_and_the_slices_summed_once(monkeypatch):
     with reduce_in_gemm(False):
         test_the_product_is_the_exact_one_rounded_at_the_store((3, 64, 1024), True, "default")
     assert sums == [2]
+
+
+def test_activations_off_a_word_boundary_give_the_same_product():
+    """The kernel reads the activation codes as 4-byte words: a view that starts 1 byte into its storage is copied
+    first, and the product is the aligned one's, bit for bit."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 256, generator=gen).to(DEVICE, torch.bfloat16)
+    qa = R.quantize(x, "fp8_e4m3", "token")
+    qw = R.quantize(torch.randn(64, 256, generator=gen).to(DEVICE, torch.bfloat16), "int4", ("group", GROUP))
+    storage = torch.empty(3 * 256 + 1, dtype=torch.float8_e4m3fn, device=DEVICE)
+    shifted = storage[1:].view(3, 256)
+    shifted.copy_(qa.data)
+    assert shifted.storage_offset() == 1
+    args = (qa.scale, qw.data, qw.scale, qw.zero_point, None, torch.bfloat16)
+    assert torch.equal(int4_fp8_mm(shifted, *args), int4_fp8_mm(qa.data, *args))
 
 
 def test_cublas_takes_only_what_it_computes_as_the_kernel_does():
