@@ -159,10 +159,20 @@ def _decode_attention_split_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     k_base, v_base = k_ptr + b * skb + h * skh, v_ptr + b * svb + h * svh
+    words = tl.arange(0, D // 4)  # a row of e4m3 codes as int32 words
     for start in range(split * SPLIT_LEN, end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < end
-        k = tl.load(k_base + keys[:, None] * sks + cols[None, :], mask=key_ok[:, None], other=0.0)
+        # e4m3 K and V as words of four codes (codes.e4m3_words). As bytes, V's conversion went to the transposed
+        # operand's layout, one shared-memory byte at a time, and K's left the query's operand repacked by register
+        # moves each block: on sm_90 (Triton 3.8, the B16 plan) 1187 -> 769 instructions a block, 246 -> 168
+        # registers. The fp16 tiles reach the MMA through shared memory, 32 KB more a program at 128-key blocks
+        # (75.8 -> 108.5 KB at the B16 plan's three stages: still two programs an SM, which the registers had capped).
+        if KV_CODES:
+            k = e4m3_words(tl.load(k_base.to(tl.pointer_type(tl.int32)) + keys[:, None] * (sks // 4)
+                                   + words[None, :], mask=key_ok[:, None], other=0), DOT)
+        else:
+            k = tl.load(k_base + keys[:, None] * sks + cols[None, :], mask=key_ok[:, None], other=0.0)
         # e4m3 codes are exact in fp16, one conversion per pair on sm_89+: their scales are folded in below
         s = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PRECISION)  # fp32 [BLOCK_M, BLOCK_N]
         if KV_CODES and SCALE_PER_TOKEN:
@@ -195,11 +205,7 @@ def _decode_attention_split_kernel(
             p *= (v_scale / v_unit)[None, :]
         elif KV_CODES:
             v_unit = tl.load(v_scale_ptr)
-        # e4m3 V as words of four codes (codes.e4m3_words): its fp16 tile then reaches the transposed operand through
-        # shared memory, 32 KB more a program at 128-key blocks (sm_90, the B16 plan: 75.8 -> 108.5 KB, still two
-        # programs an SM, which 246 registers had capped before; 168 now)
         if KV_CODES:
-            words = tl.arange(0, D // 4)
             v = e4m3_words(tl.load(v_base.to(tl.pointer_type(tl.int32)) + keys[:, None] * (svs // 4)
                                    + words[None, :], mask=key_ok[:, None], other=0), DOT)
         else:
@@ -250,7 +256,7 @@ def _decode_attention_merge_kernel(
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> str | None:
     """Why the kernel does not serve these operands, or None where it does: it needs a head dim it tiles, every
     query row of a KV head in one tile, a cache in the query's dtype or in e4m3 codes, rows of contiguous head dims
-    (of an e4m3 V, on 4-byte words), and a 4-D mask over the whole cache."""
+    (of an e4m3 cache, on 4-byte words), and a 4-D mask over the whole cache."""
     if q.shape[-1] not in HEAD_DIMS:
         return f"head dim {q.shape[-1]}; the kernel tiles {', '.join(map(str, HEAD_DIMS))}"
     if q.shape[1] % k.shape[1]:
@@ -263,9 +269,10 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         return f"a mask of shape {tuple(mask.shape)} over {k.shape[2]} cached positions"
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         return "a query or cache whose head dim is not contiguous"
-    if v.dtype == torch.float8_e4m3fn and any(n % 4 for n in (*v.stride()[:-1], v.storage_offset())):
-        return f"an e4m3 V cache of strides {v.stride()} at offset {v.storage_offset()}: the kernel reads its codes " \
-               "as 4-byte words"
+    for name, t in (("K", k), ("V", v)):
+        if t.dtype == torch.float8_e4m3fn and any(n % 4 for n in (*t.stride()[:-1], t.storage_offset())):
+            return f"an e4m3 {name} cache of strides {t.stride()} at offset {t.storage_offset()}: the kernel reads " \
+                   "its codes as 4-byte words"
     return None
 
 
