@@ -1,9 +1,9 @@
-"""In-kernel decoding of codes, shared by the weight-only GEMM, the weight dequantizer and decode attention over an
-e4m3 cache: packed 4-bit words split into codes, integers made exact floats from bits, e2m1 values, per-block
-scales, and words of e4m3 codes. The GEMM's
-bf16/fp16 paths decode two codes per instruction in inline PTX; the interpreter, which runs no PTX, takes a
-one-code-at-a-time path to the same values (tests/kernels/test_codes.py checks both, bit for bit, on a GPU; on the
-CPU tests/kernels/test_codes_ptx.py runs the PTX itself through an emulator of the instructions it uses)."""
+"""In-kernel decoding of codes, shared by the weight-only and W4A8 GEMMs, the weight dequantizer and decode attention
+over an e4m3 cache: packed 4-bit words split into codes, integers made exact floats from bits, e2m1 values, per-block
+scales, and words of e4m3 codes. The GEMM's bf16/fp16 paths decode two codes per instruction in inline PTX; the
+interpreter, which runs no PTX, takes a one-code-at-a-time path to the same values (tests/kernels/test_codes.py checks
+both, bit for bit, on a GPU; on the CPU tests/kernels/test_codes_ptx.py runs the PTX itself through an emulator of the
+instructions it uses)."""
 
 from __future__ import annotations
 
