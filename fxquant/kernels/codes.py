@@ -96,6 +96,15 @@ def pair_order(t):
 
 
 @triton.jit
+def dot_operands(a, w, PAIR_ORDER: tl.constexpr):
+    """Activations a [M, K] and decoded weights w [N, K] as a product takes them: tl.dot(a, tl.trans(w)) is the same
+    sum either way, in `pair_order` where PAIR_ORDER, else in K order."""
+    if PAIR_ORDER:
+        return pair_order(a), tl.trans(pair_order(w))
+    return a, tl.trans(w)
+
+
+@triton.jit
 def split_words(packed):
     """[BLOCK_N, WORDS] words as their [BLOCK_N, 8 * WORDS] codes in K order, as int32."""
     return in_k_order(packed & 15, (packed >> 4) & 15, (packed >> 8) & 15, (packed >> 12) & 15,

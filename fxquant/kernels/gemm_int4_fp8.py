@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import cast_fp8, cast_mode, interpreting
-from fxquant.kernels.codes import biased, e4m3_words, int4_differences, packed_words, pair_order
+from fxquant.kernels.codes import biased, dot_operands, e4m3_words, int4_differences, packed_words
 from fxquant.kernels.cublas_fp8 import block_scaled_rows
 from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
@@ -134,10 +134,8 @@ def int4_fp8_accumulate(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, offs
         ints = int4_differences(packed, zero[:, None], DOT)
         scale = tl.load(w_scale_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)
         # The group's partial in fp32, scaled, then added: the MMA's short accumulator spans one group only.
-        if PAIR_ORDER:
-            acc += tl.dot(pair_order(a), tl.trans(pair_order(ints))) * scale[None, :]
-        else:
-            acc += tl.dot(a, tl.trans(ints)) * scale[None, :]
+        x, w = dot_operands(a, ints, PAIR_ORDER)
+        acc += tl.dot(x, w) * scale[None, :]
         a_ptrs += GROUP // 4
     # The token's scale is linear: each K slice applies it to its own partial before they are summed.
     return acc * tl.load(a_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]

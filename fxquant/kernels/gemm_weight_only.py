@@ -38,11 +38,11 @@ from fxquant.kernels.codes import (
     FORMATS,
     NVFP4_UNSCALE,
     PACKED,
+    dot_operands,
     fp4_values,
     int4_differences,
     mxfp8_values,
     packed_words,
-    pair_order,
     scale_codes,
     scale_value,
 )
@@ -88,10 +88,8 @@ def wo_accumulate(a_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, M, N, K, first_k, 
                 packed = packed ^ -0x77777778  # 0x88888888 as int32: bit 3 of every nibble
                 z = tl.full((BLOCK_N,), 8, tl.int32)
             ints = int4_differences(packed, z[:, None], DOT)
-            if PAIR_ORDER:
-                acc += tl.dot(pair_order(a), tl.trans(pair_order(ints))) * scale[None, :]
-            else:
-                acc += tl.dot(a, tl.trans(ints)) * scale[None, :]
+            x, w = dot_operands(a, ints, PAIR_ORDER)
+            acc += tl.dot(x, w) * scale[None, :]
         else:
             BLOCKS: tl.constexpr = BLOCK_K // GROUP  # scale blocks per K step (BLOCK_K is a multiple of 16, 32)
             offs_b = step * BLOCKS + tl.arange(0, BLOCKS)
@@ -103,11 +101,8 @@ def wo_accumulate(a_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, M, N, K, first_k, 
                 acc = tl.dot(a, tl.trans(mxfp8_values(codes, scale_value(raw, FMT), GROUP).to(DOT)), acc)
             else:
                 packed = packed_words(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
-                values = fp4_values(packed, raw, GROUP, DOT, FMT)
-                if PAIR_ORDER:
-                    acc = tl.dot(pair_order(a), tl.trans(pair_order(values)), acc)
-                else:
-                    acc = tl.dot(a, tl.trans(values), acc)
+                x, w = dot_operands(a, fp4_values(packed, raw, GROUP, DOT, FMT), PAIR_ORDER)
+                acc = tl.dot(x, w, acc)
     return acc
 
 
