@@ -136,6 +136,18 @@ def int4_differences(packed, zero, DOT: tl.constexpr):
     return ints
 
 
+@triton.jit
+def int4_integers(packed, z_ptr, offs_n, mask_n, group, stride_sn, stride_sk, HAS_ZP: tl.constexpr,
+                  DOT: tl.constexpr):
+    """q - z for every code of the [BLOCK_N, WORDS] words (`int4_differences`), with z group `group`'s zero points
+    of rows offs_n; without zero points a symmetric code c is (c ^ 8) - 8."""
+    if HAS_ZP:
+        zero = tl.load(z_ptr + offs_n * stride_sn + group * stride_sk, mask=mask_n, other=0).to(tl.int32)
+        return int4_differences(packed, zero[:, None], DOT)
+    # 0x88888888 as int32 flips bit 3 of every nibble
+    return int4_differences(packed ^ -0x77777778, tl.full((packed.shape[0], 1), 8, tl.int32), DOT)
+
+
 # Outputs $0..$7 are codes 0..7 of word $8 minus z; $9 holds -(OFFSET + z) twice and $10 the float 1 twice. Pair j
 # holds codes j (low half) and j + 4 (high half), nibbles 16 bits apart. OFFSET + q and the difference are exact
 # in the 16-bit float, so the fma's rounding mode never applies.

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import cast_fp8, cast_mode, interpreting
-from fxquant.kernels.codes import biased, dot_operands, e4m3_words, int4_differences, packed_words
+from fxquant.kernels.codes import biased, dot_operands, e4m3_words, int4_integers, packed_words
 from fxquant.kernels.cublas_fp8 import block_scaled_rows
 from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
@@ -113,7 +113,7 @@ def int4_fp8_accumulate(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, offs
     """The fp32 tile (A[offs_m] * a_scale) @ (W[offs_n] * w_scale).T over weight groups [first, last); a_ptr and
     w_ptr: int32 words of four activation codes and of eight weight codes (strides in words). Each e4m3 activation
     and each q - z is exact in fp16 (DOT on the GPU), where sm_90's mma.sync multiplies fp8 operands anyway, after
-    converting them: the codes become q - z two at a time from bits (`codes.int4_differences`), the activations fp16
+    converting them: the codes become q - z two at a time from bits (`codes.int4_integers`), the activations fp16
     two at a time (`codes.e4m3_words`); PAIR_ORDER: K meets in `codes.pair_order`. Compiled for sm_90 at the decode
     tile (`python -m bench.sass w4a8`, Triton 3.8) a K step takes 382 instructions a thread and 128 registers, where
     the codes made e4m3 through fp32 and the bit-exact cast, then widened with the activations, took 816 and 168; at
@@ -126,12 +126,7 @@ def int4_fp8_accumulate(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, offs
     for g in range(first, last):
         a = e4m3_words(tl.load(a_ptrs, mask=mask_m[:, None], other=0), DOT)  # [BM, GROUP], exact
         packed = packed_words(w_ptr, offs_n, mask_n, g, GROUP, stride_wn, GROUP, True)  # [BN, GROUP / 8] words
-        if HAS_ZP:
-            zero = group_zeros(w_zero_ptr, offs_n, mask_n, g, stride_sn, HAS_ZP)
-        else:  # a symmetric code c is (c ^ 8) - 8
-            packed = packed ^ -0x77777778  # 0x88888888 as int32: bit 3 of every nibble
-            zero = tl.full((BLOCK_N,), 8, tl.int32)
-        ints = int4_differences(packed, zero[:, None], DOT)
+        ints = int4_integers(packed, w_zero_ptr, offs_n, mask_n, g, stride_sn, 1, HAS_ZP, DOT)
         scale = tl.load(w_scale_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)
         # The group's partial in fp32, scaled, then added: the MMA's short accumulator spans one group only.
         x, w = dot_operands(a, ints, PAIR_ORDER)

@@ -40,7 +40,7 @@ from fxquant.kernels.codes import (
     PACKED,
     dot_operands,
     fp4_values,
-    int4_differences,
+    int4_integers,
     mxfp8_values,
     packed_words,
     scale_codes,
@@ -82,12 +82,7 @@ def wo_accumulate(a_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, M, N, K, first_k, 
             scale = tl.load(s_ptr + offs_n * stride_sn + s_index * stride_sk, mask=mask_n, other=0.0)
             # The MMA multiplies exact small integers, q - z, and the group's fp32 scale multiplies the fp32
             # partial sum: more exact than a dequantized weight rounded to bf16, and no int -> float conversions.
-            if HAS_ZP:
-                z = tl.load(z_ptr + offs_n * stride_sn + s_index * stride_sk, mask=mask_n, other=0).to(tl.int32)
-            else:  # a symmetric code c is (c ^ 8) - 8
-                packed = packed ^ -0x77777778  # 0x88888888 as int32: bit 3 of every nibble
-                z = tl.full((BLOCK_N,), 8, tl.int32)
-            ints = int4_differences(packed, z[:, None], DOT)
+            ints = int4_integers(packed, z_ptr, offs_n, mask_n, s_index, stride_sn, stride_sk, HAS_ZP, DOT)
             x, w = dot_operands(a, ints, PAIR_ORDER)
             acc += tl.dot(x, w) * scale[None, :]
         else:
