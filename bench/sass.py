@@ -4,8 +4,8 @@ launch gets (unit strides, 16-divisible sizes, strides and pointers), disassembl
 ships, and the longest loop's instructions are counted by opcode. The registers per thread (which cap the programs
 an SM holds) come from the same cubin.
 
-Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--k-order]   (the tiles for M rows,
-                                                     16 unless given; --k-order: operands in K order, not
+Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pair-order]   (the tiles for M
+                                                     rows, 16 unless given; --pair-order: operands in
                                                      codes.pair_order)
      python -m bench.sass fp8 [--stages N] [--swap]   (row scales, M <= 16, 14336x4096: the decode tiles of
                                                      gemm_configs; --swap: the operands swapped, SWAP_AB)
@@ -46,9 +46,9 @@ GROUPS = {"int8": 1, "int4": 128, "mxfp4": 32, "nvfp4": 16}
 
 
 def decode_kernel_sass(fmt: str, stages: int | None = None, rows: int = 16,
-                       pair_order: bool | None = None) -> tuple[str, int]:
+                       pair_order: bool = False) -> tuple[str, int]:
     """SASS and registers per thread of the configuration for `rows` activation rows (decode: up to 16), split-K
-    on and summed by the last slice, with zero points for int4; pair_order: in place of the configuration's."""
+    on and summed by the last slice, with zero points for int4; pair_order: operands in codes.pair_order."""
     cfg = wo_gemm_config(rows, 4096, fmt)
     types = ["*bf16", "*i8" if fmt == "int8" else "*i32", "*fp32" if fmt in ("int8", "int4") else "*u8", "*u8",
              "*fp32", "*bf16", "*fp32", "*bf16", "*i32"] + ["i32"] * 11
@@ -56,7 +56,7 @@ def decode_kernel_sass(fmt: str, stages: int | None = None, rows: int = 16,
     constexprs = dict(FMT=FORMATS[fmt], GROUP=GROUPS[fmt], HAS_ZP=fmt == "int4", HAS_BIAS=False, SPLIT_K=4,
                       LAST_SLICE_SUMS=True, DOT=tl.bfloat16, OUT=tl.bfloat16, CAST=0, EVEN_K=True,
                       BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-                      PDL=False, PAIR_ORDER=cfg["PAIR_ORDER"] if pair_order is None else pair_order,
+                      PDL=False, PAIR_ORDER=pair_order,
                       **dict.fromkeys(UNIT_STRIDES, 1))
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     attrs = {(ARGS.index(name),): [["tt.divisibility", 16]] for name in ARGS[:9] + list(DIVISIBLE)}
@@ -202,8 +202,9 @@ def main():
     else:
         fmt = next((a for a in sys.argv[1:] if a in FORMATS), "int4")
         rows = int(sys.argv[sys.argv.index("--rows") + 1]) if "--rows" in sys.argv else 16
-        sass, registers = decode_kernel_sass(fmt, stages, rows, False if "--k-order" in sys.argv else None)
-        what, step = f"{fmt}, {rows} rows{', K order' if '--k-order' in sys.argv else ''}", "K step"
+        pairs = "--pair-order" in sys.argv
+        sass, registers = decode_kernel_sass(fmt, stages, rows, pairs)
+        what, step = f"{fmt}, {rows} rows{', pair order' if pairs else ''}", "K step"
     ops = longest_loop(sass)
     print(f"{what}: {sum(ops.values())} instructions per {step} per thread, {registers} registers per thread "
           f"(triton {triton.__version__}, sm_90)")

@@ -1,9 +1,8 @@
-"""In-kernel decoding of codes, shared by the weight-only and W4A8 GEMMs, the weight dequantizer and decode attention
-over an e4m3 cache: packed 4-bit words split into codes, integers made exact floats from bits, e2m1 values, per-block
-scales, and words of e4m3 codes. The GEMM's bf16/fp16 paths decode two codes per instruction in inline PTX; the
-interpreter, which runs no PTX, takes a one-code-at-a-time path to the same values (tests/kernels/test_codes.py checks
-both, bit for bit, on a GPU; on the CPU tests/kernels/test_codes_ptx.py runs the PTX itself through an emulator of the
-instructions it uses)."""
+"""In-kernel decoding of codes, shared by the weight-only and W4A8 GEMMs and the weight dequantizer: packed 4-bit words
+split into codes, integers made exact floats from bits, e2m1 values, per-block scales, and words of e4m3 codes. The
+GEMM's bf16/fp16 paths decode two codes per instruction in inline PTX; the interpreter, which runs no PTX, takes a
+one-code-at-a-time path to the same values (tests/kernels/test_codes.py checks both, bit for bit, on a GPU; on the CPU
+tests/kernels/test_codes_ptx.py runs the PTX itself through an emulator of the instructions it uses)."""
 
 from __future__ import annotations
 
@@ -179,10 +178,7 @@ _INT4_PAIRS_F16 = tl.constexpr(_INT4_PAIRS_ASM.replace("OFFSET", "0x64006400").r
 def e4m3_words(words, DOT: tl.constexpr):
     """[R, W] int32 words of four e4m3 codes each (byte j is code j) as their [R, 4 * W] values in DOT, in order.
     On the GPU (fp16) two codes go to fp16 at a time (`cvt.rn.f16x2.e4m3x2`, sm_89+; exact: e4m3 is a subset of
-    fp16). A tensor of bytes would let the compiler move its conversion to the MMA's operand layout to before the
-    decode, where a transposed operand (decode attention's V) reads its bytes from shared memory one at a time: 128
-    one-byte loads a thread per key block on sm_90 (`python -m bench.sass attention --codes`). The interpreter
-    (fp32), which runs no PTX, converts byte by byte to the same values."""
+    fp16). The interpreter (fp32), which runs no PTX, converts byte by byte to the same values."""
     if DOT == tl.float16:
         c0, c1, c2, c3 = tl.inline_asm_elementwise(_E4M3_QUADS_F16, "=h,=h,=h,=h,r", [words],
                                                    dtype=(tl.float16,) * 4, is_pure=True, pack=1)
@@ -260,7 +256,7 @@ def scale_bf16_pair(raw, FMT: tl.constexpr):
     FMT 2), or an e4m3 code's times NVFP4_PRESCALE (NVFP4). 2^(e - 127) is bf16 exponent field e, mantissa 0, save
     the subnormal 2^-127 (code 0: mantissa 0x40) and NaN (code 255): a multiply and two selects, where the fp32
     route (the value, two selects, a conversion to bf16, then the halves) took 403 instructions a K step of the
-    decode GEMM on sm_90 against 391 (`python -m bench.sass mxfp4 --k-order`)."""
+    decode GEMM on sm_90 against 391 (`python -m bench.sass mxfp4`)."""
     if FMT == 2:
         return tl.where(raw == 0, 0x00400040, tl.where(raw == 255, 0x7FC07FC0, raw * 0x00800080))
     bits = (scale_value(raw, FMT) * NVFP4_PRESCALE).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)

@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import cast_float, cast_mode, float_cast_mode, interpreting
-from fxquant.kernels.codes import e4m3_words
 from fxquant.kernels.dependent_launch import await_previous, launch_options, start_next, wait_for_previous
 from fxquant.kernels.launch import cdiv, next_power_of_2, sm_count, visible
 from fxquant.kernels.quant_fp8 import MAX_ROW_LEN, quant_rows, quantize_fp8_rows
@@ -159,20 +158,10 @@ def _decode_attention_split_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     k_base, v_base = k_ptr + b * skb + h * skh, v_ptr + b * svb + h * svh
-    words = tl.arange(0, D // 4)  # a row of e4m3 codes as int32 words
     for start in range(split * SPLIT_LEN, end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < end
-        # e4m3 K and V as words of four codes (codes.e4m3_words). As bytes, V's conversion went to the transposed
-        # operand's layout, one shared-memory byte at a time, and K's left the query's operand repacked by register
-        # moves each block: on sm_90 (Triton 3.8, the B16 plan) 1187 -> 769 instructions a block, 246 -> 168
-        # registers. The fp16 tiles reach the MMA through shared memory, 32 KB more a program at 128-key blocks
-        # (75.8 -> 108.5 KB at the B16 plan's three stages: still two programs an SM, which the registers had capped).
-        if KV_CODES:
-            k = e4m3_words(tl.load(k_base.to(tl.pointer_type(tl.int32)) + keys[:, None] * (sks // 4)
-                                   + words[None, :], mask=key_ok[:, None], other=0), DOT)
-        else:
-            k = tl.load(k_base + keys[:, None] * sks + cols[None, :], mask=key_ok[:, None], other=0.0)
+        k = tl.load(k_base + keys[:, None] * sks + cols[None, :], mask=key_ok[:, None], other=0.0)
         # e4m3 codes are exact in fp16, one conversion per pair on sm_89+: their scales are folded in below
         s = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PRECISION)  # fp32 [BLOCK_M, BLOCK_N]
         if KV_CODES and SCALE_PER_TOKEN:
@@ -205,11 +194,7 @@ def _decode_attention_split_kernel(
             p *= (v_scale / v_unit)[None, :]
         elif KV_CODES:
             v_unit = tl.load(v_scale_ptr)
-        if KV_CODES:
-            v = e4m3_words(tl.load(v_base.to(tl.pointer_type(tl.int32)) + keys[:, None] * (svs // 4)
-                                   + words[None, :], mask=key_ok[:, None], other=0), DOT)
-        else:
-            v = tl.load(v_base + keys[:, None] * svs + cols[None, :], mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_base + keys[:, None] * svs + cols[None, :], mask=key_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PRECISION) * v_unit
         m_i = m_new
     # The next kernel launches once every program is past its keys: launched at the start, its waiting programs
@@ -255,8 +240,8 @@ def _decode_attention_merge_kernel(
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> str | None:
     """Why the kernel does not serve these operands, or None where it does: it needs a head dim it tiles, every
-    query row of a KV head in one tile, a cache in the query's dtype or in e4m3 codes, rows of contiguous head dims
-    (of an e4m3 cache, on 4-byte words), and a 4-D mask over the whole cache."""
+    query row of a KV head in one tile, a cache in the query's dtype or in e4m3 codes, rows of contiguous head dims,
+    and a 4-D mask over the whole cache."""
     if q.shape[-1] not in HEAD_DIMS:
         return f"head dim {q.shape[-1]}; the kernel tiles {', '.join(map(str, HEAD_DIMS))}"
     if q.shape[1] % k.shape[1]:
@@ -269,10 +254,6 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         return f"a mask of shape {tuple(mask.shape)} over {k.shape[2]} cached positions"
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         return "a query or cache whose head dim is not contiguous"
-    for name, t in (("K", k), ("V", v)):
-        if t.dtype == torch.float8_e4m3fn and any(n % 4 for n in (*t.stride()[:-1], t.storage_offset())):
-            return f"an e4m3 {name} cache of strides {t.stride()} at offset {t.storage_offset()}: the kernel reads " \
-                   "its codes as 4-byte words"
     return None
 
 

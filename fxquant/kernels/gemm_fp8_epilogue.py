@@ -56,6 +56,18 @@ SILU_CHUNK = 2048  # SiLU x up's row in chunks: a 14336-wide row whole would not
 
 
 @triton.jit
+def add_as_written(x, y, CAST: tl.constexpr):
+    """x + y in fp32, as written: an fp32 model's product is not rounded by a cast, so the compiler contracted its
+    scale's multiply and this add into one fma, skipping the rounding of the product that the unfused GEMM stores
+    (the H200 at 12e4074: h differed from the two kernels' in fp32). PTX's add.rn is never contracted. The
+    interpreter (CAST_EMULATED) runs no PTX and contracts nothing."""
+    if CAST == 2:
+        return x + y
+    return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [x, y], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
 def _finish_tile(acc, bias_ptr, res_ptr, h_ptr, counter_ptr, w_ptr, nb_ptr, codes_ptr, scales_ptr, offs_m, offs_n,
                  M, N, n_groups, eps, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, LP: tl.constexpr,
                  CAST: tl.constexpr, RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, GROUP: tl.constexpr,
@@ -69,7 +81,8 @@ def _finish_tile(acc, bias_ptr, res_ptr, h_ptr, counter_ptr, w_ptr, nb_ptr, code
     at = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     if EPILOGUE == 1:
         # The add in fp32 of the two rounded operands, rounded once: the norm kernel's residual add, bit for bit.
-        y = cast_float(y.to(tl.float32) + tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32), LP, CAST)
+        y = cast_float(add_as_written(y.to(tl.float32), tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32),
+                                      CAST), LP, CAST)
     tl.store(h_ptr + at, y, mask=mask)
     tl.debug_barrier()  # every thread's part of the tile is stored before the count releases it
     tiles = tl.num_programs(0)

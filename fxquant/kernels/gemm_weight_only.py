@@ -18,8 +18,7 @@ exact operands:
   fp32's exponent range down to 2^-133; fp16 could clip it).
 Packed 4-bit weights hold K-pairs per byte (low nibble first); the kernel reads them as int32 words of 8 codes
 (4-bit K must be a multiple of 8) and decodes each word in the thread that loaded it, two codes per instruction
-in bf16, and in fp16 for int4 (`codes.py`). On tiles of up to 32 rows the weight and the activations meet with K
-permuted into the decoded pairs' order (`codes.pair_order`), so no pair is split and repacked for the MMA.
+in bf16, and in fp16 for int4 (`codes.py`).
 Where the output tiles are too few for the SMs, K is split across programs (`splitk.py`). K and N tails are masked.
 Under Triton's interpreter, whose bf16 dot is wrong, the dot runs in fp32 on the same exact operands.
 """
@@ -153,22 +152,20 @@ def wo_gemm_config(M: int, K: int, fmt: str) -> dict:
     multiple of every block (16, 32). MXFP8, whose codes are decoded through fp32, takes the 4-bit formats' decode
     tiles and FP4's medium ones: at M = 1 they took 12.7 / 27.1 / 26.5 us on 4096x4096 / 14336x4096 / 4096x14336
     against 12.2 / 30.5 / 32.6 on int8's tile, and at M = 64 46.1 against 50.9 on 14336x4096.
-    PAIR_ORDER (packed 4-bit codes on tiles of up to 32 rows): the operands meet in `codes.pair_order`, where each
-    decoded pair is the register the MMA reads. In K order the pairs were split and repacked, and the activations'
-    fragments copied into place: compiled for sm_90 (`python -m bench.sass int4|mxfp4|nvfp4`, Triton 3.8) a 16-row
-    tile's K step took int4 263 -> 227 instructions a thread (123 -> 96 registers), MXFP4 391 -> 355, NVFP4 359 ->
-    319; a 32-row tile int4 377 -> 302, MXFP4 472 -> 419. On 64-row tiles the permuted activations cost more than
-    they saved (int4 481 -> 553), so those stay in K order. Counted, not yet timed."""
+    PAIR_ORDER (off): the operands meet in `codes.pair_order`, where each decoded pair is the register the MMA reads.
+    Compiled for sm_90 it cut a 16-row K step from 263 to 227 instructions (int4), 391 to 355 (MXFP4), 359 to 319
+    (NVFP4), but on the H200 it ran slower on every Llama shape at M = 1, 16 and 32: int4 at M = 1 24.2 against 19.7
+    us on 4096x14336, NVFP4 36.6 against 27.6 (`python -m bench.weight_only --pair-order` at 12e4074,
+    weight_only_pairs_12e4074.txt)."""
     decoded = fmt != "int8"  # codes that take more instructions than int8's one conversion to become values
     narrow = fmt in ("mxfp4", "nvfp4", "mxfp8")
-    pairs = fmt in PACKED
     if M <= 16:
         programs = (528 if K > 8192 else 1056) if decoded else TARGET_PROGRAMS
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3 if decoded else 5,
-                    programs=programs, PAIR_ORDER=pairs)
-    medium = dict(BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, programs=TARGET_PROGRAMS, PAIR_ORDER=False)
+                    programs=programs)
+    medium = dict(BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, programs=TARGET_PROGRAMS)
     if M <= 32:
-        return {**medium, "BLOCK_M": 32, "BLOCK_N": 64, "PAIR_ORDER": pairs}
+        return {**medium, "BLOCK_M": 32, "BLOCK_N": 64}
     if M > 64 and fmt != "int4":
         # 128-row tiles on 8 warps, split toward 132: at M = 128 int8 took 45.6 us against 54.7 on 64x128 tiles
         # (14336x4096) and MXFP4 67.2 against 72.3 (4096x14336); int4 ran slower on them (85.7 against 68.1).

@@ -181,12 +181,6 @@ def test_operands_it_does_not_serve_are_said():
     assert "not contiguous" in refusal(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, None)
     assert "over 16 cached positions" in refusal(q, k, v, torch.zeros(1, 1, 1, 8))
     assert "3 query heads over 2" in refusal(q[:, :3], k, v, None)
-    codes = torch.zeros(1, 2, 16, 68, dtype=torch.float8_e4m3fn, device=DEVICE)
-    assert supports(q, codes[..., 4:], codes[..., 4:], None) is None  # rows of 68 bytes, 4 bytes in: words
-    assert "4-byte words" in refusal(q, codes[..., 2:66], codes[..., 2:66], None)  # 2 bytes in
-    narrow = torch.zeros(1, 2, 16, 66, dtype=torch.float8_e4m3fn, device=DEVICE)[..., :64]
-    assert "e4m3 K cache" in refusal(q, narrow, codes[..., 4:], None)  # K's rows of 66 bytes
-    assert "e4m3 V cache" in refusal(q, codes[..., 4:], narrow, None)
 
 
 def test_the_op_runs_the_kernel_or_the_reference_and_passes_opcheck():
