@@ -148,8 +148,8 @@ def sweep_medium() -> list[dict]:
 
 
 def pair_order_ab(ceiling) -> list[dict]:
-    """Each packed format's shipped tile at M = 1, 16, 32 on every shape, its operands in codes.pair_order (shipped
-    up to 32 rows) and in K order: us, % of the copy ceiling on the weight's bytes, and error against fp64."""
+    """Each packed format's shipped tile at M = 1, 16, 32 on every shape, its operands in codes.pair_order (off in
+    the shipped tiles) and in K order: us, % of the copy ceiling on the weight's bytes, and error against fp64."""
     rows = []
     for (n, k), m, fmt in itertools.product(NKS, (1, 16, 32), ("int4", "mxfp4", "nvfp4")):
         q = quantized_weight(n, k, fmt)

@@ -154,7 +154,7 @@ def wo_gemm_config(M: int, K: int, fmt: str) -> dict:
     against 12.2 / 30.5 / 32.6 on int8's tile, and at M = 64 46.1 against 50.9 on 14336x4096.
     PAIR_ORDER (off): the operands meet in `codes.pair_order`, where each decoded pair is the register the MMA reads.
     Compiled for sm_90 it cut a 16-row K step from 263 to 227 instructions (int4), 391 to 355 (MXFP4), 359 to 319
-    (NVFP4), but on the H200 it ran slower on every Llama shape at M = 1, 16 and 32: int4 at M = 1 24.2 against 19.7
+    (NVFP4), but on the H200 it ran slower on 26 of 27 Llama shapes and M (1, 16, 32): int4 at M = 1 24.2 against 19.7
     us on 4096x14336, NVFP4 36.6 against 27.6 (`python -m bench.weight_only --pair-order` at 12e4074,
     weight_only_pairs_12e4074.txt)."""
     decoded = fmt != "int8"  # codes that take more instructions than int8's one conversion to become values
