@@ -540,6 +540,9 @@ def main():
     parser.add_argument("--warm", action="store_true", help="internal: the worker runs in the first phase")
     parser.add_argument("--profile-only", action="store_true", help="internal: the worker profiles, timing nothing")
     args = parser.parse_args()
+    if args.steps <= CHECK_STEPS:
+        parser.error(f"--steps {args.steps}: the first {CHECK_STEPS} steps compile and are checked, untimed; "
+                     f"give more than {CHECK_STEPS}")
     if args.worker:
         work([tuple(item) for item in json.loads(args.worker)], args)
         return

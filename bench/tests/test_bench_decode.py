@@ -96,3 +96,14 @@ def test_launch_settings_turn_off_what_the_path_names_and_only_inside_the_block(
     with launch_settings("fxquant:fp8_row", profiled=True):  # a profile launches without PDL
         assert not dependent_launch._enabled[0] and splitk._in_gemm[0]
     assert dependent_launch._enabled[0] and splitk._in_gemm[0]
+
+
+def test_too_few_steps_to_time_are_refused_by_name(monkeypatch, capsys):
+    """The first CHECK_STEPS steps compile and are checked, untimed: --steps at most that many would time nothing
+    (it failed each row with `no median for empty data`), so the command line refuses it before any work."""
+    from bench import decode
+
+    monkeypatch.setattr("sys.argv", ["bench.decode", "--device", "cpu", "--steps", str(decode.CHECK_STEPS)])
+    with pytest.raises(SystemExit):
+        decode.main()
+    assert f"--steps {decode.CHECK_STEPS}: the first {decode.CHECK_STEPS} steps" in capsys.readouterr().err
