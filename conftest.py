@@ -1,5 +1,7 @@
+import json
 import os
 import pkgutil
+from pathlib import Path
 
 import pytest
 
@@ -36,20 +38,17 @@ def pytest_runtest_logreport(report):
     terminal.write_line(f"FAILED {report.nodeid} ({report.when}): {crash.strip().splitlines()[0][:200]}", red=True)
 
 
-# The files in the order of their slowest test on the H200, then of their total (the suite at 3811cb6: Inductor
-# compiles of whole models took 65-92 s each, test_moe.py 594 s in all; at 47f2bdd the AOTInductor package took
-# 188 s, and test_generate.py's cases 20-27 s each). Collected first, and handed to xdist's
-# workers one test at a time (pyproject's --dist loadgroup), so that the longest tests start first and no worker is
-# left with one at the end of the run: with xdist's default load schedule's chunks of consecutive tests, one worker
-# took the first 20.
-SLOWEST_FIRST = ("test_aoti_package.py", "test_real_models.py", "test_quantize_inplace.py", "test_hf_llama.py",
-                 "test_backend.py", "test_readme.py", "test_architectures.py", "test_moe.py", "test_torch_faults.py",
-                 "test_tensor_parallel.py", "test_generate.py", "test_export.py", "test_decode_attention.py")
+# The seconds each test of at least a second took in the GPU suite (`.ci/durations.py` writes it from a run's JUnit
+# XML). The tests are collected longest first, and handed to xdist's workers one at a time (pyproject's --dist
+# loadgroup; a group's tests go together, the group first), so that no long test starts late and leaves one worker
+# running at the end: on the H100 at 1ef4406, ordered by file, the slowest first, the suite's 3309 worker-seconds took
+# 274 s on 16 workers. Tests not in the file (shorter, or new) keep their collection order after the rest.
+DURATIONS = json.loads((Path(__file__).parent / "tests" / "durations.json").read_text())
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: place for place, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order within a file is kept
+    # stable: tests of equal (or no) recorded time keep their order; xdist's `@group` suffix is not in the file
+    items.sort(key=lambda item: -DURATIONS.get(item.nodeid.split("@")[0], 0.0))
     # CI's 2 cores: the slowest cases run on the GPU machine (cpu_matrix as a second command,
     # docs/decisions/0014-gpu-suite-cpu-matrix-second-command.md) and locally
     if os.environ.get("CI") == "true":

@@ -31,12 +31,11 @@ Run: python -m bench.decode [path ...] [--batches 1 16 64] [--prefill 1024] [--s
 paths: inductor, fxquant:<recipe>, fxquant:<recipe>+fp8kv (the same over fxquant.FP8StaticCache),
 fxquant:<recipe>+head=<recipe> (the lm_head quantized too, under the second recipe; +fp8kv may follow),
 fxquant:<recipe>+without=<pass> (without one of the pipeline's optional passes; repeatable),
-fxquant:<recipe>+with=<pass> (with one of the passes off by default, e.g. fuse_gemm_epilogue; repeatable),
 fxquant:<recipe>+inductor=<option> (one of Inductor's boolean options on, e.g. combo_kernels; repeatable),
 fxquant:<recipe>+nopdl (every fxquant kernel launched without programmatic dependent launch), +reducekernel (split
 GEMMs summed by the reduce kernel, not by their last slice),
-torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head, +without, +with,
-+inductor and the launch settings).
+torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head, +without, +inductor
+and the launch settings).
 
 Three phases. First, untimed, every path runs once in worker processes, --warm-jobs at a time, the longest first
 (warm_groups): each compile and autotune fills the on-disk caches (Inductor's FX graph and AOT caches, Triton's
@@ -251,13 +250,12 @@ def graph_replays(times: list[float]):
 
 HEAD = "+head="  # fxquant:<recipe>+head=<recipe>: the lm_head quantized too, under its own recipe
 WITHOUT = "+without="  # fxquant:<recipe>+without=<pass>: the pipeline without one of its optional passes
-WITH = "+with="  # fxquant:<recipe>+with=<pass>: the pipeline with one of its passes off by default
 INDUCTOR = "+inductor="  # fxquant:<recipe>+inductor=<option>: one of Inductor's boolean options turned on
 
 
 def recipe_options(path: str) -> dict:
     """An fxquant path's backend options: its recipe; the lm_head's where the path names one (the lm_head stays in
-    high precision by default); the passes it leaves out or adds, to measure what a fusion is worth in the step;
+    high precision by default); the passes it leaves out, to measure what a fusion is worth in the step;
     Inductor's options it turns on (+inductor=combo_kernels: Inductor's small kernels launched together)."""
     recipe, *extras = path.split(":", 1)[1].removesuffix(FP8_KV).split("+")
     options = {"recipe": recipe}
@@ -267,14 +265,12 @@ def recipe_options(path: str) -> dict:
             options["layer_recipes"] = {r"(^|\.)lm_head$": value}
         elif key + "=" == WITHOUT:
             options.setdefault("disable_passes", []).append(value)
-        elif key + "=" == WITH:
-            options.setdefault("enable_passes", []).append(value)
         elif key + "=" == INDUCTOR:
             options.setdefault("inductor", {})[value] = True
         elif key in LAUNCH_SETTINGS:
             continue  # a launch setting, not a backend option: work() applies it
         else:
-            raise ValueError(f"bench.decode: path {path!r}: {key!r} is none of +head=, +without=, +with=, +inductor=, "
+            raise ValueError(f"bench.decode: path {path!r}: {key!r} is none of +head=, +without=, +inductor=, "
                              f"+fp8kv, {', '.join(LAUNCH_SETTINGS)}")
     return options
 

@@ -9,9 +9,6 @@ Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pai
                                                      codes.pair_order)
      python -m bench.sass fp8 [--stages N] [--swap]   (row scales, M <= 16, 14336x4096: the decode tiles of
                                                      gemm_configs; --swap: the operands swapped, SWAP_AB)
-     python -m bench.sass fp8 --norm|--silu [--stages N]   (split in 4, with the add, RMSNorm and per-token
-                                                     quantizer in its epilogue, or SiLU x up and its quantizer:
-                                                     gemm_fp8_epilogue)
      python -m bench.sass w4a8 [--stages N]   (int4_fp8's GEMM at decode, 4096 rows, split in 8)
      python -m bench.sass attention [--codes] [--warps N] [--stages N] [--quantize]   (Llama-3-8B's heads at
                                                      B16, 1k keys; --quantize: the output quantized per token)
@@ -33,7 +30,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fxquant.kernels import decode_attention as DA
-from fxquant.kernels import gemm_fp8, gemm_fp8_epilogue, gemm_int4_fp8
+from fxquant.kernels import gemm_fp8, gemm_int4_fp8
 from fxquant.kernels.codes import FORMATS
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_weight_only import _wo_gemm_kernel, wo_gemm_config
@@ -80,30 +77,6 @@ def fp8_kernel_sass(stages: int | None = None, swap: bool = False) -> tuple[str,
     attrs = {(params.index(name),): [["tt.divisibility", 16]] for name in divisible}
     return compiled_sass(gemm_fp8._fp8_gemm_kernel, signature, constexprs, attrs, cfg["num_warps"],
                          stages or cfg["num_stages"])
-
-
-def fp8_epilogue_kernel_sass(epilogue: int, stages: int | None = None) -> tuple[str, int]:
-    """SASS and registers per thread of the fp8 decode GEMM with row work in its epilogue (gemm_fp8_epilogue), split in
-    4 on its decode tiles: NORM, the add, RMSNorm and per-token quantizer on the o-projection's 4096x4096 weight; SILU,
-    SiLU x up and its per-token quantizer on the merged gate/up's 28672x4096."""
-    silu = epilogue == gemm_fp8_epilogue.SILU
-    n = 28672 if silu else 4096
-    cfg = fp8_gemm_config(16, n, 4096, block_scales=False)
-    kernel = gemm_fp8_epilogue._fp8_gemm_epilogue_kernel
-    params = list(inspect.signature(kernel.fn).parameters)
-    constexprs = dict(EPILOGUE=epilogue, HAS_BIAS=False, LP=tl.bfloat16, CAST=0, SPLIT_K=4, COMPILER_PROMOTES=True,
-                      BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-                      PDL=True, RMS=True, HAS_W=not silu, HAS_B=False, GROUP=1 if silu else 4096,
-                      FMAX=gemm_fp8_epilogue.E4M3_MAX, FP8=tl.float8e4nv, AMAX_FLOOR=gemm_fp8_epilogue.AMAX_FLOOR,
-                      BLOCK_D=gemm_fp8_epilogue.SILU_CHUNK if silu else 4096, stride_ak=1, stride_bk=1)
-    pointers = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", ws_ptr="*fp32", a_scale_ptr="*fp32", b_scale_ptr="*fp32",
-                    bias_ptr="*bf16", counter_ptr="*i32", res_ptr="*bf16", h_ptr="*bf16", w_ptr="*bf16",
-                    nb_ptr="*bf16", codes_ptr="*fp8e4nv", scales_ptr="*fp32")
-    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name == "eps" else "i32")
-                 for name in params}
-    divisible = [*pointers, "N", "K", "stride_am", "stride_bn"]
-    attrs = {(params.index(name),): [["tt.divisibility", 16]] for name in divisible}
-    return compiled_sass(kernel, signature, constexprs, attrs, cfg["num_warps"], stages or cfg["num_stages"])
 
 
 def w4a8_kernel_sass(stages: int | None = None) -> tuple[str, int]:
@@ -190,11 +163,6 @@ def main():
     elif "w4a8" in sys.argv:
         sass, registers = w4a8_kernel_sass(stages)
         what, step = "W4A8 (int4 codes, e4m3 activations)", "K step"
-    elif "fp8" in sys.argv and ("--norm" in sys.argv or "--silu" in sys.argv):
-        silu = "--silu" in sys.argv
-        sass, registers = fp8_epilogue_kernel_sass(gemm_fp8_epilogue.SILU if silu else gemm_fp8_epilogue.NORM, stages)
-        what = f"fp8 GEMM, row scales, {'SiLU x up' if silu else 'add + RMSNorm'} + quantizer in its epilogue"
-        step = "K step"
     elif "fp8" in sys.argv:
         swap = "--swap" in sys.argv
         sass, registers = fp8_kernel_sass(stages, swap)

@@ -72,8 +72,6 @@ class QuantConfig:
     report: bool = False
     default_skip: tuple[str, ...] = field(default=DEFAULT_SKIP)
     disable_passes: tuple[str, ...] = ()  # fusing or packing passes to leave out (fxquant.compile.pipeline.OPTIONAL)
-    # passes off by default, to run (fxquant.compile.pipeline.OFF_BY_DEFAULT): fusions not yet measured to win
-    enable_passes: tuple[str, ...] = ()
     # Inductor's own options for the inner compile, as torch.compile(options=...) takes them without fxquant
     # ({"combo_kernels": True}); they come after the ones `mode` sets
     inductor: tuple[tuple[str, object], ...] = ()
@@ -130,7 +128,7 @@ class QuantConfig:
 
 
 PATTERNS = ("skip", "include", "default_skip")
-NAMES = (*PATTERNS, "disable_passes", "enable_passes")  # the options of strings: one string or a list of them
+NAMES = (*PATTERNS, "disable_passes")  # the options of strings: one string or a list of them
 
 
 def _check_types(config: QuantConfig) -> None:

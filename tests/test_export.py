@@ -17,10 +17,10 @@ CASES = {  # model, inputs, config, ops the program must hold
     # gate and up: one GEMM on merged weights, sliced
     "residual_norm_mlp": (residual_norm_mlp, (X, torch.randn_like(X)), BLOCK,
                           {"fxquant.add_norm_quant_fp8.default", "fxquant.scaled_mm_fp8.default", "aten.slice.Tensor"}),
-    # the merged gate/up GEMM with SiLU x up and its quantizer in its epilogue (a pass off by default)
-    "gemm_epilogue": (residual_norm_mlp, (X, torch.randn_like(X)),
-                      {"recipe": "fp8_row", "enable_passes": ["fuse_gemm_epilogue"]},
-                      {"fxquant.add_norm_quant_fp8.default", "fxquant.scaled_mm_fp8_silu_mul_quantize.default"}),
+    # per token: SiLU x up with its quantizer after the merged gate/up GEMM
+    "residual_norm_mlp_row": (residual_norm_mlp, (X, torch.randn_like(X)), {"recipe": "fp8_row"},
+                              {"fxquant.add_norm_quant_fp8.default", "fxquant.scaled_mm_fp8.default",
+                               "fxquant.silu_mul_quantize_fp8.default"}),
 }
 
 

@@ -13,7 +13,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.kernels import decode_attention as attention_kernels
 from fxquant.kernels import quant_fp8
-from fxquant.kernels.gemm_fp8_epilogue import fp8_scaled_mm_add_norm_quant, fp8_scaled_mm_silu_mul_quantize
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8
 from fxquant.kernels.rotary_cache import rotary_cache_write
 from fxquant.numerics import reference as R
@@ -44,11 +43,6 @@ def cases():
                                                         transposed(1, 2, 2, 64), cos, sin,
                                                         torch.tensor([3, 4], device=DEVICE), *caches)),
         "linear_fp8": (OPS.linear_fp8, (rows, w8.data, w8.scale, None, 0)),
-        "scaled_mm_fp8_silu_mul_quantize": (OPS.scaled_mm_fp8_silu_mul_quantize,
-                                            (*OPS.quantize_fp8(rows, 0), w8.data, w8.scale, None, torch.bfloat16)),
-        "scaled_mm_fp8_add_norm_quant": (OPS.scaled_mm_fp8_add_norm_quant,
-                                         (*OPS.quantize_fp8(rows, 0), w8.data, w8.scale, None, rows[..., :64],
-                                          weight[:64], None, 1e-6, 0, True)),
         "linear_weight_only": (OPS.linear_weight_only, (rows, w4.data, w4.scale, None, w4.zero_point, None, "int4",
                                                         128, 64)),
         "quantize_fp8 per token": (OPS.quantize_fp8, (x, 0)),
@@ -75,13 +69,6 @@ KERNELS = {
     "norm_quant_fp8": lambda x, w, b, eps, group, rms: norm_quant_fp8(x, w, b, eps, group, rms=rms)[:2],
     "add_norm_quant_fp8": lambda x, res, w, b, eps, group, rms: norm_quant_fp8(x, w, b, eps, group, rms=rms,
                                                                                residual=res)[:3],
-    "scaled_mm_fp8_add_norm_quant": lambda a, a_scale, w, w_scale, bias, res, nw, nb, eps, group, rms: tuple(
-        t.reshape(*res.shape[:-1], t.shape[-1]) for t in fp8_scaled_mm_add_norm_quant(
-            a.reshape(-1, a.shape[-1]), a_scale.reshape(-1, 1), w, w_scale, bias, res.reshape(-1, res.shape[-1]), nw,
-            nb, eps, group, rms=rms)),
-    "scaled_mm_fp8_silu_mul_quantize": lambda a, a_scale, w, w_scale, bias, dtype: tuple(
-        t.reshape(*a.shape[:-1], t.shape[-1]) for t in fp8_scaled_mm_silu_mul_quantize(
-            a.reshape(-1, a.shape[-1]), a_scale.reshape(-1, 1), w, w_scale, bias, dtype)),
     "decode_attention": attention_kernels.decode_attention,
     "decode_attention, q made [B, Hq, Q, D]": attention_kernels.decode_attention,
     "decode_attention_quantize_fp8": attention_kernels.decode_attention_quantized,

@@ -112,45 +112,6 @@ def test_norm_quant_fp8_ops(rms, group):
 
 
 
-@pytest.mark.parametrize("rows", [(1, 1), (2, 3), (5, 7)], ids=["one token", "a decode batch", "past the fused rows"])
-@pytest.mark.parametrize("wgran", ["channel", "tensor", ("block", 128, 128)], ids=str)
-def test_scaled_mm_fp8_add_norm_quant_op_is_the_two_ops(rows, wgran):
-    """The GEMM with the add, norm and quantizer after it gives scaled_mm_fp8 then add_norm_quant_fp8's outputs: on
-    the CPU their references' bits; on a GPU its kernel (up to 16 rows of row scales) the same residual stream, and
-    codes within one e4m3 step (the norm's sums run in another thread layout)."""
-    torch.manual_seed(1)
-    group = {"channel": 0, "tensor": -1}.get(wgran, 128)  # the activations' scales each weight scheme pairs with
-    a, a_scale = torch.ops.fxquant.quantize_fp8(randn(*rows, 256, dtype=torch.bfloat16), group)
-    qw = R.quantize(randn(256, 256) * 0.06, "fp8_e4m3", wgran)
-    h, w = randn(*rows, 256, dtype=torch.bfloat16), 1 + 0.1 * randn(256)
-    args = (a, a_scale, qw.data, qw.scale, None, h, w, None, 1e-6, 0, True)
-    opcheck(torch.ops.fxquant.scaled_mm_fp8_add_norm_quant, args)
-    codes, scales, summed = torch.ops.fxquant.scaled_mm_fp8_add_norm_quant(*args)
-    product = torch.ops.fxquant.scaled_mm_fp8(a, a_scale, qw.data, qw.scale, None, torch.bfloat16)
-    want = torch.ops.fxquant.add_norm_quant_fp8(h, product, w, None, 1e-6, 0, True)
-    assert torch.equal(summed, want[2])
-    steps = (codes.view(torch.uint8).int() - want[0].view(torch.uint8).int()).abs()
-    assert steps.max() <= (0 if DEVICE == "cpu" else 1) and torch.allclose(scales, want[1], rtol=2 ** -7, atol=0)
-
-
-@pytest.mark.parametrize("rows", [(1, 1), (2, 3), (5, 7)], ids=["one token", "a decode batch", "past the fused rows"])
-@pytest.mark.parametrize("wgran", ["channel", ("block", 128, 128)], ids=str)
-def test_scaled_mm_fp8_silu_mul_quantize_op_is_the_two_ops(rows, wgran):
-    """The merged gate/up GEMM with SiLU x up and its per-token quantizer after it gives scaled_mm_fp8 then
-    silu_mul_quantize_fp8's outputs bit for bit (elementwise products and a max), its kernel on a GPU too."""
-    torch.manual_seed(2)
-    group = 0 if wgran == "channel" else 128  # the activations' scales each weight scheme pairs with
-    a, a_scale = torch.ops.fxquant.quantize_fp8(randn(*rows, 256, dtype=torch.bfloat16), group)
-    qw = R.quantize(randn(512, 256) * 0.06, "fp8_e4m3", wgran)
-    args = (a, a_scale, qw.data, qw.scale, None, torch.bfloat16)
-    opcheck(torch.ops.fxquant.scaled_mm_fp8_silu_mul_quantize, args)
-    codes, scales = torch.ops.fxquant.scaled_mm_fp8_silu_mul_quantize(*args)
-    product = torch.ops.fxquant.scaled_mm_fp8(*args)
-    want = torch.ops.fxquant.silu_mul_quantize_fp8(product[..., :256], product[..., 256:], 0)
-    assert codes.shape == (*rows, 256) and scales.shape == (*rows, 1)
-    assert torch.equal(codes.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(scales, want[1])
-
-
 def expert_routing(m=9, experts=3):
     """Rows sorted by expert (one expert empty) and the grouped_mm offsets, plus rows no expert owns."""
     offs = torch.tensor([4, 4, m - 2], device=DEVICE, dtype=torch.int32)

@@ -40,6 +40,8 @@ def test_a_failure_is_printed_the_moment_it_happens(tmp_path, workers):
     from pathlib import Path
 
     shutil.copy(Path(__file__).parents[1] / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "durations.json").write_text("{}")  # conftest's order: none recorded
     (tmp_path / "test_cut.py").write_text(
         "import time\n"
         "def test_fails():\n    assert 1 == 2, 'one is not two'\n"
@@ -50,10 +52,12 @@ def test_a_failure_is_printed_the_moment_it_happens(tmp_path, workers):
     assert live in out and out.index(live) < out.index("[100%]"), out  # before the run's last test has ended
 
 
-def test_the_slowest_files_come_first_one_test_at_a_time_and_a_group_stays_on_one_worker(tmp_path):
+def test_the_longest_tests_come_first_one_test_at_a_time_and_a_group_stays_on_one_worker(tmp_path):
     """xdist's default load schedule hands each worker a chunk of consecutive tests first (5 of 46 here): the slowest
-    tests, collected first, would all land on one worker. With pyproject's options and conftest, SLOWEST_FIRST's
-    files come first, one test at a time, and the tests of one xdist_group (a module fixture's) share a worker."""
+    tests, collected first, would all land on one worker. With pyproject's options and conftest, the tests that
+    tests/durations.json records longest come first, one test at a time, and the tests of one xdist_group (a module
+    fixture's) share a worker."""
+    import json
     import re
     import shlex
     import shutil
@@ -67,25 +71,33 @@ def test_the_slowest_files_come_first_one_test_at_a_time_and_a_group_stays_on_on
     assert "loadgroup" in addopts
     addopts[addopts.index("-n") + 1] = "3"
     shutil.copy(Path(__file__).parents[1] / "conftest.py", tmp_path / "conftest.py")
-    record = ("import os, pathlib, pytest\n"
+    (tmp_path / "tests").mkdir()  # the last file's first four tests recorded longest
+    longest = {f"test_z_slow.py::test_one[{i}]": 10.0 + (3 - i) for i in range(4)}
+    (tmp_path / "tests" / "durations.json").write_text(json.dumps({**longest, "test_a_fast.py::test_one[5]": 0.5}))
+    record = ("import os, pathlib, time, pytest\n"
               "@pytest.mark.parametrize('i', range(20))\n"
               "def test_one(i):\n"
-              "    pathlib.Path(f'{__name__}-{i}').write_text(os.environ['PYTEST_XDIST_WORKER'])\n")
+              "    pathlib.Path(f'{__name__}-{i}').write_text(os.environ['PYTEST_XDIST_WORKER'])\n"
+              "    pathlib.Path(f'{__name__}-{i}.start').write_text(str(time.monotonic_ns()))\n")
     grouped = ("import os, pathlib, pytest\n"
                "@pytest.mark.xdist_group('fixture')\n"
                "@pytest.mark.parametrize('i', range(6))\n"
                "def test_one(i):\n"
                "    pathlib.Path(f'{__name__}-{i}').write_text(os.environ['PYTEST_XDIST_WORKER'])\n")
     (tmp_path / "test_a_fast.py").write_text(record)
-    (tmp_path / "test_real_models.py").write_text(record)
+    (tmp_path / "test_z_slow.py").write_text(record)
     (tmp_path / "test_b_grouped.py").write_text(grouped)
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
                           *addopts, str(tmp_path)], cwd=tmp_path, capture_output=True, text=True)
     assert "46 passed" in out.stdout, out.stdout + out.stderr
     group = {(tmp_path / f"test_b_grouped-{i}").read_text() for i in range(6)}
-    first = {(tmp_path / f"test_real_models-{i}").read_text() for i in range(4)}
+    first = {(tmp_path / f"test_z_slow-{i}").read_text() for i in range(4)}
     assert len(group) == 1, group  # the group ran on one worker (it was handed out first: the largest scope)
-    assert first == {"gw0", "gw1", "gw2"} - group, first  # the slow file's first four on both other workers
+    assert first == {"gw0", "gw1", "gw2"} - group, first  # the four longest, collected last, on both other workers
+    start = {(name, i): int((tmp_path / f"{name}-{i}.start").read_text()) for name in ("test_a_fast", "test_z_slow")
+             for i in range(20)}
+    longest_started = max(start["test_z_slow", i] for i in range(4))
+    assert longest_started < min(start["test_a_fast", i] for i in range(10, 20)), start  # ahead of the unrecorded
 
 
 def _rank_that_dies() -> dict:

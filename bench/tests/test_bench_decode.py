@@ -71,15 +71,13 @@ def test_graph_replays_times_each_replay():
 
 def test_path_suffixes_become_backend_options():
     """fxquant:<recipe>+head=<recipe> adds the lm_head under the second recipe (the plain path keeps it in bf16, and
-    tests/test_real_models.py checks that the option quantizes it); +without= leaves a pass out, +with= adds one off by
-    default; +inductor= turns one of Inductor's options on."""
+    tests/test_real_models.py checks that the option quantizes it); +without= leaves a pass out; +inductor= turns one of
+    Inductor's options on."""
     assert recipe_options("fxquant:fp8_row") == {"recipe": "fp8_row"}
     assert recipe_options("fxquant:fp8_row+head=int8_wo+fp8kv") == {
         "recipe": "fp8_row", "layer_recipes": {r"(^|\.)lm_head$": "int8_wo"}}
     assert recipe_options("fxquant:fp8_row+without=fuse_silu_mul+without=fuse_norm") == {
         "recipe": "fp8_row", "disable_passes": ["fuse_silu_mul", "fuse_norm"]}
-    assert recipe_options("fxquant:fp8_row+with=fuse_gemm_epilogue") == {
-        "recipe": "fp8_row", "enable_passes": ["fuse_gemm_epilogue"]}
     assert recipe_options("fxquant:fp8_row+inductor=combo_kernels") == {
         "recipe": "fp8_row", "inductor": {"combo_kernels": True}}
     for setting in ("+nopdl", "+reducekernel"):  # launch settings, applied by work()

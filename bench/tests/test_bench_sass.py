@@ -19,8 +19,6 @@ for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
                                  "w4a8": sass.w4a8_kernel_sass(),
                                  "fp8": sass.fp8_kernel_sass(),
                                  "fp8 swapped": sass.fp8_kernel_sass(swap=True),
-                                 "fp8 with the norm": sass.fp8_epilogue_kernel_sass(1),
-                                 "fp8 with SiLU": sass.fp8_epilogue_kernel_sass(2),
                                  "attention": sass.attention_kernel_sass(codes=False),
                                  "attention codes": sass.attention_kernel_sass(codes=True),
                                  "attention quantized": sass.attention_kernel_sass(codes=False, quantize=True)}.items():
@@ -39,8 +37,6 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
                               ("nvfp4 on 32 rows", "HMMA.16816.F32.BF16"), ("w4a8", "HMMA.16816.F32"),
                               ("fp8", "HMMA.16816.F32"),
                               ("fp8 swapped", "QGMMA.64x16x32.F32.E4M3.E4M3"),  # wgmma on the codes as stored
-                              ("fp8 with the norm", "HMMA.16816.F32"),  # the K loop, not the norm's loop over rows
-                              ("fp8 with SiLU", "HMMA.16816.F32"),
                               ("attention", "HMMA.16816.F32.BF16"),
                               ("attention codes", "HMMA.16816.F32"),
                               ("attention quantized", "HMMA.16816.F32.BF16")]:  # the key loop, not the quantizer's

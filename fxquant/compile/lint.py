@@ -35,7 +35,7 @@ WEIGHT_SQNR_FLOOR_DB = {"fp8_e4m3": 20.0, "mxfp8": 20.0, "int8": 20.0, "int4": 1
 class Finding:
     severity: str  # "error", "warning" or "info"
     kind: str  # nonfinite_weight, fp16_weight, fp8_cast, fp16_overflow, weight_sqnr, slow_path, skipped, tail,
-    # upcast, fused_norm, decode_attention, attention_left, experts, gemm_epilogue
+    # upcast, fused_norm, decode_attention, attention_left, experts
     where: str  # layer or node name
     message: str  # what is wrong and the fix
 
@@ -132,9 +132,6 @@ def lint_layers(state, weights=()) -> list[Finding]:
         findings.append(Finding("info", "rotary_cache", name, "rotary embedding and cache write run as one kernel"))
     for name in state.cache_length:
         findings.append(Finding("info", "cache_length", name, "the cache's length is counted in that kernel"))
-    for name in state.gemm_epilogues:
-        findings.append(Finding("info", "gemm_epilogue", name, "the GEMM and the norm or SiLU after it run as one "
-                                "kernel at decode"))
     for name, why in state.attention_left:
         findings.append(Finding("info", "attention_left", name, f"decode attention stays on SDPA: {why}"))
     return findings

@@ -1,15 +1,14 @@
 """The pipeline: freeze_params -> localize_shards -> detect -> upcast, the numerics lint (and recipe="auto"'s
 measurements), then quantize_linear -> fuse_norm -> merge_linear -> fuse_silu_mul -> fuse_linear -> pack_int4_lanes
--> fuse_rotary_cache -> fuse_cache_length -> decode_attention -> pack_gqa -> fuse_attention_quant ->
-fuse_gemm_epilogue (off by default) -> cleanup. It sits above the passes: they never import the lint or the
-measurements, and what they hand each other travels in one `PipelineState`.
+-> fuse_rotary_cache -> fuse_cache_length -> decode_attention -> pack_gqa -> fuse_attention_quant -> cleanup (the
+norms and SiLU after the decode GEMMs keep their own kernels: docs/decisions/0027-row-work-stays-in-its-own-kernels.md).
+It sits above the passes: they never import the lint or the measurements, and what they hand each other travels in
+one `PipelineState`.
 
 Each pass is timed and logged (logger "fxquant.compile.pipeline", one DEBUG line per pass: its time, whether it
 changed the graph, its nodes before and after); the times are in `PipelineResult.timings`. With
 FXQUANT_DUMP_GRAPHS=<folder>, each pass writes the graph it leaves there (`<run>-<NN>-<pass>.txt`, NN its place in
-PASSES). The option `disable_passes` leaves out passes that only fuse or pack (`FxquantPass.optional`);
-`enable_passes` runs those that are off by default (`FxquantPass.on_by_default`), until the decode step measures them
-faster."""
+PASSES). The option `disable_passes` leaves out passes that only fuse or pack (`FxquantPass.optional`)."""
 
 from __future__ import annotations
 
@@ -32,7 +31,6 @@ from fxquant.passes.detect import Detect
 from fxquant.passes.freeze_params import FreezeParams
 from fxquant.passes.fuse_attention_quant import FuseAttentionQuant
 from fxquant.passes.fuse_cache_length import FuseCacheLength
-from fxquant.passes.fuse_gemm_epilogue import FuseGemmEpilogue
 from fxquant.passes.fuse_linear import FuseLinear
 from fxquant.passes.fuse_norm import FuseNorm
 from fxquant.passes.fuse_rotary_cache import FuseRotaryCache
@@ -48,11 +46,10 @@ from fxquant.passes.upcast import Upcast
 log = logging.getLogger(__name__)
 PASS_TYPES = (FreezeParams, LocalizeShards, Detect, Upcast, QuantizeLinear, FuseNorm, MergeLinear, FuseSiluMul,
               FuseLinear, PackInt4Lanes, FuseRotaryCache, FuseCacheLength, DecodeAttention, PackGQA,
-              FuseAttentionQuant, FuseGemmEpilogue, Cleanup)
+              FuseAttentionQuant, Cleanup)
 PASSES = tuple(pass_type.name for pass_type in PASS_TYPES)
 PREPARE = PASSES[:4]  # the graph annotated and upcast, nothing quantized
 OPTIONAL = tuple(pass_type.name for pass_type in PASS_TYPES if pass_type.optional)
-OFF_BY_DEFAULT = tuple(pass_type.name for pass_type in PASS_TYPES if not pass_type.on_by_default)
 _RUNS, _RUN_KEY = itertools.count(), "fxquant_dump_run"  # numbers each pipeline run's dumped graphs (in gm.meta)
 
 
@@ -92,8 +89,7 @@ def prepare(gm: torch.fx.GraphModule, state: PipelineState, example_inputs=None,
 
 def _run(passes, gm: torch.fx.GraphModule, config: QuantConfig, stop_after: str | None = None,
          timings: list[PassTiming] | None = None) -> torch.fx.GraphModule:
-    """Each pass once, in order, up to the one named stop_after, leaving out config.disable_passes and the passes
-    off by default that config.enable_passes does not name. A pass's graph is
+    """Each pass once, in order, up to the one named stop_after, leaving out config.disable_passes. A pass's graph is
     recompiled where the pass changed it (`FxquantPass.__call__`); torch's PassManager would recompile after every
     pass, changed or not:
     4.0 of the pipeline's 7.5 s in a cProfile of a 32-layer compile
@@ -102,7 +98,7 @@ def _run(passes, gm: torch.fx.GraphModule, config: QuantConfig, stop_after: str 
     if dump and _RUN_KEY not in gm.meta:  # one number for the graph's whole pipeline (prepare, then the rest)
         gm.meta[_RUN_KEY] = next(_RUNS)
     for run_pass in passes:
-        if runs(run_pass, config):
+        if run_pass.name not in config.disable_passes:
             before, start = len(gm.graph.nodes), time.perf_counter()
             result = run_pass(gm)
             gm = result.graph_module
@@ -124,16 +120,8 @@ def _dump(gm: torch.fx.GraphModule, path: Path) -> None:
     path.write_text(gm.print_readable(print_output=False))
 
 
-def runs(run_pass, config: QuantConfig) -> bool:
-    """Whether the config runs the pass: on by default and not left out, or off by default and enabled."""
-    if run_pass.name in config.disable_passes:
-        return False
-    return run_pass.on_by_default or run_pass.name in config.enable_passes
-
-
 def check_disabled(config: QuantConfig) -> None:
-    """disable_passes names passes that may be left out, and enable_passes passes off by default, or the compile is
-    refused naming them."""
+    """disable_passes names passes that may be left out, or the compile is refused naming them."""
     unknown = [name for name in config.disable_passes if name not in PASSES]
     required = [name for name in config.disable_passes if name in PASSES and name not in OPTIONAL]
     if unknown or required:
@@ -141,11 +129,6 @@ def check_disabled(config: QuantConfig) -> None:
                    f"{', '.join(required)} cannot be left out (the passes that annotate, upcast, quantize or clean "
                    f"the graph run always)")
         raise ValueError(f"fxquant: disable_passes: {problem}; the passes it may leave out: {', '.join(OPTIONAL)}")
-    not_off = [name for name in config.enable_passes if name not in OFF_BY_DEFAULT]
-    if not_off:
-        problem = ", ".join(f"{name} ({'runs by default' if name in PASSES else 'no such pass'})" for name in not_off)
-        raise ValueError(f"fxquant: enable_passes: {problem}; the passes off by default, which it may run: "
-                         f"{', '.join(OFF_BY_DEFAULT) or 'none'}")
 
 
 def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=None, *,
@@ -177,7 +160,7 @@ def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=N
         state.auto_reasons = {m.fqn: m.reason for m in measured if m.chosen_by_auto and m.recipe is None}
     gm = _run([QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseSiluMul(), FuseLinear(),
                PackInt4Lanes(state), FuseRotaryCache(state), FuseCacheLength(state), DecodeAttention(state), PackGQA(),
-               FuseAttentionQuant(), FuseGemmEpilogue(state), Cleanup()], gm, config, stop_after, timings)
+               FuseAttentionQuant(), Cleanup()], gm, config, stop_after, timings)
     findings += lint_layers(state, weights)
     refuse_errors(findings, "compile")
     return PipelineResult(gm, state.layers, state.upcast, config, findings, weights, auto, timings)

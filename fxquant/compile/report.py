@@ -107,7 +107,6 @@ def format_report(layers, findings=(), weights=(), auto=()) -> str:
     listed = (("upcast", "reductions moved to fp32"), ("fused_norm", "norms fused with their fp8 quantizers"),
               ("rotary_cache", "rotary embedding and cache write in one kernel"),
               ("cache_length", "the cache's length counted in that kernel"),
-              ("gemm_epilogue", "GEMMs with the norm or SiLU after them in their epilogue"),
               ("decode_attention", "decode attention on fxquant's split-KV kernel"))
     for kind, label in listed:
         found = [f.where for f in findings if f.kind == kind]

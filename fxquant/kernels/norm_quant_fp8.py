@@ -44,24 +44,10 @@ def _norm_quant_fp8_kernel(
     BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
-    norm_quant_row(x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, scale_ptr, h_ptr, stats_ptr, tl.program_id(0).to(tl.int64),
-                   D, n_groups, eps, RMS, HAS_RES, HAS_W, HAS_B, LP, GROUP, FMAX, FP8, CAST, AMAX_FLOOR, BLOCK_D,
-                   True, False)
-
-
-@triton.jit
-def norm_quant_row(x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, scale_ptr, h_ptr, stats_ptr, row, D, n_groups, eps,
-                   RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                   LP: tl.constexpr, GROUP: tl.constexpr, FMAX: tl.constexpr, FP8: tl.constexpr, CAST: tl.constexpr,
-                   AMAX_FLOOR: tl.constexpr, BLOCK_D: tl.constexpr, STATS: tl.constexpr, FROM_L2: tl.constexpr):
-    """One row: x (+ res, stored to h), its norm, quantized into y and scale; (mean, rstd) into stats where STATS.
-    FROM_L2: x was written by other programs of the running kernel, so it is read through L2 (.cg)."""
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    if FROM_L2:
-        h = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    else:
-        h = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         # The add in fp32, rounded once to the model's dtype: the residual stream the graph keeps.
         h = cast_float(h + tl.load(res_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32), LP, CAST)
@@ -86,9 +72,8 @@ def norm_quant_row(x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, scale_ptr, h_ptr, stats_
     tl.store(y_ptr + row * D + cols, tl.reshape(codes, (BLOCK_D,)), mask=mask)
     groups = tl.arange(0, BLOCK_D // GROUP)
     tl.store(scale_ptr + row * n_groups + groups, scale, mask=groups < n_groups)
-    if STATS:
-        tl.store(stats_ptr + row * 2, mean)
-        tl.store(stats_ptr + row * 2 + 1, rstd)
+    tl.store(stats_ptr + row * 2, mean)
+    tl.store(stats_ptr + row * 2 + 1, rstd)
 
 
 def supports(D: int, group_size: int) -> str | None:

@@ -100,36 +100,6 @@ def _silu_mul_quant_fp8_kernel(
 
 
 @triton.jit
-def silu_mul_quant_row(p_ptr, y_ptr, scale_ptr, row, width, OUT: tl.constexpr, FMAX: tl.constexpr,
-                       FP8: tl.constexpr, CAST: tl.constexpr, AMAX_FLOOR: tl.constexpr, CHUNK: tl.constexpr):
-    """One token of a merged gate/up product p [rows, 2 * width] (gate, then up, written by other programs of the
-    running kernel: read through L2) quantized as _silu_mul_quant_fp8_kernel quantizes it per token, in chunks of
-    CHUNK: the amax over the row first, then the codes, each chunk's product computed again. Elementwise products
-    and a max, so the chunks give the whole row's bits."""
-    base = p_ptr + row * 2 * width
-    amax = tl.zeros((CHUNK,), dtype=tl.float32)
-    for start in range(0, width, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        mask = cols < width
-        gate = tl.load(base + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        up = tl.load(base + width + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        h = cast_float(gate * tl.sigmoid(gate) * up, OUT, CAST).to(tl.float32)  # as the kernel rounds it
-        amax = max_keep_nan(amax, tl.abs(h))  # masked lanes hold 0, as the kernel's other=0.0
-    amax = tl.reduce(amax, 0, max_keep_nan)
-    # quant_rows' fp32 ops, in its order: a poisoned row gets a NaN scale
-    scale = tl.where(amax < float("inf"), tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FMAX), float("nan"))
-    inverse = tl.math.div_rn(1.0, scale)
-    for start in range(0, width, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        mask = cols < width
-        gate = tl.load(base + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        up = tl.load(base + width + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        h = cast_float(gate * tl.sigmoid(gate) * up, OUT, CAST).to(tl.float32)
-        tl.store(y_ptr + row * width + cols, cast_fp8(saturate(h * inverse, FMAX), FP8, CAST), mask=mask)
-    tl.store(scale_ptr + row, scale)
-
-
-@triton.jit
 def _quant_fp8_static_kernel(
     # pointers
     x_ptr, y_ptr, scale_ptr,

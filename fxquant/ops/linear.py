@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fxquant.kernels import cublas_fp8, gemm_fp8_epilogue, gemm_int4_fp8, gemm_int4_mma, gemm_weight_only, quant_fp8
+from fxquant.kernels import cublas_fp8, gemm_int4_fp8, gemm_int4_mma, gemm_weight_only, quant_fp8
 from fxquant.kernels.cast import capability
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm, is_block_scaled
 from fxquant.kernels.gemm_int4_mma import int4_mma_mm, lane_layout_shape
@@ -116,34 +116,6 @@ scaled_mm_fp8 = define("scaled_mm_fp8(Tensor a, Tensor a_scale, Tensor w, Tensor
 @fake("scaled_mm_fp8")
 def _(a, a_scale, w, w_scale, bias, out_dtype):
     return a.new_empty((*a.shape[:-1], w.shape[0]), dtype=out_dtype)
-
-
-def _scaled_mm_fp8_silu_mul_quantize(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None,
-                                     out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """silu_mul_quantize_fp8(p[..., :N/2], p[..., N/2:], 0) of the merged gate/up product p = scaled_mm_fp8(a, a_scale,
-    w, w_scale, bias, out_dtype): (codes [..., N/2], scales [..., 1]), per token. CUDA: one kernel
-    (`gemm_fp8_epilogue`) where it serves the operands (row scales, a decode batch), else the two ops' own paths."""
-    lead = a.shape[:-1]
-    if a.is_cuda:
-        fused = gemm_fp8_epilogue.fused_silu_mul_quantize(*as_rows(a, a_scale), w, w_scale, bias, out_dtype)
-        if fused is not None:
-            codes, scales = fused
-            return codes.reshape(*lead, codes.shape[-1]), scales.reshape(*lead, 1)
-    product = _scaled_mm_fp8(a, a_scale, w, w_scale, bias, out_dtype)
-    width = product.shape[-1] // 2
-    return _silu_mul_quantize_fp8(product[..., :width], product[..., width:], 0)
-
-
-scaled_mm_fp8_silu_mul_quantize = define("scaled_mm_fp8_silu_mul_quantize(Tensor a, Tensor a_scale, Tensor w, "
-                                         "Tensor w_scale, Tensor? bias, ScalarType out_dtype) -> (Tensor, Tensor)",
-                                         _scaled_mm_fp8_silu_mul_quantize)
-
-
-@fake("scaled_mm_fp8_silu_mul_quantize")
-def _(a, a_scale, w, w_scale, bias, out_dtype):
-    width = w.shape[0] // 2
-    return (a.new_empty((*a.shape[:-1], width), dtype=E4M3),
-            a.new_empty((*a.shape[:-1], 1), dtype=torch.float32))
 
 
 def _linear_fp8(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None, group_size: int) -> Tensor:

@@ -1,17 +1,15 @@
 """The norm ops: RMSNorm or LayerNorm fused with the fp8 quantizer after it, with or without the residual add
-before it, and with the fp8 GEMM whose product that add takes (fuse_gemm_epilogue)."""
+before it."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from fxquant.kernels.gemm_fp8_epilogue import fused_add_norm_quant
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8 as norm_quant_kernel
 from fxquant.kernels.norm_quant_fp8 import supports as norm_quant_supports
 from fxquant.numerics import reference_norm as RN
 from fxquant.ops.declare import define, fake
-from fxquant.ops.linear import _scaled_mm_fp8, as_rows
 from fxquant.ops.reference_gemm import E4M3
 
 
@@ -57,31 +55,3 @@ def _(x, residual, weight, bias, eps, group_size, rms):
     groups = x.shape[-1] // group_size if group_size else 1
     return (x.new_empty(x.shape, dtype=E4M3), x.new_empty((*x.shape[:-1], groups), dtype=torch.float32),
             x.new_empty(x.shape))
-
-
-def _scaled_mm_fp8_add_norm_quant(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None,
-                                  residual: Tensor, weight: Tensor | None, norm_bias: Tensor | None, eps: float,
-                                  group_size: int, rms: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """add_norm_quant_fp8(residual, scaled_mm_fp8(a, a_scale, w, w_scale, bias, residual.dtype), ...): the fp8
-    product added to the residual stream, then normalized and quantized: (codes, scales, h). CUDA: one kernel
-    (`gemm_fp8_epilogue`) where it serves the operands (row scales, a decode batch), else the two ops' own paths."""
-    lead = a.shape[:-1]
-    if a.is_cuda:
-        (a2, s2), r2 = as_rows(a, a_scale), residual.reshape(-1, residual.shape[-1]).contiguous()
-        fused = fused_add_norm_quant(a2, s2, w, w_scale, bias, r2, weight, norm_bias, eps, group_size, rms=rms)
-        if fused is not None:
-            codes, scales, h = fused
-            return codes.reshape(residual.shape), scales.reshape(*lead, scales.shape[-1]), h.reshape(residual.shape)
-    product = _scaled_mm_fp8(a, a_scale, w, w_scale, bias, residual.dtype)
-    return _norm_quant(residual, product, weight, norm_bias, eps, group_size, rms)
-
-
-scaled_mm_fp8_add_norm_quant = define(
-    "scaled_mm_fp8_add_norm_quant(Tensor a, Tensor a_scale, Tensor w, Tensor w_scale, Tensor? bias, Tensor residual, "
-    "Tensor? weight, Tensor? norm_bias, float eps, int group_size, bool rms) -> (Tensor, Tensor, Tensor)",
-    _scaled_mm_fp8_add_norm_quant)
-
-
-@fake("scaled_mm_fp8_add_norm_quant")
-def _(a, a_scale, w, w_scale, bias, residual, weight, norm_bias, eps, group_size, rms):
-    return torch.ops.fxquant.add_norm_quant_fp8.default(residual, residual, weight, norm_bias, eps, group_size, rms)

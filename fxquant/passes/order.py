@@ -27,14 +27,12 @@ def passes_run(gm: torch.fx.GraphModule) -> tuple[str, ...]:
 class FxquantPass(PassBase):
     """A pass of the pipeline: `name` is how the pipeline and the errors call it; `needs`, the passes that must have
     run on the graph before it; `optional`, whether the option `disable_passes` may leave it out (a pass that only
-    fuses or packs: the graph computes the same products without it); `on_by_default`, whether it runs unless left
-    out, or only where the option `enable_passes` names it (an optional pass not yet measured to win in the decode
-    step). A pass returns whether it changed the graph; calling it lints and recompiles the graph where it did."""
+    fuses or packs: the graph computes the same products without it). A pass returns whether it changed the graph;
+    calling it lints and recompiles the graph where it did."""
 
     name: str = ""
     needs: tuple[str, ...] = ()
     optional: bool = False
-    on_by_default: bool = True
 
     def requires(self, graph_module: torch.fx.GraphModule) -> None:
         missing = [need for need in self.needs if need not in passes_run(graph_module)]

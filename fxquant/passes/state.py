@@ -49,6 +49,5 @@ class PipelineState:
     decode_attention: list[str] = field(default_factory=list)  # decode attention on fxquant's kernel, by module
     rotary_cache: list[str] = field(default_factory=list)  # rotary embedding and cache write in one op, by module
     cache_length: list[str] = field(default_factory=list)  # the cache's length counted in that op, by module
-    gemm_epilogues: list[str] = field(default_factory=list)  # GEMMs with the row work after them in one op, by module
     attention_left: list[tuple[str, str]] = field(default_factory=list)  # (module, why) decode attention left
     auto_reasons: dict[str, str] = field(default_factory=dict)  # fqn -> why recipe="auto" kept the layer

@@ -7,8 +7,10 @@ import operator
 
 import pytest
 import torch
+import transformers as T
 from hf_models import compiled_results, decoder, static_decode
 
+import fxquant
 from fxquant.compile import pipeline
 from fxquant.passes.decode_attention import DecodeAttention
 from fxquant.passes.fuse_rotary_cache import FuseRotaryCache
@@ -27,14 +29,15 @@ def on_the_cpu(monkeypatch):
     monkeypatch.setattr(pipeline, "FuseRotaryCache", functools.partial(FuseRotaryCache, devices=("cpu",)))
 
 
-def launches(layers: int, **options) -> list[str]:
-    """The computing nodes (not views) of an fp8_row Llama decode step of `layers` layers, by target name."""
+def launches(layers: int, cache_class=T.StaticCache) -> list[str]:
+    """The computing nodes (not views) of an fp8_row Llama decode step of `layers` layers over a cache of
+    cache_class, by target name."""
     model = decoder("llama", num_hidden_layers=layers)
-    forward, graphs = compiled_results(model, options={"recipe": "fp8_row", "inner": "eager", **options},
+    forward, graphs = compiled_results(model, options={"recipe": "fp8_row", "inner": "eager"},
                                        keep=lambda result: result.gm)
     generator = torch.Generator().manual_seed(2)
     static_decode(model, forward, torch.randint(0, 512, (1, 5), generator=generator),
-                  torch.randint(0, 512, (1, 1), generator=generator))
+                  torch.randint(0, 512, (1, 1), generator=generator), cache_class=cache_class)
     nodes = [node for node in graphs[-1].graph.nodes if node.op in ("call_function", "call_method")]
     return [getattr(node.target, "__name__", str(node.target)).split(".")[0] for node in nodes
             if target_of(node) not in VIEWS]
@@ -50,12 +53,12 @@ def test_an_fp8_row_decode_layer_launches_nine_ops(on_the_cpu):
     assert sorted(layer) == FP8_ROW_LAYER, layer
 
 
-def test_with_fuse_gemm_epilogue_enabled_a_layer_launches_six(on_the_cpu):
-    """The o- and down-projections with the norms after them in their epilogues, and the gate/up projection with
-    SiLU x up and its quantizer in its own (off by default until measured): q/k/v's GEMM stays as it is."""
-    two, three = launches(2, enable_passes="fuse_gemm_epilogue"), launches(3, enable_passes="fuse_gemm_epilogue")
+def test_over_an_fp8_cache_a_layer_launches_the_same_nine_ops(on_the_cpu):
+    """The e4m3 cache's rotary op quantizes K and V as it writes them: no quantizer of its own, and attention reads
+    the codes."""
+    two, three = launches(2, fxquant.FP8StaticCache), launches(3, fxquant.FP8StaticCache)
     layer = list(three)
     for name in two:
         layer.remove(name)
-    assert sorted(layer) == sorted(["scaled_mm_fp8", "scaled_mm_fp8_silu_mul_quantize"] + [
-        "scaled_mm_fp8_add_norm_quant"] * 2 + ["rotary_cache_append", "decode_attention_quantize_fp8"]), layer
+    assert sorted(layer) == sorted(name.replace("rotary_cache_append", "rotary_cache_append_e4m3")
+                                   for name in FP8_ROW_LAYER), layer

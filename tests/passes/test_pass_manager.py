@@ -9,12 +9,11 @@ import pytest
 import torch
 from hf_models import VOCAB, compiled_results, decoder, fake_quantized, static_decode, traced, within_bound
 
-from fxquant.compile.pipeline import OFF_BY_DEFAULT, OPTIONAL, PASSES, run_pipeline
+from fxquant.compile.pipeline import OPTIONAL, PASSES, run_pipeline
 from fxquant.config import QuantConfig, from_options
 from fxquant.passes.order import passes_run
 
 X = torch.randn(2, 128, dtype=torch.bfloat16)
-DEFAULT = tuple(name for name in PASSES if name not in OFF_BY_DEFAULT)  # the passes a default config runs
 MODEL = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Softmax(-1)).to(torch.bfloat16)
 GENERATOR = torch.Generator().manual_seed(5)
 PROMPT = torch.randint(0, VOCAB, (2, 8), generator=GENERATOR)
@@ -28,10 +27,10 @@ def exported():
 def test_each_pass_is_timed_and_logged_with_what_it_changed(caplog):
     with caplog.at_level(logging.DEBUG, logger="fxquant.compile.pipeline"):
         result = run_pipeline(exported(), QuantConfig(recipe="fp8_row"), (X,))
-    assert [timing.name for timing in result.timings] == list(DEFAULT)
+    assert [timing.name for timing in result.timings] == list(PASSES)
     lines = {record.getMessage().split(":")[0]: record.getMessage() for record in caplog.records
              if record.name == "fxquant.compile.pipeline"}
-    assert list(lines) == list(DEFAULT)
+    assert list(lines) == list(PASSES)
     assert "unchanged" in lines["detect"]  # annotations only
     assert ", changed," in lines["quantize_linear"] and ", changed," in lines["upcast"]
     quantize = result.timings[PASSES.index("quantize_linear")]
@@ -43,7 +42,7 @@ def test_each_pass_dumps_the_graph_it_leaves_where_asked(tmp_path, monkeypatch):
     run_pipeline(exported(), QuantConfig(recipe="fp8_row"), (X,))
     files = sorted(path.name for path in tmp_path.iterdir())
     run = files[0].split("-")[0]
-    dumped = [(place, name) for place, name in enumerate(PASSES) if name in DEFAULT]  # numbered by place in PASSES
+    dumped = list(enumerate(PASSES))  # numbered by place in PASSES
     assert files == [f"{run}-{place:02d}-{name}.txt" for place, name in dumped]
     text = {name: (tmp_path / f"{run}-{place:02d}-{name}.txt").read_text() for place, name in dumped}
     assert "torch.float32" not in text["detect"] and "torch.float32" in text["upcast"]  # the softmax's fp32 input

@@ -1,0 +1,34 @@
+"""Writes tests/durations.json, the seconds each test of at least a second took in a run of `.ci/gpu`, from that run's
+JUnit XML: `.ci/gpu --junitxml=junit.xml`, then `python3 .ci/durations.py junit.xml`. conftest.py hands the tests
+to xdist's workers longest first by it, so that no long test starts last (the GPU suite must end inside one call)."""
+
+import json
+import sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORTEST_KEPT = 1.0  # seconds: shorter tests keep their collection order at the end
+
+
+def node_id(classname: str, name: str) -> str | None:
+    """pytest's node id of a JUnit test case: the longest prefix of the dotted class name that is a file, then the
+    classes within it; xdist's `@group` suffix left off. None where no such file is left (a test since removed)."""
+    parts = classname.split(".")
+    for end in range(len(parts), 0, -1):
+        path = "/".join(parts[:end]) + ".py"
+        if (ROOT / path).is_file():
+            return "::".join([path, *parts[end:], name.split("@")[0]])
+    return None
+
+
+def main(junit: str) -> None:
+    cases = ElementTree.parse(junit).getroot().iter("testcase")
+    seconds = {node_id(case.get("classname"), case.get("name")): round(float(case.get("time")), 1) for case in cases}
+    kept = dict(sorted((test, time) for test, time in seconds.items() if test and time >= SHORTEST_KEPT))
+    (ROOT / "tests" / "durations.json").write_text(json.dumps(kept, indent=0) + "\n")
+    print(f"tests/durations.json: {len(kept)} tests of at least {SHORTEST_KEPT} s, {sum(kept.values()):.0f} s in all")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
