@@ -3,7 +3,8 @@ of the cuBLAS route against the fp64 product, a sweep of the kernel's tiles (the
 M = 128), and time against bf16 cuBLAS (torch.mm) and fp8 cuBLAS (torch._scaled_mm with row scales, the fp8_row
 recipe's GEMM) in the same process.
 
-Run: python -m bench.int4_fp8_gemm [--sweep] [--ms 1 16 128 1024 4096]
+Run: python -m bench.int4_fp8_gemm [--sweep | --pair-order] [--ms 1 16 128 1024 4096]
+     (--pair-order: the kernel's default tiles at M <= 16 with K in codes.pair_order, as shipped, and in K order)
 """
 
 from __future__ import annotations
@@ -103,8 +104,31 @@ def sweep(do_sweep: bool) -> list[dict]:
     return rows
 
 
+def pair_order_ab() -> list[dict]:
+    """The decode tiles (M <= 16) on the Llama shapes with both operands' K in codes.pair_order (int4_fp8_config's
+    PAIR_ORDER, on by default there) and in K order: us and relative error against the fp64 product."""
+    rows = []
+    for n, k in NKS[:3]:
+        for m in [m for m in MS if m <= 16]:
+            row = {"M": m, "N x K": f"{n}x{k}"}
+            sets = rotating(lambda: operands(m, n, k), m * k + n * k // 2)
+            qa, qw = sets[0]
+            exact = R.dequantize(qa, torch.float64) @ R.dequantize(qw, torch.float64).T
+            for name, order in (("pairs", True), ("K order", False)):
+                cfg = {**int4_fp8_config(m, n), "PAIR_ORDER": order}
+                err = float((gemm(qa, qw, cfg).double() - exact).norm() / exact.norm())
+                ms = graph_time_ms(lambda qa, qw, c=cfg: gemm(qa, qw, c), sets)
+                row |= {f"{name} us": f"{ms * 1e3:.1f}", f"{name} err": f"{err:.1e}"}
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
 def main():
     print(header())
+    if "--pair-order" in sys.argv:
+        print(table(pair_order_ab()))
+        return
     print(table(check()))
     print("default tiles:", {(m, n): int4_fp8_config(m, n) for m in MS for n in sorted({n for n, _ in NKS})})
     print(table(sweep("--sweep" in sys.argv)))

@@ -42,8 +42,9 @@ def int4_fp8_config(M: int, N: int) -> dict:
         # 4096x14336 at M = 1 (1.13-1.26x bf16 cuBLAS): the narrow weights reach 8 slices at 264 programs (16 were
         # slower at K = 14336), the wide ones at 1056.
         # K meets in codes.pair_order here: 414 -> 382 instructions a K step on sm_90 (`python -m bench.sass w4a8`),
-        # timed at 10.1 / 26.9 / 26.3 us at M = 1 (12e4074), not yet against K order, which the weight-only GEMMs
-        # ran faster in; on the 64-row tiles below K order keeps 220 registers where pair order takes 254.
+        # and faster than K order on every Llama shape (`--pair-order`, H100 at 1ef4406, w4a8_pairs_1ef4406.txt: M = 1
+        # 10.2 / 27.4 / 25.7 us against 13.5 / 33.5 / 34.2), unlike the weight-only GEMMs; on the 64-row tiles below
+        # K order keeps 220 registers where pair order takes 254.
         return dict(BLOCK_M=16, BLOCK_N=128, GROUP_M=1, num_warps=4, num_stages=3,
                     programs=TARGET_PROGRAMS if N <= 4096 else 4 * TARGET_PROGRAMS, PAIR_ORDER=True)
     if M <= CUBLAS_ABOVE_M:
