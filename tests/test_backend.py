@@ -73,7 +73,7 @@ def test_report_prints_once_per_compile(capsys):
     assert "kept in high precision: default exclusion" in layer_rows(out)["lm_head"] and "bytes" in out
 
 
-@pytest.mark.parametrize("inner", ["eager", "inductor"])
+@pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=pytest.mark.cpu_only)])
 def test_weight_changed_after_compile_is_requantized_with_one_warning(inner):
     model = tiny_block()
     fn = compiled(model, recipe="fp8_row", inner=inner)
@@ -119,6 +119,7 @@ def test_options_of_the_wrong_type_are_named_with_the_type_they_take(options, ma
         fxquant.from_options(options)
 
 
+@pytest.mark.cpu_only
 def test_inductor_options_reach_the_inner_compile_after_the_modes(monkeypatch):
     """options={"inductor": {...}}: Inductor's own options, as torch.compile(options=...) would pass them without
     fxquant, reach compile_fx beside (and after) the ones the mode sets."""
@@ -241,6 +242,7 @@ def test_lowered_graph_keeps_dynamo_meta_so_cuda_graphs_take_weights_as_static()
     assert seen["ids"][0] is not None and seen["ids"][1] == seen["ids"][0]
 
 
+@pytest.mark.cpu_only
 def test_inputs_written_in_place_that_dynamo_marked_static_stay_static_for_cuda_graphs(monkeypatch):
     """A StaticCache's tensors are marked static and written in place. AOT lost those marks for the lowered graph,
     so CUDA graphs skipped every decode step ("mutated inputs"), for every recipe: the run fell back to launching

@@ -17,6 +17,7 @@ def small_llama() -> T.LlamaForCausalLM:
     return T.LlamaForCausalLM(llama_config(2, 256, VOCAB)).eval()
 
 
+@pytest.mark.cpu_only
 def test_timing_the_wrapper_alone_restores_the_compiled_step():
     """wrapper_us replaces the compiled graph by a no-op and the callable's __call__ by a recorder while it times;
     afterwards the step runs the real graph again and gives the logits it gave before."""
@@ -35,6 +36,7 @@ def test_timing_the_wrapper_alone_restores_the_compiled_step():
     torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
+@pytest.mark.cpu_only
 def test_graph_replay_timing_restores_replay_and_counts_only_replays():
     """Steps on the CPU launch no CUDA graph: each step's replay time is 0, one per step, and replay() is the
     original afterwards."""

@@ -215,6 +215,7 @@ def test_the_report_names_the_layers_fused(on_the_cpu, capsys):
     assert f"rotary embedding and cache write in one kernel: {', '.join(layers)}" in capsys.readouterr().out
 
 
+@pytest.mark.cpu_only
 def test_under_inductor_the_fused_step_gives_the_unfused_steps_bits_writing_the_cache_in_place(on_the_cpu):
     """Inductor (not the eager inner compiler): the op reads cos and sin unrounded, as Inductor's unfused code does, so
     the logits and caches are the same bits; and it runs on the cache inputs themselves, with no copy of the cache."""
