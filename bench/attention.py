@@ -12,7 +12,10 @@ keys: docs/decisions/0026-decode-attention-timed-from-hbm.md), and the percentag
 reading the cache once (K and V, codes and scales for fp8) at that time would be. The outputs are checked against
 reference_attention's fp32 result first.
 
-Run: python -m bench.attention [--batches 1 16 64] [--contexts 1024 4096 16384] [--sweep [--codes]]
+With --filled N the cache of each context holds N tokens and the decode mask hides the rest, as a static cache
+allocated past what it holds (`filled_paths`); the percentages are then of the filled keys' bytes.
+
+Run: python -m bench.attention [--batches 1 16 64] [--contexts 1024 4096 16384] [--sweep [--codes]] [--filled N]
 """
 
 from __future__ import annotations
@@ -120,6 +123,45 @@ def paths(batch: int, context: int):
     return rows, sets, checks
 
 
+def filled_paths(batch: int, context: int, filled: int):
+    """paths() for a static cache of `context` keys holding `filled` (each sequence's first), the rest hidden by the
+    mask: as transformers' boolean decode mask, whose hidden blocks the kernel does not read, and as an additive
+    -inf mask hiding the same keys, whose blocks it reads; against a cache of the filled keys alone (the bytes that
+    must be read) and SDPA over the boolean mask. The boolean and additive rows are checked for the same bits."""
+    sets = cache_sets(batch, context)
+    for (c,) in sets:
+        c["seen"] = (torch.arange(context, device="cuda") < filled).expand(batch, 1, 1, context)
+        c["hidden"] = torch.zeros(c["seen"].shape, device="cuda", dtype=torch.bfloat16).masked_fill(~c["seen"],
+                                                                                                   float("-inf"))
+        c["k_filled"], c["v_filled"] = c["k"][:, :, :filled], c["v"][:, :, :filled]
+    scale = DIM**-0.5
+    first = sets[0][0]
+    filled_bytes = 2 * batch * HEADS_KV * filled * DIM * first["k"].element_size()
+    codes_bytes = 2 * batch * HEADS_KV * filled * (DIM + 4)
+    attn = torch.ops.fxquant.decode_attention
+    rows = [
+        ("fxquant bf16, boolean mask", lambda c: attn(c["q"], c["k"], c["v"], c["seen"], scale, 0.0, None, None,
+                                                       None, None), filled_bytes),
+        ("fxquant bf16, additive mask", lambda c: attn(c["q"], c["k"], c["v"], c["hidden"], scale, 0.0, None, None,
+                                                        None, None), filled_bytes),
+        ("fxquant fp8, boolean mask", lambda c: attn(c["q"], c["kc"], c["vc"], c["seen"], scale, 0.0, None, c["ks"],
+                                                      c["vs"], None), codes_bytes),
+        ("SDPA enable_gqa, boolean mask", lambda c: F.scaled_dot_product_attention(
+            c["q"], c["k"], c["v"], attn_mask=c["seen"], enable_gqa=True), filled_bytes),
+    ]
+    if filled < context:
+        rows.insert(2, ("fxquant bf16, a cache of the filled keys", lambda c: attn(
+            c["q"], c["k_filled"], c["v_filled"], None, scale, 0.0, None, None, None, None), filled_bytes))
+    q, k, v, seen = first["q"], first["k"], first["v"], first["seen"]
+    checks = {
+        "fxquant bf16, boolean mask": RA.decode_attention(q, k, v, seen, scale),
+        "fxquant bf16, additive mask": rows[0][1](first),  # the same bits: skipping hidden blocks changes none
+        "fxquant fp8, boolean mask": RA.decode_attention(q, first["kc"], first["vc"], seen, scale,
+                                                         k_scale=first["ks"], v_scale=first["vs"]),
+    }
+    return rows, sets, checks
+
+
 # (programs per SM, key blocks per split, warps, keys per block[, pipeline stages])
 # (more programs and one block a split: a cold cache at B1 wants bytes in flight, not few programs)
 CANDIDATES = [(2, 4, 4, 64), (2, 2, 4, 64), (2, 2, 4, 128), (2, 4, 8, 128), (4, 2, 4, 64), (2, 8, 4, 64),
@@ -159,6 +201,8 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--sweep", action="store_true", help="time the kernel's launch plans instead")
     parser.add_argument("--codes", action="store_true", help="sweep over an e4m3 cache")
+    parser.add_argument("--filled", type=int, help="the cache holds this many tokens of its context; a mask hides "
+                        "the rest")
     args = parser.parse_args()
     print(header())
     if args.sweep:
@@ -169,11 +213,14 @@ def main() -> None:
     table_rows = []
     for batch in args.batches:
         for context in args.contexts:
-            rows, sets, checks = paths(batch, context)
+            rows, sets, checks = (filled_paths(batch, context, min(args.filled, context)) if args.filled
+                                  else paths(batch, context))
             row = {"B": batch, "context": context}
             for name, fn, nbytes in rows:
                 out = fn(*sets[0])
-                if isinstance(checks.get(name), tuple):  # (codes, scales): the bits of the unfused quantizer
+                if name == "fxquant bf16, additive mask":  # the boolean row's bits
+                    assert torch.equal(out, checks[name]), f"{name} at B{batch} {context}: other bits"
+                elif isinstance(checks.get(name), tuple):  # (codes, scales): the bits of the unfused quantizer
                     same = all(torch.equal(got.view(torch.uint8), want.view(torch.uint8))
                                for got, want in zip(out, checks[name], strict=True))
                     assert same, f"{name} at B{batch} {context}: other bits than the row quantizer's"

@@ -8,7 +8,9 @@ split that finishes last for its (batch, KV head) merges them, counted in at tha
 count (`splitk.counters`), so a decode layer launches one attention kernel. The merge kernel stays where there are
 no counters (a package's tracing, a capture before the first GEMM made them, FXQUANT_SPLIT_REDUCE=kernel); both
 run `_merge_pair`, so they give the same bits (docs/decisions/0021-decode-attention-merged-by-the-last-split.md).
-Scores, softmax and the merge are fp32; the probabilities are rounded to the cache's dtype for the tensor-core
+Under a boolean mask shared by every query row (transformers' decode mask), each slice first reads the mask to find
+the keys it attends to and reads no key block that the mask hides wholly: a static cache allocated past what it
+holds costs only what it holds (`attended_span`). Scores, softmax and the merge are fp32; the probabilities are rounded to the cache's dtype for the tensor-core
 product with V, as flash attention does, and to fp16 for e4m3 codes.
 """
 
@@ -45,6 +47,7 @@ CODES_PLANS = ((512, (2, 4, 2, 64)), (128, (4, 4, 4, 128, 3)), (0, (2, 2, 4, 128
 # plans above were timed on one cache, which the L2 held at B1), B1 1k 6.0 us and 4k 8.7 against 8.3 and 10.2; at 16k
 # 22.8 against 19.8, so the plan above stays there (docs/decisions/0026-decode-attention-timed-from-hbm.md).
 CODES_SHORT_PLAN = (8, 1, 4, 128)
+MASK_SCAN = 1024  # keys of a boolean mask row read at once to find the span a slice attends to: 1 KB
 LOG2_E = tl.constexpr(1.4426950408889634)
 PER_TOKEN, GROUPED = tl.constexpr(1), tl.constexpr(2)  # QUANT: a scale per token row, or per group of a head's row
 E4M3_MAX = E4M3.max
@@ -118,6 +121,25 @@ def _quantize_rows(out_ptr, codes_ptr, qscale_ptr, b, Q, WIDTH, FMAX: tl.constex
 
 
 @triton.jit
+def attended_span(mask_row_ptr, stride, first, end, BLOCK_N: tl.constexpr, SCAN: tl.constexpr):
+    """The keys of [first, end) that a boolean mask row, shared by every query row, lets attend, as (first, end) on
+    the key blocks' grid from `first`: the first attended key's block to the last attended key. A block whose every
+    key is masked adds exactly nothing (each p is 0; the running max and sum stay as they are), so leaving it unread
+    gives the same bits; a slice with none attended gets an empty range, and the -inf it gave before. Additive masks
+    are left out: transformers' finfo.min still weighs in a row that has no other key."""
+    lo, hi = first, end
+    low, high = hi, lo  # the smallest attended key and the largest plus one; (hi, lo) while none is
+    for chunk in range(lo, hi, SCAN):
+        keys = chunk + tl.arange(0, SCAN)
+        ok = keys < hi
+        seen = tl.load(mask_row_ptr + keys * stride, mask=ok, other=0)
+        attends = ok & (seen != 0)
+        low = tl.minimum(low, tl.min(tl.where(attends, keys, hi), 0))
+        high = tl.maximum(high, tl.max(tl.where(attends, keys + 1, lo), 0))
+    return lo + (low - lo) // BLOCK_N * BLOCK_N, high
+
+
+@triton.jit
 def _decode_attention_split_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, mask_ptr, lens_ptr, o_part_ptr, lse_part_ptr,
@@ -134,7 +156,7 @@ def _decode_attention_split_kernel(
     SOFTCAP: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     LAST_SPLIT_MERGES: tl.constexpr, ROWS: tl.constexpr, HAS_SINKS: tl.constexpr, OUT: tl.constexpr,
     CAST: tl.constexpr, QUANT: tl.constexpr, QGROUP: tl.constexpr, FMAX: tl.constexpr, FP8: tl.constexpr,
-    AMAX_FLOOR: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr, BLOCK_W: tl.constexpr, SCAN: tl.constexpr, PDL: tl.constexpr,
 ):
     await_previous(PDL)
     bh, split = tl.program_id(0), tl.program_id(1)
@@ -151,14 +173,17 @@ def _decode_attention_split_kernel(
         q = q / q_unit[:, None]
         row_scale = (q_unit * scale)[:, None]
     q = q.to(DOT)
-    end = tl.minimum(split * SPLIT_LEN + SPLIT_LEN, S)
+    first = split * SPLIT_LEN
+    end = tl.minimum(first + SPLIT_LEN, S)
     if HAS_LENS:  # keys past the sequence's length are never read
         end = tl.minimum(end, tl.load(lens_ptr + b))
+    if MASK_PER_KEY and MASK == 2:  # nor are blocks of keys the mask hides: a static cache's unfilled tail
+        first, end = attended_span(mask_ptr + b * smb, sms, first, end, BLOCK_N, SCAN)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     k_base, v_base = k_ptr + b * skb + h * skh, v_ptr + b * svb + h * svh
-    for start in range(split * SPLIT_LEN, end, BLOCK_N):
+    for start in range(first, end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < end
         k = tl.load(k_base + keys[:, None] * sks + cols[None, :], mask=key_ok[:, None], other=0.0)
@@ -361,7 +386,7 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
         SCALE_PER_TOKEN=per_token, MASK=0 if mask is None else 2 if mask.dtype == torch.bool else 1,
         MASK_PER_KEY=per_key,
         HAS_LENS=kv_lens is not None, SOFTCAP=softcap > 0, DOT=dot,
-        PRECISION="ieee" if dot == tl.float32 else "tf32", LAST_SPLIT_MERGES=count is not None,
+        PRECISION="ieee" if dot == tl.float32 else "tf32", LAST_SPLIT_MERGES=count is not None, SCAN=MASK_SCAN,
         num_stages=stages[0] if stages else 2, **merge, **quantize,
     )
     if quantized is not None:

@@ -96,6 +96,36 @@ def test_a_mask_shared_by_every_query_row_is_read_once_per_key(kind):
     check(q, k, v, torch.bfloat16, mask=mask.expand(2, 8, 1, 301).contiguous())
 
 
+@pytest.mark.parametrize("codes", [False, True], ids=["bf16", "e4m3"])
+def test_keys_a_boolean_mask_hides_past_the_filled_ones_are_never_read(codes):
+    """A static cache larger than what it holds: the decode mask hides its unfilled tail, and the kernel reads no
+    block of it. NaN written there (what torch.empty may hold) leaves the output finite and with the bits it has over
+    zeros; read, a NaN value times its probability of 0 would be NaN. Batch row 1 is left-padded: its first keys are
+    masked and, sharing a block with attended ones, read, as before."""
+    keys, filled = 700, (70, 300)
+    q, k, v = operands(2, 8, 2, 1, keys, 64, torch.bfloat16, seed=12)
+    seen = torch.zeros(2, 1, 1, keys, dtype=torch.bool)
+    seen[0, ..., :filled[0]] = True
+    seen[1, ..., 5:filled[1]] = True
+    outs = []
+    for tail in (0.0, float("nan")):
+        k2, v2 = k.clone(), v.clone()
+        for row, length in enumerate(filled):
+            k2[row, :, length:], v2[row, :, length:] = tail, tail
+        scales = {}
+        if codes:
+            (k2, ks), (v2, vs) = fp8_cache(k2), fp8_cache(v2)
+            scales = dict(k_scale=ks, v_scale=vs)
+        mask = seen.to(DEVICE)
+        outs.append(decode_attention(q, k2, v2, mask, q.shape[-1] ** -0.5, 0.0, None, kv_lens=None,
+                                     **({"k_scale": None, "v_scale": None} | scales)))
+        if tail == 0.0:
+            want = RA.decode_attention(q, k2, v2, mask, q.shape[-1] ** -0.5, 0.0, None,
+                                       **({"k_scale": None, "v_scale": None} | scales))
+            assert rel_err(outs[0], want) < BOUND[torch.bfloat16]
+    assert torch.isfinite(outs[1]).all() and torch.equal(outs[1], outs[0])
+
+
 def fp8_cache(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = t.float().abs().amax(-1).clamp_min(2**-9) / 448
     return (t.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
