@@ -105,14 +105,15 @@ def attention_kernel_sass(codes: bool, warps: int | None = None, stages: int | N
     params = list(inspect.signature(DA._decode_attention_split_kernel.fn).parameters)
     plan = dict(DA.CODES_PLANS)[128] if codes else DA.SHORT_PLAN
     constexprs = dict(HKV=8, D=128, BLOCK_M=16, BLOCK_N=plan[3], SPLITS=2 if codes else 3, KV_CODES=codes,
-                      SCALE_PER_TOKEN=codes, MASK=1, MASK_PER_KEY=True, HAS_LENS=False, SOFTCAP=False,
+                      SCALE_PER_TOKEN=codes, MASK=2, MASK_PER_KEY=True, HAS_LENS=False, SOFTCAP=False,
                       DOT=tl.float16 if codes else tl.bfloat16, PRECISION="tf32", LAST_SPLIT_MERGES=True, ROWS=4,
                       HAS_SINKS=False, OUT=tl.bfloat16, CAST=0, PDL=True, QUANT=DA.PER_TOKEN if quantize else 0,
                       QGROUP=1, FMAX=DA.E4M3_MAX if quantize else 0.0, FP8=tl.float8e4nv,
-                      AMAX_FLOOR=DA.AMAX_FLOOR if quantize else 0.0, BLOCK_W=4096 if quantize else 1)
+                      AMAX_FLOOR=DA.AMAX_FLOOR if quantize else 0.0, BLOCK_W=4096 if quantize else 1,
+                      SCAN=DA.MASK_SCAN)
     cache = "*fp8e4nv" if codes else "*bf16"
     pointers = dict(q_ptr="*bf16", k_ptr=cache, v_ptr=cache, k_scale_ptr="*fp32", v_scale_ptr="*fp32",
-                    mask_ptr="*bf16", lens_ptr="*i32", o_part_ptr="*fp32", lse_part_ptr="*fp32", sinks_ptr="*bf16",
+                    mask_ptr="*i1", lens_ptr="*i32", o_part_ptr="*fp32", lse_part_ptr="*fp32", sinks_ptr="*bf16",
                     out_ptr="*bf16", counter_ptr="*i32", codes_ptr="*fp8e4nv", qscale_ptr="*fp32")
     floats = ("scale", "softcap")
     signature = {name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name in floats else "i32")
