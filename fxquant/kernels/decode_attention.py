@@ -136,7 +136,9 @@ def attended_span(mask_row_ptr, stride, first, end, BLOCK_N: tl.constexpr, SCAN:
         attends = ok & (seen != 0)
         low = tl.minimum(low, tl.min(tl.where(attends, keys, hi), 0))
         high = tl.maximum(high, tl.max(tl.where(attends, keys + 1, lo), 0))
-    return lo + (low - lo) // BLOCK_N * BLOCK_N, high
+    # low < lo only where the slice is empty (a sequence ending before it): its range stays empty, never reaching
+    # back into the slice before it
+    return lo + tl.maximum(low - lo, 0) // BLOCK_N * BLOCK_N, high
 
 
 @triton.jit

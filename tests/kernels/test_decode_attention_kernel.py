@@ -6,7 +6,7 @@ V (as flash attention does), about 2^-9 relative in bf16; in fp32 it is exact bu
 import pytest
 import torch
 
-from fxquant.kernels.decode_attention import decode_attention, num_splits, supports
+from fxquant.kernels.decode_attention import SHORT_PLAN, decode_attention, num_splits, supports
 from fxquant.numerics import reference_attention as RA
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -124,6 +124,18 @@ def test_keys_a_boolean_mask_hides_past_the_filled_ones_are_never_read(codes):
                                        **({"k_scale": None, "v_scale": None} | scales))
             assert rel_err(outs[0], want) < BOUND[torch.bfloat16]
     assert torch.isfinite(outs[1]).all() and torch.equal(outs[1], outs[0])
+
+
+def test_a_sequence_shorter_than_a_slice_s_start_under_a_boolean_mask():
+    """Sequence lengths and a boolean mask at once: row 1 ends (61 keys) before most slices start, so those slices
+    attend to nothing; none may read the keys of the slice before it."""
+    q, k, v = operands(2, 8, 2, 1, 700, 64, torch.bfloat16, seed=13)
+    programs_per_sm, blocks_per_split, _, block_n = SHORT_PLAN  # the plan up to 4096 keys
+    assert num_splits(2 * 2, 700, q.device, programs_per_sm, blocks_per_split, block_n) > 4  # slices of <= 128 keys
+    seen = torch.ones(2, 1, 1, 700, dtype=torch.bool)
+    seen[0, ..., 650:] = False
+    check(q, k, v, torch.bfloat16, mask=seen.to(DEVICE), kv_lens=torch.tensor([700, 61], dtype=torch.int32,
+                                                                             device=DEVICE))
 
 
 def fp8_cache(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
