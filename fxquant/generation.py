@@ -40,6 +40,7 @@ HANDLED = (T.MaxLengthCriteria, T.EosTokenCriteria)  # the step's own counters a
 # A sliding layer that never fills is a full one; as a full one its fill is tracked on the device, not in a Python
 # int that dynamo specializes on (one recompile per step) and a replayed graph never moves on.
 FULL_LAYER = {StaticSlidingWindowLayer: StaticLayer, E4M3_LAYERS[StaticSlidingWindowLayer]: E4M3_LAYERS[StaticLayer]}
+SHORTEST_CACHE = 256  # positions: the smallest cache fxquant.generate allocates; past it, powers of two
 MODEL_KWARGS = {"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep",
                 "cache_position"}
 
@@ -129,8 +130,8 @@ def _compiled_or_refused():
         raise RuntimeError(
             f"fxquant.generate: dynamo's recompile limit ({torch._dynamo.config.recompile_limit}) is hit for the "
             f"model's forward (each model, options and cache length compiles it anew), and it would run "
-            f"unquantized. Fix: torch._dynamo.reset() between models, or raise "
-            f"torch._dynamo.config.recompile_limit") from error
+            f"unquantized. Fix: torch._dynamo.reset() between models, one StaticCache of the longest length as "
+            f"past_key_values, or raise torch._dynamo.config.recompile_limit") from error
 
 
 def _inductor_faults_avoided(device: torch.device):
@@ -165,9 +166,22 @@ def _check(config, logits_processor, stopping_criteria, synced_gpus: bool, model
             raise _refuse(f"the stopping criteria {type(criteria).__name__} runs on the host")
 
 
+def cache_length(config, needed: int) -> int:
+    """The length of the cache fxquant.generate allocates for `needed` positions: a power of two, at least
+    SHORTEST_CACHE. Each cache length is a graph of its own for the decode step, compiled anew (dynamo's recompile
+    limit, 8, refuses the ninth), so prompt and max_new_tokens lengths share one per doubling instead of one each.
+    The unfilled tail costs memory, not reads: the decode mask hides it, and the attention kernel reads no block it
+    hides. Where a sliding window holds the positions but not the power of two, the window's length: every layer
+    then has the same length, the window layers as full ones."""
+    length = max(SHORTEST_CACHE, 1 << (needed - 1).bit_length())
+    window = getattr(config.get_text_config(), "sliding_window", None)
+    return window if isinstance(window, int) and needed <= window < length else length
+
+
 def _static_cache(model, model_kwargs, batch: int, needed: int) -> StaticCache:
-    """The given StaticCache (or FP8StaticCache), else one of the model's own, kept for the next call with its
-    tensors at the same addresses, so that the captured step is replayed rather than captured again."""
+    """The given StaticCache (or FP8StaticCache), else one of the model's own (`cache_length` long), kept for the
+    next call with its tensors at the same addresses, so that the captured step is replayed rather than captured
+    again."""
     given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if isinstance(given, StaticCache):
         if int(given.get_seq_length()) > 0:
@@ -175,11 +189,11 @@ def _static_cache(model, model_kwargs, batch: int, needed: int) -> StaticCache:
                           "or call cache.reset() first")
         cache = given
     elif given is None or given.get_seq_length() == 0:  # transformers' default, an empty DynamicCache
-        caches = kept(model).caches
-        if (batch, needed) not in caches:
+        caches, length = kept(model).caches, cache_length(model.config, needed)
+        if (batch, length) not in caches:
             caches.clear()  # one at a time: a cache is the model's largest activation
-            caches[batch, needed] = StaticCache(config=model.config, max_cache_len=needed)
-        cache = caches[batch, needed]
+            caches[batch, length] = StaticCache(config=model.config, max_cache_len=length)
+        cache = caches[batch, length]
         cache.reset()  # the last call's tokens
     else:
         raise _refuse(f"a {type(given).__name__} already holding tokens is not a static cache")

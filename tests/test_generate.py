@@ -14,7 +14,7 @@ import transformers as T
 from hf_models import VOCAB, decoder, fake_quantized, static_decode, within_bound
 
 import fxquant
-from fxquant.generation import last_run
+from fxquant.generation import cache_length, kept, last_run
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NOTHING = {"inner": "eager", "skip": [".*"]}  # compiled by the fxquant backend, no layer quantized
@@ -37,8 +37,28 @@ def test_a_forward_past_dynamo_s_recompile_limit_is_refused_not_run_unquantized(
     model = model_of("llama")
     ids, _ = prompts(1)
     with torch._dynamo.config.patch(recompile_limit=1), pytest.raises(RuntimeError, match="recompile limit"):
-        for max_new_tokens in (4, 5):  # a new cache length: the step compiles anew
+        for max_new_tokens in (4, 300):  # past 256 positions, a cache twice as long: the step compiles anew
             fxquant.generate(model, ids, max_new_tokens=max_new_tokens, options=NOTHING)
+
+
+def test_prompt_and_max_new_tokens_lengths_up_to_a_power_of_two_share_one_decode_graph():
+    """Each cache length is a graph of its own; before, each prompt length plus max_new_tokens compiled the step anew
+    (the ninth was refused at dynamo's recompile limit). Now lengths up to 256, and then within each power of two,
+    share one cache length: after the first call (the prompt's graph and the step's), the others compile nothing,
+    and each gives transformers' tokens."""
+    from torch._dynamo.utils import counters
+
+    model = model_of("llama")
+    graphs = []
+    for width, max_new_tokens in ((8, 4), (8, 5), (11, 7)):
+        ids, mask = prompts(2, width=width, seed=width)
+        before = counters["stats"]["unique_graphs"]
+        got = fxquant.generate(model, ids, attention_mask=mask, max_new_tokens=max_new_tokens, options=NOTHING)
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+        assert torch.equal(got, model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                               do_sample=False))
+    assert graphs == [2, 0, 0]
+    assert [layer.max_cache_len for layer in next(iter(kept(model).caches.values())).layers] == [256, 256]
 
 
 def prompts(batch: int, width: int = 8, seed: int = 0):
@@ -214,7 +234,7 @@ def test_num_return_sequences_and_min_p_run_on_the_device():
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "mixtral"])
 def test_quantized_logits_stay_within_the_fake_quantized_bound(arch, recipe):
     """The logits of every step (output_logits), the prompt's included (the prefill is compiled by the backend
-    too), bound by independent fake-quantized copies fed the same tokens."""
+    too), bound by independent fake-quantized copies fed the same tokens over a cache of the same length."""
     model = decoder(arch).to(DEVICE)
     ids, mask = prompts(2)
     options = {"recipe": recipe, "inner": "eager"}
@@ -225,7 +245,8 @@ def test_quantized_logits_stay_within_the_fake_quantized_bound(arch, recipe):
     got = torch.stack(out.logits)  # [steps, B, V]
     fed, length = out.sequences[:, ids.shape[1]:-1], out.sequences.shape[1] - 1
     exact_model, plain_model = fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=False)
-    decode = lambda m: static_decode(m, m, ids, fed, max_len=length, padding=mask)
+    # over a cache as long as fxquant.generate's: the same keys, masked the same, summed in the same order
+    decode = lambda m: static_decode(m, m, ids, fed, max_len=cache_length(model.config, length), padding=mask)
     assert not within_bound(got, decode(exact_model), decode(plain_model), decode(model))
     assert_graph_loop(model, options, caught, arch)
 
