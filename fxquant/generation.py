@@ -171,8 +171,9 @@ def cache_length(config, needed: int) -> int:
     SHORTEST_CACHE. Each cache length is a graph of its own for the decode step, compiled anew (dynamo's recompile
     limit, 8, refuses the ninth), so prompt and max_new_tokens lengths share one per doubling instead of one each.
     The unfilled tail costs memory, and the prompt's attention (SDPA over the whole cache) reads it; the decode
-    steps' attention kernel reads no block of it, which their mask hides. Where a sliding window holds the positions but not the power of two, the window's length: every layer
-    then has the same length, the window layers as full ones."""
+    steps' attention kernel reads no block of it, which their mask hides. Where a sliding window holds the positions
+    but not the power of two, the window's length: every layer then has the same length, the window layers as full
+    ones."""
     length = max(SHORTEST_CACHE, 1 << (needed - 1).bit_length())
     window = getattr(config.get_text_config(), "sliding_window", None)
     return window if isinstance(window, int) and needed <= window < length else length
