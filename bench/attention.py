@@ -127,7 +127,8 @@ def filled_paths(batch: int, context: int, filled: int):
     """paths() for a static cache of `context` keys holding `filled` (each sequence's first), the rest hidden by the
     mask: as transformers' boolean decode mask, whose hidden blocks the kernel does not read, and as an additive
     -inf mask hiding the same keys, whose blocks it reads; against a cache of the filled keys alone (the bytes that
-    must be read) and SDPA over the boolean mask. The boolean and additive rows are checked for the same bits."""
+    must be read) and SDPA over the boolean mask. Every row is checked against the fp32 reference: the additive
+    mask compiles the kernel otherwise, so its bits may differ in the last place."""
     sets = cache_sets(batch, context)
     for (c,) in sets:
         c["seen"] = (torch.arange(context, device="cuda") < filled).expand(batch, 1, 1, context)
@@ -146,6 +147,8 @@ def filled_paths(batch: int, context: int, filled: int):
                                                         None, None), filled_bytes),
         ("fxquant fp8, boolean mask", lambda c: attn(c["q"], c["kc"], c["vc"], c["seen"], scale, 0.0, None, c["ks"],
                                                       c["vs"], None), codes_bytes),
+        ("fxquant fp8, additive mask", lambda c: attn(c["q"], c["kc"], c["vc"], c["hidden"], scale, 0.0, None,
+                                                       c["ks"], c["vs"], None), codes_bytes),
         ("SDPA enable_gqa, boolean mask", lambda c: F.scaled_dot_product_attention(
             c["q"], c["k"], c["v"], attn_mask=c["seen"], enable_gqa=True), filled_bytes),
     ]
@@ -155,10 +158,11 @@ def filled_paths(batch: int, context: int, filled: int):
     q, k, v, seen = first["q"], first["k"], first["v"], first["seen"]
     checks = {
         "fxquant bf16, boolean mask": RA.decode_attention(q, k, v, seen, scale),
-        "fxquant bf16, additive mask": rows[0][1](first),  # the same bits: skipping hidden blocks changes none
         "fxquant fp8, boolean mask": RA.decode_attention(q, first["kc"], first["vc"], seen, scale,
                                                          k_scale=first["ks"], v_scale=first["vs"]),
     }
+    checks["fxquant bf16, additive mask"] = checks["fxquant bf16, boolean mask"]
+    checks["fxquant fp8, additive mask"] = checks["fxquant fp8, boolean mask"]
     return rows, sets, checks
 
 
@@ -218,9 +222,7 @@ def main() -> None:
             row = {"B": batch, "context": context}
             for name, fn, nbytes in rows:
                 out = fn(*sets[0])
-                if name == "fxquant bf16, additive mask":  # the boolean row's bits
-                    assert torch.equal(out, checks[name]), f"{name} at B{batch} {context}: other bits"
-                elif isinstance(checks.get(name), tuple):  # (codes, scales): the bits of the unfused quantizer
+                if isinstance(checks.get(name), tuple):  # (codes, scales): the bits of the unfused quantizer
                     same = all(torch.equal(got.view(torch.uint8), want.view(torch.uint8))
                                for got, want in zip(out, checks[name], strict=True))
                     assert same, f"{name} at B{batch} {context}: other bits than the row quantizer's"

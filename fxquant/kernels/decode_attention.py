@@ -47,7 +47,7 @@ CODES_PLANS = ((512, (2, 4, 2, 64)), (128, (4, 4, 4, 128, 3)), (0, (2, 2, 4, 128
 # plans above were timed on one cache, which the L2 held at B1), B1 1k 6.0 us and 4k 8.7 against 8.3 and 10.2; at 16k
 # 22.8 against 19.8, so the plan above stays there (docs/decisions/0026-decode-attention-timed-from-hbm.md).
 CODES_SHORT_PLAN = (8, 1, 4, 128)
-MASK_SCAN = 1024  # keys of a boolean mask row read at once to find the span a slice attends to: 1 KB
+MASK_SCAN = 1024  # at most this many keys of a boolean mask row read at once to find a slice's span: 1 KB
 LOG2_E = tl.constexpr(1.4426950408889634)
 PER_TOKEN, GROUPED = tl.constexpr(1), tl.constexpr(2)  # QUANT: a scale per token row, or per group of a head's row
 E4M3_MAX = E4M3.max
@@ -388,7 +388,8 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
         SCALE_PER_TOKEN=per_token, MASK=0 if mask is None else 2 if mask.dtype == torch.bool else 1,
         MASK_PER_KEY=per_key,
         HAS_LENS=kv_lens is not None, SOFTCAP=softcap > 0, DOT=dot,
-        PRECISION="ieee" if dot == tl.float32 else "tf32", LAST_SPLIT_MERGES=count is not None, SCAN=MASK_SCAN,
+        PRECISION="ieee" if dot == tl.float32 else "tf32", LAST_SPLIT_MERGES=count is not None,
+        SCAN=min(MASK_SCAN, next_power_of_2(split_len)),  # a slice's keys in one load, no wider
         num_stages=stages[0] if stages else 2, **merge, **quantize,
     )
     if quantized is not None:
