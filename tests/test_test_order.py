@@ -121,3 +121,18 @@ def test_a_rank_that_dies_without_a_result_fails_the_run_at_once_naming_it():
     with pytest.raises(AssertionError, match=r"ranks \[1\] ended with exit codes \[3\] and no result"):
         run(2, _rank_that_dies)
     assert time.monotonic() - start < 120
+
+
+def test_a_run_s_durations_update_its_tests_and_keep_the_other_command_s():
+    """`.ci/gpu` and `.ci/gpu --cpu-matrix` run disjoint tests: refreshing tests/durations.json from one command's
+    JUnit XML must keep the other's recorded seconds, or its long tests lose their place at the front."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("durations", Path(__file__).parents[1] / ".ci" / "durations.py")
+    durations = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(durations)
+    recorded = {"t.py::gpu_long": 90.0, "t.py::cpu_long": 80.0, "t.py::now_fast": 5.0, "t.py::removed": 70.0}
+    ran = {"t.py::gpu_long": 95.5, "t.py::now_fast": 0.4, "t.py::new": 3.0, None: 9.0}  # None: a file since removed
+    tests = {"t.py::gpu_long", "t.py::cpu_long", "t.py::now_fast", "t.py::new"}
+    assert durations.merged(recorded, ran, tests) == {"t.py::cpu_long": 80.0, "t.py::gpu_long": 95.5, "t.py::new": 3.0}
