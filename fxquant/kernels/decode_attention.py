@@ -10,8 +10,9 @@ no counters (a package's tracing, a capture before the first GEMM made them, FXQ
 run `_merge_pair`, so they give the same bits (docs/decisions/0021-decode-attention-merged-by-the-last-split.md).
 Under a boolean mask shared by every query row (transformers' decode mask), each slice first reads the mask to find
 the keys it attends to and reads no key block that the mask hides wholly: a static cache allocated past what it
-holds costs only what it holds (`attended_span`). Scores, softmax and the merge are fp32; the probabilities are
-rounded to the cache's dtype for the tensor-core product with V, as flash attention does, and to fp16 for e4m3 codes.
+holds reads only what it holds (`attended_span`), though its slices are still planned over the whole length.
+Scores, softmax and the merge are fp32; the probabilities are rounded to the cache's dtype for the tensor-core
+product with V, as flash attention does, and to fp16 for e4m3 codes.
 """
 
 from __future__ import annotations
