@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import capability, float_cast_mode, interpreting
-from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
+from fxquant.kernels.dependent_launch import await_previous, launch_options, start_next
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, visible
 from fxquant.kernels.splitk import counters, reduce_partials, sum_if_last_slice
@@ -138,7 +138,7 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
                      stride_wn, stride_ws, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr,
                      SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
                      CAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
+    await_previous(PDL)
     lane = tl.arange(0, 32)
     g = lane // 4
     t = lane % 4
@@ -185,6 +185,9 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
         acc1 += _stack(a1, b1, c1, d1) * s0
         acc2 += _stack(a2, b2, c2, d2) * s1
         acc3 += _stack(a3, b3, c3, d3) * s1
+    # The next kernel launches after the K loop, as the fp8 GEMM's does: launched at the start, its waiting programs
+    # took this one's slots (32 layers of the four GEMMs alone, H100: 3.055 -> see bench/HISTORY.md)
+    start_next(PDL)
     m = (2 * t)[:, None]  # C fragment: lane (g, t) holds columns (activation rows) 2t and 2t + 1
     out = ws_ptr + tl.program_id(1) * stride_ws
     tl.store(out + m * N + rows0, acc0, mask=(rows0 < N) & (m < M))
