@@ -10,6 +10,7 @@ Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pai
      python -m bench.sass fp8 [--stages N] [--swap]   (row scales, M <= 16, 14336x4096: the decode tiles of
                                                      gemm_configs; --swap: the operands swapped, SWAP_AB)
      python -m bench.sass w4a8 [--stages N]   (int4_fp8's GEMM at decode, 4096 rows, split in 8)
+     python -m bench.sass mma [--stages N]   (int4 at M = 1 on mma.sync, 14336x4096, split in 5)
      python -m bench.sass attention [--codes] [--warps N] [--stages N] [--quantize]   (Llama-3-8B's heads at
                                                      B16, 1k keys; --quantize: the output quantized per token)
 """
@@ -30,7 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fxquant.kernels import decode_attention as DA
-from fxquant.kernels import gemm_fp8, gemm_int4_fp8
+from fxquant.kernels import gemm_fp8, gemm_int4_fp8, gemm_int4_mma
 from fxquant.kernels.codes import FORMATS
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_weight_only import _wo_gemm_kernel, wo_gemm_config
@@ -94,6 +95,21 @@ def w4a8_kernel_sass(stages: int | None = None) -> tuple[str, int]:
     attrs = {(params.index(name),): [["tt.divisibility", 16]] for name in divisible}
     return compiled_sass(gemm_int4_fp8._int4_fp8_kernel, signature, constexprs, attrs, cfg["num_warps"],
                          stages or cfg["num_stages"])
+
+
+def int4_mma_kernel_sass(stages: int | None = None) -> tuple[str, int]:
+    """SASS and registers per thread of the int4 mma.sync kernel at M = 1 (bf16, zero points) on 14336x4096, split
+    in 5 (`int4_mma_split`) and summed by the last slice, with dependent launch."""
+    stages = stages or 3  # int4_mma_mm's default
+    params = list(inspect.signature(gemm_int4_mma._int4_mma_kernel.fn).parameters)
+    constexprs = dict(GROUP=gemm_int4_mma.STEP_K, HAS_ZP=True, BF16=True, SPLIT_K=5, LAST_SLICE_SUMS=True,
+                      HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, STAGES=stages, PDL=True)
+    pointers = dict(a_ptr="*i32", w_ptr="*i32", s_ptr="*fp32", z_ptr="*i32", ws_ptr="*fp32", c_ptr="*bf16",
+                    bias_ptr="*bf16", counter_ptr="*i32")
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in params}
+    divisible = [*pointers, "N", "K", "stride_am", "stride_wn", "stride_ws"]
+    attrs = {(params.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    return compiled_sass(gemm_int4_mma._int4_mma_kernel, signature, constexprs, attrs, 1, stages)
 
 
 def attention_kernel_sass(codes: bool, warps: int | None = None, stages: int | None = None,
@@ -161,6 +177,9 @@ def main():
         sass, registers = attention_kernel_sass(codes, warps, stages, quantize)
         what = f"attention over {'e4m3 codes' if codes else 'bf16'}{', output quantized' if quantize else ''}"
         step = "key block"
+    elif "mma" in sys.argv:
+        sass, registers = int4_mma_kernel_sass(stages)
+        what, step = "int4 on mma.sync, M = 1 (64 rows x 128 codes a warp)", "K step"
     elif "w4a8" in sys.argv:
         sass, registers = w4a8_kernel_sass(stages)
         what, step = "W4A8 (int4 codes, e4m3 activations)", "K step"

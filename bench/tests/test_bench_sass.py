@@ -17,6 +17,7 @@ for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
                                  "mxfp4": sass.decode_kernel_sass("mxfp4"),
                                  "nvfp4 on 32 rows": sass.decode_kernel_sass("nvfp4", rows=32),
                                  "w4a8": sass.w4a8_kernel_sass(),
+                                 "int4 mma": sass.int4_mma_kernel_sass(),
                                  "fp8": sass.fp8_kernel_sass(),
                                  "fp8 swapped": sass.fp8_kernel_sass(swap=True),
                                  "attention": sass.attention_kernel_sass(codes=False),
@@ -35,6 +36,7 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
     found = json.loads(run.stdout.splitlines()[-1])
     for what, tensor_core in [("int4", "HMMA.16816.F32.BF16"), ("mxfp4", "HMMA.16816.F32.BF16"),
                               ("nvfp4 on 32 rows", "HMMA.16816.F32.BF16"), ("w4a8", "HMMA.16816.F32"),
+                              ("int4 mma", "HMMA.16816.F32.BF16"),
                               ("fp8", "HMMA.16816.F32"),
                               ("fp8 swapped", "QGMMA.64x16x32.F32.E4M3.E4M3"),  # wgmma on the codes as stored
                               ("attention", "HMMA.16816.F32.BF16"),

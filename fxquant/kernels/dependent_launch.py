@@ -6,9 +6,10 @@ visible, then lets the next kernel begin its own launch. Between the dozen depen
 hides the launch and tail each one otherwise waits for; stream capture keeps the edges, so CUDA graphs keep it.
 
 The wait comes before any load or store, so every result is the serial launch's, bit for bit. Decode attention
-lets the next kernel launch only after its key loop, and the fp8 GEMM after its K loop: a next kernel as large as
-itself, resident early and waiting, took the slots its own programs needed
-(docs/decisions/0021-decode-attention-merged-by-the-last-split.md). After a
+lets the next kernel launch only after its key loop, and the fp8 and int4 mma.sync GEMMs after their K loop: a next
+kernel as large as itself, resident early and waiting, took the slots its own programs needed
+(docs/decisions/0021-decode-attention-merged-by-the-last-split.md,
+docs/decisions/0028-int4-mma-next-kernel-after-the-k-loop.md). After a
 kernel launched without it (Inductor's, cuBLAS's), a kernel launched with it starts when that one ends, as before.
 FXQUANT_PDL=0 in the environment, or `dependent_launches(False)`, turns it off. Measured: 6.5% of the 32-layer
 fp8_row step's GPU time at B1 (docs/decisions/0018-programmatic-dependent-launch.md).

@@ -186,7 +186,8 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
         acc2 += _stack(a2, b2, c2, d2) * s1
         acc3 += _stack(a3, b3, c3, d3) * s1
     # The next kernel launches after the K loop, as the fp8 GEMM's does: launched at the start, its waiting programs
-    # took this one's slots (32 layers of the four GEMMs alone, H100: 3.055 -> see bench/HISTORY.md)
+    # took this one's slots (32 layers of the four decode GEMMs, H100: 2.960 -> 2.397 ms;
+    # docs/decisions/0028-int4-mma-next-kernel-after-the-k-loop.md)
     start_next(PDL)
     m = (2 * t)[:, None]  # C fragment: lane (g, t) holds columns (activation rows) 2t and 2t + 1
     out = ws_ptr + tl.program_id(1) * stride_ws

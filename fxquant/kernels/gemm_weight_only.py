@@ -45,7 +45,7 @@ from fxquant.kernels.codes import (
     scale_codes,
     scale_value,
 )
-from fxquant.kernels.dependent_launch import await_previous, launch_options, start_next
+from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, visible
@@ -125,14 +125,13 @@ def _wo_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
     PAIR_ORDER: tl.constexpr,
 ):
-    await_previous(PDL)
+    wait_for_previous(PDL)
     pid_k = tl.program_id(1)
     pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
     acc = wo_accumulate(a_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, M, N, K, first_k, last_k,
                         stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk,
                         FMT, GROUP, HAS_ZP, DOT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PAIR_ORDER)
-    start_next(PDL)  # after the K loop, as in the fp8 GEMM: the next kernel's waiting programs would take slots
     acc = wo_scale_tile(acc, s_ptr, gs_ptr, offs_n, N, stride_sn, FMT, DOT)
     store_tile(acc, c_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, pid_k,
                HAS_BIAS, SPLIT_K, OUT, CAST)

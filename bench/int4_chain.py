@@ -1,0 +1,90 @@
+"""The int4 decode GEMMs of 32 Llama-3-8B layers at M = 1, in one CUDA graph: q/k/v (6144x4096), o (4096x4096),
+gate/up (28672x4096) and down (4096x14336), each layer its own weights (3.8 GB of codes, scales and zero points,
+far past the L2), against bf16 torch.mm over the same chain. A GEMM alone hides what its neighbours do to it: under
+programmatic dependent launch the next kernel's programs take SM slots while this one runs, so the chain is the
+unit a kernel change must win on before the 32-layer step.
+
+Each row is the mma.sync kernel (`gemm_int4_mma`) at a split-K rule: the product's (`int4_mma_split`), or K cut
+toward a program count per GEMM; with dependent launch on (as the decode step runs) and off.
+
+Run: python -m bench.int4_chain [--programs 450 1800 ...]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton.testing
+
+from bench.common import copy_bandwidth_gbs, header, table
+from fxquant.kernels.dependent_launch import dependent_launches
+from fxquant.kernels.gemm_int4_mma import STEP_K, int4_mma_mm, pack_lanes
+from fxquant.kernels.gemm_weight_only import weight_operands
+from fxquant.numerics import reference as R
+
+LAYER = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # merged q/k/v, o, merged gate/up, down
+LAYERS = 32
+GROUP = 128
+DEFAULT_PROGRAMS = (450, 1800)  # the product's split aims at 900: a smaller and a larger grid beside it
+
+
+def int4_weight(n: int, k: int):
+    """Random int4 codes in groups of 128 with zero points, and their scales and zero points packed per lane."""
+    q = R.quantize(torch.randn(n, k, device="cuda") * 0.02, "int4", ("group", GROUP))
+    codes, scale = weight_operands(torch.empty(1, k, device="cuda", dtype=torch.bfloat16), q.data, q.scale, "int4",
+                                   GROUP, n)
+    return codes, *pack_lanes(scale, q.zero_point)
+
+
+def split_toward(n: int, k: int, programs: int) -> int:
+    """K slices that bring an N x K GEMM's 64-row tiles nearest `programs` programs, at least 2 K steps a slice."""
+    return max(1, min(k // STEP_K // 2, round(programs / -(-n // 64))))
+
+
+def chain_ms(layers, xs, split_rule) -> float:
+    """Median ms of one graph replay of every layer's four GEMMs, K split by split_rule(n, k) (None: the product's)."""
+    def run():
+        for layer in layers:
+            for n, k, codes, lane_scale, lane_zero in layer:
+                int4_mma_mm(xs[k], codes, lane_scale, lane_zero, GROUP, split=split_rule(n, k))
+    return triton.testing.do_bench_cudagraph(run, rep=200, return_mode="median")
+
+
+def bf16_chain_ms(xs) -> float:
+    """Median ms of the same chain in bf16 torch.mm (cuBLAS); its 14 GB of weights go with the return."""
+    weights = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for n, k in LAYER] for _ in range(LAYERS)]
+    return triton.testing.do_bench_cudagraph(lambda: [xs[w.shape[1]] @ w.T for layer in weights for w in layer],
+                                             rep=200, return_mode="median")
+
+
+def main():
+    print(header())
+    ceiling = copy_bandwidth_gbs()
+    print(f"copy ceiling (read+write): {ceiling:.0f} GB/s")
+    asked = sys.argv[sys.argv.index("--programs") + 1:] if "--programs" in sys.argv else DEFAULT_PROGRAMS
+    programs = [int(v) for v in asked]
+    xs = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for k in (4096, 14336)}
+    bf16_ms = bf16_chain_ms(xs)
+    torch.cuda.empty_cache()
+    layers = [[(n, k, *int4_weight(n, k)) for n, k in LAYER] for _ in range(LAYERS)]
+    nbytes = sum(t.nbytes for layer in layers for _, _, *tensors in layer for t in tensors)
+    rules = [("the product's split", lambda n, k: None)]
+    rules += [(f"toward {p} programs", lambda n, k, p=p: split_toward(n, k, p)) for p in programs]
+    rows = [{"GEMMs": "bf16 torch.mm", "dependent launch": "-", "ms": f"{bf16_ms:.3f}", "x bf16": "1.00"}]
+    for pdl in (True, False):
+        for name, rule in rules:
+            with dependent_launches(pdl):
+                ms = chain_ms(layers, xs, rule)
+            rows.append({"GEMMs": f"int4 mma.sync, {name}", "dependent launch": "on" if pdl else "off",
+                         "ms": f"{ms:.3f}", "x bf16": f"{bf16_ms / ms:.2f}",
+                         "int4 GB/s": f"{nbytes / ms / 1e6:.0f}",
+                         "% copy": f"{100 * nbytes / ms / 1e6 / ceiling:.0f}"})
+            print(rows[-1], flush=True)
+    print(f"{LAYERS} layers x 4 GEMMs at M = 1, one CUDA graph; int4 bytes (codes, lane scales, zero points): "
+          f"{nbytes / 1e9:.2f} GB")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
