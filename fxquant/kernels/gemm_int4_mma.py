@@ -23,7 +23,9 @@ through one fp32 accumulator, which the group's fp32 scale then multiplies, as i
 K is split across programs, each writing fp32 partials that the tile's last slice (`splitk.py`) sums in a fixed order
 and casts.
 `tl.range`'s pipeliner keeps STAGES steps of codes, scales, zero points and activations in flight as asynchronous
-copies while one is multiplied.
+copies while one is multiplied. What bounds the kernel is that reading: a variant that only loads took 79-88% of
+its time on the Llama shapes, and the same codes tiled per (64 rows, 128-code step) ran 6-18% faster (H100,
+BENCHMARKS.md, "The int4 decode GEMM's launch, split and code layout").
 
 Inline PTX does not run under Triton's interpreter: there `supports` is false and the caller takes
 `gemm_weight_only`, which computes the same product. tests/kernels/test_gemm_int4_mma.py runs this kernel under the
@@ -246,7 +248,9 @@ def int4_mma_split(N: int, K: int) -> int:
     slices for the reduce to sum. An M = 1 sweep of split and stages on the Llama-3-8B shapes
     (docs/decisions/0009-int4-split-and-reduce.md) found 10 slices best on 6144x4096 (10.4 us), 5 on
     14336x4096 (18.7), 15 within 0.1 us of the best 14 on 4096x14336, and 3 at 34.1 us on 28672x4096, where 4 took
-    37.6; on 4096x4096, 9 and 8 took 8.2 and 8.3 us, 16 more than 8.6, and this gives 10."""
+    37.6; on 4096x4096, 9 and 8 took 8.2 and 8.3 us, 16 more than 8.6, and this gives 10. With the next kernel
+    launched after the K loop, 32 layers of the four decode GEMMs in one graph took 2.397 ms under this rule against
+    2.621 / 2.426 / 2.654 with K split toward 450 / 900 / 1800 programs each (H100, BENCHMARKS.md)."""
     steps = K // STEP_K
     return max(1, min(16, steps // 3, cdiv(900, cdiv(N, ROWS))))
 
