@@ -64,7 +64,7 @@ def main():
     print(f"copy ceiling (read+write): {ceiling:.0f} GB/s")
     asked = sys.argv[sys.argv.index("--programs") + 1:] if "--programs" in sys.argv else DEFAULT_PROGRAMS
     programs = [int(v) for v in asked]
-    xs = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for k in (4096, 14336)}
+    xs = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for k in sorted({width for _, width in LAYER})}
     bf16_ms = bf16_chain_ms(xs)
     torch.cuda.empty_cache()
     layers = [[(n, k, *int4_weight(n, k)) for n, k in LAYER] for _ in range(LAYERS)]
@@ -81,7 +81,7 @@ def main():
                          "int4 GB/s": f"{nbytes / ms / 1e6:.0f}",
                          "% copy": f"{100 * nbytes / ms / 1e6 / ceiling:.0f}"})
             print(rows[-1], flush=True)
-    print(f"{LAYERS} layers x 4 GEMMs at M = 1, one CUDA graph; int4 bytes (codes, lane scales, zero points): "
+    print(f"{LAYERS} layers x {len(LAYER)} GEMMs at M = 1, one CUDA graph; int4 bytes (codes, lane scales, zero points): "
           f"{nbytes / 1e9:.2f} GB")
     print(table(rows))
 
