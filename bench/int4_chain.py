@@ -81,8 +81,8 @@ def main():
                          "int4 GB/s": f"{nbytes / ms / 1e6:.0f}",
                          "% copy": f"{100 * nbytes / ms / 1e6 / ceiling:.0f}"})
             print(rows[-1], flush=True)
-    print(f"{LAYERS} layers x {len(LAYER)} GEMMs at M = 1, one CUDA graph; int4 bytes (codes, lane scales, zero points): "
-          f"{nbytes / 1e9:.2f} GB")
+    print(f"{LAYERS} layers x {len(LAYER)} GEMMs at M = 1, one CUDA graph; int4 bytes (codes, lane scales, zero "
+          f"points): {nbytes / 1e9:.2f} GB")
     print(table(rows))
 
 
