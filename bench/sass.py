@@ -54,7 +54,7 @@ def decode_kernel_sass(fmt: str, stages: int | None = None, rows: int = 16,
     constexprs = dict(FMT=FORMATS[fmt], GROUP=GROUPS[fmt], HAS_ZP=fmt == "int4", HAS_BIAS=False, SPLIT_K=4,
                       LAST_SLICE_SUMS=True, DOT=tl.bfloat16, OUT=tl.bfloat16, CAST=0, EVEN_K=True,
                       BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-                      PDL=False, PAIR_ORDER=pair_order,
+                      PDL=False, PAIR_ORDER=pair_order, TILED=False,
                       **dict.fromkeys(UNIT_STRIDES, 1))
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     attrs = {(ARGS.index(name),): [["tt.divisibility", 16]] for name in ARGS[:9] + list(DIVISIBLE)}
@@ -103,7 +103,7 @@ def int4_mma_kernel_sass(stages: int | None = None) -> tuple[str, int]:
     stages = stages or 3  # int4_mma_mm's default
     params = list(inspect.signature(gemm_int4_mma._int4_mma_kernel.fn).parameters)
     constexprs = dict(GROUP=gemm_int4_mma.STEP_K, HAS_ZP=True, BF16=True, SPLIT_K=5, LAST_SLICE_SUMS=True,
-                      HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, STAGES=stages, PDL=True)
+                      HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, STAGES=stages, PDL=True, TILED=False)
     pointers = dict(a_ptr="*i32", w_ptr="*i32", s_ptr="*fp32", z_ptr="*i32", ws_ptr="*fp32", c_ptr="*bf16",
                     bias_ptr="*bf16", counter_ptr="*i32")
     signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in params}

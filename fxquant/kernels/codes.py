@@ -9,6 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fxquant.kernels.code_tiles import tiled_words
+
 # the FMT constexpr of the kernels that decode codes
 FORMATS = {"int8": 0, "int4": 1, "mxfp4": 2, "nvfp4": 3, "mxfp8": 4}
 PACKED = ("int4", "mxfp4", "nvfp4")  # two 4-bit codes per byte; the others take a byte per code
@@ -64,12 +66,15 @@ def mxfp8_values(codes, scale, GROUP: tl.constexpr):
 
 
 @triton.jit
-def packed_words(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def packed_words(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 TILED: tl.constexpr = False):
     """The [BLOCK_N, BLOCK_K / 8] int32 words of one K step's packed 4-bit codes (nibble j of a little-endian word
-    is code j of its 8)."""
+    is code j of its 8), from rows of codes or, TILED, from `code_tiles`' tiles."""
     WORDS: tl.constexpr = BLOCK_K // 8
     word = step * WORDS + tl.arange(0, WORDS)
     mask = mask_n[:, None] if EVEN_K else mask_n[:, None] & (word[None, :] * 8 < K)
+    if TILED:
+        return tl.load(w_ptr + tiled_words(offs_n[:, None], word[None, :], K), mask=mask, other=0)
     return tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + word[None, :], mask=mask, other=0)
 
 
@@ -111,9 +116,10 @@ def split_words(packed):
 
 
 @triton.jit
-def nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def nibbles(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+            TILED: tl.constexpr = False):
     """The [BLOCK_N, BLOCK_K] 4-bit codes of one K step, in K order, as int32."""
-    return split_words(packed_words(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K))
+    return split_words(packed_words(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K, TILED))
 
 
 @triton.jit

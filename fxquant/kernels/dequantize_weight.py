@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import cast_float, float_cast_mode
+from fxquant.kernels.code_tiles import TILE_ROWS, is_tiled
 from fxquant.kernels.codes import FORMATS, TWO_POW_23, biased, block_scale, e2m1_value, mxfp8_values, nibbles
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, visible
@@ -27,7 +28,7 @@ def _dequantize_kernel(
     N, K, stride_wn, stride_wk, stride_sn, stride_sk, stride_on, stride_we, stride_se, stride_ge, stride_oe,
     # meta-parameters
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
-    EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr,
 ):
     pid_k = tl.program_id(1)
     expert = tl.program_id(2).to(tl.int64)
@@ -51,7 +52,7 @@ def _dequantize_kernel(
             values = mxfp8_values(codes, block_scale(s_ptr, offs_n[:, None], offs_b[None, :], stride_sn, stride_sk,
                                                      mask_b, FMT), GROUP)
     else:
-        codes = nibbles(w_ptr, offs_n, mask_n, pid_k, K, stride_wn, BLOCK_K, EVEN_K)
+        codes = nibbles(w_ptr, offs_n, mask_n, pid_k, K, stride_wn, BLOCK_K, EVEN_K, TILED)
         if FMT == 1:  # (q - z) * s: the difference of two biased integers is exact
             scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_b[None, :] * stride_sk, mask=mask_b, other=0.0)
             if HAS_ZP:
@@ -75,10 +76,12 @@ def _dequantize_kernel(
 
 def dequantize_weight(codes, scale, fmt: str, group: int, K: int, dtype: torch.dtype, *, zero_point=None,
                       global_scale=None) -> torch.Tensor:
-    """codes: [N, K] int8 or e4m3 (as uint8), or [N, K/8] int32 words of packed 4-bit codes; scale: [N, K/group]
-    (E8M0/e4m3 as uint8), [N, 1] for int8; or all of them with a leading dim of E stacked experts (NVFP4's global
-    scale then one per expert, [E]), one launch for all. Returns the [..., N, K] weight in `dtype`, rounded once."""
-    lead, N = tuple(codes.shape[:-2]), codes.shape[-2]
+    """codes: [N, K] int8 or e4m3 (as uint8), or [N, K/8] int32 words of packed 4-bit codes, or int4 codes as
+    `code_tiles`' tiles in int32 words [N / 64, K / 128, 64, 16]; scale: [N, K/group] (E8M0/e4m3 as uint8), [N, 1]
+    for int8; or all of them with a leading dim of E stacked experts (NVFP4's global scale then one per expert,
+    [E]), one launch for all. Returns the [..., N, K] weight in `dtype`, rounded once."""
+    tiled = is_tiled(codes)
+    lead, N = ((), codes.shape[0] * TILE_ROWS) if tiled else (tuple(codes.shape[:-2]), codes.shape[-2])
     out = torch.empty((*lead, N, K), dtype=dtype, device=codes.device)
     experts = lead[0] if lead else 1
     if N == 0 or K == 0 or experts == 0:
@@ -93,6 +96,6 @@ def dequantize_weight(codes, scale, fmt: str, group: int, K: int, dtype: torch.d
         expert_stride(codes), expert_stride(scale), expert_stride(global_scale), expert_stride(out),
         FMT=FORMATS[fmt], GROUP=group or 1, HAS_ZP=zero_point is not None, OUT=TORCH_TO_TL[dtype],
         CAST=float_cast_mode(_dequantize_kernel), EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4,
+        TILED=tiled, num_warps=4,
     )
     return out

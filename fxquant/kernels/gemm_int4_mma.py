@@ -42,13 +42,14 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import capability, float_cast_mode, interpreting
+from fxquant.kernels.code_tiles import TILE_ROWS, is_tiled, tiled_words
 from fxquant.kernels.dependent_launch import await_previous, launch_options, start_next
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, visible
 from fxquant.kernels.splitk import counters, reduce_partials, sum_if_last_slice
 
 STEP_K = 128  # codes per row per K step: 4 lanes x 32; int4 groups must be multiples of it
-ROWS = 64  # weight rows per program: four 16-row MMA blocks
+ROWS = TILE_ROWS  # weight rows per program: four 16-row MMA blocks
 MAX_M = 8  # activation rows one m16n8k16 MMA takes as its B operand
 
 
@@ -112,17 +113,21 @@ def _activation_pairs(ptr, mask):
 
 
 @triton.jit
-def _block_step(w_ptr, row0, stride_wn, t, step, N, z0, z1, x0, x1, x2, x3, x4, x5, x6, x7,
-                y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP: tl.constexpr, BF16: tl.constexpr):
+def _block_step(w_ptr, row0, stride_wn, t, step, N, K, z0, z1, x0, x1, x2, x3, x4, x5, x6, x7,
+                y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP: tl.constexpr, BF16: tl.constexpr, TILED: tl.constexpr):
     """One K step of one 16-row block: its C fragment ([32] each) from rows row0 (g) and row0 + 8 (g + 8).
     Every asm operand is [32], element i in lane i: Triton 3.6 spread lanes across the first dimension of [4, 32]
-    operands, which mma.sync cannot take."""
+    operands, which mma.sync cannot take. TILED: the codes in `code_tiles`' tiles, whose rows are whole tiles."""
     word = tl.arange(0, 4)[None, :]
     row1 = row0 + 8
-    w0 = tl.load(w_ptr + row0[:, None].to(tl.int64) * stride_wn + t[:, None] * 4 + step * 16 + word,
-                 mask=(row0 < N)[:, None], other=0)  # [32, 4]: codes 32t .. 32t + 31 of the step, row g
-    w1 = tl.load(w_ptr + row1[:, None].to(tl.int64) * stride_wn + t[:, None] * 4 + step * 16 + word,
-                 mask=(row1 < N)[:, None], other=0)
+    if TILED:  # rows are whole tiles: no mask
+        w0 = tl.load(w_ptr + tiled_words(row0[:, None], t[:, None] * 4 + step * 16 + word, K))
+        w1 = tl.load(w_ptr + tiled_words(row1[:, None], t[:, None] * 4 + step * 16 + word, K))
+    else:
+        w0 = tl.load(w_ptr + row0[:, None].to(tl.int64) * stride_wn + t[:, None] * 4 + step * 16 + word,
+                     mask=(row0 < N)[:, None], other=0)  # [32, 4]: codes 32t .. 32t + 31 of the step, row g
+        w1 = tl.load(w_ptr + row1[:, None].to(tl.int64) * stride_wn + t[:, None] * 4 + step * 16 + word,
+                     mask=(row1 < N)[:, None], other=0)
     if not HAS_ZP:  # a symmetric code c is (c ^ 8) - 8
         w0 = w0 ^ -0x77777778  # 0x88888888 as int32: bit 3 of every nibble
         w1 = w1 ^ -0x77777778
@@ -139,7 +144,7 @@ def _block_step(w_ptr, row0, stride_wn, t, step, N, z0, z1, x0, x1, x2, x3, x4, 
 def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counter_ptr, M, N, K, G, stride_am,
                      stride_wn, stride_ws, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr,
                      SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
-                     CAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                     CAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, TILED: tl.constexpr):
     await_previous(PDL)
     lane = tl.arange(0, 32)
     g = lane // 4
@@ -174,14 +179,14 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
         x2, y2, x3, y3 = _activation_pairs(a_row + step * 64 + 4, a_in)
         x4, y4, x5, y5 = _activation_pairs(a_row + step * 64 + 8, a_in)
         x6, y6, x7, y7 = _activation_pairs(a_row + step * 64 + 12, a_in)
-        a0, a1, a2, a3 = _block_step(w_ptr, row, stride_wn, t, step, N, za0, za1, x0, x1, x2, x3, x4, x5, x6, x7,
-                                     y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16)
-        b0, b1, b2, b3 = _block_step(w_ptr, row + 16, stride_wn, t, step, N, zb0, zb1, x0, x1, x2, x3, x4, x5, x6,
-                                     x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16)
-        c0, c1, c2, c3 = _block_step(w_ptr, row + 32, stride_wn, t, step, N, zc0, zc1, x0, x1, x2, x3, x4, x5, x6,
-                                     x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16)
-        d0, d1, d2, d3 = _block_step(w_ptr, row + 48, stride_wn, t, step, N, zd0, zd1, x0, x1, x2, x3, x4, x5, x6,
-                                     x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16)
+        a0, a1, a2, a3 = _block_step(w_ptr, row, stride_wn, t, step, N, K, za0, za1, x0, x1, x2, x3, x4, x5, x6,
+                                     x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16, TILED)
+        b0, b1, b2, b3 = _block_step(w_ptr, row + 16, stride_wn, t, step, N, K, zb0, zb1, x0, x1, x2, x3, x4, x5, x6,
+                                     x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16, TILED)
+        c0, c1, c2, c3 = _block_step(w_ptr, row + 32, stride_wn, t, step, N, K, zc0, zc1, x0, x1, x2, x3, x4, x5, x6,
+                                     x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16, TILED)
+        d0, d1, d2, d3 = _block_step(w_ptr, row + 48, stride_wn, t, step, N, K, zd0, zd1, x0, x1, x2, x3, x4, x5, x6,
+                                     x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16, TILED)
         # the group's scale multiplies the step's exact-operand fp32 sums, as gemm_weight_only's int4 path does
         acc0 += _stack(a0, b0, c0, d0) * s0
         acc1 += _stack(a1, b1, c1, d1) * s0
@@ -258,10 +263,11 @@ def int4_mma_split(N: int, K: int) -> int:
 def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split: int | None = None,
                 stages: int = 3):
     """a [M <= 8, K] bf16/fp16 @ dequantize(codes)[N, K].T (+ bias): codes [N, K / 8] int32 words (8 codes each,
-    as `quantize` packs them), lane_scale and lane_zero from `pack_lanes`. Returns [M, N] in a's dtype. The caller
-    checks `supports`."""
+    as `quantize` packs them), or `code_tiles`' tiles as words [N / 64, K / 128, 64, 16]; lane_scale and lane_zero
+    from `pack_lanes`. Returns [M, N] in a's dtype. The caller checks `supports`."""
     M, K = a.shape
-    N = codes.shape[0]
+    tiled = is_tiled(codes)
+    N = codes.shape[0] * ROWS if tiled else codes.shape[0]
     split = split or int4_mma_split(N, K)
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device)
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
@@ -273,6 +279,6 @@ def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split
         M, N, K, K // group, a.stride(0) // 2, codes.stride(0), ws.stride(0),
         GROUP=group, HAS_ZP=lane_zero is not None, BF16=a.dtype == torch.bfloat16, SPLIT_K=split,
         LAST_SLICE_SUMS=count is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[a.dtype],
-        CAST=float_cast_mode(_int4_mma_kernel), STAGES=stages, num_warps=1, num_stages=stages,
+        CAST=float_cast_mode(_int4_mma_kernel), STAGES=stages, TILED=tiled, num_warps=1, num_stages=stages,
         **launch_options(a.device))
     return out if count is not None else reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import float_cast_mode, interpreting
+from fxquant.kernels.code_tiles import TILE_ROWS, is_tiled, tiled_shape
 from fxquant.kernels.codes import (
     FORMATS,
     NVFP4_UNSCALE,
@@ -58,10 +59,11 @@ def wo_accumulate(a_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, M, N, K, first_k, 
                   stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk,
                   FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, DOT: tl.constexpr,
                   EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PAIR_ORDER: tl.constexpr):
+                  PAIR_ORDER: tl.constexpr, TILED: tl.constexpr = False):
     """The fp32 tile A[offs_m] @ W[offs_n].T over K steps [first_k, last_k), each code decoded in registers to a
     value DOT holds exactly; int8's channel scale and NVFP4's global scale are left to `wo_scale_tile`.
-    PAIR_ORDER: packed 4-bit codes and the activations meet in `codes.pair_order`, not in K order."""
+    PAIR_ORDER: packed 4-bit codes and the activations meet in `codes.pair_order`, not in K order. TILED: int4
+    codes in `code_tiles`' tiles."""
     offs_k = tl.arange(0, BLOCK_K)
     mask_m, mask_n = offs_m < M, offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -76,7 +78,7 @@ def wo_accumulate(a_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, M, N, K, first_k, 
             # through fp32: the interpreter mangles int8 -> bf16, and fp32 -> bf16 of a small integer is exact
             acc = tl.dot(a, w.to(tl.float32).to(DOT), acc)
         elif FMT == 1:
-            packed = packed_words(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
+            packed = packed_words(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K, TILED)
             s_index = step * BLOCK_K // GROUP  # BLOCK_K divides GROUP: one group per K step
             scale = tl.load(s_ptr + offs_n * stride_sn + s_index * stride_sk, mask=mask_n, other=0.0)
             # The MMA multiplies exact small integers, q - z, and the group's fp32 scale multiplies the fp32
@@ -123,7 +125,7 @@ def _wo_gemm_kernel(
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     LAST_SLICE_SUMS: tl.constexpr, DOT: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
-    PAIR_ORDER: tl.constexpr,
+    PAIR_ORDER: tl.constexpr, TILED: tl.constexpr,
 ):
     wait_for_previous(PDL)
     pid_k = tl.program_id(1)
@@ -131,7 +133,7 @@ def _wo_gemm_kernel(
     first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
     acc = wo_accumulate(a_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, M, N, K, first_k, last_k,
                         stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk,
-                        FMT, GROUP, HAS_ZP, DOT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PAIR_ORDER)
+                        FMT, GROUP, HAS_ZP, DOT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PAIR_ORDER, TILED)
     acc = wo_scale_tile(acc, s_ptr, gs_ptr, offs_n, N, stride_sn, FMT, DOT)
     store_tile(acc, c_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, pid_k,
                HAS_BIAS, SPLIT_K, OUT, CAST)
@@ -236,7 +238,12 @@ def weight_operands(a, w, w_scale, fmt: str, group: int, N: int):
         raise ValueError("fxquant: an mxfp8 weight multiplies bf16 activations, the 16-bit type with MXFP8's "
                          f"range; got {a.dtype}: cast the activations to bf16")
     packed = fmt in PACKED
-    if w.shape[-2:] != (N, K // 2 if packed else K) or (packed and K % 8):
+    if fmt == "int4" and is_tiled(w):
+        if w.shape != tiled_shape(N, K):
+            raise ValueError(f"fxquant: int4 code tiles must be {tiled_shape(N, K)} for an [N={N}, K={K}] weight, "
+                             f"got {tuple(w.shape)}")
+        lead = ()
+    elif w.shape[-2:] != (N, K // 2 if packed else K) or (packed and K % 8):
         raise ValueError(f"fxquant: {fmt} weight codes must be [..., N={N}, K{'/2' if packed else ''}] for a "
                          f"[M, K={K}]{' with K a multiple of 8' if packed else ''}, got {tuple(w.shape)}")
     if group and group & (group - 1):
@@ -252,8 +259,8 @@ def weight_operands(a, w, w_scale, fmt: str, group: int, N: int):
 def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=None, global_scale=None,
                    bias=None, config=None):
     """a: [M, K] bf16/fp16 (bf16 for mxfp8); w: the codes as `fxquant.quantize` packs them ([N, K] int8 or e4m3,
-    or [N, K/2] uint8); w_scale: [N, 1] (int8), [N, K/group] fp32 (int4), E8M0 (mxfp4, mxfp8) or e4m3 (nvfp4).
-    Returns [M, N] in a's dtype.
+    or [N, K/2] uint8), or int4 codes in `code_tiles`' tiles; w_scale: [N, 1] (int8), [N, K/group] fp32 (int4),
+    E8M0 (mxfp4, mxfp8) or e4m3 (nvfp4). Returns [M, N] in a's dtype.
     Up to DEQUANTIZE_ABOVE_M, or at any M given an explicit tile `config`, the weight is dequantized in registers;
     past it, and for int4 groups narrower than a K step, it is dequantized to the activation dtype in chunks of at
     most CHUNK_ELEMENTS, each multiplied by cuBLAS."""
@@ -264,7 +271,7 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
     overrides = tuple(sorted(config.items())) if config is not None else None
     plan = _launch_plan(M, N, K, fmt, group, overrides)
     if plan is None:
-        return _dequantized_mm(a, codes, scale, fmt, group, zero_point, global_scale, bias)
+        return _dequantized_mm(a, codes, scale, fmt, group, N, zero_point, global_scale, bias)
     tiles, split, meta = plan
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
@@ -279,19 +286,23 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
         FMT=FORMATS[fmt], GROUP=group or 1, HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None,
         SPLIT_K=split, LAST_SLICE_SUMS=count is not None,
         DOT=tl.float32 if interpreting(_wo_gemm_kernel) else TORCH_TO_TL[a.dtype],
-        OUT=TORCH_TO_TL[a.dtype], CAST=float_cast_mode(_wo_gemm_kernel), **meta, **launch_options(a.device),
+        OUT=TORCH_TO_TL[a.dtype], CAST=float_cast_mode(_wo_gemm_kernel), TILED=is_tiled(codes), **meta,
+        **launch_options(a.device),
     )
     if split > 1 and count is None:
         reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])
     return out
 
 
-def _dequantized_mm(a, codes, scale, fmt, group, zero_point, global_scale, bias):
-    """a @ W.T (+ bias) with W dequantized to a's dtype by row chunks, each chunk's product run by cuBLAS."""
-    N, K = codes.shape[0], a.shape[1]
-    rows = max(1, CHUNK_ELEMENTS // K)
+def _dequantized_mm(a, codes, scale, fmt, group, N, zero_point, global_scale, bias):
+    """a @ W.T (+ bias) with W dequantized to a's dtype by row chunks, each chunk's product run by cuBLAS; tiled
+    codes by whole tiles of rows."""
+    K, tiled = a.shape[1], is_tiled(codes)
+    unit = TILE_ROWS if tiled else 1
+    rows = max(1, CHUNK_ELEMENTS // K // unit) * unit
     chunk = lambda t, n0, n1: None if t is None else t[n0:n1]
-    weight = lambda n0, n1: dequantize_weight(codes[n0:n1], scale[n0:n1], fmt, group, K, a.dtype,
+    codes_of = lambda n0, n1: codes[n0 // unit: n1 // unit]
+    weight = lambda n0, n1: dequantize_weight(codes_of(n0, n1), scale[n0:n1], fmt, group, K, a.dtype,
                                               zero_point=chunk(zero_point, n0, n1), global_scale=global_scale)
     if rows >= N:
         return F.linear(a, weight(0, N), bias)

@@ -1,0 +1,81 @@
+"""int4 codes in tiles (`code_tiles.py`): the conversion each way, and every kernel that reads packed int4 codes
+giving the same bits from tiles as from the rows they tile. Under the interpreter on the CPU (the mma.sync kernel's
+PTX through ptx_emulator), and on the GPU."""
+
+import pytest
+import torch
+import triton.runtime.interpreter as interpreter
+from test_gemm_int4_mma import _ptx_step, operands
+
+from fxquant.kernels.code_tiles import tile_codes, tiled_shape, tiles_fit, untile_codes
+from fxquant.kernels.dequantize_weight import dequantize_weight
+from fxquant.kernels.gemm_int4_mma import int4_mma_mm
+from fxquant.kernels.gemm_weight_only import DEQUANTIZE_ABOVE_M, weight_only_mm, weight_operands
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+
+
+def test_a_tile_is_64_rows_of_128_codes_in_their_stored_order_and_untiling_gives_the_rows_back():
+    codes = torch.randint(0, 256, (128, 192), dtype=torch.uint8)  # N 128, K 384: 2 x 3 tiles
+    tiles = tile_codes(codes)
+    assert tiles.shape == tiled_shape(128, 384) == (2, 3, 64, 64)
+    assert torch.equal(tiles[1, 2], codes[64:128, 128:192])  # tile (1, 2): rows 64.., bytes 128.. (codes 256..)
+    assert torch.equal(untile_codes(tiles), codes)
+
+
+def test_weights_whose_rows_do_not_fill_a_tile_are_refused_by_name():
+    assert tiles_fit(4096, 14336) and not tiles_fit(4160 + 32, 4096) and not tiles_fit(64, 192)
+    with pytest.raises(ValueError, match=r"\[96, 256\] weight do not tile: tiles need N a multiple of 64"):
+        tile_codes(torch.zeros(96, 128, dtype=torch.uint8))
+
+
+def _int4(N, K, M, dtype=torch.bfloat16, symmetric=False):
+    q, x, bias, codes, lane_scale, lane_zero = operands(N, K, M, dtype, symmetric)
+    return q, x, bias, lane_scale, lane_zero
+
+
+@pytest.mark.parametrize("M", [1, 5, DEQUANTIZE_ABOVE_M + 3])  # in registers, and dequantized for the GEMM
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zero points", "symmetric"])
+def test_the_weight_only_gemm_gives_the_same_bits_from_tiles(M, symmetric):
+    q, x, bias, _, _ = _int4(128, 384, M, symmetric=symmetric)
+    rows = weight_only_mm(x, q.data, q.scale, "int4", 128, 128, zero_point=q.zero_point, bias=bias)
+    tiled = weight_only_mm(x, tile_codes(q.data), q.scale, "int4", 128, 128, zero_point=q.zero_point, bias=bias)
+    assert torch.equal(tiled, rows)
+
+
+def test_the_dequantizer_gives_the_same_weight_from_tiles():
+    q, x, *_ = _int4(192, 256, 1)
+    codes, scale = weight_operands(x, q.data, q.scale, "int4", 128, 192)
+    tiles, _ = weight_operands(x, tile_codes(q.data), q.scale, "int4", 128, 192)
+    expect = dequantize_weight(codes, scale, "int4", 128, 256, torch.bfloat16, zero_point=q.zero_point)
+    assert torch.equal(dequantize_weight(tiles, scale, "int4", 128, 256, torch.bfloat16, zero_point=q.zero_point),
+                       expect)
+
+
+def test_tiles_of_the_wrong_shape_are_refused_naming_the_shape_expected():
+    q, x, *_ = _int4(128, 256, 1)
+    with pytest.raises(ValueError, match=r"tiles must be \(2, 2, 64, 64\) for an \[N=128, K=256\] weight"):
+        weight_operands(x, tile_codes(q.data).reshape(1, 4, 64, 64), q.scale, "int4", 128, 128)
+
+
+@pytest.mark.skipif(GPU, reason="the interpreter with an emulator of the PTX; the GPU runs the PTX itself below")
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zero points", "symmetric"])
+def test_the_mma_kernel_gives_the_same_bits_from_tiles_under_the_interpreter(monkeypatch, symmetric):
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", _ptx_step, raising=False)
+    q, x, bias, lane_scale, lane_zero = _int4(128, 384, 3, symmetric=symmetric)
+    codes, _ = weight_operands(x, q.data, q.scale, "int4", 128, 128)
+    tiles, _ = weight_operands(x, tile_codes(q.data), q.scale, "int4", 128, 128)
+    rows = int4_mma_mm(x, codes, lane_scale, lane_zero, 128, bias, split=2)
+    assert torch.equal(int4_mma_mm(x, tiles, lane_scale, lane_zero, 128, bias, split=2), rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(4096, 4096), (6144, 1024)])
+def test_the_mma_kernel_gives_the_same_bits_from_tiles_on_the_gpu(N, K):
+    q, x, bias, lane_scale, lane_zero = _int4(N, K, 1)
+    codes, _ = weight_operands(x, q.data, q.scale, "int4", 128, N)
+    tiles, _ = weight_operands(x, tile_codes(q.data), q.scale, "int4", 128, N)
+    for split in (None, 1, 5):
+        rows = int4_mma_mm(x, codes, lane_scale, lane_zero, 128, bias, split=split)
+        assert torch.equal(int4_mma_mm(x, tiles, lane_scale, lane_zero, 128, bias, split=split), rows)
