@@ -9,6 +9,7 @@ from torch import Tensor
 
 from fxquant.kernels import cublas_fp8, gemm_int4_fp8, gemm_int4_mma, gemm_weight_only, quant_fp8
 from fxquant.kernels.cast import capability
+from fxquant.kernels.code_tiles import is_tiled, tiled_shape, untile_codes
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm, is_block_scaled
 from fxquant.kernels.gemm_int4_mma import int4_mma_mm, lane_layout_shape
 from fxquant.kernels.quant_mx import mxfp8_values
@@ -193,14 +194,19 @@ def _linear_int4_lanes(x: Tensor, w: Tensor, w_scale: Tensor, w_zero_point: Tens
     kernel's per-lane layout (`gemm_int4_mma.pack_lanes`). One activation row on the GPU takes that kernel;
     every other case takes linear_weight_only on the row-major scales. At M = 8 the kernel ran 13-34% slower than
     the in-register one on four of five Llama shapes (docs/decisions/0008-int4-mma-lane-packed-scales-at-m1.md),
-    so it serves M = 1."""
+    so it serves M = 1. The codes w are rows [N, K / 2], or tiles (`code_tiles`, the option int4_code_tiles), which
+    the GPU's kernels read as they are and the CPU's reference untiles."""
     rows = x.reshape(-1, x.shape[-1])
     K = rows.shape[1]
-    if (rows.shape[0] == 1 and w.shape == (out_features, K // 2) and w.is_contiguous()
+    tiled = is_tiled(w)
+    if (rows.shape[0] == 1 and w.is_contiguous()
+            and w.shape == (tiled_shape(out_features, K) if tiled else (out_features, K // 2))
             and lane_scale.shape == lane_layout_shape(out_features, K, group_size)
             and gemm_int4_mma.supports(rows, group_size) is None):
         out = int4_mma_mm(rows, w.view(torch.int32), lane_scale, lane_zero, group_size, bias)
         return out.reshape(*x.shape[:-1], out_features)
+    if tiled and gemm_weight_only.supports(x, "int4") is not None:
+        w = untile_codes(w)
     return _linear_weight_only(x, w, w_scale, None, w_zero_point, bias, "int4", group_size, out_features)
 
 

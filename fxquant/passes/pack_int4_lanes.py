@@ -9,6 +9,9 @@ tensors and the in-register kernel.
     %y = fxquant.linear_weight_only(%x, %w, %s, None, %z, %b, "int4", 128, N)
         ->  %y = fxquant.linear_int4_lanes(%x, %w, %s, %z, %s_lanes, %z_lanes, %b, 128, N)
 
+Under the option int4_code_tiles, the op also reads the codes from a tiled copy (kernels/code_tiles.py) where the
+weight's rows fill whole tiles, at every row count; the copy is shared and refreshed as the per-lane one is.
+
 Weights quantize_ quantized are left as they are: no record tracks their versions, so a copy could go stale.
 The copy is shared by every graph that reads the same scales, and re-packed in place whenever they may have
 changed: when a graph is compiled (another graph may have re-quantized shared weights), and on
@@ -22,12 +25,13 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.kernels.cast import capability
+from fxquant.kernels.code_tiles import tiles_fit
 from fxquant.kernels.gemm_int4_mma import STEP_K
 from fxquant.passes.annotations import fetch_attr
 from fxquant.passes.op_arguments import arguments
 from fxquant.passes.order import FxquantPass
 from fxquant.passes.state import PipelineState
-from fxquant.quantization.weight_store import LANES_KEY, lanes_of
+from fxquant.quantization.weight_store import LANES_KEY, TILES_KEY, lanes_of, tiles_of
 
 WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default
 LANES = torch.ops.fxquant.linear_int4_lanes.default
@@ -47,6 +51,7 @@ class PackInt4Lanes(FxquantPass):
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         owned = {layer.buffers.scale for layer in self.state.layers if layer.buffers is not None}
         packed = {}  # (scale buffer, zero point buffer) -> None, in order
+        tiled = {}  # codes buffer -> None, in order
         modified = False
         for node in list(gm.graph.nodes):
             if node.target is not WEIGHT_ONLY:
@@ -55,32 +60,38 @@ class PackInt4Lanes(FxquantPass):
             w, scale, zero_point, group = args["w"], args["w_scale"], args["w_zero_point"], args["group_size"]
             if args["fmt"] != "int4" or scale.op != "get_attr" or scale.target not in owned or group % STEP_K:
                 continue
-            scale_t, zero_t = fetch_attr(gm, scale), fetch_attr(gm, zero_point)
-            if 2 * fetch_attr(gm, w).shape[-1] % STEP_K or not kernel_serves(scale_t):  # codes [N, K / 2]
+            scale_t, zero_t, codes = fetch_attr(gm, scale), fetch_attr(gm, zero_point), fetch_attr(gm, w)
+            if 2 * codes.shape[-1] % STEP_K or not kernel_serves(scale_t):  # codes [N, K / 2]
                 continue
             lane_scale, lane_zero = lanes_of(scale_t, zero_t)
             names = (scale.target, zero_point.target if zero_point is not None else None)
+            tiles = (w.op == "get_attr" and self.state.config.int4_code_tiles
+                     and tiles_fit(codes.shape[0], 2 * codes.shape[1]))
             with gm.graph.inserting_before(node):
                 attrs = [self._attr(gm, name, tensor) for name, tensor in zip(names, (lane_scale, lane_zero),
                                                                                strict=True)]
-                lanes = gm.graph.call_function(LANES, (args["x"], w, scale, zero_point, *attrs, args["bias"], group,
-                                                       args["out_features"]))
+                codes_node = self._attr(gm, w.target, tiles_of(codes), "tiles") if tiles else w
+                lanes = gm.graph.call_function(LANES, (args["x"], codes_node, scale, zero_point, *attrs, args["bias"],
+                                                       group, args["out_features"]))
             lanes.meta.update(node.meta)
             node.replace_all_uses_with(lanes)
             gm.graph.erase_node(node)
             packed[names] = None
+            if tiles:
+                tiled[w.target] = None
             modified = True
         if not modified:
             return PassResult(gm, False)
         gm.meta[LANES_KEY] = list(packed)
+        gm.meta[TILES_KEY] = list(tiled)
         return PassResult(gm, True)
 
     @staticmethod
-    def _attr(gm: torch.fx.GraphModule, name: str | None, tensor: torch.Tensor | None):
-        """A get_attr node for the per-lane copy of buffer `name`, registered once per graph."""
+    def _attr(gm: torch.fx.GraphModule, name: str | None, tensor: torch.Tensor | None, layout: str = "lanes"):
+        """A get_attr node for the copy of buffer `name` in the kernel's layout, registered once per graph."""
         if tensor is None:
             return None
-        lanes = f"{name}_lanes"
-        if not hasattr(gm, lanes):
-            gm.register_buffer(lanes, tensor)
-        return gm.graph.get_attr(lanes)
+        copy = f"{name}_{layout}"
+        if not hasattr(gm, copy):
+            gm.register_buffer(copy, tensor)
+        return gm.graph.get_attr(copy)

@@ -7,7 +7,8 @@ process, owned here rather than by a pass.
   and are re-quantized in place, for every graph at once, when that weight changed. merge_linear may re-point their
   tensors into a stacked copy, which is then the one copy.
 - `lanes_of` / `refresh_lanes`: the per-lane copies of int4 scales and zero points that the mma.sync decode kernel
-  reads (pack_int4_lanes), re-packed in place whenever their sources may have changed.
+  reads (pack_int4_lanes), re-packed in place whenever their sources may have changed; `tiles_of` likewise for the
+  tiled copy of int4 codes that the option int4_code_tiles asks for.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fxquant.kernels.code_tiles import tile_codes
 from fxquant.kernels.gemm_int4_mma import pack_lanes
 from fxquant.numerics.quantized import Quantized
 
 LANES_KEY = "fxquant_int4_lanes"  # gm.meta: (scale buffer, zero point buffer) of each weight packed in lanes
+TILES_KEY = "fxquant_int4_tiles"  # gm.meta: the codes buffer of each weight read from tiles
 
 # parameter -> {(recipe, transposed): (version, (Quantized, *what quantize measured with it))}
 _ENTRIES: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -60,24 +63,33 @@ def _where(t: torch.Tensor) -> tuple:
     return t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
 
 
+def _copy_of(source: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor | None:
+    """The one copy of `source` in its kernel's layout, `packed` written into it afresh: the source may have been
+    re-quantized in place since (by another graph's shared_quantized, or by the backend)."""
+    found = None if source is None else _COPIES.get(_where(source))
+    if found is None:
+        if source is not None:
+            _COPIES[_where(source)] = packed
+        return packed
+    with torch.no_grad():
+        found.copy_(packed)
+    return found
+
+
 def lanes_of(scale: torch.Tensor, zero_point: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The per-lane copies of (scale, zero point), one for every graph, packed afresh into them on each call: the
-    sources may have been re-quantized in place since (by another graph's shared_quantized, or by the backend)."""
-    copies = []
-    for source, packed in zip((scale, zero_point), pack_lanes(scale, zero_point), strict=True):
-        found = None if source is None else _COPIES.get(_where(source))
-        if found is None:
-            found = packed
-            if source is not None:
-                _COPIES[_where(source)] = packed
-        else:
-            with torch.no_grad():
-                found.copy_(packed)
-        copies.append(found)
-    return copies[0], copies[1]
+    """The per-lane copies of (scale, zero point), one for every graph, packed afresh into them on each call."""
+    lane_scale, lane_zero = pack_lanes(scale, zero_point)
+    return _copy_of(scale, lane_scale), _copy_of(zero_point, lane_zero)
+
+
+def tiles_of(codes: torch.Tensor) -> torch.Tensor:
+    """The tiled copy of packed int4 codes [N, K / 2], one for every graph, tiled afresh into it on each call."""
+    return _copy_of(codes, tile_codes(codes))
 
 
 def refresh_lanes(gm: torch.fx.GraphModule) -> None:
-    """Re-pack the per-lane copies of gm's int4 weights, after the backend re-quantized some in place."""
+    """Re-pack the per-lane and tiled copies of gm's int4 weights, after the backend re-quantized some in place."""
     for scale_name, zero_name in gm.meta.get(LANES_KEY, ()):
         lanes_of(getattr(gm, scale_name), getattr(gm, zero_name) if zero_name else None)
+    for codes_name in gm.meta.get(TILES_KEY, ()):
+        tiles_of(getattr(gm, codes_name))

@@ -13,10 +13,11 @@ from hf_models import compiled, decoder, fake_quantized, static_decode, traced, 
 
 import fxquant
 from fxquant.compile.backend import fxquant as fxquant_backend
+from fxquant.kernels.code_tiles import tile_codes
 from fxquant.kernels.gemm_int4_mma import pack_lanes
 from fxquant.ops import linear as linear_ops
 from fxquant.passes import pack_int4_lanes
-from fxquant.quantization.weight_store import LANES_KEY
+from fxquant.quantization.weight_store import LANES_KEY, TILES_KEY
 
 LANES = torch.ops.fxquant.linear_int4_lanes.default
 WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default
@@ -30,12 +31,12 @@ def serves(monkeypatch):
     monkeypatch.setattr(pack_int4_lanes, "kernel_serves", lambda scale: True)
 
 
-def compile_collecting(model, recipe="int4_wo"):
+def compile_collecting(model, recipe="int4_wo", **options):
     """The model under the fxquant backend, and the list of its compiled callables (one per graph)."""
     callables = []
 
     def backend(gm, inputs):
-        callables.append(fxquant_backend(gm, inputs, options={"recipe": recipe, "inner": "eager"}))
+        callables.append(fxquant_backend(gm, inputs, options={"recipe": recipe, "inner": "eager", **options}))
         return callables[-1]
 
     torch._dynamo.reset()
@@ -94,6 +95,32 @@ def test_a_second_graph_shares_the_lanes_and_a_changed_weight_repacks_them(serve
     fresh = fxquant.quantize(saved.mul(-3.0), "int4", ("group", 128))  # the qkv rows 256..384 now hold k_proj's
     qkv_scale = lanes_buffers(callables[1].result.gm)[0][0]
     assert torch.equal(qkv_scale[256:384], fresh.scale)
+
+
+def test_under_int4_code_tiles_the_op_reads_a_tiled_copy_of_the_codes_with_the_same_numbers(serves):
+    model = decoder("llama", num_hidden_layers=1)
+    fn, callables = compile_collecting(model)
+    with torch.no_grad():
+        logits = fn(PROMPT, use_cache=False).logits
+    fn, callables = compile_collecting(model, int4_code_tiles=True)
+    k_proj = model.model.layers[0].self_attn.k_proj.weight
+    saved = k_proj.detach().clone()
+    try:
+        with torch.no_grad():
+            assert torch.equal(fn(PROMPT, use_cache=False).logits, logits)
+            gm = callables[0].result.gm
+            tiled = [node.args[1] for node in gm.graph.nodes if node.target is LANES]
+            assert len(tiled) == 4 and all(node.target.endswith("_tiles") for node in tiled)
+            assert gm.meta[TILES_KEY] == [node.target.removesuffix("_tiles") for node in tiled]
+            k_proj.mul_(-3.0)  # the backend re-quantizes it, and the tiled copy follows
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                fn(PROMPT, use_cache=False)
+            for name in gm.meta[TILES_KEY]:
+                assert torch.equal(getattr(gm, f"{name}_tiles"), tile_codes(getattr(gm, name)))
+    finally:
+        with torch.no_grad():
+            k_proj.copy_(saved)
 
 
 def test_quantize_inplace_weights_keep_the_row_major_kernel(serves):
