@@ -5,7 +5,8 @@ programmatic dependent launch the next kernel's programs take SM slots while thi
 unit a kernel change must win on before the 32-layer step.
 
 Each row is the mma.sync kernel (`gemm_int4_mma`) at a split-K rule: the product's (`int4_mma_split`), or K cut
-toward a program count per GEMM; with dependent launch on (as the decode step runs) and off.
+toward a program count per GEMM; with dependent launch on (as the decode step runs) and off; over the codes as
+stored, and over the same codes in tiles (`code_tiles`, the option int4_code_tiles).
 
 Run: python -m bench.int4_chain [--programs 450 1800 ...]
 """
@@ -18,6 +19,7 @@ import torch
 import triton.testing
 
 from bench.common import copy_bandwidth_gbs, header, table
+from fxquant.kernels.code_tiles import tile_codes
 from fxquant.kernels.dependent_launch import dependent_launches
 from fxquant.kernels.gemm_int4_mma import STEP_K, int4_mma_mm, pack_lanes
 from fxquant.kernels.gemm_weight_only import weight_operands
@@ -30,11 +32,13 @@ DEFAULT_PROGRAMS = (450, 1800)  # the product's split aims at 900: a smaller and
 
 
 def int4_weight(n: int, k: int):
-    """Random int4 codes in groups of 128 with zero points, and their scales and zero points packed per lane."""
+    """Random int4 codes in groups of 128 with zero points, as stored and in tiles (int32 words), and their scales and
+    zero points packed per lane."""
     q = R.quantize(torch.randn(n, k, device="cuda") * 0.02, "int4", ("group", GROUP))
-    codes, scale = weight_operands(torch.empty(1, k, device="cuda", dtype=torch.bfloat16), q.data, q.scale, "int4",
-                                   GROUP, n)
-    return codes, *pack_lanes(scale, q.zero_point)
+    a = torch.empty(1, k, device="cuda", dtype=torch.bfloat16)
+    codes, scale = weight_operands(a, q.data, q.scale, "int4", GROUP, n)
+    tiles, _ = weight_operands(a, tile_codes(q.data), q.scale, "int4", GROUP, n)
+    return codes, tiles, *pack_lanes(scale, q.zero_point)
 
 
 def split_toward(n: int, k: int, programs: int) -> int:
@@ -42,12 +46,13 @@ def split_toward(n: int, k: int, programs: int) -> int:
     return max(1, min(k // STEP_K // 2, round(programs / -(-n // 64))))
 
 
-def chain_ms(layers, xs, split_rule) -> float:
-    """Median ms of one graph replay of every layer's four GEMMs, K split by split_rule(n, k) (None: the product's)."""
+def chain_ms(layers, xs, split_rule, tiled: bool) -> float:
+    """Median ms of one graph replay of every layer's four GEMMs, K split by split_rule(n, k) (None: the product's),
+    over the codes as stored or tiled."""
     def run():
         for layer in layers:
-            for n, k, codes, lane_scale, lane_zero in layer:
-                int4_mma_mm(xs[k], codes, lane_scale, lane_zero, GROUP, split=split_rule(n, k))
+            for n, k, codes, tiles, lane_scale, lane_zero in layer:
+                int4_mma_mm(xs[k], tiles if tiled else codes, lane_scale, lane_zero, GROUP, split=split_rule(n, k))
     return triton.testing.do_bench_cudagraph(run, rep=200, return_mode="median")
 
 
@@ -68,15 +73,16 @@ def main():
     bf16_ms = bf16_chain_ms(xs)
     torch.cuda.empty_cache()
     layers = [[(n, k, *int4_weight(n, k)) for n, k in LAYER] for _ in range(LAYERS)]
-    nbytes = sum(t.nbytes for layer in layers for _, _, *tensors in layer for t in tensors)
+    nbytes = sum(t.nbytes for layer in layers for _, _, codes, _, *lanes in layer for t in (codes, *lanes))
     rules = [("the product's split", lambda n, k: None)]
     rules += [(f"toward {p} programs", lambda n, k, p=p: split_toward(n, k, p)) for p in programs]
     rows = [{"GEMMs": "bf16 torch.mm", "dependent launch": "-", "ms": f"{bf16_ms:.3f}", "x bf16": "1.00"}]
-    for pdl in (True, False):
+    for pdl, tiled in ((True, False), (True, True), (False, False), (False, True)):
         for name, rule in rules:
             with dependent_launches(pdl):
-                ms = chain_ms(layers, xs, rule)
-            rows.append({"GEMMs": f"int4 mma.sync, {name}", "dependent launch": "on" if pdl else "off",
+                ms = chain_ms(layers, xs, rule, tiled)
+            rows.append({"GEMMs": f"int4 mma.sync, {'tiled' if tiled else 'stored'}, {name}",
+                         "dependent launch": "on" if pdl else "off",
                          "ms": f"{ms:.3f}", "x bf16": f"{bf16_ms / ms:.2f}",
                          "int4 GB/s": f"{nbytes / ms / 1e6:.0f}",
                          "% copy": f"{100 * nbytes / ms / 1e6 / ceiling:.0f}"})
