@@ -297,8 +297,8 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
 def _dequantized_mm(a, codes, scale, fmt, group, N, zero_point, global_scale, bias):
     """a @ W.T (+ bias) with W dequantized to a's dtype by row chunks, each chunk's product run by cuBLAS; tiled
     codes by whole tiles of rows."""
-    K, tiled = a.shape[1], is_tiled(codes)
-    unit = TILE_ROWS if tiled else 1
+    K = a.shape[1]
+    unit = TILE_ROWS if is_tiled(codes) else 1  # rows a slice of the codes holds
     rows = max(1, CHUNK_ELEMENTS // K // unit) * unit
     chunk = lambda t, n0, n1: None if t is None else t[n0:n1]
     codes_of = lambda n0, n1: codes[n0 // unit: n1 // unit]
