@@ -32,11 +32,11 @@ paths: inductor, fxquant:<recipe>, fxquant:<recipe>+fp8kv (the same over fxquant
 fxquant:<recipe>+head=<recipe> (the lm_head quantized too, under the second recipe; +fp8kv may follow),
 fxquant:<recipe>+without=<pass> (without one of the pipeline's optional passes; repeatable),
 fxquant:<recipe>+inductor=<option> (one of Inductor's boolean options on, e.g. combo_kernels; repeatable),
-fxquant:<recipe>+tiles (int4 codes read from tiles: the option int4_code_tiles),
+fxquant:<recipe>+rows (int4 codes held in rows, not the GPU's default tiles: the option int4_code_tiles=False),
 fxquant:<recipe>+nopdl (every fxquant kernel launched without programmatic dependent launch), +reducekernel (split
 GEMMs summed by the reduce kernel, not by their last slice),
 torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head, +without, +inductor,
-+tiles and the launch settings).
++rows and the launch settings).
 
 Three phases. First, untimed, every path runs once in worker processes, --warm-jobs at a time, the longest first
 (warm_groups): each compile and autotune fills the on-disk caches (Inductor's FX graph and AOT caches, Triton's
@@ -252,7 +252,7 @@ def graph_replays(times: list[float]):
 HEAD = "+head="  # fxquant:<recipe>+head=<recipe>: the lm_head quantized too, under its own recipe
 WITHOUT = "+without="  # fxquant:<recipe>+without=<pass>: the pipeline without one of its optional passes
 INDUCTOR = "+inductor="  # fxquant:<recipe>+inductor=<option>: one of Inductor's boolean options turned on
-TILES = "+tiles"  # fxquant:<recipe>+tiles: int4 codes read from tiles (the backend's option int4_code_tiles)
+ROWS = "+rows"  # fxquant:<recipe>+rows: int4 codes held in rows (the backend's option int4_code_tiles=False)
 
 
 def recipe_options(path: str) -> dict:
@@ -269,13 +269,13 @@ def recipe_options(path: str) -> dict:
             options.setdefault("disable_passes", []).append(value)
         elif key + "=" == INDUCTOR:
             options.setdefault("inductor", {})[value] = True
-        elif key == TILES:
-            options["int4_code_tiles"] = True
+        elif key == ROWS:
+            options["int4_code_tiles"] = False
         elif key in LAUNCH_SETTINGS:
             continue  # a launch setting, not a backend option: work() applies it
         else:
             raise ValueError(f"bench.decode: path {path!r}: {key!r} is none of +head=, +without=, +inductor=, "
-                             f"+tiles, +fp8kv, {', '.join(LAUNCH_SETTINGS)}")
+                             f"+rows, +fp8kv, {', '.join(LAUNCH_SETTINGS)}")
     return options
 
 

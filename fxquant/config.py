@@ -75,10 +75,9 @@ class QuantConfig:
     # Inductor's own options for the inner compile, as torch.compile(options=...) takes them without fxquant
     # ({"combo_kernels": True}); they come after the ones `mode` sets
     inductor: tuple[tuple[str, object], ...] = ()
-    # int4 weights the backend packs for its decode kernel (pack_int4_lanes) are read from a tiled copy of their codes
-    # (kernels/code_tiles.py) at every row count. Off until measured in the 32-layer step: the copy sits beside the
-    # codes as stored, so the int4 codes take twice their memory while it is on.
-    int4_code_tiles: bool = False
+    # The layout the backend holds int4 weight-only codes in (weight_store.tiles_chosen): None, tiles where the GPU's
+    # int4 kernels read them (CUDA, sm_80+) and rows elsewhere; True, tiles wherever the shape tiles; False, rows
+    int4_code_tiles: bool | None = None
 
     def __post_init__(self):
         _check_types(self)
@@ -165,9 +164,10 @@ def _check_types(config: QuantConfig) -> None:
         if unknown:
             raise ValueError(f"fxquant: option 'inductor' names {unknown}, which Inductor does not have; its "
                              f"options are torch._inductor.config's (torch._inductor.list_options())")
-    for name in ("report", "int4_code_tiles"):
-        if not isinstance(getattr(config, name), bool):
-            refuse(name, "True or False")
+    if not isinstance(config.report, bool):
+        refuse("report", "True or False")
+    if config.int4_code_tiles is not None and not isinstance(config.int4_code_tiles, bool):
+        refuse("int4_code_tiles", "True, False or None")
     if isinstance(config.min_sqnr_db, bool) or not isinstance(config.min_sqnr_db, int | float):
         refuse("min_sqnr_db", "a number of dB")
 

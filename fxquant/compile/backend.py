@@ -15,7 +15,7 @@ from fxquant.compile.pipeline import PipelineResult, run_pipeline
 from fxquant.compile.report import format_report
 from fxquant.config import MODES, from_options
 from fxquant.quantization.weight_quantization import quantize_weight
-from fxquant.quantization.weight_store import refresh_lanes
+from fxquant.quantization.weight_store import refresh_lanes, stored_layout
 
 VERSION = operator.attrgetter("_version")
 
@@ -106,6 +106,7 @@ class QuantizedCallable:
                           "(this warning shows once per compile)", stacklevel=3)
             self.warned.add("requantize")
         q = quantize_weight(layer.source.transpose(-2, -1) if layer.transposed else layer.source, layer.recipe)
+        q = stored_layout(q, layer.tiled)
         with torch.no_grad():
             for tensor_name, name in layer.buffers._asdict().items():  # QuantizedBuffers names Quantized's fields
                 if name is None:

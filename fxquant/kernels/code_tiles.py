@@ -32,6 +32,11 @@ def is_tiled(codes: torch.Tensor) -> bool:
     return codes.dim() == 4
 
 
+def code_rows(codes: torch.Tensor) -> int:
+    """The weight rows (N) that packed int4 codes hold, as rows or as tiles."""
+    return codes.shape[0] * TILE_ROWS if is_tiled(codes) else codes.shape[0]
+
+
 def tiled_shape(N: int, K: int) -> tuple[int, int, int, int]:
     """The tiles' shape, in bytes, for an [N, K] int4 weight."""
     return N // TILE_ROWS, K // TILE_CODES, TILE_ROWS, TILE_CODES // 2

@@ -164,7 +164,8 @@ def _(a, a_scale, w, w_scale, w_zero_point, bias, group_size, out_features, out_
 def _linear_weight_only(x: Tensor, w: Tensor, w_scale: Tensor, w_global_scale: Tensor | None,
                         w_zero_point: Tensor | None, bias: Tensor | None, fmt: str, group_size: int,
                         out_features: int) -> Tensor:
-    """F.linear with a weight-only quantized weight (int8, int4, mxfp4, nvfp4), activations untouched."""
+    """F.linear with a weight-only quantized weight (int8, int4, mxfp4, nvfp4), activations untouched. int4 codes
+    may be tiles (`code_tiles`), which the GPU's kernels read as they are and the reference untiles."""
     in_features = x.shape[-1]
     if gemm_weight_only.supports(x, fmt) is None:
         out = gemm_weight_only.weight_only_mm(x.reshape(-1, in_features), w, w_scale, fmt, group_size,
@@ -172,6 +173,7 @@ def _linear_weight_only(x: Tensor, w: Tensor, w_scale: Tensor, w_global_scale: T
                                               bias=bias)
         return out.reshape(*x.shape[:-1], out_features)
     gran = Granularity("channel") if group_size == 0 else Granularity("group", (group_size,))
+    w = untile_codes(w) if is_tiled(w) else w
     qw = Quantized(w, w_scale, fmt, gran, torch.Size((out_features, in_features)), x.dtype,
                    global_scale=w_global_scale, zero_point=w_zero_point)
     out = chunked_linear(x.reshape(-1, in_features), qw, bias, x.dtype)
@@ -194,8 +196,7 @@ def _linear_int4_lanes(x: Tensor, w: Tensor, w_scale: Tensor, w_zero_point: Tens
     kernel's per-lane layout (`gemm_int4_mma.pack_lanes`). One activation row on the GPU takes that kernel;
     every other case takes linear_weight_only on the row-major scales. At M = 8 the kernel ran 13-34% slower than
     the in-register one on four of five Llama shapes (docs/decisions/0008-int4-mma-lane-packed-scales-at-m1.md),
-    so it serves M = 1. The codes w are rows [N, K / 2], or tiles (`code_tiles`, the option int4_code_tiles), which
-    the GPU's kernels read as they are and the CPU's reference untiles."""
+    so it serves M = 1. The codes w are rows [N, K / 2], or tiles (`code_tiles`), as linear_weight_only takes them."""
     rows = x.reshape(-1, x.shape[-1])
     K = rows.shape[1]
     tiled = is_tiled(w)
@@ -205,8 +206,6 @@ def _linear_int4_lanes(x: Tensor, w: Tensor, w_scale: Tensor, w_zero_point: Tens
             and gemm_int4_mma.supports(rows, group_size) is None):
         out = int4_mma_mm(rows, w.view(torch.int32), lane_scale, lane_zero, group_size, bias)
         return out.reshape(*x.shape[:-1], out_features)
-    if tiled and gemm_weight_only.supports(x, "int4") is not None:
-        w = untile_codes(w)
     return _linear_weight_only(x, w, w_scale, None, w_zero_point, bias, "int4", group_size, out_features)
 
 

@@ -6,6 +6,7 @@ N, and each former output is a slice of its result. A decode step then streams t
 in a Llama layer q/k/v become one and gate/up one, 5 launches (and 5 split-K reduces) become 2. Every output
 element is the same dot product with the same scales; only the fp32 summation order may differ with the tiling.
 Weights with one scale per tensor are not merged (fp8 per tensor, NVFP4's global scale): their scales differ.
+int4 codes in tiles (kernels/code_tiles.py) stack as tiles: every part's N is a multiple of a tile's 64 rows.
 
     %q = scaled_mm_fp8(%a, %s, %wq, %sq, None, bf16); %k = scaled_mm_fp8(%a, %s, %wk, %sk, None, bf16)
         ->  %qk = scaled_mm_fp8(%a, %s, %w_qk, %s_qk, None, bf16)
@@ -21,6 +22,7 @@ import torch
 from torch.fx.passes.infra.pass_base import PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
+from fxquant.kernels.code_tiles import code_rows
 from fxquant.passes.annotations import PARAMETER_KEY, SOURCE_KEY, fake_value, fetch_attr
 from fxquant.passes.op_arguments import arguments, with_arguments
 from fxquant.passes.order import FxquantPass
@@ -63,7 +65,7 @@ class MergeLinear(FxquantPass):
         first = arguments(nodes[0])
         weight_args = [name for name in WEIGHT_ARGS[op] if name is not None and first[name] is not None]
         old_names = [[arguments(n)[name].target for name in weight_args] for n in nodes]
-        widths = [fetch_attr(gm, arguments(n)[weight_args[0]]).shape[0] for n in nodes]
+        widths = [code_rows(fetch_attr(gm, arguments(n)[weight_args[0]])) for n in nodes]
         total = sum(widths)
         new_names = [f"{name}_merged{len(nodes)}" for name in old_names[0]]
         for i, name in enumerate(new_names):
@@ -106,7 +108,7 @@ class MergeLinear(FxquantPass):
         start = 0
         for width, params in zip(widths, sources, strict=True):
             for param, name in zip(params, new_names, strict=True):
-                stacked = getattr(gm, name)  # rows in proportion: codes N, block scales N / 128
+                stacked = getattr(gm, name)  # rows in proportion: codes N, int4 tiles N / 64, block scales N / 128
                 param.data = stacked[start * stacked.shape[0] // total: (start + width) * stacked.shape[0] // total]
             start += width
 
@@ -199,9 +201,9 @@ def _sibling_key(gm: torch.fx.GraphModule, node: torch.fx.Node, epoch: int, read
         return None  # parameters this pass cannot re-point (an exported module's), or a mix of owners
     weights = [fetch_attr(gm, args[name]) if name is not None else None for name in WEIGHT_ARGS[op]]
     codes, scale = weights[0], weights[1]
-    if codes is None or scale is None or scale.numel() == 1 or codes.shape[0] % scale.shape[0]:
+    if codes is None or scale is None or scale.numel() == 1 or code_rows(codes) % scale.shape[0]:
         return None  # not buffers, or one scale per tensor
-    layout = tuple((tuple(t.shape[1:]), t.dtype, codes.shape[0] // t.shape[0]) if t is not None else None
+    layout = tuple((tuple(t.shape[1:]), t.dtype, code_rows(codes) // t.shape[0]) if t is not None else None
                    for t in weights)
     merged_args = (*WEIGHT_ARGS[op], WIDTH_ARG.get(op))
     fixed = [_source(value) for name, value in args.items() if name not in merged_args]

@@ -9,8 +9,8 @@ tensors and the in-register kernel.
     %y = fxquant.linear_weight_only(%x, %w, %s, None, %z, %b, "int4", 128, N)
         ->  %y = fxquant.linear_int4_lanes(%x, %w, %s, %z, %s_lanes, %z_lanes, %b, 128, N)
 
-Under the option int4_code_tiles, the op also reads the codes from a tiled copy (kernels/code_tiles.py) where the
-weight's rows fill whole tiles, at every row count; the copy is shared and refreshed as the per-lane one is.
+The codes stay what quantize_linear made them: on the GPU, tiles (kernels/code_tiles.py, weight_store.tiles_chosen),
+which every kernel of the op reads at every row count.
 
 Weights quantize_ quantized are left as they are: no record tracks their versions, so a copy could go stale.
 The copy is shared by every graph that reads the same scales, and re-packed in place whenever they may have
@@ -25,13 +25,13 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.kernels.cast import capability
-from fxquant.kernels.code_tiles import tiles_fit
+from fxquant.kernels.code_tiles import is_tiled
 from fxquant.kernels.gemm_int4_mma import STEP_K
 from fxquant.passes.annotations import fetch_attr
 from fxquant.passes.op_arguments import arguments
 from fxquant.passes.order import FxquantPass
 from fxquant.passes.state import PipelineState
-from fxquant.quantization.weight_store import LANES_KEY, TILES_KEY, lanes_of, tiles_of
+from fxquant.quantization.weight_store import LANES_KEY, lanes_of
 
 WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default
 LANES = torch.ops.fxquant.linear_int4_lanes.default
@@ -51,7 +51,6 @@ class PackInt4Lanes(FxquantPass):
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         owned = {layer.buffers.scale for layer in self.state.layers if layer.buffers is not None}
         packed = {}  # (scale buffer, zero point buffer) -> None, in order
-        tiled = {}  # codes buffer -> None, in order
         modified = False
         for node in list(gm.graph.nodes):
             if node.target is not WEIGHT_ONLY:
@@ -61,37 +60,32 @@ class PackInt4Lanes(FxquantPass):
             if args["fmt"] != "int4" or scale.op != "get_attr" or scale.target not in owned or group % STEP_K:
                 continue
             scale_t, zero_t, codes = fetch_attr(gm, scale), fetch_attr(gm, zero_point), fetch_attr(gm, w)
-            if 2 * codes.shape[-1] % STEP_K or not kernel_serves(scale_t):  # codes [N, K / 2]
+            # codes [N, K / 2], or tiles, whose K is a multiple of 128 by construction
+            if (not is_tiled(codes) and 2 * codes.shape[-1] % STEP_K) or not kernel_serves(scale_t):
                 continue
             lane_scale, lane_zero = lanes_of(scale_t, zero_t)
             names = (scale.target, zero_point.target if zero_point is not None else None)
-            tiles = (w.op == "get_attr" and self.state.config.int4_code_tiles
-                     and tiles_fit(codes.shape[0], 2 * codes.shape[1]))
             with gm.graph.inserting_before(node):
                 attrs = [self._attr(gm, name, tensor) for name, tensor in zip(names, (lane_scale, lane_zero),
                                                                                strict=True)]
-                codes_node = self._attr(gm, w.target, tiles_of(codes), "tiles") if tiles else w
-                lanes = gm.graph.call_function(LANES, (args["x"], codes_node, scale, zero_point, *attrs, args["bias"],
+                lanes = gm.graph.call_function(LANES, (args["x"], w, scale, zero_point, *attrs, args["bias"],
                                                        group, args["out_features"]))
             lanes.meta.update(node.meta)
             node.replace_all_uses_with(lanes)
             gm.graph.erase_node(node)
             packed[names] = None
-            if tiles:
-                tiled[w.target] = None
             modified = True
         if not modified:
             return PassResult(gm, False)
         gm.meta[LANES_KEY] = list(packed)
-        gm.meta[TILES_KEY] = list(tiled)
         return PassResult(gm, True)
 
     @staticmethod
-    def _attr(gm: torch.fx.GraphModule, name: str | None, tensor: torch.Tensor | None, layout: str = "lanes"):
-        """A get_attr node for the copy of buffer `name` in the kernel's layout, registered once per graph."""
+    def _attr(gm: torch.fx.GraphModule, name: str | None, tensor: torch.Tensor | None):
+        """A get_attr node for the per-lane copy of buffer `name`, registered once per graph."""
         if tensor is None:
             return None
-        copy = f"{name}_{layout}"
+        copy = f"{name}_lanes"
         if not hasattr(gm, copy):
             gm.register_buffer(copy, tensor)
         return gm.graph.get_attr(copy)

@@ -50,7 +50,7 @@ from fxquant.quantization.weight_quantization import (
     shared_weight_reason,
     skip_reason,
 )
-from fxquant.quantization.weight_store import shared_quantized
+from fxquant.quantization.weight_store import shared_quantized, stored_layout, tiles_chosen
 
 QUANTIZED_KEY = "fxquant_quantized"
 
@@ -113,7 +113,13 @@ class QuantizeLinear(FxquantPass):
             return False
         recipe = recipes.pop()
         owner = operands[0].weight.meta.get(SOURCE_KEY)
-        q, w_sqnr, worst_row = shared_quantized(owner, w, recipe, operands[0].transposed, quantize_and_measure)
+        tiled = tiles_chosen(self.state.config.int4_code_tiles, RECIPES[recipe], w)
+
+        def quantize(weight, name):
+            q, *measured = quantize_and_measure(weight, name)
+            return stored_layout(q, tiled), *measured
+
+        q, w_sqnr, worst_row = shared_quantized(owner, w, recipe, (operands[0].transposed, tiled), quantize)
         names = _register(gm, fqn, q)
         for node in nodes:
             # Operands read now: a layer applied to its own output (one weight twice in a row) takes the node that
@@ -130,7 +136,7 @@ class QuantizeLinear(FxquantPass):
             gm.graph.erase_node(node)
         self.state.layers.append(LayerRecord(fqn, shape, recipe, "", before, q.nbytes, w_sqnr, worst_row, source,
                                              operands[0].transposed, source._version, names, dtype=source.dtype,
-                                             device=source.device))
+                                             device=source.device, tiled=tiled))
         return True
 
     def _reason(self, node: torch.fx.Node, w) -> str | None:

@@ -38,6 +38,7 @@ class LayerRecord:
     rows: tuple[int, int, int] | None = None  # merged with siblings: its rows [first, stop) of `of` in the buffers
     dtype: torch.dtype | None = None  # the weight's, which its activations share: whether kernels can take them
     device: torch.device | None = None  # where the weight lives
+    tiled: bool = False  # its int4 codes are held in tiles (weight_store.tiles_chosen), and re-quantized into them
 
 
 @dataclass

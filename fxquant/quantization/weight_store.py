@@ -6,37 +6,41 @@ process, owned here rather than by a pass.
   before quantizing. Entries live as long as the weight they quantize (a weak reference to the model's parameter)
   and are re-quantized in place, for every graph at once, when that weight changed. merge_linear may re-point their
   tensors into a stacked copy, which is then the one copy.
+- `tiles_chosen` / `stored_layout`: int4 weight-only codes are held in tiles (kernels/code_tiles.py) where the GPU's
+  int4 kernels read them, rather than in the rows `quantize` packs: the one copy, in the layout its readers want.
 - `lanes_of` / `refresh_lanes`: the per-lane copies of int4 scales and zero points that the mma.sync decode kernel
-  reads (pack_int4_lanes), re-packed in place whenever their sources may have changed; `tiles_of` likewise for the
-  tiled copy of int4 codes that the option int4_code_tiles asks for.
+  reads (pack_int4_lanes), re-packed in place whenever their sources may have changed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fxquant.kernels.code_tiles import tile_codes
+from fxquant.config import LinearScheme
+from fxquant.kernels.cast import capability
+from fxquant.kernels.code_tiles import tile_codes, tiles_fit
 from fxquant.kernels.gemm_int4_mma import pack_lanes
 from fxquant.numerics.quantized import Quantized
 
 LANES_KEY = "fxquant_int4_lanes"  # gm.meta: (scale buffer, zero point buffer) of each weight packed in lanes
-TILES_KEY = "fxquant_int4_tiles"  # gm.meta: the codes buffer of each weight read from tiles
 
-# parameter -> {(recipe, transposed): (version, (Quantized, *what quantize measured with it))}
+# parameter -> {(recipe, layout): (version, (Quantized, *what quantize measured with it))}
 _ENTRIES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def shared_quantized(owner: torch.Tensor | None, weight: torch.Tensor, recipe: str, transposed: bool,
+def shared_quantized(owner: torch.Tensor | None, weight: torch.Tensor, recipe: str, layout: tuple,
                      quantize) -> tuple:
     """quantize(weight, recipe) -> (Quantized, *extras), computed once per (owner, recipe, layout) and owner
-    version; owner None (a graph with no model behind it, as torch.export's) always quantizes afresh."""
+    version; owner None (a graph with no model behind it, as torch.export's) always quantizes afresh. `layout`
+    names what sets the copy's layout (the weight read transposed, the codes in tiles), which quantize applies."""
     if owner is None:
         return quantize(weight, recipe)
     entries = _ENTRIES.setdefault(owner, {})
-    found = entries.get((recipe, transposed))
+    found = entries.get((recipe, layout))
     if found is not None and found[0] == owner._version:
         return found[1]
     fresh = quantize(weight, recipe)
@@ -45,8 +49,25 @@ def shared_quantized(owner: torch.Tensor | None, weight: torch.Tensor, recipe: s
             for old, new in zip(_tensors(found[1][0]), _tensors(fresh[0]), strict=True):
                 old.copy_(new)
         fresh = (found[1][0], *fresh[1:])
-    entries[(recipe, transposed)] = (owner._version, fresh)
+    entries[(recipe, layout)] = (owner._version, fresh)
     return fresh
+
+
+def tiles_chosen(option: bool | None, scheme: LinearScheme, weight: torch.Tensor) -> bool:
+    """Whether an [N, K] weight's int4 weight-only codes are held in tiles: under the option int4_code_tiles None
+    (the default) where the GPU's int4 kernels read them (CUDA, sm_80+), True wherever the shape tiles (the CPU's
+    reference untiles them), False nowhere. In the 32-layer int4_wo decode step at one sequence the GPU took 3.130 ms
+    over tiles against 3.432 over rows, and at 16 sequences 5.176 against 5.086 (H100, BENCHMARKS.md)."""
+    if option is False or (scheme.kind, scheme.weight_fmt) != ("weight_only", "int4") or weight.dim() != 2:
+        return False
+    if not tiles_fit(*weight.shape):
+        return False
+    return option is True or (weight.is_cuda and capability(weight.device) >= (8, 0))
+
+
+def stored_layout(q: Quantized, tiled: bool) -> Quantized:
+    """q as the backend holds it: its packed int4 codes in tiles where `tiled`, else as `quantize` packed them."""
+    return dataclasses.replace(q, data=tile_codes(q.data)) if tiled else q
 
 
 def _tensors(q: Quantized) -> list[torch.Tensor]:
@@ -82,14 +103,7 @@ def lanes_of(scale: torch.Tensor, zero_point: torch.Tensor | None) -> tuple[torc
     return _copy_of(scale, lane_scale), _copy_of(zero_point, lane_zero)
 
 
-def tiles_of(codes: torch.Tensor) -> torch.Tensor:
-    """The tiled copy of packed int4 codes [N, K / 2], one for every graph, tiled afresh into it on each call."""
-    return _copy_of(codes, tile_codes(codes))
-
-
 def refresh_lanes(gm: torch.fx.GraphModule) -> None:
-    """Re-pack the per-lane and tiled copies of gm's int4 weights, after the backend re-quantized some in place."""
+    """Re-pack the per-lane copies of gm's int4 weights, after the backend re-quantized some in place."""
     for scale_name, zero_name in gm.meta.get(LANES_KEY, ()):
         lanes_of(getattr(gm, scale_name), getattr(gm, zero_name) if zero_name else None)
-    for codes_name in gm.meta.get(TILES_KEY, ()):
-        tiles_of(getattr(gm, codes_name))

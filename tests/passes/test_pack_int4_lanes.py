@@ -13,11 +13,12 @@ from hf_models import compiled, decoder, fake_quantized, static_decode, traced, 
 
 import fxquant
 from fxquant.compile.backend import fxquant as fxquant_backend
-from fxquant.kernels.code_tiles import tile_codes
+from fxquant.config import RECIPES
+from fxquant.kernels.code_tiles import is_tiled, untile_codes
 from fxquant.kernels.gemm_int4_mma import pack_lanes
 from fxquant.ops import linear as linear_ops
 from fxquant.passes import pack_int4_lanes
-from fxquant.quantization.weight_store import LANES_KEY, TILES_KEY
+from fxquant.quantization.weight_store import LANES_KEY, tiles_chosen
 
 LANES = torch.ops.fxquant.linear_int4_lanes.default
 WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default
@@ -97,9 +98,9 @@ def test_a_second_graph_shares_the_lanes_and_a_changed_weight_repacks_them(serve
     assert torch.equal(qkv_scale[256:384], fresh.scale)
 
 
-def test_under_int4_code_tiles_the_op_reads_a_tiled_copy_of_the_codes_with_the_same_numbers(serves):
+def test_int4_codes_in_tiles_are_the_graphs_one_copy_give_the_same_numbers_and_take_a_re_quantization(serves):
     model = decoder("llama", num_hidden_layers=1)
-    fn, callables = compile_collecting(model)
+    fn, callables = compile_collecting(model, int4_code_tiles=False)
     with torch.no_grad():
         logits = fn(PROMPT, use_cache=False).logits
     fn, callables = compile_collecting(model, int4_code_tiles=True)
@@ -109,18 +110,34 @@ def test_under_int4_code_tiles_the_op_reads_a_tiled_copy_of_the_codes_with_the_s
         with torch.no_grad():
             assert torch.equal(fn(PROMPT, use_cache=False).logits, logits)
             gm = callables[0].result.gm
-            tiled = [node.args[1] for node in gm.graph.nodes if node.target is LANES]
-            assert len(tiled) == 4 and all(node.target.endswith("_tiles") for node in tiled)
-            assert gm.meta[TILES_KEY] == [node.target.removesuffix("_tiles") for node in tiled]
-            k_proj.mul_(-3.0)  # the backend re-quantizes it, and the tiled copy follows
+            codes = [getattr(gm, node.args[1].target) for node in gm.graph.nodes if node.target is LANES]
+            assert len(codes) == 4 and all(is_tiled(c) for c in codes)  # q/k/v and gate/up merged as tiles
+            assert all(is_tiled(t) for name, t in gm.named_buffers() if "qdata" in name)  # no codes in rows beside
+            k_proj.mul_(-3.0)  # the backend re-quantizes it into its rows of the merged tiles
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 fn(PROMPT, use_cache=False)
-            for name in gm.meta[TILES_KEY]:
-                assert torch.equal(getattr(gm, f"{name}_tiles"), tile_codes(getattr(gm, name)))
     finally:
         with torch.no_grad():
             k_proj.copy_(saved)
+    fresh = fxquant.quantize(saved.mul(-3.0), "int4", ("group", 128))  # the qkv rows 256..384 hold k_proj's
+    assert torch.equal(untile_codes(codes[0])[256:384], fresh.data)
+    assert torch.equal(untile_codes(codes[0])[:256], fxquant.quantize(model.model.layers[0].self_attn.q_proj.weight,
+                                                                      "int4", ("group", 128)).data)
+
+
+@pytest.mark.parametrize(("option", "recipe", "shape", "expected"), [
+    (None, "int4_wo", (128, 256), False),  # the CPU: the reference would only untile them
+    (True, "int4_wo", (128, 256), True),
+    (True, "int4_sym_wo", (128, 256), True),
+    (True, "int4_wo", (96, 256), False),  # N not a multiple of a tile's 64 rows
+    (True, "int4_fp8", (128, 256), False),  # its kernel reads rows
+    (True, "int8_wo", (128, 256), False),
+    (False, "int4_wo", (128, 256), False),
+])
+def test_tiles_are_chosen_for_int4_weight_only_codes_whose_shape_tiles_where_the_option_asks(option, recipe, shape,
+                                                                                             expected):
+    assert tiles_chosen(option, RECIPES[recipe], torch.zeros(shape)) is expected
 
 
 def test_quantize_inplace_weights_keep_the_row_major_kernel(serves):
