@@ -77,6 +77,7 @@ class QuantConfig:
     inductor: tuple[tuple[str, object], ...] = ()
     # The layout the backend holds int4 weight-only codes in (weight_store.tiles_chosen): None, tiles where the GPU's
     # int4 kernels read them (CUDA, sm_80+) and rows elsewhere; True, tiles wherever the shape tiles; False, rows
+    # (docs/decisions/0029-int4-codes-held-in-tiles-on-the-gpu.md)
     int4_code_tiles: bool | None = None
 
     def __post_init__(self):

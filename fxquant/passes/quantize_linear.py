@@ -14,6 +14,8 @@ kept in high precision also reads (a tied lm_head and its embedding keep one hig
     %y = bmm(%W[%ids], %x.unsqueeze(-1))   ->  rows sorted by expert (fxquant.sort_by_expert), grouped, put back
 
 Expert weights [E, N, K] are quantized expert by expert (`reference.quantize_experts`): no scale spans two experts.
+int4 weight-only codes are held in tiles where the GPU's kernels read them (`weight_store.tiles_chosen`), as the
+one copy the ops read and the backend re-quantizes into.
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ class QuantizeLinear(FxquantPass):
             return False
         recipe = recipes.pop()
         owner = operands[0].weight.meta.get(SOURCE_KEY)
+        # int4 weight-only codes in the layout the GPU's kernels read fastest, as the one copy
+        # (docs/decisions/0029-int4-codes-held-in-tiles-on-the-gpu.md)
         tiled = tiles_chosen(self.state.config.int4_code_tiles, RECIPES[recipe], w)
 
         def quantize(weight, name):

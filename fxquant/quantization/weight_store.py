@@ -57,7 +57,8 @@ def tiles_chosen(option: bool | None, scheme: LinearScheme, weight: torch.Tensor
     """Whether an [N, K] weight's int4 weight-only codes are held in tiles: under the option int4_code_tiles None
     (the default) where the GPU's int4 kernels read them (CUDA, sm_80+), True wherever the shape tiles (the CPU's
     reference untiles them), False nowhere. In the 32-layer int4_wo decode step at one sequence the GPU took 3.130 ms
-    over tiles against 3.432 over rows, and at 16 sequences 5.176 against 5.086 (H100, BENCHMARKS.md)."""
+    over tiles against 3.432 over rows, and at 16 sequences 5.176 against 5.086, within the noise (H100,
+    docs/decisions/0029-int4-codes-held-in-tiles-on-the-gpu.md)."""
     if option is False or (scheme.kind, scheme.weight_fmt) != ("weight_only", "int4") or weight.dim() != 2:
         return False
     if not tiles_fit(*weight.shape):
