@@ -4,13 +4,14 @@ launch gets (unit strides, 16-divisible sizes, strides and pointers), disassembl
 ships, and the longest loop's instructions are counted by opcode. The registers per thread (which cap the programs
 an SM holds) come from the same cubin.
 
-Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pair-order]   (the tiles for M
-                                                     rows, 16 unless given; --pair-order: operands in
-                                                     codes.pair_order)
+Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pair-order] [--code-rows]   (the
+                                                     tiles for M rows, 16 unless given; --pair-order: operands in
+                                                     codes.pair_order; --code-rows: int4 codes in rows, not the
+                                                     GPU's tiles)
      python -m bench.sass fp8 [--stages N] [--swap]   (row scales, M <= 16, 14336x4096: the decode tiles of
                                                      gemm_configs; --swap: the operands swapped, SWAP_AB)
      python -m bench.sass w4a8 [--stages N]   (int4_fp8's GEMM at decode, 4096 rows, split in 8)
-     python -m bench.sass mma [--stages N]   (int4 at M = 1 on mma.sync, 14336x4096, split in 5)
+     python -m bench.sass mma [--stages N] [--code-rows]   (int4 at M = 1 on mma.sync, 14336x4096, split in 5)
      python -m bench.sass attention [--codes] [--warps N] [--stages N] [--quantize]   (Llama-3-8B's heads at
                                                      B16, 1k keys; --quantize: the output quantized per token)
 """
@@ -44,9 +45,10 @@ GROUPS = {"int8": 1, "int4": 128, "mxfp4": 32, "nvfp4": 16}
 
 
 def decode_kernel_sass(fmt: str, stages: int | None = None, rows: int = 16,
-                       pair_order: bool = False) -> tuple[str, int]:
+                       pair_order: bool = False, code_rows: bool = False) -> tuple[str, int]:
     """SASS and registers per thread of the configuration for `rows` activation rows (decode: up to 16), split-K
-    on and summed by the last slice, with zero points for int4; pair_order: operands in codes.pair_order."""
+    on and summed by the last slice, with zero points for int4; pair_order: operands in codes.pair_order; int4 codes
+    in tiles, as the backend holds them on the GPU, unless code_rows."""
     cfg = wo_gemm_config(rows, 4096, fmt)
     types = ["*bf16", "*i8" if fmt == "int8" else "*i32", "*fp32" if fmt in ("int8", "int4") else "*u8", "*u8",
              "*fp32", "*bf16", "*fp32", "*bf16", "*i32"] + ["i32"] * 11
@@ -54,7 +56,7 @@ def decode_kernel_sass(fmt: str, stages: int | None = None, rows: int = 16,
     constexprs = dict(FMT=FORMATS[fmt], GROUP=GROUPS[fmt], HAS_ZP=fmt == "int4", HAS_BIAS=False, SPLIT_K=4,
                       LAST_SLICE_SUMS=True, DOT=tl.bfloat16, OUT=tl.bfloat16, CAST=0, EVEN_K=True,
                       BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-                      PDL=False, PAIR_ORDER=pair_order, TILED=False,
+                      PDL=False, PAIR_ORDER=pair_order, TILED=fmt == "int4" and not code_rows,
                       **dict.fromkeys(UNIT_STRIDES, 1))
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     attrs = {(ARGS.index(name),): [["tt.divisibility", 16]] for name in ARGS[:9] + list(DIVISIBLE)}
@@ -97,13 +99,14 @@ def w4a8_kernel_sass(stages: int | None = None) -> tuple[str, int]:
                          stages or cfg["num_stages"])
 
 
-def int4_mma_kernel_sass(stages: int | None = None) -> tuple[str, int]:
+def int4_mma_kernel_sass(stages: int | None = None, code_rows: bool = False) -> tuple[str, int]:
     """SASS and registers per thread of the int4 mma.sync kernel at M = 1 (bf16, zero points) on 14336x4096, split
-    in 5 (`int4_mma_split`) and summed by the last slice, with dependent launch."""
+    in 5 (`int4_mma_split`) and summed by the last slice, with dependent launch; its codes in tiles, as the backend
+    holds them on the GPU, unless code_rows."""
     stages = stages or 3  # int4_mma_mm's default
     params = list(inspect.signature(gemm_int4_mma._int4_mma_kernel.fn).parameters)
     constexprs = dict(GROUP=gemm_int4_mma.STEP_K, HAS_ZP=True, BF16=True, SPLIT_K=5, LAST_SLICE_SUMS=True,
-                      HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, STAGES=stages, PDL=True, TILED=False)
+                      HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, STAGES=stages, PDL=True, TILED=not code_rows)
     pointers = dict(a_ptr="*i32", w_ptr="*i32", s_ptr="*fp32", z_ptr="*i32", ws_ptr="*fp32", c_ptr="*bf16",
                     bias_ptr="*bf16", counter_ptr="*i32")
     signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in params}
@@ -170,6 +173,7 @@ def longest_loop(sass: str) -> collections.Counter:
 
 def main():
     stages = int(sys.argv[sys.argv.index("--stages") + 1]) if "--stages" in sys.argv else None
+    code_rows = "--code-rows" in sys.argv
     if "attention" in sys.argv:
         codes = "--codes" in sys.argv
         warps = int(sys.argv[sys.argv.index("--warps") + 1]) if "--warps" in sys.argv else None
@@ -178,8 +182,9 @@ def main():
         what = f"attention over {'e4m3 codes' if codes else 'bf16'}{', output quantized' if quantize else ''}"
         step = "key block"
     elif "mma" in sys.argv:
-        sass, registers = int4_mma_kernel_sass(stages)
-        what, step = "int4 on mma.sync, M = 1 (64 rows x 128 codes a warp)", "K step"
+        sass, registers = int4_mma_kernel_sass(stages, code_rows)
+        what = f"int4 on mma.sync, M = 1 (64 rows x 128 codes a warp), codes in {'rows' if code_rows else 'tiles'}"
+        step = "K step"
     elif "w4a8" in sys.argv:
         sass, registers = w4a8_kernel_sass(stages)
         what, step = "W4A8 (int4 codes, e4m3 activations)", "K step"
@@ -191,8 +196,9 @@ def main():
         fmt = next((a for a in sys.argv[1:] if a in FORMATS), "int4")
         rows = int(sys.argv[sys.argv.index("--rows") + 1]) if "--rows" in sys.argv else 16
         pairs = "--pair-order" in sys.argv
-        sass, registers = decode_kernel_sass(fmt, stages, rows, pairs)
-        what, step = f"{fmt}, {rows} rows{', pair order' if pairs else ''}", "K step"
+        sass, registers = decode_kernel_sass(fmt, stages, rows, pairs, code_rows)
+        tiles = ", codes in tiles" if fmt == "int4" and not code_rows else ""
+        what, step = f"{fmt}, {rows} rows{', pair order' if pairs else ''}{tiles}", "K step"
     ops = longest_loop(sass)
     print(f"{what}: {sum(ops.values())} instructions per {step} per thread, {registers} registers per thread "
           f"(triton {triton.__version__}, sm_90)")

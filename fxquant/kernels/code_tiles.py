@@ -8,7 +8,8 @@ run. The int4 decode kernel's loads alone took 79-88% of its time with the codes
 6-18% faster on the Llama shapes at M = 1 (H100, BENCHMARKS.md, "The int4 decode GEMM's launch, split and code
 layout").
 
-`tile_codes` and `untile_codes` are the one conversion each way, and `tiled_words` addresses tiles from a kernel.
+`tile_codes` and `untile_codes` are the one conversion each way; `tiled_words` addresses tiles from a kernel, and
+`step_tile` finds the tile a program of 64 rows reads in one K step (its rows then 16 words apart).
 Tiles need N a multiple of 64 and K of 128 (`tiles_fit`), so that a merged weight is its parts' tiles stacked.
 """
 
@@ -61,7 +62,15 @@ def untile_codes(tiles: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def tiled_words(rows, words, K):
     """Offsets, in int32 words of 8 codes, of words `words` (K / 8 of them a row) of rows `rows` in the tiles of a
-    weight K codes wide; rows and words broadcast together. The literals are TILE_ROWS (64) and TILE_CODES / 8 (16
-    words a tile row): Triton reads no plain globals."""
-    tile = (rows // 64).to(tl.int64) * (K // 128) + words // 16
-    return tile * 1024 + (rows % 64) * 16 + words % 16
+    weight K codes wide; rows and words broadcast together. A row's part and a word's part are summed last, so that a
+    loop over K steps keeps the rows' part. The literals are TILE_ROWS (64) and TILE_CODES / 8 (16 words a tile row):
+    Triton reads no plain globals."""
+    row_part = (rows // 64).to(tl.int64) * (K // 128) * 1024 + (rows % 64) * 16
+    return row_part + (words // 16) * 1024 + words % 16
+
+
+@triton.jit
+def step_tile(w_ptr, row_tile, step, K):
+    """The first word of tile (row_tile, step) of a weight K codes wide: rows 64 row_tile .. 64 row_tile + 63 of
+    codes 128 step .. 128 step + 127, 16 words a row (the literals as in `tiled_words`)."""
+    return w_ptr + (row_tile.to(tl.int64) * (K // 128) + step) * 1024

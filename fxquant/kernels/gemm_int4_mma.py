@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import capability, float_cast_mode, interpreting
-from fxquant.kernels.code_tiles import TILE_ROWS, is_tiled, tiled_words
+from fxquant.kernels.code_tiles import TILE_ROWS, is_tiled, step_tile
 from fxquant.kernels.dependent_launch import await_previous, launch_options, start_next
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, visible
@@ -113,20 +113,20 @@ def _activation_pairs(ptr, mask):
 
 
 @triton.jit
-def _block_step(w_ptr, row0, stride_wn, t, step, N, K, z0, z1, x0, x1, x2, x3, x4, x5, x6, x7,
+def _block_step(w_ptr, row0, stride_w, t, step, N, z0, z1, x0, x1, x2, x3, x4, x5, x6, x7,
                 y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP: tl.constexpr, BF16: tl.constexpr, TILED: tl.constexpr):
-    """One K step of one 16-row block: its C fragment ([32] each) from rows row0 (g) and row0 + 8 (g + 8).
-    Every asm operand is [32], element i in lane i: Triton 3.6 spread lanes across the first dimension of [4, 32]
-    operands, which mma.sync cannot take. TILED: the codes in `code_tiles`' tiles, whose rows are whole tiles."""
+    """One K step of one 16-row block: its C fragment ([32] each) from rows row0 (g) and row0 + 8 (g + 8). Every asm
+    operand is [32], element i in lane i: Triton 3.6 spread lanes across the first dimension of [4, 32] operands,
+    which mma.sync cannot take. TILED: w_ptr is the step's tile (`code_tiles`) and row0 a row of it, all there."""
     word = tl.arange(0, 4)[None, :]
     row1 = row0 + 8
-    if TILED:  # rows are whole tiles: no mask
-        w0 = tl.load(w_ptr + tiled_words(row0[:, None], t[:, None] * 4 + step * 16 + word, K))
-        w1 = tl.load(w_ptr + tiled_words(row1[:, None], t[:, None] * 4 + step * 16 + word, K))
+    if TILED:  # 16 words a row of the step's tile (`code_tiles`): no mask, and no address that depends on the step
+        w0 = tl.load(w_ptr + row0[:, None] * 16 + t[:, None] * 4 + word)
+        w1 = tl.load(w_ptr + row1[:, None] * 16 + t[:, None] * 4 + word)
     else:
-        w0 = tl.load(w_ptr + row0[:, None].to(tl.int64) * stride_wn + t[:, None] * 4 + step * 16 + word,
+        w0 = tl.load(w_ptr + row0[:, None].to(tl.int64) * stride_w + t[:, None] * 4 + step * 16 + word,
                      mask=(row0 < N)[:, None], other=0)  # [32, 4]: codes 32t .. 32t + 31 of the step, row g
-        w1 = tl.load(w_ptr + row1[:, None].to(tl.int64) * stride_wn + t[:, None] * 4 + step * 16 + word,
+        w1 = tl.load(w_ptr + row1[:, None].to(tl.int64) * stride_w + t[:, None] * 4 + step * 16 + word,
                      mask=(row1 < N)[:, None], other=0)
     if not HAS_ZP:  # a symmetric code c is (c ^ 8) - 8
         w0 = w0 ^ -0x77777778  # 0x88888888 as int32: bit 3 of every nibble
@@ -179,13 +179,17 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
         x2, y2, x3, y3 = _activation_pairs(a_row + step * 64 + 4, a_in)
         x4, y4, x5, y5 = _activation_pairs(a_row + step * 64 + 8, a_in)
         x6, y6, x7, y7 = _activation_pairs(a_row + step * 64 + 12, a_in)
-        a0, a1, a2, a3 = _block_step(w_ptr, row, stride_wn, t, step, N, K, za0, za1, x0, x1, x2, x3, x4, x5, x6,
+        if TILED:  # the step's tile: the program's 64 rows of 16 words, one contiguous 4 KB
+            w_step, local = step_tile(w_ptr, tile, step, K), g
+        else:
+            w_step, local = w_ptr, row
+        a0, a1, a2, a3 = _block_step(w_step, local, stride_wn, t, step, N, za0, za1, x0, x1, x2, x3, x4, x5, x6, x7,
+                                     y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16, TILED)
+        b0, b1, b2, b3 = _block_step(w_step, local + 16, stride_wn, t, step, N, zb0, zb1, x0, x1, x2, x3, x4, x5, x6,
                                      x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16, TILED)
-        b0, b1, b2, b3 = _block_step(w_ptr, row + 16, stride_wn, t, step, N, K, zb0, zb1, x0, x1, x2, x3, x4, x5, x6,
+        c0, c1, c2, c3 = _block_step(w_step, local + 32, stride_wn, t, step, N, zc0, zc1, x0, x1, x2, x3, x4, x5, x6,
                                      x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16, TILED)
-        c0, c1, c2, c3 = _block_step(w_ptr, row + 32, stride_wn, t, step, N, K, zc0, zc1, x0, x1, x2, x3, x4, x5, x6,
-                                     x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16, TILED)
-        d0, d1, d2, d3 = _block_step(w_ptr, row + 48, stride_wn, t, step, N, K, zd0, zd1, x0, x1, x2, x3, x4, x5, x6,
+        d0, d1, d2, d3 = _block_step(w_step, local + 48, stride_wn, t, step, N, zd0, zd1, x0, x1, x2, x3, x4, x5, x6,
                                      x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16, TILED)
         # the group's scale multiplies the step's exact-operand fp32 sums, as gemm_weight_only's int4 path does
         acc0 += _stack(a0, b0, c0, d0) * s0
