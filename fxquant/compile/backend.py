@@ -15,7 +15,7 @@ from fxquant.compile.pipeline import PipelineResult, run_pipeline
 from fxquant.compile.report import format_report
 from fxquant.config import MODES, from_options
 from fxquant.quantization.weight_quantization import quantize_weight
-from fxquant.quantization.weight_store import refresh_lanes, stored_layout
+from fxquant.quantization.weight_store import WATCHED_KEY, refresh_lanes, stored_layout
 
 VERSION = operator.attrgetter("_version")
 
@@ -33,14 +33,16 @@ class Variant:
     kept: list[int]
     params: list[torch.Tensor]
     tracked: list = field(default_factory=list)  # layers whose source weight's version is checked on each call
-    sources: tuple = ()  # their source weights
-    versions: tuple = ()  # the versions their quantized buffers hold
+    # their source weights, then the model's quantized parameters that per-lane copies follow (pack_int4_lanes)
+    sources: tuple = ()
+    versions: tuple = ()  # the versions the quantized buffers and the copies hold
     take: object = None  # args -> the inputs the compiled graph takes, as a tuple
 
     def __post_init__(self):
         self.tracked = [layer for layer in self.result.layers if layer.source is not None]
-        self.sources = tuple(layer.source for layer in self.tracked)
-        self.versions = tuple(layer.version for layer in self.tracked)
+        followed = tuple(self.result.gm.meta.get(WATCHED_KEY, ()))
+        self.sources = tuple(layer.source for layer in self.tracked) + followed
+        self.versions = tuple(layer.version for layer in self.tracked) + tuple(map(VERSION, followed))
         self.take = _getter(self.kept)
 
 
@@ -59,7 +61,9 @@ class QuantizedCallable:
       break inside a loop over experts); frozen weights cannot serve it, so each set of parameters gets a variant
       compiled from a pristine copy of the graph, once, with one warning per compile.
     - A weight changed after compile (an optimizer step, a load_state_dict) is re-quantized into the same
-      buffers, with one warning per compile; stale quantized weights are never used silently.
+      buffers, with one warning per compile; stale quantized weights are never used silently. A quantized
+      parameter changed after compile (a load_state_dict into quantize_'s scales) re-packs the per-lane copies that
+      follow it (pack_int4_lanes), silently: the model's own state changed, and nothing was re-quantized.
     """
 
     def __init__(self, original: torch.fx.GraphModule, frozen: list[int], compile_variant, example_inputs):
@@ -85,7 +89,7 @@ class QuantizedCallable:
                 if layer.source._version != layer.version:
                     self._requantize(variant, layer)
             refresh_lanes(variant.result.gm)
-            variant.versions = tuple(layer.version for layer in variant.tracked)
+            variant.versions = tuple(map(VERSION, variant.sources))
         return variant.compiled(*variant.take(args))
 
     def _variant_for(self, args) -> Variant:

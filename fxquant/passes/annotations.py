@@ -12,6 +12,7 @@ META_KEY = "fxquant"
 FQN_KEY = "fxquant_fqn"  # on get_attr nodes: the constant's fully qualified name in the user's model
 PARAMETER_KEY = "fxquant_parameter"  # on get_attr nodes: True for the model's parameters (weights), not buffers
 SOURCE_KEY = "fxquant_source"  # on get_attr nodes freeze_params made: the model's nn.Parameter itself
+PARTS_KEY = "fxquant_parts"  # on get_attr nodes merge_linear stacked from shared tensors: those tensors, in order
 SHARD_KEY = "fxquant_shard"  # on get_attr nodes localize_shards made: the whole (DTensor) weight's shape
 
 

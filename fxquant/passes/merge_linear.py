@@ -23,7 +23,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.kernels.code_tiles import code_rows
-from fxquant.passes.annotations import PARAMETER_KEY, SOURCE_KEY, fake_value, fetch_attr
+from fxquant.passes.annotations import PARAMETER_KEY, PARTS_KEY, SOURCE_KEY, fake_value, fetch_attr
 from fxquant.passes.op_arguments import arguments, with_arguments
 from fxquant.passes.order import FxquantPass
 from fxquant.passes.side_effects import mutation_epochs
@@ -75,6 +75,9 @@ class MergeLinear(FxquantPass):
         sources = [[arguments(n)[name].meta.get(SOURCE_KEY) for name in weight_args] for n in nodes]
         with graph.inserting_before(nodes[0]):
             changes = {arg: graph.get_attr(name) for arg, name in zip(weight_args, new_names, strict=True)}
+            if sources[0][0] is not None:  # what a copy of the stacked tensors (pack_int4_lanes) must follow
+                for i, const in enumerate(changes.values()):
+                    const.meta[PARTS_KEY] = tuple(params[i] for params in sources)
             if op in WIDTH_ARG:
                 changes[WIDTH_ARG[op]] = total
             merged = graph.call_function(op, with_arguments(nodes[0], **changes))

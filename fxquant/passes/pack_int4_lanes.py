@@ -1,10 +1,10 @@
-"""pack_int4_lanes: int4 linears whose weights this graph quantized also get their scales and zero points in the
-per-lane layout of the mma.sync decode kernel (`kernels/gemm_int4_mma.py`), which serves one activation row.
+"""pack_int4_lanes: int4 linears also get their scales and zero points in the per-lane layout of the mma.sync decode
+kernel (`kernels/gemm_int4_mma.py`), which serves one activation row.
 
 Pre:  quantize_linear and merge_linear have run. Post: each int4 linear_weight_only over weights a layer record
-owns, with groups and K multiples of 128, on an sm_80+ GPU, is linear_int4_lanes over the same tensors plus the
-per-lane copy (7.8% of the codes' bytes: 6.25% scales, 1.6% zero points). Other row counts keep the row-major
-tensors and the in-register kernel.
+owns, or over the model's own quantized parameters (quantize_'s, a loaded checkpoint's), with groups and K multiples
+of 128, on an sm_80+ GPU, is linear_int4_lanes over the same tensors plus the per-lane copy (7.8% of the codes'
+bytes: 6.25% scales, 1.6% zero points). Other row counts keep the row-major tensors and the in-register kernel.
 
     %y = fxquant.linear_weight_only(%x, %w, %s, None, %z, %b, "int4", 128, N)
         ->  %y = fxquant.linear_int4_lanes(%x, %w, %s, %z, %s_lanes, %z_lanes, %b, 128, N)
@@ -12,10 +12,11 @@ tensors and the in-register kernel.
 The codes stay what quantize_linear made them: on the GPU, tiles (kernels/code_tiles.py, weight_store.tiles_chosen),
 which every kernel of the op reads at every row count.
 
-Weights quantize_ quantized are left as they are: no record tracks their versions, so a copy could go stale.
 The copy is shared by every graph that reads the same scales, and re-packed in place whenever they may have
 changed: when a graph is compiled (another graph may have re-quantized shared weights), and on
-`weight_store.refresh_lanes` after the backend re-quantizes a changed weight.
+`weight_store.refresh_lanes` after the backend re-quantizes a changed weight or sees a model parameter the copy
+follows change (gm.meta[WATCHED_KEY]: a load_state_dict into quantize_'s scales). A parameter whose source the graph
+does not know (an exported program's) keeps the row-major kernel: nothing could tell its copy stale.
 """
 
 from __future__ import annotations
@@ -27,14 +28,25 @@ import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.kernels.cast import capability
 from fxquant.kernels.code_tiles import is_tiled
 from fxquant.kernels.gemm_int4_mma import STEP_K
-from fxquant.passes.annotations import fetch_attr
+from fxquant.passes.annotations import PARTS_KEY, SOURCE_KEY, fetch_attr
 from fxquant.passes.op_arguments import arguments
 from fxquant.passes.order import FxquantPass
 from fxquant.passes.state import PipelineState
-from fxquant.quantization.weight_store import LANES_KEY, lanes_of
+from fxquant.quantization.weight_store import LANES_KEY, WATCHED_KEY, lanes_of
 
 WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default
 LANES = torch.ops.fxquant.linear_int4_lanes.default
+
+def model_sources(node: torch.fx.Node | None) -> list[torch.Tensor] | None:
+    """The model's tensors that a get_attr node's value is (freeze_params' source) or stacks (merge_linear's parts),
+    [] for no node, None where the graph does not know them."""
+    if node is None:
+        return []
+    if node.meta.get(SOURCE_KEY) is not None:
+        return [node.meta[SOURCE_KEY]]
+    parts = node.meta.get(PARTS_KEY)
+    return list(parts) if parts else None
+
 
 def kernel_serves(scale: torch.Tensor) -> bool:
     """Whether the mma.sync kernel can run where this weight lives."""
@@ -51,13 +63,17 @@ class PackInt4Lanes(FxquantPass):
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         owned = {layer.buffers.scale for layer in self.state.layers if layer.buffers is not None}
         packed = {}  # (scale buffer, zero point buffer) -> None, in order
+        watched = {}  # id -> a model parameter some per-lane copy follows, in order
         modified = False
         for node in list(gm.graph.nodes):
             if node.target is not WEIGHT_ONLY:
                 continue
             args = arguments(node)
             w, scale, zero_point, group = args["w"], args["w_scale"], args["w_zero_point"], args["group_size"]
-            if args["fmt"] != "int4" or scale.op != "get_attr" or scale.target not in owned or group % STEP_K:
+            if args["fmt"] != "int4" or scale.op != "get_attr" or group % STEP_K:
+                continue
+            follows = self._follows(scale, zero_point, owned)
+            if follows is None:
                 continue
             scale_t, zero_t, codes = fetch_attr(gm, scale), fetch_attr(gm, zero_point), fetch_attr(gm, w)
             # codes [N, K / 2], or tiles, whose K is a multiple of 128 by construction
@@ -74,11 +90,22 @@ class PackInt4Lanes(FxquantPass):
             node.replace_all_uses_with(lanes)
             gm.graph.erase_node(node)
             packed[names] = None
+            watched.update((id(t), t) for t in follows)
             modified = True
         if not modified:
             return PassResult(gm, False)
         gm.meta[LANES_KEY] = list(packed)
+        gm.meta[WATCHED_KEY] = list(watched.values())
         return PassResult(gm, True)
+
+    @staticmethod
+    def _follows(scale: torch.fx.Node, zero_point: torch.fx.Node | None, owned: set) -> list[torch.Tensor] | None:
+        """The model parameters a per-lane copy of these scales must follow: none where the backend owns them (it
+        re-quantizes and re-packs them itself), quantize_'s where the graph knows them, None where it cannot."""
+        if scale.target in owned:
+            return []
+        found = [model_sources(scale), model_sources(zero_point)]
+        return None if None in found else found[0] + found[1]
 
     @staticmethod
     def _attr(gm: torch.fx.GraphModule, name: str | None, tensor: torch.Tensor | None):

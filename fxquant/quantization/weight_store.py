@@ -27,6 +27,7 @@ from fxquant.kernels.gemm_int4_mma import pack_lanes
 from fxquant.numerics.quantized import Quantized
 
 LANES_KEY = "fxquant_int4_lanes"  # gm.meta: (scale buffer, zero point buffer) of each weight packed in lanes
+WATCHED_KEY = "fxquant_int4_lanes_follow"  # gm.meta: model parameters whose change re-packs gm's lanes (quantize_'s)
 
 # parameter -> {(recipe, layout): (version, (Quantized, *what quantize measured with it))}
 _ENTRIES: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -105,6 +106,7 @@ def lanes_of(scale: torch.Tensor, zero_point: torch.Tensor | None) -> tuple[torc
 
 
 def refresh_lanes(gm: torch.fx.GraphModule) -> None:
-    """Re-pack the per-lane copies of gm's int4 weights, after the backend re-quantized some in place."""
+    """Re-pack the per-lane copies of gm's int4 weights, after the backend re-quantized some in place or a model
+    parameter they follow (gm.meta[WATCHED_KEY]) changed."""
     for scale_name, zero_name in gm.meta.get(LANES_KEY, ()):
         lanes_of(getattr(gm, scale_name), getattr(gm, zero_name) if zero_name else None)

@@ -13,7 +13,8 @@ from hf_models import compiled, decoder, fake_quantized, static_decode, traced, 
 
 import fxquant
 from fxquant.compile.backend import fxquant as fxquant_backend
-from fxquant.config import RECIPES
+from fxquant.compile.pipeline import run_pipeline
+from fxquant.config import RECIPES, QuantConfig
 from fxquant.kernels.code_tiles import is_tiled, untile_codes
 from fxquant.kernels.gemm_int4_mma import pack_lanes
 from fxquant.ops import linear as linear_ops
@@ -140,14 +141,37 @@ def test_tiles_are_chosen_for_int4_weight_only_codes_whose_shape_tiles_where_the
     assert tiles_chosen(option, RECIPES[recipe], torch.zeros(shape)) is expected
 
 
-def test_quantize_inplace_weights_keep_the_row_major_kernel(serves):
-    """Their versions are not tracked by the backend, so a per-lane copy could go stale."""
+def test_quantize_inplace_weights_take_the_lanes_op_and_a_loaded_state_re_packs_their_lanes(serves):
+    """quantize_'s parameters (a loaded checkpoint's) are the model's state: the per-lane copy follows them, re-packed
+    on the first call after a load_state_dict, with no recompile."""
     model = fxquant.quantize_(decoder("llama", num_hidden_layers=1), {"recipe": "int4_wo"})
     fn, callables = compile_collecting(model)
     with torch.no_grad():
         fn(PROMPT, use_cache=False)
-    counts = Counter(node.target for node in callables[0].result.gm.graph.nodes)
-    assert counts[LANES] == 0 and counts[WEIGHT_ONLY] == 4
+    gm = callables[0].result.gm
+    counts = Counter(node.target for node in gm.graph.nodes)
+    assert counts[LANES] == 4 and counts[WEIGHT_ONLY] == 0
+    other = fxquant.quantize_(decoder("llama", num_hidden_layers=1, seed=1), {"recipe": "int4_wo"})
+    model.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        logits = fn(PROMPT, use_cache=False).logits
+        expected = other(PROMPT, use_cache=False).logits
+    assert len(callables) == 1  # the same graph, its parameters changed in place
+    assert torch.allclose(logits, expected, rtol=0, atol=1e-2)  # eager against the graph's fusions
+    for scale, zero, lane_scale, lane_zero in lanes_buffers(gm):
+        packed = pack_lanes(scale, zero)
+        assert torch.equal(lane_scale, packed[0]) and torch.equal(lane_zero, packed[1])
+    qkv_scale = lanes_buffers(gm)[0][0]
+    assert torch.equal(qkv_scale[:256], other.model.layers[0].self_attn.q_proj.weight_scale)  # q's 256 rows
+
+
+def test_a_weight_whose_source_the_graph_does_not_know_keeps_the_row_major_kernel(serves):
+    """An exported program's parameters: nothing would tell a per-lane copy stale."""
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    model = fxquant.quantize_(torch.nn.Sequential(torch.nn.Linear(256, 256)).to(torch.bfloat16), "int4_wo")
+    result = run_pipeline(torch.export.export(model, (x,)).module(), QuantConfig(recipe="int4_wo"), (x,))
+    counts = Counter(node.target for node in result.gm.graph.nodes)
+    assert counts[LANES] == 0 and counts[WEIGHT_ONLY] == 1
 
 
 @pytest.mark.gpu
