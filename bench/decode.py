@@ -33,10 +33,11 @@ fxquant:<recipe>+head=<recipe> (the lm_head quantized too, under the second reci
 fxquant:<recipe>+without=<pass> (without one of the pipeline's optional passes; repeatable),
 fxquant:<recipe>+inductor=<option> (one of Inductor's boolean options on, e.g. combo_kernels; repeatable),
 fxquant:<recipe>+rows (int4 codes held in rows, not the GPU's default tiles: the option int4_code_tiles=False),
+fxquant:<recipe>+inplace (a copy of the model quantize_'d under the recipe, then compiled: a loaded checkpoint's path),
 fxquant:<recipe>+nopdl (every fxquant kernel launched without programmatic dependent launch), +reducekernel (split
 GEMMs summed by the reduce kernel, not by their last slice),
 torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head, +without, +inductor,
-+rows and the launch settings).
++rows, +inplace and the launch settings).
 
 Three phases. First, untimed, every path runs once in worker processes, --warm-jobs at a time, the longest first
 (warm_groups): each compile and autotune fills the on-disk caches (Inductor's FX graph and AOT caches, Triton's
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import inspect
 import json
@@ -253,6 +255,7 @@ HEAD = "+head="  # fxquant:<recipe>+head=<recipe>: the lm_head quantized too, un
 WITHOUT = "+without="  # fxquant:<recipe>+without=<pass>: the pipeline without one of its optional passes
 INDUCTOR = "+inductor="  # fxquant:<recipe>+inductor=<option>: one of Inductor's boolean options turned on
 ROWS = "+rows"  # fxquant:<recipe>+rows: int4 codes held in rows (the backend's option int4_code_tiles=False)
+IN_PLACE = "+inplace"  # fxquant:<recipe>+inplace: the model quantize_'d first (its copy), then compiled
 
 
 def recipe_options(path: str) -> dict:
@@ -271,11 +274,11 @@ def recipe_options(path: str) -> dict:
             options.setdefault("inductor", {})[value] = True
         elif key == ROWS:
             options["int4_code_tiles"] = False
-        elif key in LAUNCH_SETTINGS:
-            continue  # a launch setting, not a backend option: work() applies it
+        elif key in LAUNCH_SETTINGS or key == IN_PLACE:
+            continue  # a launch setting or the model's preparation, not a backend option: work() applies it
         else:
             raise ValueError(f"bench.decode: path {path!r}: {key!r} is none of +head=, +without=, +inductor=, "
-                             f"+rows, +fp8kv, {', '.join(LAUNCH_SETTINGS)}")
+                             f"+rows, +inplace, +fp8kv, {', '.join(LAUNCH_SETTINGS)}")
     return options
 
 
@@ -296,9 +299,12 @@ def compiled_forward(model, path: str, mode: str):
     if path == "inductor":
         return model, torch.compile(model.forward, mode=mode, dynamic=False), ()
     if path.startswith("fxquant:"):
-        backend = Recording()
+        backend, options = Recording(), recipe_options(path)
+        if IN_PLACE in path:  # the weights the model holds quantized, as a loaded checkpoint's: quantize_'s layers
+            layers = {key: options[key] for key in ("recipe", "layer_recipes") if key in options}
+            model = fxquant.quantize_(copy.deepcopy(model), layers, progress=False)
         return model, torch.compile(model.forward, backend=backend, dynamic=False,
-                                    options={**recipe_options(path), "mode": mode}), backend.callables
+                                    options={**options, "mode": mode}), backend.callables
     quantized = peers.quantized(model, path)
     if quantized is None:
         return None, f"{path.split(':')[0]} does not import here", ()

@@ -89,6 +89,16 @@ def test_path_suffixes_become_backend_options():
         recipe_options("fxquant:fp8_row+heads=int8_wo")
 
 
+def test_an_inplace_path_compiles_a_quantize_d_copy_and_leaves_the_model_as_it_was():
+    """+inplace times a loaded checkpoint's path: the layers quantize_'s QuantizedLinear, compiled by the backend."""
+    model = small_llama()
+    weight = model.model.layers[0].mlp.down_proj.weight
+    runner, forward, callables = compiled_forward(model, "fxquant:int4_wo+inplace", "default")
+    assert type(runner.model.layers[0].mlp.down_proj).__name__ == "QuantizedLinear" and runner is not model
+    assert model.model.layers[0].mlp.down_proj.weight is weight
+    assert recipe_options("fxquant:int4_wo+inplace") == {"recipe": "int4_wo"}
+
+
 def test_launch_settings_turn_off_what_the_path_names_and_only_inside_the_block():
     from fxquant.kernels import dependent_launch, splitk
 
