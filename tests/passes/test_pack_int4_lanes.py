@@ -4,6 +4,7 @@ by every graph and re-packed when the weight is re-quantized.
 On the CPU the pass is made to run (`kernel_serves` patched) and linear_int4_lanes runs linear_weight_only's
 reference, so outputs match the unpacked graph bit for bit; the GPU tests run the kernel in a decode."""
 
+import copy
 import warnings
 from collections import Counter
 
@@ -175,13 +176,16 @@ def test_a_weight_whose_source_the_graph_does_not_know_keeps_the_row_major_kerne
 
 
 @pytest.mark.gpu
-def test_a_batch_one_decode_runs_the_kernel_within_the_bound_of_its_fake_quantized_copy(monkeypatch):
+@pytest.mark.parametrize("in_place", [False, True], ids=["backend", "quantize_"])
+def test_a_batch_one_decode_runs_the_kernel_within_the_bound_of_its_fake_quantized_copy(monkeypatch, in_place):
+    """Over the backend's codes (tiles on the GPU) and over quantize_'s (rows, the model's state)."""
     calls = []
     kernel = linear_ops.int4_mma_mm
     monkeypatch.setattr(linear_ops, "int4_mma_mm", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
     model = decoder("llama", num_hidden_layers=2).to(DEVICE)
     prompt, steps = PROMPT.to(DEVICE), torch.randint(0, 64, (1, 3), device=DEVICE)
-    got = static_decode(model, compiled(model, recipe="int4_wo"), prompt, steps)
+    run = fxquant.quantize_(copy.deepcopy(model), "int4_wo") if in_place else model
+    got = static_decode(run, compiled(run, recipe="int4_wo"), prompt, steps)
     assert len(calls) >= 3 * 8  # every decode step's 8 int4 GEMMs (2 layers) on the kernel
     copies = fake_quantized(model, "int4_wo", exact=True), fake_quantized(model, "int4_wo", exact=False), model
     assert not within_bound(got, *(static_decode(m, traced(m), prompt, steps) for m in copies))
