@@ -5,10 +5,11 @@ programmatic dependent launch the next kernel's programs take SM slots while thi
 unit a kernel change must win on before the 32-layer step.
 
 Each row is the mma.sync kernel (`gemm_int4_mma`) at a split-K rule: the product's (`int4_mma_split`), or K cut
-toward a program count per GEMM; with dependent launch on (as the decode step runs) and off; over the codes as
-stored, and over the same codes in tiles (`code_tiles`, the option int4_code_tiles).
+toward a program count per GEMM; with dependent launch on (as the decode step runs) and off; over the codes in rows,
+as `quantize` packs them, and in tiles (`code_tiles`), as the backend holds them on the GPU. Last, the tiles at the
+product's split with dependent launch on, at other pipeline depths (`int4_mma_mm`'s stages, 3 in the product).
 
-Run: python -m bench.int4_chain [--programs 450 1800 ...]
+Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ LAYER = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # merged q/k
 LAYERS = 32
 GROUP = 128
 DEFAULT_PROGRAMS = (450, 1800)  # the product's split aims at 900: a smaller and a larger grid beside it
+DEFAULT_STAGES = (2, 4, 5)  # the product's pipeline holds 3 K steps in flight
 
 
 def int4_weight(n: int, k: int):
@@ -46,13 +48,14 @@ def split_toward(n: int, k: int, programs: int) -> int:
     return max(1, min(k // STEP_K // 2, round(programs / -(-n // 64))))
 
 
-def chain_ms(layers, xs, split_rule, tiled: bool) -> float:
+def chain_ms(layers, xs, split_rule, tiled: bool, stages: int = 3) -> float:
     """Median ms of one graph replay of every layer's four GEMMs, K split by split_rule(n, k) (None: the product's),
-    over the codes as stored or tiled."""
+    over the codes as stored or tiled, `stages` K steps in flight."""
     def run():
         for layer in layers:
             for n, k, codes, tiles, lane_scale, lane_zero in layer:
-                int4_mma_mm(xs[k], tiles if tiled else codes, lane_scale, lane_zero, GROUP, split=split_rule(n, k))
+                int4_mma_mm(xs[k], tiles if tiled else codes, lane_scale, lane_zero, GROUP, split=split_rule(n, k),
+                            stages=stages)
     return triton.testing.do_bench_cudagraph(run, rep=200, return_mode="median")
 
 
@@ -63,12 +66,20 @@ def bf16_chain_ms(xs) -> float:
                                              rep=200, return_mode="median")
 
 
+def values_after(flag: str, default) -> list[str]:
+    """The arguments after `flag` up to the next flag, or `default` where it is not given."""
+    if flag not in sys.argv:
+        return list(default)
+    rest = sys.argv[sys.argv.index(flag) + 1:]
+    return rest[:next((i for i, v in enumerate(rest) if v.startswith("--")), len(rest))]
+
+
 def main():
     print(header())
     ceiling = copy_bandwidth_gbs()
     print(f"copy ceiling (read+write): {ceiling:.0f} GB/s")
-    asked = sys.argv[sys.argv.index("--programs") + 1:] if "--programs" in sys.argv else DEFAULT_PROGRAMS
-    programs = [int(v) for v in asked]
+    programs = [int(v) for v in values_after("--programs", DEFAULT_PROGRAMS)]
+    depths = [int(v) for v in values_after("--stages", DEFAULT_STAGES)]
     xs = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for k in sorted({width for _, width in LAYER})}
     bf16_ms = bf16_chain_ms(xs)
     torch.cuda.empty_cache()
@@ -76,17 +87,23 @@ def main():
     nbytes = sum(t.nbytes for layer in layers for _, _, codes, _, *lanes in layer for t in (codes, *lanes))
     rules = [("the product's split", lambda n, k: None)]
     rules += [(f"toward {p} programs", lambda n, k, p=p: split_toward(n, k, p)) for p in programs]
+
+    def row(name: str, pdl: bool, ms: float) -> dict:
+        return {"GEMMs": f"int4 mma.sync, {name}", "dependent launch": "on" if pdl else "off", "ms": f"{ms:.3f}",
+                "x bf16": f"{bf16_ms / ms:.2f}", "int4 GB/s": f"{nbytes / ms / 1e6:.0f}",
+                "% copy": f"{100 * nbytes / ms / 1e6 / ceiling:.0f}"}
+
     rows = [{"GEMMs": "bf16 torch.mm", "dependent launch": "-", "ms": f"{bf16_ms:.3f}", "x bf16": "1.00"}]
     for pdl, tiled in ((True, False), (True, True), (False, False), (False, True)):
         for name, rule in rules:
             with dependent_launches(pdl):
-                ms = chain_ms(layers, xs, rule, tiled)
-            rows.append({"GEMMs": f"int4 mma.sync, {'tiled' if tiled else 'stored'}, {name}",
-                         "dependent launch": "on" if pdl else "off",
-                         "ms": f"{ms:.3f}", "x bf16": f"{bf16_ms / ms:.2f}",
-                         "int4 GB/s": f"{nbytes / ms / 1e6:.0f}",
-                         "% copy": f"{100 * nbytes / ms / 1e6 / ceiling:.0f}"})
+                rows.append(row(f"{'tiled' if tiled else 'stored'}, {name}", pdl, chain_ms(layers, xs, rule, tiled)))
             print(rows[-1], flush=True)
+    for stages in depths:
+        with dependent_launches(True):
+            rows.append(row(f"tiled, the product's split, {stages} stages", True,
+                            chain_ms(layers, xs, rules[0][1], True, stages)))
+        print(rows[-1], flush=True)
     print(f"{LAYERS} layers x {len(LAYER)} GEMMs at M = 1, one CUDA graph; int4 bytes (codes, lane scales, zero "
           f"points): {nbytes / 1e9:.2f} GB")
     print(table(rows))
