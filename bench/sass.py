@@ -11,7 +11,8 @@ Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pai
      python -m bench.sass fp8 [--stages N] [--swap]   (row scales, M <= 16, 14336x4096: the decode tiles of
                                                      gemm_configs; --swap: the operands swapped, SWAP_AB)
      python -m bench.sass w4a8 [--stages N]   (int4_fp8's GEMM at decode, 4096 rows, split in 8)
-     python -m bench.sass mma [--stages N] [--code-rows]   (int4 at M = 1 on mma.sync, 14336x4096, split in 5)
+     python -m bench.sass mma [--stages N] [--code-rows] [--prefetch]   (int4 at M = 1 on mma.sync, 14336x4096,
+                                                     split in 5)
      python -m bench.sass attention [--codes] [--warps N] [--stages N] [--quantize]   (Llama-3-8B's heads at
                                                      B16, 1k keys; --quantize: the output quantized per token)
 """
@@ -99,14 +100,16 @@ def w4a8_kernel_sass(stages: int | None = None) -> tuple[str, int]:
                          stages or cfg["num_stages"])
 
 
-def int4_mma_kernel_sass(stages: int | None = None, code_rows: bool = False) -> tuple[str, int]:
+def int4_mma_kernel_sass(stages: int | None = None, code_rows: bool = False,
+                         prefetch: bool = False) -> tuple[str, int]:
     """SASS and registers per thread of the int4 mma.sync kernel at M = 1 (bf16, zero points) on 14336x4096, split
     in 5 (`int4_mma_split`) and summed by the last slice, with dependent launch; its codes in tiles, as the backend
-    holds them on the GPU, unless code_rows."""
+    holds them on the GPU, unless code_rows; prefetch: its first codes asked of the L2 before the wait."""
     stages = stages or 3  # int4_mma_mm's default
     params = list(inspect.signature(gemm_int4_mma._int4_mma_kernel.fn).parameters)
     constexprs = dict(GROUP=gemm_int4_mma.STEP_K, HAS_ZP=True, BF16=True, SPLIT_K=5, LAST_SLICE_SUMS=True,
-                      HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, STAGES=stages, PDL=True, TILED=not code_rows)
+                      HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, STAGES=stages, PDL=True, TILED=not code_rows,
+                      PREFETCH=prefetch and not code_rows)
     pointers = dict(a_ptr="*i32", w_ptr="*i32", s_ptr="*fp32", z_ptr="*i32", ws_ptr="*fp32", c_ptr="*bf16",
                     bias_ptr="*bf16", counter_ptr="*i32")
     signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in params}
@@ -182,8 +185,10 @@ def main():
         what = f"attention over {'e4m3 codes' if codes else 'bf16'}{', output quantized' if quantize else ''}"
         step = "key block"
     elif "mma" in sys.argv:
-        sass, registers = int4_mma_kernel_sass(stages, code_rows)
-        what = f"int4 on mma.sync, M = 1 (64 rows x 128 codes a warp), codes in {'rows' if code_rows else 'tiles'}"
+        prefetch = "--prefetch" in sys.argv
+        sass, registers = int4_mma_kernel_sass(stages, code_rows, prefetch)
+        what = (f"int4 on mma.sync, M = 1 (64 rows x 128 codes a warp), codes in {'rows' if code_rows else 'tiles'}"
+                f"{', first codes prefetched' if prefetch else ''}")
         step = "K step"
     elif "w4a8" in sys.argv:
         sass, registers = w4a8_kernel_sass(stages)

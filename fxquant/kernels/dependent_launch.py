@@ -5,9 +5,10 @@ run. Each of its programs first waits (griddepcontrol.wait) until that kernel ha
 visible, then lets the next kernel begin its own launch. Between the dozen dependent kernels of a decode layer this
 hides the launch and tail each one otherwise waits for; stream capture keeps the edges, so CUDA graphs keep it.
 
-The wait comes before any load or store, so every result is the serial launch's, bit for bit. Decode attention
-lets the next kernel launch only after its key loop, and the fp8 and int4 mma.sync GEMMs after their K loop: a next
-kernel as large as itself, resident early and waiting, took the slots its own programs needed
+The wait comes before any load or store, so every result is the serial launch's, bit for bit (under
+`gemm_int4_mma.codes_prefetched` the int4 kernel first asks the L2 for its codes, which no kernel writes: a hint).
+Decode attention lets the next kernel launch only after its key loop, and the fp8 and int4 mma.sync GEMMs after their
+K loop: a next kernel as large as itself, resident early and waiting, took the slots its own programs needed
 (docs/decisions/0021-decode-attention-merged-by-the-last-split.md,
 docs/decisions/0028-int4-mma-next-kernel-after-the-k-loop.md). After a
 kernel launched without it (Inductor's, cuBLAS's), a kernel launched with it starts when that one ends, as before.

@@ -25,7 +25,8 @@ and casts.
 `tl.range`'s pipeliner keeps STAGES steps of codes, scales, zero points and activations in flight as asynchronous
 copies while one is multiplied. What bounds the kernel is that reading: a variant that only loads took 79-88% of
 its time on the Llama shapes, and the same codes tiled per (64 rows, 128-code step) ran 6-18% faster (H100,
-BENCHMARKS.md, "The int4 decode GEMM's launch, split and code layout").
+BENCHMARKS.md, "The int4 decode GEMM's launch, split and code layout"). Under `codes_prefetched` (off until timed), a
+program over tiles asks the L2 for its first PREFETCH_STEPS steps of codes before it waits for the previous kernel.
 
 Inline PTX does not run under Triton's interpreter: there `supports` is false and the caller takes
 `gemm_weight_only`, which computes the same product. tests/kernels/test_gemm_int4_mma.py runs this kernel under the
@@ -45,12 +46,15 @@ from fxquant.kernels.cast import capability, float_cast_mode, interpreting
 from fxquant.kernels.code_tiles import TILE_ROWS, is_tiled, step_tile
 from fxquant.kernels.dependent_launch import await_previous, launch_options, start_next
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
-from fxquant.kernels.launch import cdiv, visible
+from fxquant.kernels.launch import cdiv, set_inside, visible
 from fxquant.kernels.splitk import counters, reduce_partials, sum_if_last_slice
 
 STEP_K = 128  # codes per row per K step: 4 lanes x 32; int4 groups must be multiples of it
 ROWS = TILE_ROWS  # weight rows per program: four 16-row MMA blocks
 MAX_M = 8  # activation rows one m16n8k16 MMA takes as its B operand
+# K steps of tiles (16 KB a program) asked of the L2 before the wait, under `codes_prefetched`
+PREFETCH_STEPS = tl.constexpr(4)
+_prefetch = [False]  # off until the 32-layer step has timed it
 
 
 def _step_asm(magic: str, fma: str, one: str, dtype: str) -> str:
@@ -141,11 +145,27 @@ def _block_step(w_ptr, row0, stride_w, t, step, N, z0, z1, x0, x1, x2, x3, x4, x
 
 
 @triton.jit
+def prefetch_l2(lines):
+    """Ask the L2 for the 128-byte lines at `lines` (int32 pointers, one line each): a hint, with no value and no
+    wait, so it changes no result."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+def codes_prefetched(enabled: bool):
+    """int4 mma.sync GEMMs over tiles launched inside the block ask the L2 for their first PREFETCH_STEPS K steps of
+    codes before they wait for the previous kernel (dependent launch on), or not (the default)."""
+    return set_inside(_prefetch, enabled)
+
+
+@triton.jit
 def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counter_ptr, M, N, K, G, stride_am,
                      stride_wn, stride_ws, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr,
                      SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
-                     CAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, TILED: tl.constexpr):
-    await_previous(PDL)
+                     CAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, TILED: tl.constexpr,
+                     PREFETCH: tl.constexpr = False):
+    if not PREFETCH:
+        await_previous(PDL)
     lane = tl.arange(0, 32)
     g = lane // 4
     t = lane % 4
@@ -159,6 +179,10 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
     per_slice = tl.cdiv(steps, SPLIT_K)
     first = tl.program_id(1) * per_slice
     last = tl.minimum(first + per_slice, steps)
+    if PREFETCH:  # the codes do not depend on the previous kernel: the L2 fetches them while it finishes
+        ahead = tl.minimum(first + tl.arange(0, PREFETCH_STEPS), last - 1)  # the slice's first tiles, none past it
+        prefetch_l2(step_tile(w_ptr, tile, ahead, K)[None, :] + lane[:, None] * 32)  # 32 lines of 128 B a tile
+        await_previous(PDL)
     acc0 = tl.zeros((32, 4), tl.float32)
     acc1 = tl.zeros((32, 4), tl.float32)
     acc2 = tl.zeros((32, 4), tl.float32)
@@ -276,6 +300,7 @@ def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device)
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     tiles = cdiv(N, ROWS)
+    pdl = launch_options(a.device)
     count = counters(a.device, tiles)
     visible(_int4_mma_kernel)[(tiles, split)](
         a.view(torch.int32), codes, lane_scale, lane_zero if lane_zero is not None else lane_scale, ws, out,
@@ -284,5 +309,5 @@ def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split
         GROUP=group, HAS_ZP=lane_zero is not None, BF16=a.dtype == torch.bfloat16, SPLIT_K=split,
         LAST_SLICE_SUMS=count is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[a.dtype],
         CAST=float_cast_mode(_int4_mma_kernel), STAGES=stages, TILED=tiled, num_warps=1, num_stages=stages,
-        **launch_options(a.device))
+        PREFETCH=tiled and _prefetch[0] and bool(pdl["PDL"]), **pdl)
     return out if count is not None else reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])

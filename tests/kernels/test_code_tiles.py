@@ -7,9 +7,10 @@ import torch
 import triton.runtime.interpreter as interpreter
 from test_gemm_int4_mma import _ptx_step, operands
 
+from fxquant.kernels import gemm_int4_mma
 from fxquant.kernels.code_tiles import tile_codes, tiled_shape, tiles_fit, untile_codes
 from fxquant.kernels.dequantize_weight import dequantize_weight
-from fxquant.kernels.gemm_int4_mma import int4_mma_mm
+from fxquant.kernels.gemm_int4_mma import codes_prefetched, int4_mma_mm
 from fxquant.kernels.gemm_weight_only import DEQUANTIZE_ABOVE_M, weight_only_mm, weight_operands
 
 GPU = torch.cuda.is_available()
@@ -73,9 +74,20 @@ def test_the_mma_kernel_gives_the_same_bits_from_tiles_under_the_interpreter(mon
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", [(4096, 4096), (6144, 1024)])
 def test_the_mma_kernel_gives_the_same_bits_from_tiles_on_the_gpu(N, K):
+    """From rows, from tiles, and from tiles whose first steps it asked of the L2 before its wait (the kernel's
+    dependent launch on, where the GPU has it: the prefetch is compiled in only then)."""
     q, x, bias, lane_scale, lane_zero = _int4(N, K, 1)
     codes, _ = weight_operands(x, q.data, q.scale, "int4", 128, N)
     tiles, _ = weight_operands(x, tile_codes(q.data), q.scale, "int4", 128, N)
-    for split in (None, 1, 5):
+    for split in (None, 1, 5, 16):  # 16: two K steps a slice at K = 4096, eight slices with none at K = 1024
         rows = int4_mma_mm(x, codes, lane_scale, lane_zero, 128, bias, split=split)
         assert torch.equal(int4_mma_mm(x, tiles, lane_scale, lane_zero, 128, bias, split=split), rows)
+        with codes_prefetched(True):
+            assert torch.equal(int4_mma_mm(x, tiles, lane_scale, lane_zero, 128, bias, split=split), rows)
+
+
+def test_the_prefetch_is_off_by_default_and_on_only_inside_its_block():
+    assert gemm_int4_mma._prefetch == [False]
+    with codes_prefetched(True):
+        assert gemm_int4_mma._prefetch == [True]
+    assert gemm_int4_mma._prefetch == [False]
