@@ -8,7 +8,7 @@ Each row is the mma.sync kernel (`gemm_int4_mma`) at a split-K rule: the product
 toward a program count per GEMM; with dependent launch on (as the decode step runs) and off; over the codes in rows,
 as `quantize` packs them, and in tiles (`code_tiles`), as the backend holds them on the GPU. Last, the tiles at the
 product's split with dependent launch on, at other pipeline depths (`int4_mma_mm`'s stages, 3 in the product), and
-with each program's first codes asked of the L2 before it waits for the previous GEMM (`codes_prefetched`).
+with each program's first codes asked of the L2 before it waits for the previous GEMM (`weights_prefetched`).
 
 Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...]
 """
@@ -22,8 +22,8 @@ import triton.testing
 
 from bench.common import copy_bandwidth_gbs, header, table
 from fxquant.kernels.code_tiles import tile_codes
-from fxquant.kernels.dependent_launch import dependent_launches
-from fxquant.kernels.gemm_int4_mma import STEP_K, codes_prefetched, int4_mma_mm, pack_lanes
+from fxquant.kernels.dependent_launch import dependent_launches, weights_prefetched
+from fxquant.kernels.gemm_int4_mma import STEP_K, int4_mma_mm, pack_lanes
 from fxquant.kernels.gemm_weight_only import weight_operands
 from fxquant.numerics import reference as R
 
@@ -105,7 +105,7 @@ def main():
             rows.append(row(f"tiled, the product's split, {stages} stages", True,
                             chain_ms(layers, xs, rules[0][1], True, stages)))
         print(rows[-1], flush=True)
-    with dependent_launches(True), codes_prefetched(True):
+    with dependent_launches(True), weights_prefetched(True):
         rows.append(row("tiled, the product's split, first codes prefetched", True,
                         chain_ms(layers, xs, rules[0][1], True)))
     print(rows[-1], flush=True)

@@ -8,8 +8,8 @@ Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pai
                                                      tiles for M rows, 16 unless given; --pair-order: operands in
                                                      codes.pair_order; --code-rows: int4 codes in rows, not the
                                                      GPU's tiles)
-     python -m bench.sass fp8 [--stages N] [--swap]   (row scales, M <= 16, 14336x4096: the decode tiles of
-                                                     gemm_configs; --swap: the operands swapped, SWAP_AB)
+     python -m bench.sass fp8 [--stages N] [--swap] [--prefetch]   (row scales, M <= 16, 14336x4096: the decode
+                                                     tiles of gemm_configs; --swap: the operands swapped, SWAP_AB)
      python -m bench.sass w4a8 [--stages N]   (int4_fp8's GEMM at decode, 4096 rows, split in 8)
      python -m bench.sass mma [--stages N] [--code-rows] [--prefetch]   (int4 at M = 1 on mma.sync, 14336x4096,
                                                      split in 5)
@@ -64,15 +64,15 @@ def decode_kernel_sass(fmt: str, stages: int | None = None, rows: int = 16,
     return compiled_sass(_wo_gemm_kernel, signature, constexprs, attrs, cfg["num_warps"], stages or cfg["num_stages"])
 
 
-def fp8_kernel_sass(stages: int | None = None, swap: bool = False) -> tuple[str, int]:
+def fp8_kernel_sass(stages: int | None = None, swap: bool = False, prefetch: bool = False) -> tuple[str, int]:
     """SASS and registers per thread of the fp8 GEMM with row scales at decode (M <= 16) on the 14336x4096 weight,
     in the tiles `gemm_configs` gives it, unsplit; swap: with the operands swapped (the weight's rows as the MMA's
-    M)."""
+    M); prefetch: its first weights asked of the L2 before the wait."""
     cfg = fp8_gemm_config(16, 14336, 4096, block_scales=False)
     params = list(inspect.signature(gemm_fp8._fp8_gemm_kernel.fn).parameters)
     constexprs = dict(BLOCK_SCALES=False, SCALE_BLOCK=128, HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, SPLIT_K=1,
                       LAST_SLICE_SUMS=False, COMPILER_PROMOTES=True, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                      BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PDL=True, SWAP_AB=swap,
+                      BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PDL=True, SWAP_AB=swap, PREFETCH=prefetch,
                       stride_ak=1, stride_bk=1, stride_cn=1)
     pointers = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", ws_ptr="*fp32", a_scale_ptr="*fp32",
                     b_scale_ptr="*fp32", bias_ptr="*bf16", counter_ptr="*i32")
@@ -194,9 +194,11 @@ def main():
         sass, registers = w4a8_kernel_sass(stages)
         what, step = "W4A8 (int4 codes, e4m3 activations)", "K step"
     elif "fp8" in sys.argv:
-        swap = "--swap" in sys.argv
-        sass, registers = fp8_kernel_sass(stages, swap)
-        what, step = f"fp8 GEMM, row scales{', operands swapped' if swap else ''}", "K step"
+        swap, prefetch = "--swap" in sys.argv, "--prefetch" in sys.argv
+        sass, registers = fp8_kernel_sass(stages, swap, prefetch)
+        what = (f"fp8 GEMM, row scales{', operands swapped' if swap else ''}"
+                f"{', first weights prefetched' if prefetch else ''}")
+        step = "K step"
     else:
         fmt = next((a for a in sys.argv[1:] if a in FORMATS), "int4")
         rows = int(sys.argv[sys.argv.index("--rows") + 1]) if "--rows" in sys.argv else 16

@@ -100,15 +100,15 @@ def test_an_inplace_path_compiles_a_quantize_d_copy_and_leaves_the_model_as_it_w
 
 
 def test_launch_settings_turn_off_what_the_path_names_and_only_inside_the_block():
-    from fxquant.kernels import dependent_launch, gemm_int4_mma, splitk
+    from fxquant.kernels import dependent_launch, splitk
 
     with launch_settings("fxquant:fp8_row+reducekernel"):
-        assert dependent_launch._enabled[0] and not splitk._in_gemm[0] and not gemm_int4_mma._prefetch[0]
+        assert dependent_launch._enabled[0] and not splitk._in_gemm[0] and not dependent_launch._prefetch[0]
     with launch_settings("fxquant:int4_wo+prefetch"):
-        assert gemm_int4_mma._prefetch[0] and splitk._in_gemm[0]
+        assert dependent_launch._prefetch[0] and splitk._in_gemm[0]
     with launch_settings("fxquant:fp8_row", profiled=True):  # a profile launches without PDL
         assert not dependent_launch._enabled[0] and splitk._in_gemm[0]
-    assert dependent_launch._enabled[0] and splitk._in_gemm[0] and not gemm_int4_mma._prefetch[0]
+    assert dependent_launch._enabled[0] and splitk._in_gemm[0] and not dependent_launch._prefetch[0]
 
 
 def test_too_few_steps_to_time_are_refused_by_name(monkeypatch, capsys):

@@ -5,8 +5,9 @@ run. Each of its programs first waits (griddepcontrol.wait) until that kernel ha
 visible, then lets the next kernel begin its own launch. Between the dozen dependent kernels of a decode layer this
 hides the launch and tail each one otherwise waits for; stream capture keeps the edges, so CUDA graphs keep it.
 
-The wait comes before any load or store, so every result is the serial launch's, bit for bit (under
-`gemm_int4_mma.codes_prefetched` the int4 kernel first asks the L2 for its codes, which no kernel writes: a hint).
+The wait comes before any load or store, so every result is the serial launch's, bit for bit. Under
+`weights_prefetched` (off until timed) the decode GEMMs first ask the L2 for their first weights, which no kernel
+writes (`prefetch_l2`, a hint), so that the fetch overlaps the previous kernel's end.
 Decode attention lets the next kernel launch only after its key loop, and the fp8 and int4 mma.sync GEMMs after their
 K loop: a next kernel as large as itself, resident early and waiting, took the slots its own programs needed
 (docs/decisions/0021-decode-attention-merged-by-the-last-split.md,
@@ -30,6 +31,8 @@ from fxquant.kernels.launch import inlined, set_inside
 ON = {"PDL": True, "launch_pdl": True}
 OFF = {"PDL": False}
 _enabled = [os.environ.get("FXQUANT_PDL", "1") != "0"]
+_prefetch = [False]
+PREFETCH_STEPS = tl.constexpr(4)  # K steps of a program's weights asked of the L2 before the wait
 
 
 def launch_options(device: torch.device) -> dict:
@@ -43,6 +46,25 @@ def launch_options(device: torch.device) -> dict:
 def dependent_launches(enabled: bool):
     """Launches inside the block use programmatic dependent launch or not; a CUDA graph keeps what its capture saw."""
     return set_inside(_enabled, enabled)
+
+
+def weights_prefetched(enabled: bool):
+    """The decode GEMMs launched inside the block (the fp8 GEMM, the int4 mma.sync kernel over tiles) ask the L2 for
+    their first PREFETCH_STEPS K steps of weights before they wait for the previous kernel, or not (the default)."""
+    return set_inside(_prefetch, enabled)
+
+
+def prefetching(options: dict) -> bool:
+    """Whether a kernel launched with `launch_options` `options` prefetches: only a kernel launched dependent waits."""
+    return _prefetch[0] and bool(options["PDL"])
+
+
+@triton.jit
+def prefetch_l2(lines):
+    """Ask the L2 for the 128-byte lines at the pointers `lines`: a hint, with no value and no wait, so it changes
+    no result."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit

@@ -31,7 +31,14 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import capability, float_cast_mode, interpreting
-from fxquant.kernels.dependent_launch import await_previous, launch_options, start_next
+from fxquant.kernels.dependent_launch import (
+    PREFETCH_STEPS,
+    await_previous,
+    launch_options,
+    prefetch_l2,
+    prefetching,
+    start_next,
+)
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_fp8_tma import describable, launch_tma
 from fxquant.kernels.launch import cdiv, sm_count, visible
@@ -126,12 +133,18 @@ def _fp8_gemm_kernel(
     BLOCK_SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
     CAST: tl.constexpr, SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
-    SWAP_AB: tl.constexpr,
+    SWAP_AB: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
-    await_previous(PDL)
+    if not PREFETCH:
+        await_previous(PDL)
     pid_k = tl.program_id(1)
     pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
+    if PREFETCH:  # no kernel writes the weight: the L2 fetches its first K steps while the previous kernel ends
+        ahead = tl.minimum(first_k + tl.arange(0, PREFETCH_STEPS), tl.maximum(last_k - 1, 0))  # none past the slice
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # a tile past N asks for the last row again
+        prefetch_l2(b_ptr + rows[:, None] * stride_bn + (ahead * BLOCK_K)[None, :] * stride_bk)
+        await_previous(PDL)
     if SWAP_AB:
         acc = fp8_accumulate_swapped(a_ptr, b_ptr, offs_m, offs_n, M, N, K, first_k, last_k, stride_am, stride_ak,
                                      stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -218,6 +231,7 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
         return out
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     count = counters(a.device, tiles) if split > 1 else None
+    pdl = launch_options(a.device)
     visible(_fp8_gemm_kernel)[(tiles, split)](
         a, b, out, ws, a_scale, b_scale, bias if bias is not None else out, count if count is not None else ws,
         M, N, K,
@@ -225,7 +239,7 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
         asm, ask, bsn, bsk,
         BLOCK_SCALES=block_scales, SCALE_BLOCK=SCALE_BLOCK, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
         CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split, LAST_SLICE_SUMS=count is not None, **meta,
-        **launch_options(a.device),
+        PREFETCH=prefetching(pdl), **pdl,
     )
     if split > 1 and count is None:
         reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])

@@ -25,8 +25,9 @@ and casts.
 `tl.range`'s pipeliner keeps STAGES steps of codes, scales, zero points and activations in flight as asynchronous
 copies while one is multiplied. What bounds the kernel is that reading: a variant that only loads took 79-88% of
 its time on the Llama shapes, and the same codes tiled per (64 rows, 128-code step) ran 6-18% faster (H100,
-BENCHMARKS.md, "The int4 decode GEMM's launch, split and code layout"). Under `codes_prefetched` (off until timed), a
-program over tiles asks the L2 for its first PREFETCH_STEPS steps of codes before it waits for the previous kernel.
+BENCHMARKS.md, "The int4 decode GEMM's launch, split and code layout"). Under `dependent_launch.weights_prefetched`
+(off until timed), a program over tiles asks the L2 for its first steps of codes before it waits for the previous
+kernel: 16 KB in one run.
 
 Inline PTX does not run under Triton's interpreter: there `supports` is false and the caller takes
 `gemm_weight_only`, which computes the same product. tests/kernels/test_gemm_int4_mma.py runs this kernel under the
@@ -44,17 +45,21 @@ import triton.language as tl
 
 from fxquant.kernels.cast import capability, float_cast_mode, interpreting
 from fxquant.kernels.code_tiles import TILE_ROWS, is_tiled, step_tile
-from fxquant.kernels.dependent_launch import await_previous, launch_options, start_next
+from fxquant.kernels.dependent_launch import (
+    PREFETCH_STEPS,
+    await_previous,
+    launch_options,
+    prefetch_l2,
+    prefetching,
+    start_next,
+)
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
-from fxquant.kernels.launch import cdiv, set_inside, visible
+from fxquant.kernels.launch import cdiv, visible
 from fxquant.kernels.splitk import counters, reduce_partials, sum_if_last_slice
 
 STEP_K = 128  # codes per row per K step: 4 lanes x 32; int4 groups must be multiples of it
 ROWS = TILE_ROWS  # weight rows per program: four 16-row MMA blocks
 MAX_M = 8  # activation rows one m16n8k16 MMA takes as its B operand
-# K steps of tiles (16 KB a program) asked of the L2 before the wait, under `codes_prefetched`
-PREFETCH_STEPS = tl.constexpr(4)
-_prefetch = [False]  # off until the 32-layer step has timed it
 
 
 def _step_asm(magic: str, fma: str, one: str, dtype: str) -> str:
@@ -145,20 +150,6 @@ def _block_step(w_ptr, row0, stride_w, t, step, N, z0, z1, x0, x1, x2, x3, x4, x
 
 
 @triton.jit
-def prefetch_l2(lines):
-    """Ask the L2 for the 128-byte lines at `lines` (int32 pointers, one line each): a hint, with no value and no
-    wait, so it changes no result."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-def codes_prefetched(enabled: bool):
-    """int4 mma.sync GEMMs over tiles launched inside the block ask the L2 for their first PREFETCH_STEPS K steps of
-    codes before they wait for the previous kernel (dependent launch on), or not (the default)."""
-    return set_inside(_prefetch, enabled)
-
-
-@triton.jit
 def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counter_ptr, M, N, K, G, stride_am,
                      stride_wn, stride_ws, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr,
                      SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
@@ -179,7 +170,7 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
     per_slice = tl.cdiv(steps, SPLIT_K)
     first = tl.program_id(1) * per_slice
     last = tl.minimum(first + per_slice, steps)
-    if PREFETCH:  # the codes do not depend on the previous kernel: the L2 fetches them while it finishes
+    if PREFETCH:  # no kernel writes the codes: the L2 fetches them while the previous kernel ends
         ahead = tl.minimum(first + tl.arange(0, PREFETCH_STEPS), last - 1)  # the slice's first tiles, none past it
         prefetch_l2(step_tile(w_ptr, tile, ahead, K)[None, :] + lane[:, None] * 32)  # 32 lines of 128 B a tile
         await_previous(PDL)
@@ -309,5 +300,5 @@ def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split
         GROUP=group, HAS_ZP=lane_zero is not None, BF16=a.dtype == torch.bfloat16, SPLIT_K=split,
         LAST_SLICE_SUMS=count is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[a.dtype],
         CAST=float_cast_mode(_int4_mma_kernel), STAGES=stages, TILED=tiled, num_warps=1, num_stages=stages,
-        PREFETCH=tiled and _prefetch[0] and bool(pdl["PDL"]), **pdl)
+        PREFETCH=tiled and prefetching(pdl), **pdl)
     return out if count is not None else reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])

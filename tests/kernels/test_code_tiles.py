@@ -7,10 +7,10 @@ import torch
 import triton.runtime.interpreter as interpreter
 from test_gemm_int4_mma import _ptx_step, operands
 
-from fxquant.kernels import gemm_int4_mma
+from fxquant.kernels import dependent_launch
 from fxquant.kernels.code_tiles import tile_codes, tiled_shape, tiles_fit, untile_codes
 from fxquant.kernels.dequantize_weight import dequantize_weight
-from fxquant.kernels.gemm_int4_mma import codes_prefetched, int4_mma_mm
+from fxquant.kernels.gemm_int4_mma import int4_mma_mm
 from fxquant.kernels.gemm_weight_only import DEQUANTIZE_ABOVE_M, weight_only_mm, weight_operands
 
 GPU = torch.cuda.is_available()
@@ -82,12 +82,5 @@ def test_the_mma_kernel_gives_the_same_bits_from_tiles_on_the_gpu(N, K):
     for split in (None, 1, 5, 16):  # 16: two K steps a slice at K = 4096, eight slices with none at K = 1024
         rows = int4_mma_mm(x, codes, lane_scale, lane_zero, 128, bias, split=split)
         assert torch.equal(int4_mma_mm(x, tiles, lane_scale, lane_zero, 128, bias, split=split), rows)
-        with codes_prefetched(True):
+        with dependent_launch.weights_prefetched(True):
             assert torch.equal(int4_mma_mm(x, tiles, lane_scale, lane_zero, 128, bias, split=split), rows)
-
-
-def test_the_prefetch_is_off_by_default_and_on_only_inside_its_block():
-    assert gemm_int4_mma._prefetch == [False]
-    with codes_prefetched(True):
-        assert gemm_int4_mma._prefetch == [True]
-    assert gemm_int4_mma._prefetch == [False]

@@ -1,12 +1,13 @@
 """Programmatic dependent launch: on where the GPU has it (sm_90+) and nowhere else, and a chain of dependent
-kernels gives the serial launch's bits, eagerly and replayed from a CUDA graph."""
+kernels gives the serial launch's bits, eagerly and replayed from a CUDA graph, with the GEMMs' weights prefetched
+before their wait or not."""
 
 import pytest
 import torch
 
 import fxquant
 from fxquant.kernels.cast import capability
-from fxquant.kernels.dependent_launch import OFF, ON, launch_options
+from fxquant.kernels.dependent_launch import OFF, ON, launch_options, prefetching, weights_prefetched
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
 from fxquant.kernels.launch import kernels_inlined
 from fxquant.kernels.quant_fp8 import quantize_fp8_rows, silu_mul_quantize_fp8_rows
@@ -26,6 +27,13 @@ def test_it_is_off_on_the_cpu_while_inlined_and_when_turned_off():
         assert launch_options(cuda) == ON
 
 
+def test_a_kernel_prefetches_only_under_the_switch_and_when_launched_dependent():
+    assert not prefetching(ON) and not prefetching(OFF)
+    with weights_prefetched(True):
+        assert prefetching(ON) and not prefetching(OFF)  # without the wait there is nothing to overlap
+    assert not prefetching(ON)
+
+
 def chain(h, weights):
     """Layers of quantize -> split-K fp8 GEMM -> reduce -> silu(gate) * up quantized -> GEMM -> reduce: each kernel
     reads what the one before it wrote."""
@@ -39,7 +47,8 @@ def chain(h, weights):
 
 
 @pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs sm_90 or later")
-def test_a_dependent_chain_gives_the_serial_launch_s_bits_eagerly_and_in_a_cuda_graph():
+@pytest.mark.parametrize("prefetch", [False, True], ids=["waits first", "weights prefetched before the wait"])
+def test_a_dependent_chain_gives_the_serial_launch_s_bits_eagerly_and_in_a_cuda_graph(prefetch):
     gen = torch.Generator(device="cuda").manual_seed(0)
     dim, inner = 1024, 2048
 
@@ -52,15 +61,16 @@ def test_a_dependent_chain_gives_the_serial_launch_s_bits_eagerly_and_in_a_cuda_
     with fxquant.dependent_launches(False):
         want = chain(x, weights)
     assert torch.isfinite(want).all() and want.abs().max() > 0
-    assert torch.equal(chain(x, weights), want)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        chain(x, weights)  # compiled and planned before capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = chain(x, weights)
+    with weights_prefetched(prefetch):
+        assert torch.equal(chain(x, weights), want)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chain(x, weights)  # compiled and planned before capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = chain(x, weights)
     for _ in range(3):
         got.zero_()
         graph.replay()
