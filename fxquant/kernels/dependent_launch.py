@@ -60,6 +60,13 @@ def prefetching(options: dict) -> bool:
 
 
 @triton.jit
+def steps_ahead(first, last):
+    """The K steps a program asks the L2 for: its first PREFETCH_STEPS from `first`, none past its last (last - 1;
+    step 0 for an empty slice)."""
+    return tl.minimum(first + tl.arange(0, PREFETCH_STEPS), tl.maximum(last - 1, 0))
+
+
+@triton.jit
 def prefetch_l2(lines):
     """Ask the L2 for the 128-byte lines at the pointers `lines`: a hint, with no value and no wait, so it changes
     no result."""

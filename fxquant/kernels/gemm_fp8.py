@@ -32,12 +32,12 @@ import triton.language as tl
 
 from fxquant.kernels.cast import capability, float_cast_mode, interpreting
 from fxquant.kernels.dependent_launch import (
-    PREFETCH_STEPS,
     await_previous,
     launch_options,
     prefetch_l2,
     prefetching,
     start_next,
+    steps_ahead,
 )
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_fp8_tma import describable, launch_tma
@@ -141,9 +141,9 @@ def _fp8_gemm_kernel(
     pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
     if PREFETCH:  # no kernel writes the weight: the L2 fetches its first K steps while the previous kernel ends
-        ahead = tl.minimum(first_k + tl.arange(0, PREFETCH_STEPS), tl.maximum(last_k - 1, 0))  # none past the slice
         rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # a tile past N asks for the last row again
-        prefetch_l2(b_ptr + rows[:, None] * stride_bn + (ahead * BLOCK_K)[None, :] * stride_bk)
+        columns = steps_ahead(first_k, last_k) * BLOCK_K  # one 128-byte line a row and step at BLOCK_K = 128
+        prefetch_l2(b_ptr + rows[:, None] * stride_bn + columns[None, :] * stride_bk)
         await_previous(PDL)
     if SWAP_AB:
         acc = fp8_accumulate_swapped(a_ptr, b_ptr, offs_m, offs_n, M, N, K, first_k, last_k, stride_am, stride_ak,

@@ -46,12 +46,12 @@ import triton.language as tl
 from fxquant.kernels.cast import capability, float_cast_mode, interpreting
 from fxquant.kernels.code_tiles import TILE_ROWS, is_tiled, step_tile
 from fxquant.kernels.dependent_launch import (
-    PREFETCH_STEPS,
     await_previous,
     launch_options,
     prefetch_l2,
     prefetching,
     start_next,
+    steps_ahead,
 )
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, visible
@@ -171,8 +171,8 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
     first = tl.program_id(1) * per_slice
     last = tl.minimum(first + per_slice, steps)
     if PREFETCH:  # no kernel writes the codes: the L2 fetches them while the previous kernel ends
-        ahead = tl.minimum(first + tl.arange(0, PREFETCH_STEPS), last - 1)  # the slice's first tiles, none past it
-        prefetch_l2(step_tile(w_ptr, tile, ahead, K)[None, :] + lane[:, None] * 32)  # 32 lines of 128 B a tile
+        tiles = step_tile(w_ptr, tile, steps_ahead(first, last), K)  # the slice's first tiles, one run of memory
+        prefetch_l2(tiles[None, :] + lane[:, None] * 32)  # 32 lines of 128 B a tile
         await_previous(PDL)
     acc0 = tl.zeros((32, 4), tl.float32)
     acc1 = tl.zeros((32, 4), tl.float32)
