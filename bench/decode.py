@@ -35,7 +35,7 @@ fxquant:<recipe>+inductor=<option> (one of Inductor's boolean options on, e.g. c
 fxquant:<recipe>+rows (int4 codes held in rows, not the GPU's default tiles: the option int4_code_tiles=False),
 fxquant:<recipe>+inplace (a copy of the model quantize_'d under the recipe, then compiled: a loaded checkpoint's path),
 fxquant:<recipe>+nopdl (every fxquant kernel launched without programmatic dependent launch), +reducekernel (split
-GEMMs summed by the reduce kernel, not by their last slice), +prefetch (the fp8 and int4 decode GEMMs ask the L2 for
+GEMMs summed by the reduce kernel, not by their last slice), +prefetch (the fp8 and 4-bit decode GEMMs ask the L2 for
 their first weights before they wait for the previous kernel),
 torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head, +without, +inductor,
 +rows, +inplace and the launch settings).

@@ -4,10 +4,10 @@ launch gets (unit strides, 16-divisible sizes, strides and pointers), disassembl
 ships, and the longest loop's instructions are counted by opcode. The registers per thread (which cap the programs
 an SM holds) come from the same cubin.
 
-Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pair-order] [--code-rows]   (the
-                                                     tiles for M rows, 16 unless given; --pair-order: operands in
-                                                     codes.pair_order; --code-rows: int4 codes in rows, not the
-                                                     GPU's tiles)
+Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pair-order] [--code-rows] [--prefetch]
+                                                     (the tiles for M rows, 16 unless given; --pair-order: operands
+                                                     in codes.pair_order; --code-rows: int4 codes in rows, not the
+                                                     GPU's tiles; --prefetch: the first codes asked of the L2)
      python -m bench.sass fp8 [--stages N] [--swap] [--prefetch]   (row scales, M <= 16, 14336x4096: the decode
                                                      tiles of gemm_configs; --swap: the operands swapped, SWAP_AB)
      python -m bench.sass w4a8 [--stages N]   (int4_fp8's GEMM at decode, 4096 rows, split in 8)
@@ -46,10 +46,11 @@ GROUPS = {"int8": 1, "int4": 128, "mxfp4": 32, "nvfp4": 16}
 
 
 def decode_kernel_sass(fmt: str, stages: int | None = None, rows: int = 16,
-                       pair_order: bool = False, code_rows: bool = False) -> tuple[str, int]:
+                       pair_order: bool = False, code_rows: bool = False, prefetch: bool = False) -> tuple[str, int]:
     """SASS and registers per thread of the configuration for `rows` activation rows (decode: up to 16), split-K
     on and summed by the last slice, with zero points for int4; pair_order: operands in codes.pair_order; int4 codes
-    in tiles, as the backend holds them on the GPU, unless code_rows."""
+    in tiles, as the backend holds them on the GPU, unless code_rows; prefetch: packed codes' first steps asked of
+    the L2 before the wait."""
     cfg = wo_gemm_config(rows, 4096, fmt)
     types = ["*bf16", "*i8" if fmt == "int8" else "*i32", "*fp32" if fmt in ("int8", "int4") else "*u8", "*u8",
              "*fp32", "*bf16", "*fp32", "*bf16", "*i32"] + ["i32"] * 11
@@ -58,6 +59,7 @@ def decode_kernel_sass(fmt: str, stages: int | None = None, rows: int = 16,
                       LAST_SLICE_SUMS=True, DOT=tl.bfloat16, OUT=tl.bfloat16, CAST=0, EVEN_K=True,
                       BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
                       PDL=False, PAIR_ORDER=pair_order, TILED=fmt == "int4" and not code_rows,
+                      PREFETCH=prefetch and fmt != "int8",
                       **dict.fromkeys(UNIT_STRIDES, 1))
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     attrs = {(ARGS.index(name),): [["tt.divisibility", 16]] for name in ARGS[:9] + list(DIVISIBLE)}
@@ -203,7 +205,7 @@ def main():
         fmt = next((a for a in sys.argv[1:] if a in FORMATS), "int4")
         rows = int(sys.argv[sys.argv.index("--rows") + 1]) if "--rows" in sys.argv else 16
         pairs = "--pair-order" in sys.argv
-        sass, registers = decode_kernel_sass(fmt, stages, rows, pairs, code_rows)
+        sass, registers = decode_kernel_sass(fmt, stages, rows, pairs, code_rows, "--prefetch" in sys.argv)
         tiles = ", codes in tiles" if fmt == "int4" and not code_rows else ""
         what, step = f"{fmt}, {rows} rows{', pair order' if pairs else ''}{tiles}", "K step"
     ops = longest_loop(sass)

@@ -73,9 +73,17 @@ def packed_words(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K: tl.constexp
     WORDS: tl.constexpr = BLOCK_K // 8
     word = step * WORDS + tl.arange(0, WORDS)
     mask = mask_n[:, None] if EVEN_K else mask_n[:, None] & (word[None, :] * 8 < K)
+    return tl.load(w_ptr + packed_word_offsets(offs_n[:, None], word[None, :], K, stride_wn, TILED), mask=mask,
+                   other=0)
+
+
+@triton.jit
+def packed_word_offsets(rows, words, K, stride_wn, TILED: tl.constexpr):
+    """Offsets of int32 words `words` of packed 4-bit rows `rows` (broadcasting together), in rows of stride_wn
+    words or, TILED, in `code_tiles`' tiles."""
     if TILED:
-        return tl.load(w_ptr + tiled_words(offs_n[:, None], word[None, :], K), mask=mask, other=0)
-    return tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + word[None, :], mask=mask, other=0)
+        return tiled_words(rows, words, K)
+    return rows.to(tl.int64) * stride_wn + words
 
 
 @triton.jit

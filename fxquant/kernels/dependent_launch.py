@@ -49,8 +49,9 @@ def dependent_launches(enabled: bool):
 
 
 def weights_prefetched(enabled: bool):
-    """The decode GEMMs launched inside the block (the fp8 GEMM, the int4 mma.sync kernel over tiles) ask the L2 for
-    their first PREFETCH_STEPS K steps of weights before they wait for the previous kernel, or not (the default)."""
+    """The decode GEMMs launched inside the block (the fp8 GEMM, the int4 mma.sync kernel over tiles, the in-register
+    weight-only GEMM over packed 4-bit codes) ask the L2 for their first PREFETCH_STEPS K steps of weights before
+    they wait for the previous kernel, or not (the default)."""
     return set_inside(_prefetch, enabled)
 
 

@@ -42,11 +42,12 @@ from fxquant.kernels.codes import (
     fp4_values,
     int4_integers,
     mxfp8_values,
+    packed_word_offsets,
     packed_words,
     scale_codes,
     scale_value,
 )
-from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
+from fxquant.kernels.dependent_launch import launch_options, prefetch_l2, prefetching, steps_ahead, wait_for_previous
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, visible
@@ -125,12 +126,18 @@ def _wo_gemm_kernel(
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     LAST_SLICE_SUMS: tl.constexpr, DOT: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
-    PAIR_ORDER: tl.constexpr, TILED: tl.constexpr,
+    PAIR_ORDER: tl.constexpr, TILED: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
-    wait_for_previous(PDL)
+    if not PREFETCH:
+        wait_for_previous(PDL)
     pid_k = tl.program_id(1)
     pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
+    if PREFETCH:  # packed 4-bit codes, which no kernel writes: the L2 fetches their first steps meanwhile
+        words = steps_ahead(first_k, last_k) * (BLOCK_K // 8)  # the first word of each step a row
+        rows = tl.minimum(offs_n, N - 1)  # a tile past N asks for the last row again
+        prefetch_l2(w_ptr + packed_word_offsets(rows[:, None], words[None, :], K, stride_wn, TILED))
+        wait_for_previous(PDL)
     acc = wo_accumulate(a_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, M, N, K, first_k, last_k,
                         stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk,
                         FMT, GROUP, HAS_ZP, DOT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PAIR_ORDER, TILED)
@@ -276,6 +283,7 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     count = counters(a.device, tiles) if split > 1 else None
+    pdl = launch_options(a.device)
     visible(_wo_gemm_kernel)[(tiles, split)](
         a, codes, scale, zero_point if zero_point is not None else scale,
         global_scale if global_scale is not None else scale, out, ws, bias if bias is not None else out,
@@ -287,7 +295,7 @@ def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=No
         SPLIT_K=split, LAST_SLICE_SUMS=count is not None,
         DOT=tl.float32 if interpreting(_wo_gemm_kernel) else TORCH_TO_TL[a.dtype],
         OUT=TORCH_TO_TL[a.dtype], CAST=float_cast_mode(_wo_gemm_kernel), TILED=is_tiled(codes), **meta,
-        **launch_options(a.device),
+        PREFETCH=fmt in PACKED and prefetching(pdl), **pdl,
     )
     if split > 1 and count is None:
         reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])

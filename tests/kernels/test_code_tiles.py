@@ -39,10 +39,15 @@ def _int4(N, K, M, dtype=torch.bfloat16, symmetric=False):
 @pytest.mark.parametrize("M", [1, 5, DEQUANTIZE_ABOVE_M + 3])  # in registers, and dequantized for the GEMM
 @pytest.mark.parametrize("symmetric", [False, True], ids=["zero points", "symmetric"])
 def test_the_weight_only_gemm_gives_the_same_bits_from_tiles(M, symmetric):
+    """From rows and tiles, and on a GPU with dependent launch, from either with its first codes prefetched."""
     q, x, bias, _, _ = _int4(128, 384, M, symmetric=symmetric)
     rows = weight_only_mm(x, q.data, q.scale, "int4", 128, 128, zero_point=q.zero_point, bias=bias)
-    tiled = weight_only_mm(x, tile_codes(q.data), q.scale, "int4", 128, 128, zero_point=q.zero_point, bias=bias)
-    assert torch.equal(tiled, rows)
+    for codes in (q.data, tile_codes(q.data)):
+        assert torch.equal(weight_only_mm(x, codes, q.scale, "int4", 128, 128, zero_point=q.zero_point, bias=bias),
+                           rows)
+        with dependent_launch.weights_prefetched(True):
+            assert torch.equal(weight_only_mm(x, codes, q.scale, "int4", 128, 128, zero_point=q.zero_point,
+                                              bias=bias), rows)
 
 
 def test_the_dequantizer_gives_the_same_weight_from_tiles():
