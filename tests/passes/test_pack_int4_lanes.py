@@ -47,9 +47,17 @@ def compile_collecting(model, recipe="int4_wo", **options):
 
 
 def lanes_buffers(gm):
-    """(scale, zero point, their per-lane copies) of each packed weight of gm."""
-    return [(getattr(gm, s), getattr(gm, z), getattr(gm, f"{s}_lanes"), getattr(gm, f"{z}_lanes"))
-            for s, z in gm.meta[LANES_KEY]]
+    """(scale, zero point, their per-lane copies) of each packed weight of gm; None for a symmetric weight's zero
+    point and its copy."""
+    attr = lambda name: getattr(gm, name) if name else None
+    return [(attr(s), attr(z), attr(f"{s}_lanes"), attr(z and f"{z}_lanes")) for s, z in gm.meta[LANES_KEY]]
+
+
+def packed_as_lanes(scale, zero, lane_scale, lane_zero) -> bool:
+    """Whether the per-lane copies hold `pack_lanes` of the scales and zero points as they are now."""
+    want_scale, want_zero = pack_lanes(scale, zero)
+    return torch.equal(lane_scale, want_scale) and (
+        lane_zero is want_zero is None or torch.equal(lane_zero, want_zero))
 
 
 def test_int4_linears_take_the_lanes_op_with_the_same_numbers(serves, monkeypatch):
@@ -142,26 +150,25 @@ def test_tiles_are_chosen_for_int4_weight_only_codes_whose_shape_tiles_where_the
     assert tiles_chosen(option, RECIPES[recipe], torch.zeros(shape)) is expected
 
 
-def test_quantize_inplace_weights_take_the_lanes_op_and_a_loaded_state_re_packs_their_lanes(serves):
+@pytest.mark.parametrize("recipe", ["int4_wo", "int4_sym_wo"])
+def test_quantize_inplace_weights_take_the_lanes_op_and_a_loaded_state_re_packs_their_lanes(serves, recipe):
     """quantize_'s parameters (a loaded checkpoint's) are the model's state: the per-lane copy follows them, re-packed
     on the first call after a load_state_dict, with no recompile."""
-    model = fxquant.quantize_(decoder("llama", num_hidden_layers=1), {"recipe": "int4_wo"})
-    fn, callables = compile_collecting(model)
+    model = fxquant.quantize_(decoder("llama", num_hidden_layers=1), {"recipe": recipe})
+    fn, callables = compile_collecting(model, recipe)
     with torch.no_grad():
         fn(PROMPT, use_cache=False)
     gm = callables[0].result.gm
     counts = Counter(node.target for node in gm.graph.nodes)
     assert counts[LANES] == 4 and counts[WEIGHT_ONLY] == 0
-    other = fxquant.quantize_(decoder("llama", num_hidden_layers=1, seed=1), {"recipe": "int4_wo"})
+    other = fxquant.quantize_(decoder("llama", num_hidden_layers=1, seed=1), {"recipe": recipe})
     model.load_state_dict(other.state_dict())
     with torch.no_grad():
         logits = fn(PROMPT, use_cache=False).logits
         expected = other(PROMPT, use_cache=False).logits
     assert len(callables) == 1  # the same graph, its parameters changed in place
     assert torch.allclose(logits, expected, rtol=0, atol=1e-2)  # eager against the graph's fusions
-    for scale, zero, lane_scale, lane_zero in lanes_buffers(gm):
-        packed = pack_lanes(scale, zero)
-        assert torch.equal(lane_scale, packed[0]) and torch.equal(lane_zero, packed[1])
+    assert all(packed_as_lanes(*buffers) for buffers in lanes_buffers(gm))
     qkv_scale = lanes_buffers(gm)[0][0]
     assert torch.equal(qkv_scale[:256], other.model.layers[0].self_attn.q_proj.weight_scale)  # q's 256 rows
 
