@@ -36,7 +36,8 @@ fxquant:<recipe>+rows (int4 codes held in rows, not the GPU's default tiles: the
 fxquant:<recipe>+inplace (a copy of the model quantize_'d under the recipe, then compiled: a loaded checkpoint's path),
 fxquant:<recipe>+nopdl (every fxquant kernel launched without programmatic dependent launch), +reducekernel (split
 GEMMs summed by the reduce kernel, not by their last slice), +prefetch (the fp8 and 4-bit decode GEMMs ask the L2 for
-their first weights before they wait for the previous kernel),
+their first weights before they wait for the previous kernel), +mma8 (int4 GEMMs of up to 8 rows on the mma.sync
+kernel, not one),
 torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head, +without, +inductor,
 +rows, +inplace and the launch settings).
 
@@ -72,6 +73,7 @@ from bench import peers, timeline, workers
 from bench.common import LLAMA_3_VOCAB, header, llama, llama_config, table
 from fxquant.compile.backend import fxquant as fxquant_backend
 from fxquant.kernels.dependent_launch import dependent_launches, weights_prefetched
+from fxquant.kernels.gemm_int4_mma import MAX_M, serving_up_to
 from fxquant.kernels.splitk import reduce_in_gemm
 
 CHECK_STEPS = 4  # the first decode steps: they compile, their logits are compared with eager's, and go untimed
@@ -223,7 +225,8 @@ FP8_KV = "+fp8kv"
 NO_PDL = "+nopdl"  # fxquant:<recipe>+nopdl: every kernel launched without programmatic dependent launch
 REDUCE_KERNEL = "+reducekernel"  # split-K GEMMs summed by the reduce kernel, not by their last slice
 PREFETCH = "+prefetch"  # decode GEMMs ask the L2 for their first weights before waiting on the previous kernel
-LAUNCH_SETTINGS = (NO_PDL, REDUCE_KERNEL, PREFETCH)
+MMA_ROWS = "+mma8"  # int4 GEMMs of up to 8 rows on the mma.sync kernel (one row otherwise)
+LAUNCH_SETTINGS = (NO_PDL, REDUCE_KERNEL, PREFETCH, MMA_ROWS)
 
 
 @contextlib.contextmanager
@@ -232,7 +235,7 @@ def launch_settings(path: str, profiled: bool = False):
     without PDL: a kernel launched dependent is resident while it waits for the one before, and the profile would
     count the wait as its time."""
     with (dependent_launches(NO_PDL not in path and not profiled), reduce_in_gemm(REDUCE_KERNEL not in path),
-          weights_prefetched(PREFETCH in path)):
+          weights_prefetched(PREFETCH in path), serving_up_to(MAX_M if MMA_ROWS in path else 1)):
         yield
 
 

@@ -54,12 +54,13 @@ from fxquant.kernels.dependent_launch import (
     steps_ahead,
 )
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
-from fxquant.kernels.launch import cdiv, visible
+from fxquant.kernels.launch import cdiv, set_inside, visible
 from fxquant.kernels.splitk import counters, reduce_partials, sum_if_last_slice
 
 STEP_K = 128  # codes per row per K step: 4 lanes x 32; int4 groups must be multiples of it
 ROWS = TILE_ROWS  # weight rows per program: four 16-row MMA blocks
 MAX_M = 8  # activation rows one m16n8k16 MMA takes as its B operand
+_serves_rows = [1]  # the most activation rows linear_int4_lanes gives this kernel (`serving_up_to`)
 
 
 def _step_asm(magic: str, fma: str, one: str, dtype: str) -> str:
@@ -246,6 +247,20 @@ def pack_lanes(scale: torch.Tensor, zero_point: torch.Tensor | None):
     then viewed as int32 words [tiles, G, 8, 2]. Returns (scales, zero points or None)."""
     zeros = None if zero_point is None else lane_order(zero_point).reshape(-1, scale.shape[1], 8, 8).view(torch.int32)
     return lane_order(scale), zeros
+
+
+def serving_up_to(rows: int):
+    """linear_int4_lanes launched inside the block gives this kernel up to `rows` activation rows (at most MAX_M),
+    rather than one: at M = 8 it ran 13-34% slower than the in-register kernel on four of five Llama shapes over
+    codes in rows (docs/decisions/0008-int4-mma-lane-packed-scales-at-m1.md), untimed over tiles."""
+    if not 1 <= rows <= MAX_M:
+        raise ValueError(f"fxquant: the int4 mma.sync kernel serves 1 to {MAX_M} rows, not {rows}")
+    return set_inside(_serves_rows, rows)
+
+
+def serves_rows() -> int:
+    """The most activation rows linear_int4_lanes gives this kernel: 1 unless `serving_up_to` says otherwise."""
+    return _serves_rows[0]
 
 
 def supports(a: torch.Tensor, group: int) -> str | None:

@@ -193,14 +193,15 @@ def _(x, w, w_scale, w_global_scale, w_zero_point, bias, fmt, group_size, out_fe
 def _linear_int4_lanes(x: Tensor, w: Tensor, w_scale: Tensor, w_zero_point: Tensor | None, lane_scale: Tensor,
                        lane_zero: Tensor | None, bias: Tensor | None, group_size: int, out_features: int) -> Tensor:
     """linear_weight_only for an int4 weight whose scales and zero points are also held in the mma.sync decode
-    kernel's per-lane layout (`gemm_int4_mma.pack_lanes`). One activation row on the GPU takes that kernel;
-    every other case takes linear_weight_only on the row-major scales. At M = 8 the kernel ran 13-34% slower than
-    the in-register one on four of five Llama shapes (docs/decisions/0008-int4-mma-lane-packed-scales-at-m1.md),
-    so it serves M = 1. The codes w are rows [N, K / 2], or tiles (`code_tiles`), as linear_weight_only takes them."""
+    kernel's per-lane layout (`gemm_int4_mma.pack_lanes`). One activation row on the GPU takes that kernel; every
+    other case takes linear_weight_only on the row-major scales. At M = 8 the kernel ran 13-34% slower than the
+    in-register one on four of five Llama shapes (docs/decisions/0008-int4-mma-lane-packed-scales-at-m1.md), so it
+    serves M = 1, or up to 8 rows inside `gemm_int4_mma.serving_up_to` (to time it again). The codes w are rows
+    [N, K / 2], or tiles (`code_tiles`), as linear_weight_only takes them."""
     rows = x.reshape(-1, x.shape[-1])
     K = rows.shape[1]
     tiled = is_tiled(w)
-    if (rows.shape[0] == 1 and w.is_contiguous()
+    if (rows.shape[0] <= gemm_int4_mma.serves_rows() and w.is_contiguous()
             and w.shape == (tiled_shape(out_features, K) if tiled else (out_features, K // 2))
             and lane_scale.shape == lane_layout_shape(out_features, K, group_size)
             and gemm_int4_mma.supports(rows, group_size) is None):

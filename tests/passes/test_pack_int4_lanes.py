@@ -16,6 +16,7 @@ import fxquant
 from fxquant.compile.backend import fxquant as fxquant_backend
 from fxquant.compile.pipeline import run_pipeline
 from fxquant.config import RECIPES, QuantConfig
+from fxquant.kernels import gemm_int4_mma
 from fxquant.kernels.code_tiles import is_tiled, untile_codes
 from fxquant.kernels.gemm_int4_mma import pack_lanes
 from fxquant.ops import linear as linear_ops
@@ -173,6 +174,14 @@ def test_quantize_inplace_weights_take_the_lanes_op_and_a_loaded_state_re_packs_
     assert torch.equal(qkv_scale[:256], other.model.layers[0].self_attn.q_proj.weight_scale)  # q's 256 rows
 
 
+def test_the_kernel_is_asked_to_serve_one_to_eight_rows_and_refuses_others_by_name():
+    with gemm_int4_mma.serving_up_to(8):
+        assert gemm_int4_mma.serves_rows() == 8
+    assert gemm_int4_mma.serves_rows() == 1
+    with pytest.raises(ValueError, match="serves 1 to 8 rows, not 16"):
+        gemm_int4_mma.serving_up_to(16)
+
+
 def test_a_weight_whose_source_the_graph_does_not_know_keeps_the_row_major_kernel(serves):
     """An exported program's parameters: nothing would tell a per-lane copy stale."""
     x = torch.randn(2, 256, dtype=torch.bfloat16)
@@ -183,16 +192,22 @@ def test_a_weight_whose_source_the_graph_does_not_know_keeps_the_row_major_kerne
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("in_place", [False, True], ids=["backend", "quantize_"])
-def test_a_batch_one_decode_runs_the_kernel_within_the_bound_of_its_fake_quantized_copy(monkeypatch, in_place):
-    """Over the backend's codes (tiles on the GPU) and over quantize_'s (rows, the model's state)."""
+@pytest.mark.parametrize(("in_place", "batch"), [(False, 1), (True, 1), (False, 4)],
+                         ids=["backend", "quantize_", "backend, 4 rows inside serving_up_to(8)"])
+def test_a_small_batch_decode_runs_the_kernel_within_the_bound_of_its_fake_quantized_copy(monkeypatch, in_place,
+                                                                                         batch):
+    """Over the backend's codes (tiles on the GPU) and over quantize_'s (rows, the model's state); one row, or four
+    where the kernel is asked to serve up to eight."""
     calls = []
     kernel = linear_ops.int4_mma_mm
     monkeypatch.setattr(linear_ops, "int4_mma_mm", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
     model = decoder("llama", num_hidden_layers=2).to(DEVICE)
-    prompt, steps = PROMPT.to(DEVICE), torch.randint(0, 64, (1, 3), device=DEVICE)
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 64, (batch, 8), generator=generator).to(DEVICE)
+    steps = torch.randint(0, 64, (batch, 3), generator=generator).to(DEVICE)
     run = fxquant.quantize_(copy.deepcopy(model), "int4_wo") if in_place else model
-    got = static_decode(run, compiled(run, recipe="int4_wo"), prompt, steps)
+    with gemm_int4_mma.serving_up_to(8 if batch > 1 else 1):
+        got = static_decode(run, compiled(run, recipe="int4_wo"), prompt, steps)
     assert len(calls) >= 3 * 8  # every decode step's 8 int4 GEMMs (2 layers) on the kernel
     copies = fake_quantized(model, "int4_wo", exact=True), fake_quantized(model, "int4_wo", exact=False), model
     assert not within_bound(got, *(static_decode(m, traced(m), prompt, steps) for m in copies))
