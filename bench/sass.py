@@ -34,7 +34,7 @@ from triton.compiler import ASTSource
 
 from fxquant.kernels import decode_attention as DA
 from fxquant.kernels import gemm_fp8, gemm_int4_fp8, gemm_int4_mma
-from fxquant.kernels.codes import FORMATS
+from fxquant.kernels.codes import FORMATS, PACKED
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_weight_only import _wo_gemm_kernel, wo_gemm_config
 
@@ -59,7 +59,7 @@ def decode_kernel_sass(fmt: str, stages: int | None = None, rows: int = 16,
                       LAST_SLICE_SUMS=True, DOT=tl.bfloat16, OUT=tl.bfloat16, CAST=0, EVEN_K=True,
                       BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
                       PDL=False, PAIR_ORDER=pair_order, TILED=fmt == "int4" and not code_rows,
-                      PREFETCH=prefetch and fmt != "int8",
+                      PREFETCH=prefetch and fmt in PACKED,  # as weight_only_mm: packed 4-bit codes only
                       **dict.fromkeys(UNIT_STRIDES, 1))
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     attrs = {(ARGS.index(name),): [["tt.divisibility", 16]] for name in ARGS[:9] + list(DIVISIBLE)}
