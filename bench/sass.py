@@ -13,6 +13,8 @@ Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pai
      python -m bench.sass w4a8 [--stages N]   (int4_fp8's GEMM at decode, 4096 rows, split in 8)
      python -m bench.sass mma [--stages N] [--code-rows] [--prefetch]   (int4 at M = 1 on mma.sync, 14336x4096,
                                                      split in 5)
+     python -m bench.sass fp4mma [mxfp4|nvfp4] [--stages N] [--tiles]   (MXFP4 / NVFP4 at M = 1 on mma.sync,
+                                                     14336x4096, split in 5; codes in rows unless --tiles)
      python -m bench.sass attention [--codes] [--warps N] [--stages N] [--quantize]   (Llama-3-8B's heads at
                                                      B16, 1k keys; --quantize: the output quantized per token)
 """
@@ -33,7 +35,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fxquant.kernels import decode_attention as DA
-from fxquant.kernels import gemm_fp8, gemm_int4_fp8, gemm_int4_mma
+from fxquant.kernels import gemm_fp4_mma, gemm_fp8, gemm_int4_fp8, gemm_int4_mma
 from fxquant.kernels.codes import FORMATS, PACKED
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_weight_only import _wo_gemm_kernel, wo_gemm_config
@@ -120,6 +122,21 @@ def int4_mma_kernel_sass(stages: int | None = None, code_rows: bool = False,
     return compiled_sass(gemm_int4_mma._int4_mma_kernel, signature, constexprs, attrs, 1, stages)
 
 
+def fp4_mma_kernel_sass(fmt: str, stages: int | None = None, tiled: bool = False) -> tuple[str, int]:
+    """SASS and registers per thread of the MXFP4 / NVFP4 mma.sync kernel at M = 1 on 14336x4096, split in 5 and
+    summed by the last slice, with dependent launch; codes in rows as `quantize` packs them, or in tiles."""
+    stages = stages or 3  # fp4_mma_mm's default
+    params = list(inspect.signature(gemm_fp4_mma._fp4_mma_kernel.fn).parameters)
+    constexprs = dict(FMT=FORMATS[fmt], SPLIT_K=5, LAST_SLICE_SUMS=True, HAS_BIAS=False, OUT=tl.bfloat16, CAST=0,
+                      STAGES=stages, PDL=True, TILED=tiled)
+    pointers = dict(a_ptr="*i32", w_ptr="*i32", s_ptr="*i32", gs_ptr="*fp32", ws_ptr="*fp32", c_ptr="*bf16",
+                    bias_ptr="*bf16", counter_ptr="*i32")
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in params}
+    divisible = [*pointers, "N", "K", "stride_am", "stride_wn", "stride_ws"]
+    attrs = {(params.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    return compiled_sass(gemm_fp4_mma._fp4_mma_kernel, signature, constexprs, attrs, 1, stages)
+
+
 def attention_kernel_sass(codes: bool, warps: int | None = None, stages: int | None = None,
                           quantize: bool = False) -> tuple[str, int]:
     """SASS and registers per thread of the split-KV attention kernel as it runs for Llama-3-8B's heads at B16 over
@@ -163,17 +180,42 @@ def compiled_sass(kernel, signature: dict, constexprs: dict, attrs: dict, warps:
         return dump("-sass"), int(re.search(r"REG:(\d+)", dump("-res-usage")).group(1))
 
 
-def longest_loop(sass: str) -> collections.Counter:
+def longest_loop(sass: str, shortest: bool = False) -> collections.Counter:
     """Opcodes of the longest backward branch's body that runs an MMA: the K loop (an epilogue's loop, such as the
-    quantizer's over a token's row, has none)."""
+    quantizer's over a token's row, has none). A body with branches inside counts its longest path through them,
+    or with `shortest` its shortest (a kernel that takes a slower path only on rare data)."""
     lines = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
     address = lambda line: int(re.match(r"\s+/\*([0-9a-f]+)\*/", line).group(1), 16)
     opcode = lambda line: re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", line).split()[0]
-    body = lambda loop: [opcode(line) for line in lines if loop[0] <= address(line) <= loop[1]]
+    body = lambda loop: [line for line in lines if loop[0] <= address(line) <= loop[1]]
     loops = [(int(m.group(1), 16), address(line)) for line in lines
              if (m := re.search(r"BRA\s+0x([0-9a-f]+)", line)) and int(m.group(1), 16) < address(line)]
-    with_mma = [loop for loop in loops if any("MMA" in name for name in body(loop))]
-    return collections.Counter(body(max(with_mma or loops, key=lambda loop: loop[1] - loop[0])))
+    with_mma = [loop for loop in loops if any("MMA" in opcode(line) for line in body(loop))]
+    return collections.Counter(_path(body(max(with_mma or loops, key=lambda loop: loop[1] - loop[0])), address,
+                                     opcode, shortest))
+
+
+def _path(body: list[str], address, opcode, shortest: bool) -> list[str]:
+    """The opcodes on the longest (or shortest) path from a loop's first instruction to its last, through the
+    forward branches inside it: each instruction falls through to the next unless it is an unpredicated branch,
+    and a branch also goes to its target."""
+    at = {address(line): i for i, line in enumerate(body)}
+    better = min if shortest else max
+    paths: list[list[str] | None] = [None] * len(body)
+    paths[0] = []
+    for i, line in enumerate(body):
+        if paths[i] is None:
+            continue
+        here = paths[i] + [opcode(line)]
+        if i == len(body) - 1:
+            return here
+        target = re.search(r"BRA\s+0x([0-9a-f]+)", line)
+        successors = [] if target and not re.search(r"@!?U?P\w+", line) else [i + 1]
+        if target and int(target.group(1), 16) in at and at[int(target.group(1), 16)] > i:
+            successors.append(at[int(target.group(1), 16)])
+        for j in successors:
+            paths[j] = here if paths[j] is None else better(paths[j], here, key=len)
+    raise ValueError("bench.sass: no path reaches the loop's back branch")
 
 
 def main():
@@ -186,6 +228,13 @@ def main():
         sass, registers = attention_kernel_sass(codes, warps, stages, quantize)
         what = f"attention over {'e4m3 codes' if codes else 'bf16'}{', output quantized' if quantize else ''}"
         step = "key block"
+    elif "fp4mma" in sys.argv:
+        fmt = "nvfp4" if "nvfp4" in sys.argv else "mxfp4"
+        tiled = "--tiles" in sys.argv
+        sass, registers = fp4_mma_kernel_sass(fmt, stages, tiled)
+        what = (f"{fmt} on mma.sync, M = 1 (64 rows x 128 codes a warp), codes in {'tiles' if tiled else 'rows'}; "
+                "its usual path (MXFP4's scales up to 2: one multiply)")
+        step = "K step"
     elif "mma" in sys.argv:
         prefetch = "--prefetch" in sys.argv
         sass, registers = int4_mma_kernel_sass(stages, code_rows, prefetch)
@@ -208,7 +257,7 @@ def main():
         sass, registers = decode_kernel_sass(fmt, stages, rows, pairs, code_rows, "--prefetch" in sys.argv)
         tiles = ", codes in tiles" if fmt == "int4" and not code_rows else ""
         what, step = f"{fmt}, {rows} rows{', pair order' if pairs else ''}{tiles}", "K step"
-    ops = longest_loop(sass)
+    ops = longest_loop(sass, shortest="fp4mma" in sys.argv)
     print(f"{what}: {sum(ops.values())} instructions per {step} per thread, {registers} registers per thread "
           f"(triton {triton.__version__}, sm_90)")
     for name, count in ops.most_common(12):

@@ -3,6 +3,8 @@
 
 Run: python -m bench.weight_only [--sweep | --crossover | --pair-order] [--decode | --medium]
      (--pair-order: the shipped tiles with packed 4-bit operands in codes.pair_order and in K order, M = 1, 16, 32)
+The 4-bit formats also run through their lanes ops (int4's always on the GPU, MXFP4's and NVFP4's under the option
+fp4_lanes): at M = 1 the mma.sync kernels.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from bench.common import copy_bandwidth_gbs, graph_time_ms, header, rotating, table
 from fxquant.kernels import gemm_weight_only
+from fxquant.kernels.gemm_fp4_mma import pack_fp4_lanes
 from fxquant.kernels.gemm_int4_mma import pack_lanes
 from fxquant.kernels.gemm_weight_only import weight_only_mm, wo_gemm_config
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8
@@ -39,20 +42,31 @@ def run(x, q, fmt, config=None):
                           global_scale=q.global_scale, config=config)
 
 
-def run_lanes(x, q, lane_scale, lane_zero):
-    """int4 through linear_int4_lanes, the op the backend puts on its int4 weights: at M = 1 the mma.sync kernel."""
-    return torch.ops.fxquant.linear_int4_lanes(x, q.data, q.scale, q.zero_point, lane_scale, lane_zero, None, 128,
-                                               q.shape[0])
+LANES = ("int4", "mxfp4", "nvfp4")  # the formats with a lanes op
+
+
+def lanes_of(q):
+    """The per-lane copies a lanes op takes: int4's scales and zero points, FP4's scales."""
+    return pack_lanes(q.scale, q.zero_point) if q.fmt == "int4" else (pack_fp4_lanes(q.scale, q.fmt),)
+
+
+def run_lanes(x, q, *lanes):
+    """A 4-bit weight through its lanes op, as the backend puts it on int4 weights (and on FP4's under fp4_lanes):
+    at M = 1 the mma.sync kernel."""
+    if q.fmt == "int4":
+        return torch.ops.fxquant.linear_int4_lanes(x, q.data, q.scale, q.zero_point, *lanes, None, 128, q.shape[0])
+    return torch.ops.fxquant.linear_fp4_lanes(x, q.data, q.scale, q.global_scale, *lanes, None, q.fmt,
+                                              FORMATS[q.fmt][1], q.shape[0])
 
 
 def check() -> list[dict]:
     rows = []
-    for fmt in [*FORMATS, "int4 lanes"]:
+    for fmt in [*FORMATS, *(f"{name} lanes" for name in LANES)]:
         for m, n, k in [(1, 4096, 4096), (16, 14336, 4096), (300, 4096, 14336)]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             q = quantized_weight(n, k, fmt.split()[0])
             exact = x.double() @ R.dequantize(q, torch.float64).T
-            out = run_lanes(x, q, *pack_lanes(q.scale, q.zero_point)) if fmt == "int4 lanes" else run(x, q, fmt)
+            out = run_lanes(x, q, *lanes_of(q)) if fmt.endswith("lanes") else run(x, q, fmt)
             err = float((out.double() - exact).norm() / exact.norm())
             rows.append({"format": fmt, "M": m, "N": n, "K": k, "rel_err_vs_fp64": f"{err:.2e}"})
     return rows
@@ -72,11 +86,13 @@ def bench_gemms(ceiling) -> list[dict]:
                                               _copy(q)), q.nbytes + m * k * 2)
                 ms = graph_time_ms(lambda x, q, f=fmt: run(x, q, f), wsets)
                 rows.append(_row(m, n, k, f"fxq {fmt}", ms, bf16, q.nbytes, ceiling))
-            q = quantized_weight(n, k, "int4")
-            lsets = rotating(lambda q=q: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16), _copy(q),
-                                          *pack_lanes(q.scale, q.zero_point)), q.nbytes + m * k * 2)
-            ms = graph_time_ms(run_lanes, lsets)
-            rows.append(_row(m, n, k, "fxq int4, linear_int4_lanes", ms, bf16, q.nbytes, ceiling))
+            for fmt in LANES:
+                q = quantized_weight(n, k, fmt)
+                lsets = rotating(lambda q=q: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16), _copy(q),
+                                              *lanes_of(q)), q.nbytes + m * k * 2)
+                ms = graph_time_ms(run_lanes, lsets)
+                op = "linear_int4_lanes" if fmt == "int4" else "linear_fp4_lanes"
+                rows.append(_row(m, n, k, f"fxq {fmt}, {op}", ms, bf16, q.nbytes, ceiling))
     return rows
 
 

@@ -79,6 +79,10 @@ class QuantConfig:
     # int4 kernels read them (CUDA, sm_80+) and rows elsewhere; True, tiles wherever the shape tiles; False, rows
     # (docs/decisions/0029-int4-codes-held-in-tiles-on-the-gpu.md)
     int4_code_tiles: bool | None = None
+    # MXFP4 and NVFP4 weight-only linears at one activation row take the mma.sync decode kernel
+    # (kernels/gemm_fp4_mma.py) over a per-lane copy of their scales (pack_lanes), rather than the in-register GEMM:
+    # off until the 32-layer step times it
+    fp4_lanes: bool = False
 
     def __post_init__(self):
         _check_types(self)
@@ -169,6 +173,8 @@ def _check_types(config: QuantConfig) -> None:
         refuse("report", "True or False")
     if config.int4_code_tiles is not None and not isinstance(config.int4_code_tiles, bool):
         refuse("int4_code_tiles", "True, False or None")
+    if not isinstance(config.fp4_lanes, bool):
+        refuse("fp4_lanes", "True or False")
     if isinstance(config.min_sqnr_db, bool) or not isinstance(config.min_sqnr_db, int | float):
         refuse("min_sqnr_db", "a number of dB")
 

@@ -109,6 +109,7 @@ def test_malformed_options_are_clear_errors(options, match):
     ({"layer_recipes": ["a"]}, r"option 'layer_recipes' must be a dict \{regex: recipe\}, got \('a',\)"),
     ({"report": "yes"}, r"option 'report' must be True or False, got 'yes' \(str\)"),
     ({"int4_code_tiles": 1}, r"option 'int4_code_tiles' must be True, False or None, got 1 \(int\)"),
+    ({"fp4_lanes": None}, r"option 'fp4_lanes' must be True or False, got None \(NoneType\)"),
     ({"recipe": 8}, r"option 'recipe' must be a string, got 8 \(int\)"),
     ({"min_sqnr_db": "30"}, r"option 'min_sqnr_db' must be a number of dB"),
     ({"inductor": ["combo_kernels"]}, r"option 'inductor' must be a dict \{Inductor option: value\}"),

@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.kernels import decode_attention as attention_kernels
 from fxquant.kernels import quant_fp8
+from fxquant.kernels.gemm_fp4_mma import pack_fp4_lanes
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8
 from fxquant.kernels.rotary_cache import rotary_cache_write
 from fxquant.numerics import reference as R
@@ -38,6 +39,7 @@ def cases():
     rows = torch.randn(6, 2, 128, device=DEVICE).to(torch.bfloat16).transpose(0, 1)  # [2, 6, 128], not contiguous
     w8 = R.quantize(torch.randn(64, 128, device=DEVICE) * 0.05, "fp8_e4m3", "channel")
     w4 = R.quantize(torch.randn(64, 128, device=DEVICE) * 0.05, "int4", ("group", 128))
+    nv = R.quantize(torch.randn(64, 128, device=DEVICE) * 0.05, "nvfp4")
     return {
         "rotary_cache_write": (OPS.rotary_cache_write, (transposed(1, 8, 2, 64), transposed(1, 2, 2, 64),
                                                         transposed(1, 2, 2, 64), cos, sin,
@@ -45,6 +47,11 @@ def cases():
         "linear_fp8": (OPS.linear_fp8, (rows, w8.data, w8.scale, None, 0)),
         "linear_weight_only": (OPS.linear_weight_only, (rows, w4.data, w4.scale, None, w4.zero_point, None, "int4",
                                                         128, 64)),
+        "linear_fp4_lanes": (OPS.linear_fp4_lanes, (rows, nv.data, nv.scale, nv.global_scale,
+                                                    pack_fp4_lanes(nv.scale, "nvfp4"), None, "nvfp4", 16, 64)),
+        "linear_fp4_lanes, one row": (OPS.linear_fp4_lanes, (rows[:1, :1], nv.data, nv.scale, nv.global_scale,
+                                                             pack_fp4_lanes(nv.scale, "nvfp4"), None, "nvfp4", 16,
+                                                             64)),
         "quantize_fp8 per token": (OPS.quantize_fp8, (x, 0)),
         "quantize_fp8 1x64": (OPS.quantize_fp8, (x, 64)),
         "quantize_fp8 per tensor": (OPS.quantize_fp8, (x, -1)),

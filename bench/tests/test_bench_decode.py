@@ -83,6 +83,7 @@ def test_path_suffixes_become_backend_options():
     assert recipe_options("fxquant:fp8_row+inductor=combo_kernels") == {
         "recipe": "fp8_row", "inductor": {"combo_kernels": True}}
     assert recipe_options("fxquant:int4_wo+rows") == {"recipe": "int4_wo", "int4_code_tiles": False}
+    assert recipe_options("fxquant:mxfp4_wo+fp4lanes") == {"recipe": "mxfp4_wo", "fp4_lanes": True}
     for setting in ("+nopdl", "+reducekernel", "+prefetch", "+mma8"):  # launch settings, applied by work()
         assert recipe_options("fxquant:fp8_row" + setting) == {"recipe": "fp8_row"}
     with pytest.raises(ValueError, match=r"'\+heads' is none of"):

@@ -18,12 +18,14 @@ for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
                                  "nvfp4 on 32 rows": sass.decode_kernel_sass("nvfp4", rows=32),
                                  "w4a8": sass.w4a8_kernel_sass(),
                                  "int4 mma": sass.int4_mma_kernel_sass(),
+                                 "mxfp4 mma": sass.fp4_mma_kernel_sass("mxfp4"),
+                                 "nvfp4 mma": sass.fp4_mma_kernel_sass("nvfp4", tiled=True),
                                  "fp8": sass.fp8_kernel_sass(),
                                  "fp8 swapped": sass.fp8_kernel_sass(swap=True),
                                  "attention": sass.attention_kernel_sass(codes=False),
                                  "attention codes": sass.attention_kernel_sass(codes=True),
                                  "attention quantized": sass.attention_kernel_sass(codes=False, quantize=True)}.items():
-    found[what] = dict(registers=registers, ops=sass.longest_loop(code))
+    found[what] = dict(registers=registers, ops=sass.longest_loop(code), usual=sass.longest_loop(code, shortest=True))
 print(json.dumps(found))
 """
 
@@ -36,7 +38,8 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
     found = json.loads(run.stdout.splitlines()[-1])
     for what, tensor_core in [("int4", "HMMA.16816.F32.BF16"), ("mxfp4", "HMMA.16816.F32.BF16"),
                               ("nvfp4 on 32 rows", "HMMA.16816.F32.BF16"), ("w4a8", "HMMA.16816.F32"),
-                              ("int4 mma", "HMMA.16816.F32.BF16"),
+                              ("int4 mma", "HMMA.16816.F32.BF16"), ("mxfp4 mma", "HMMA.16816.F32.BF16"),
+                              ("nvfp4 mma", "HMMA.16816.F32.BF16"),
                               ("fp8", "HMMA.16816.F32"),
                               ("fp8 swapped", "QGMMA.64x16x32.F32.E4M3.E4M3"),  # wgmma on the codes as stored
                               ("attention", "HMMA.16816.F32.BF16"),
@@ -46,3 +49,8 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
         assert 0 < found[what]["registers"] <= 255, (what, found[what]["registers"])
         # the loop holds the products, not a prologue's backward jump
         assert ops.get(tensor_core, 0) > 0 and sum(ops.values()) > 100, (what, ops)
+    # MXFP4 on mma.sync: a warp whose scales pass 2 takes the step's other path, two multiplies a decoded pair
+    # against one; both paths run the step's 32 MMAs
+    longest, usual = found["mxfp4 mma"]["ops"], found["mxfp4 mma"]["usual"]
+    assert longest["HMUL2.BF16_V2"] == 2 * usual["HMUL2.BF16_V2"] == 256
+    assert longest["HMMA.16816.F32.BF16"] == usual["HMMA.16816.F32.BF16"] == 32

@@ -33,7 +33,7 @@ class Variant:
     kept: list[int]
     params: list[torch.Tensor]
     tracked: list = field(default_factory=list)  # layers whose source weight's version is checked on each call
-    # their source weights, then the model's quantized parameters that per-lane copies follow (pack_int4_lanes)
+    # their source weights, then the model's quantized parameters that per-lane copies follow (pack_lanes)
     sources: tuple = ()
     versions: tuple = ()  # the versions the quantized buffers and the copies hold
     take: object = None  # args -> the inputs the compiled graph takes, as a tuple
@@ -63,7 +63,7 @@ class QuantizedCallable:
     - A weight changed after compile (an optimizer step, a load_state_dict) is re-quantized into the same
       buffers, with one warning per compile; stale quantized weights are never used silently. A quantized
       parameter changed after compile (a load_state_dict into quantize_'s scales) re-packs the per-lane copies that
-      follow it (pack_int4_lanes), silently: the model's own state changed, and nothing was re-quantized.
+      follow it (pack_lanes), silently: the model's own state changed, and nothing was re-quantized.
     """
 
     def __init__(self, original: torch.fx.GraphModule, frozen: list[int], compile_variant, example_inputs):

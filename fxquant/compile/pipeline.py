@@ -1,5 +1,5 @@
 """The pipeline: freeze_params -> localize_shards -> detect -> upcast, the numerics lint (and recipe="auto"'s
-measurements), then quantize_linear -> fuse_norm -> merge_linear -> fuse_silu_mul -> fuse_linear -> pack_int4_lanes
+measurements), then quantize_linear -> fuse_norm -> merge_linear -> fuse_silu_mul -> fuse_linear -> pack_lanes
 -> fuse_rotary_cache -> fuse_cache_length -> decode_attention -> pack_gqa -> fuse_attention_quant -> cleanup (the
 norms and SiLU after the decode GEMMs keep their own kernels: docs/decisions/0027-row-work-stays-in-its-own-kernels.md).
 It sits above the passes: they never import the lint or the measurements, and what they hand each other travels in
@@ -38,14 +38,14 @@ from fxquant.passes.fuse_silu_mul import FuseSiluMul
 from fxquant.passes.localize_shards import LocalizeShards
 from fxquant.passes.merge_linear import MergeLinear
 from fxquant.passes.pack_gqa import PackGQA
-from fxquant.passes.pack_int4_lanes import PackInt4Lanes
+from fxquant.passes.pack_lanes import PackLanes
 from fxquant.passes.quantize_linear import QuantizeLinear
 from fxquant.passes.state import LayerRecord, PipelineState
 from fxquant.passes.upcast import Upcast
 
 log = logging.getLogger(__name__)
 PASS_TYPES = (FreezeParams, LocalizeShards, Detect, Upcast, QuantizeLinear, FuseNorm, MergeLinear, FuseSiluMul,
-              FuseLinear, PackInt4Lanes, FuseRotaryCache, FuseCacheLength, DecodeAttention, PackGQA,
+              FuseLinear, PackLanes, FuseRotaryCache, FuseCacheLength, DecodeAttention, PackGQA,
               FuseAttentionQuant, Cleanup)
 PASSES = tuple(pass_type.name for pass_type in PASS_TYPES)
 PREPARE = PASSES[:4]  # the graph annotated and upcast, nothing quantized
@@ -159,7 +159,7 @@ def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=N
         state.config = config = resolve_auto(config, measured)
         state.auto_reasons = {m.fqn: m.reason for m in measured if m.chosen_by_auto and m.recipe is None}
     gm = _run([QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseSiluMul(), FuseLinear(),
-               PackInt4Lanes(state), FuseRotaryCache(state), FuseCacheLength(state), DecodeAttention(state), PackGQA(),
+               PackLanes(state), FuseRotaryCache(state), FuseCacheLength(state), DecodeAttention(state), PackGQA(),
                FuseAttentionQuant(), Cleanup()], gm, config, stop_after, timings)
     findings += lint_layers(state, weights)
     refuse_errors(findings, "compile")

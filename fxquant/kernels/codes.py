@@ -277,28 +277,27 @@ def scale_bf16_pair(raw, FMT: tl.constexpr):
     return (bits & 0xFFFF) * 0x10001  # the 16 bits in both halves, in one multiply
 
 
+def fp4_pair_lines(dest: str, word: str, shift: int) -> list[str]:
+    """PTX that decodes the e2m1 codes at nibble `shift` (0, 4, 8, 12) of `word` and the one 16 bits up into the
+    bf16 pair `dest`, each the code's value times 2^-126: its exponent and mantissa bits (2..0) shift to bf16 bits
+    8..6 and its sign (bit 3) to bit 15. Uses the scratch registers m and s."""
+    toward = lambda bits: f"shl.b32 {{}}, {word}, {bits}" if bits > 0 else f"shr.u32 {{}}, {word}, {-bits}"
+    lines = [toward(6 - shift).format("m") + ";", "and.b32 m, m, 0x01c001c0;"]
+    sign = word
+    if shift != 12:
+        lines.append(toward(12 - shift).format("s") + ";")
+        sign = "s"
+    return lines + [f"lop3.b32 {dest}, {sign}, 0x80008000, m, 0xea;"]  # (sign & 0x80008000) | m
+
+
 def _fp4_pairs_asm(multipliers: tuple[str, ...]) -> str:
     """Outputs $0..$7 are codes 0..7 of word $8 times each of `multipliers` (bf16 pairs), in order. Pair j holds
-    codes j (low half) and j + 4 (high half): a code's exponent and mantissa bits (2..0) shift to bf16 bits 8..6 and
-    its sign (bit 3) to bit 15. Every multiply is exact, so its rounding mode never applies."""
-    decode = """shl.b32 m, $8, 6;
-and.b32 m, m, 0x01c001c0;
-shl.b32 s, $8, 12;
-lop3.b32 p0, s, 0x80008000, m, 0xea;
-shl.b32 m, $8, 2;
-and.b32 m, m, 0x01c001c0;
-shl.b32 s, $8, 8;
-lop3.b32 p1, s, 0x80008000, m, 0xea;
-shr.u32 m, $8, 2;
-and.b32 m, m, 0x01c001c0;
-shl.b32 s, $8, 4;
-lop3.b32 p2, s, 0x80008000, m, 0xea;
-shr.u32 m, $8, 6;
-and.b32 m, m, 0x01c001c0;
-lop3.b32 p3, $8, 0x80008000, m, 0xea;"""
+    codes j (low half) and j + 4 (high half) (`fp4_pair_lines`). Every multiply is exact, so its rounding mode never
+    applies."""
+    decode = [line for j in range(4) for line in fp4_pair_lines(f"p{j}", "$8", 4 * j)]
     multiplies = [f"mul.rn.bf16x2 p{j}, p{j}, {register};" for register in multipliers for j in range(4)]
     moves = [f"mov.b32 {{${j}, ${j + 4}}}, p{j};" for j in range(4)]
-    return "\n".join(["{", ".reg .b32 m, s, p0, p1, p2, p3;", decode, *multiplies, *moves, "}"])
+    return "\n".join(["{", ".reg .b32 m, s, p0, p1, p2, p3;", *decode, *multiplies, *moves, "}"])
 
 
 _FP4_PAIRS_BF16 = tl.constexpr(_fp4_pairs_asm(("$10", "$9")))  # $10: 2^126 twice; $9: the scale twice

@@ -3,14 +3,9 @@ multiple of 128 along K, with the codes read in the order `quantize` stores them
 
 Each program is one warp and owns 64 weight rows: four 16-row blocks, each the A operand of
 `mma.sync.m16n8k16`, whose B operand is the activations (K by up to 8 rows of A), so one MMA serves a whole
-decode batch. Lane (g, t) = (lane / 4, lane % 4) holds A rows g and g + 8 of a block and B column g.
-
-The MMA sums over its 16 K slots, so any one-to-one map of K onto the slots gives the same product if weights and
-activations follow it. The map is chosen so that a lane reads its codes in stored order: in each 128-long K step,
-lane t takes codes 32t .. 32t + 31 of its rows, four int32 words in one 16-byte load per row. Word u (codes
-8u + j) feeds MMAs 2u and 2u + 1: a bf16x2 (or f16x2) register holds codes j and j + 4, which one `lop3` extracts
-together. MMA 2u + e takes codes (2e, 2e + 4) into K slots (2t, 2t + 1) and (2e + 1, 2e + 5) into slots
-(2t + 8, 2t + 9). The activations are paired the same way from the lane's own 32 values.
+decode batch. K maps onto the MMA's slots so that a lane reads its codes in stored order (`mma_fragments`): in each
+128-long K step, lane t takes codes 32t .. 32t + 31 of its rows, and one `lop3` extracts codes j and j + 4 of a word
+together into a bf16x2 (or f16x2) register.
 
 Scales and zero points are read in a layout packed per lane (`pack_lanes`): a lane's eight scales of a group (its
 two rows in each of the four blocks) are one 32-byte copy, its eight zero points one 8-byte copy. Row-major scales
@@ -55,6 +50,16 @@ from fxquant.kernels.dependent_launch import (
 )
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, set_inside, visible
+from fxquant.kernels.mma_fragments import (
+    block_words,
+    columns,
+    mma_line,
+    stack,
+    step_activations,
+    step_codes,
+    store_partials,
+    warp_plan,
+)
 from fxquant.kernels.splitk import counters, reduce_partials, sum_if_last_slice
 
 STEP_K = 128  # codes per row per K step: 4 lanes x 32; int4 groups must be multiples of it
@@ -81,29 +86,13 @@ def _step_asm(magic: str, fma: str, one: str, dtype: str) -> str:
         for reg in range(4):  # (magic + q) * 1 - (magic + z) = q - z, exact: |q - z| <= 15 and the ulp is 1
             lines.append(f"{fma} a{reg}, a{reg}, one, ${12 + reg % 2};")
         acc = "zero, zero, zero, zero" if c == 0 else "$0, $1, $2, $3"
-        lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32 {{$0, $1, $2, $3}}, "
-                     f"{{a0, a1, a2, a3}}, {{${14 + 2 * c}, ${15 + 2 * c}}}, {{{acc}}};")
+        lines.append(mma_line(dtype, "a0, a1, a2, a3", f"${14 + 2 * c}, ${15 + 2 * c}", acc))
     return "\n".join(lines + ["}"])
 
 
 STEP_BF16 = tl.constexpr(_step_asm("0x43004300", "fma.rn.bf16x2", "0x3F803F80", "bf16"))  # 128.0 in bf16
 STEP_F16 = tl.constexpr(_step_asm("0x64006400", "fma.rn.f16x2", "0x3C003C00", "f16"))  # 1024.0 in f16
 STEP_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 26))
-
-
-@triton.jit
-def _columns(x):
-    """x [32, 4] as its four [32] columns."""
-    even, odd = tl.split(tl.reshape(x, (x.shape[0], 2, 2)))  # x[:, 0::2], x[:, 1::2]
-    x0, x2 = tl.split(even)
-    x1, x3 = tl.split(odd)
-    return x0, x1, x2, x3
-
-
-@triton.jit
-def _stack(x0, x1, x2, x3):
-    """Four [32] tensors as the columns of one [32, 4]."""
-    return tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), (x0.shape[0], 4))
 
 
 @triton.jit
@@ -114,35 +103,16 @@ def _offsets(z, BF16: tl.constexpr):
 
 
 @triton.jit
-def _activation_pairs(ptr, mask):
-    """The B registers of MMAs 2u and 2u + 1 from the 4 words (8 values) at ptr: (values 0, 4) and (1, 5) for the
-    first, (2, 6) and (3, 7) for the second, matching the codes one lop3 takes from a word."""
-    w0, w1, w2, w3 = _columns(tl.load(ptr[:, None] + tl.arange(0, 4)[None, :], mask=mask, other=0))
-    return ((w0 & 0xFFFF) | (w2 << 16), ((w0 >> 16) & 0xFFFF) | (w2 & -65536),
-            (w1 & 0xFFFF) | (w3 << 16), ((w1 >> 16) & 0xFFFF) | (w3 & -65536))
-
-
-@triton.jit
 def _block_step(w_ptr, row0, stride_w, t, step, N, z0, z1, x0, x1, x2, x3, x4, x5, x6, x7,
                 y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP: tl.constexpr, BF16: tl.constexpr, TILED: tl.constexpr):
-    """One K step of one 16-row block: its C fragment ([32] each) from rows row0 (g) and row0 + 8 (g + 8). Every asm
-    operand is [32], element i in lane i: Triton 3.6 spread lanes across the first dimension of [4, 32] operands,
-    which mma.sync cannot take. TILED: w_ptr is the step's tile (`code_tiles`) and row0 a row of it, all there."""
-    word = tl.arange(0, 4)[None, :]
-    row1 = row0 + 8
-    if TILED:  # 16 words a row of the step's tile (`code_tiles`): no mask, and no address that depends on the step
-        w0 = tl.load(w_ptr + row0[:, None] * 16 + t[:, None] * 4 + word)
-        w1 = tl.load(w_ptr + row1[:, None] * 16 + t[:, None] * 4 + word)
-    else:
-        w0 = tl.load(w_ptr + row0[:, None].to(tl.int64) * stride_w + t[:, None] * 4 + step * 16 + word,
-                     mask=(row0 < N)[:, None], other=0)  # [32, 4]: codes 32t .. 32t + 31 of the step, row g
-        w1 = tl.load(w_ptr + row1[:, None].to(tl.int64) * stride_w + t[:, None] * 4 + step * 16 + word,
-                     mask=(row1 < N)[:, None], other=0)
+    """One K step of one 16-row block: its C fragment ([32] each) from rows row0 (g) and row0 + 8 (g + 8), read as
+    `mma_fragments.block_words` reads them."""
+    w0, w1 = block_words(w_ptr, row0, stride_w, t, step, N, TILED)  # [32, 4]: rows g and g + 8
     if not HAS_ZP:  # a symmetric code c is (c ^ 8) - 8
         w0 = w0 ^ -0x77777778  # 0x88888888 as int32: bit 3 of every nibble
         w1 = w1 ^ -0x77777778
-    r0, r1, r2, r3 = _columns(w0)
-    q0, q1, q2, q3 = _columns(w1)
+    r0, r1, r2, r3 = columns(w0)
+    q0, q1, q2, q3 = columns(w1)
     return tl.inline_asm_elementwise(
         STEP_BF16 if BF16 else STEP_F16, STEP_CONSTRAINTS,
         [r0, r1, r2, r3, q0, q1, q2, q3, _offsets(z0, BF16), _offsets(z1, BF16),
@@ -158,22 +128,10 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
                      PREFETCH: tl.constexpr = False):
     if not PREFETCH:
         await_previous(PDL)
-    lane = tl.arange(0, 32)
-    g = lane // 4
-    t = lane % 4
-    tile = tl.program_id(0)
-    row = tile * 64 + g  # [32]: row g of the first 16-row block
-    rows0 = row[:, None] + tl.arange(0, 4)[None, :] * 16  # [32, 4]: row g of each block; row g + 8 follows
-    rows1 = rows0 + 8
-    a_row = a_ptr + g * stride_am + t * 16  # the lane's 32 activations of a step, as 16 words (value pairs)
-    a_in = (g < M)[:, None]
-    steps = K // 128
-    per_slice = tl.cdiv(steps, SPLIT_K)
-    first = tl.program_id(1) * per_slice
-    last = tl.minimum(first + per_slice, steps)
+    g, t, tile, rows0, rows1, a_row, a_in, steps, first, last = warp_plan(a_ptr, stride_am, M, K, SPLIT_K)
     if PREFETCH:  # no kernel writes the codes: the L2 fetches them while the previous kernel ends
         tiles = step_tile(w_ptr, tile, steps_ahead(first, last), K)  # the slice's first tiles, one run of memory
-        prefetch_l2(tiles[None, :] + lane[:, None] * 32)  # 32 lines of 128 B a tile
+        prefetch_l2(tiles[None, :] + tl.arange(0, 32)[:, None] * 32)  # 32 lines of 128 B a tile, one a lane
         await_previous(PDL)
     acc0 = tl.zeros((32, 4), tl.float32)
     acc1 = tl.zeros((32, 4), tl.float32)
@@ -191,14 +149,8 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
         else:
             za0 = tl.full((32,), 8, tl.int32)
             za1, zb0, zb1, zc0, zc1, zd0, zd1 = za0, za0, za0, za0, za0, za0, za0
-        x0, y0, x1, y1 = _activation_pairs(a_row + step * 64, a_in)
-        x2, y2, x3, y3 = _activation_pairs(a_row + step * 64 + 4, a_in)
-        x4, y4, x5, y5 = _activation_pairs(a_row + step * 64 + 8, a_in)
-        x6, y6, x7, y7 = _activation_pairs(a_row + step * 64 + 12, a_in)
-        if TILED:  # the step's tile: the program's 64 rows of 16 words, one contiguous 4 KB
-            w_step, local = step_tile(w_ptr, tile, step, K), g
-        else:
-            w_step, local = w_ptr, row
+        x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(a_row, step, a_in)
+        w_step, local = step_codes(w_ptr, tile, g, step, K, TILED)
         a0, a1, a2, a3 = _block_step(w_step, local, stride_wn, t, step, N, za0, za1, x0, x1, x2, x3, x4, x5, x6, x7,
                                      y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16, TILED)
         b0, b1, b2, b3 = _block_step(w_step, local + 16, stride_wn, t, step, N, zb0, zb1, x0, x1, x2, x3, x4, x5, x6,
@@ -208,20 +160,15 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
         d0, d1, d2, d3 = _block_step(w_step, local + 48, stride_wn, t, step, N, zd0, zd1, x0, x1, x2, x3, x4, x5, x6,
                                      x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16, TILED)
         # the group's scale multiplies the step's exact-operand fp32 sums, as gemm_weight_only's int4 path does
-        acc0 += _stack(a0, b0, c0, d0) * s0
-        acc1 += _stack(a1, b1, c1, d1) * s0
-        acc2 += _stack(a2, b2, c2, d2) * s1
-        acc3 += _stack(a3, b3, c3, d3) * s1
+        acc0 += stack(a0, b0, c0, d0) * s0
+        acc1 += stack(a1, b1, c1, d1) * s0
+        acc2 += stack(a2, b2, c2, d2) * s1
+        acc3 += stack(a3, b3, c3, d3) * s1
     # The next kernel launches after the K loop, as the fp8 GEMM's does: launched at the start, its waiting programs
     # took this one's slots (32 layers of the four decode GEMMs, H100: 2.960 -> 2.397 ms;
     # docs/decisions/0028-int4-mma-next-kernel-after-the-k-loop.md)
     start_next(PDL)
-    m = (2 * t)[:, None]  # C fragment: lane (g, t) holds columns (activation rows) 2t and 2t + 1
-    out = ws_ptr + tl.program_id(1) * stride_ws
-    tl.store(out + m * N + rows0, acc0, mask=(rows0 < N) & (m < M))
-    tl.store(out + (m + 1) * N + rows0, acc1, mask=(rows0 < N) & (m + 1 < M))
-    tl.store(out + m * N + rows1, acc2, mask=(rows1 < N) & (m < M))
-    tl.store(out + (m + 1) * N + rows1, acc3, mask=(rows1 < N) & (m + 1 < M))
+    store_partials(ws_ptr, stride_ws, acc0, acc1, acc2, acc3, t, rows0, rows1, M, N)
     if LAST_SLICE_SUMS:
         sum_if_last_slice(ws_ptr, c_ptr, bias_ptr, counter_ptr, tile, tl.arange(0, 8),  # MAX_M rows
                           tile * 64 + tl.arange(0, 64), M, N, N, 1, HAS_BIAS, SPLIT_K, OUT, CAST)

@@ -30,6 +30,7 @@ from fxquant.ops.experts import (
                                  uniform_offsets,
 )
 from fxquant.ops.linear import (
+                                 linear_fp4_lanes,
                                  linear_fp8,
                                  linear_int4_lanes,
                                  linear_mxfp8,
@@ -42,7 +43,7 @@ from fxquant.ops.reference_gemm import CHUNK_ROWS
 
 __all__ = ["CHUNK_ROWS", "add_norm_quant_fp8", "decode_attention", "decode_attention_quantize_fp8", "dequantize_kv",
            "grouped_linear_mxfp8", "grouped_linear_weight_only", "grouped_scaled_mm_fp8",
-           "grouped_scaled_mm_int4_fp8", "linear_fp8",
+           "grouped_scaled_mm_int4_fp8", "linear_fp4_lanes", "linear_fp8",
            "linear_int4_lanes", "linear_mxfp8", "linear_weight_only", "norm_quant_fp8", "quantize_fp8",
            "rotary_cache_append", "rotary_cache_append_e4m3", "rotary_cache_write", "rotary_cache_write_e4m3",
            "scaled_mm_fp8", "sort_by_expert",

@@ -1,15 +1,16 @@
 """The linear ops: dynamic fp8 activations and the scaled GEMM (quantize_fp8, scaled_mm_fp8, linear_fp8), W4A8
-(scaled_mm_int4_fp8), weight-only GEMMs (linear_weight_only, and linear_int4_lanes for int4's M = 1 kernel) and MXFP8
-(linear_mxfp8)."""
+(scaled_mm_int4_fp8), weight-only GEMMs (linear_weight_only, and linear_int4_lanes / linear_fp4_lanes for the 4-bit
+formats' M = 1 kernels) and MXFP8 (linear_mxfp8)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from fxquant.kernels import cublas_fp8, gemm_int4_fp8, gemm_int4_mma, gemm_weight_only, quant_fp8
+from fxquant.kernels import cublas_fp8, gemm_fp4_mma, gemm_int4_fp8, gemm_int4_mma, gemm_weight_only, quant_fp8
 from fxquant.kernels.cast import capability
 from fxquant.kernels.code_tiles import is_tiled, tiled_shape, untile_codes
+from fxquant.kernels.gemm_fp4_mma import fp4_lane_layout_shape, fp4_mma_mm
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm, is_block_scaled
 from fxquant.kernels.gemm_int4_mma import int4_mma_mm, lane_layout_shape
 from fxquant.kernels.quant_mx import mxfp8_values
@@ -217,6 +218,32 @@ linear_int4_lanes = define("linear_int4_lanes(Tensor x, Tensor w, Tensor w_scale
 
 @fake("linear_int4_lanes")
 def _(x, w, w_scale, w_zero_point, lane_scale, lane_zero, bias, group_size, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _linear_fp4_lanes(x: Tensor, w: Tensor, w_scale: Tensor, w_global_scale: Tensor | None, lane_scale: Tensor,
+                      bias: Tensor | None, fmt: str, group_size: int, out_features: int) -> Tensor:
+    """linear_weight_only for an MXFP4 or NVFP4 weight whose scales are also held in the mma.sync decode kernel's
+    per-lane layout (`gemm_fp4_mma.pack_fp4_lanes`): activation rows up to `gemm_int4_mma.serves_rows()` (one unless
+    told otherwise, as for int4) on the GPU take that kernel; every other case takes linear_weight_only on the
+    row-major scales. The codes w are rows [N, K / 2], as `quantize` packs them."""
+    rows = x.reshape(-1, x.shape[-1])
+    K = rows.shape[1]
+    if (rows.shape[0] <= gemm_int4_mma.serves_rows() and w.is_contiguous() and w.shape == (out_features, K // 2)
+            and group_size == gemm_fp4_mma.BLOCKS.get(fmt) and lane_scale.shape == fp4_lane_layout_shape(
+                out_features, K, fmt) and gemm_fp4_mma.supports(rows, fmt) is None):
+        out = fp4_mma_mm(rows, w.view(torch.int32), lane_scale, fmt, w_global_scale, bias)
+        return out.reshape(*x.shape[:-1], out_features)
+    return _linear_weight_only(x, w, w_scale, w_global_scale, None, bias, fmt, group_size, out_features)
+
+
+linear_fp4_lanes = define("linear_fp4_lanes(Tensor x, Tensor w, Tensor w_scale, Tensor? w_global_scale, "
+                          "Tensor lane_scale, Tensor? bias, str fmt, int group_size, int out_features) -> Tensor",
+                          _linear_fp4_lanes)
+
+
+@fake("linear_fp4_lanes")
+def _(x, w, w_scale, w_global_scale, lane_scale, bias, fmt, group_size, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 

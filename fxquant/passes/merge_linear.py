@@ -75,7 +75,7 @@ class MergeLinear(FxquantPass):
         sources = [[arguments(n)[name].meta.get(SOURCE_KEY) for name in weight_args] for n in nodes]
         with graph.inserting_before(nodes[0]):
             changes = {arg: graph.get_attr(name) for arg, name in zip(weight_args, new_names, strict=True)}
-            if sources[0][0] is not None:  # what a copy of the stacked tensors (pack_int4_lanes) must follow
+            if sources[0][0] is not None:  # what a copy of the stacked tensors (pack_lanes) must follow
                 for i, const in enumerate(changes.values()):
                     const.meta[PARTS_KEY] = tuple(params[i] for params in sources)
             if op in WIDTH_ARG:

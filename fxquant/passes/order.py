@@ -3,7 +3,7 @@
 A pass that reads detect's annotations (upcast, quantize_linear, fuse_norm) finds nothing to do on a graph detect has
 not annotated, and would return modified=False in silence. Each pass names itself and the passes it needs; running it
 records its name on the graph (`gm.meta`), and a pass whose needs are not recorded there refuses, naming them and the
-fix. The passes that match fxquant's own ops (merge_linear, fuse_linear, pack_int4_lanes) need nothing: a graph built
+fix. The passes that match fxquant's own ops (merge_linear, fuse_linear, pack_lanes) need nothing: a graph built
 by hand with those ops, or traced from a quantize_'d model, is theirs to rewrite. To run the
 pipeline up to a pass, `fxquant.compile.pipeline.run_pipeline(gm, config, example_inputs, stop_after=name)`.
 """

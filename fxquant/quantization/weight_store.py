@@ -8,8 +8,8 @@ process, owned here rather than by a pass.
   tensors into a stacked copy, which is then the one copy.
 - `tiles_chosen` / `stored_layout`: int4 weight-only codes are held in tiles (kernels/code_tiles.py) where the GPU's
   int4 kernels read them, rather than in the rows `quantize` packs: the one copy, in the layout its readers want.
-- `lanes_of` / `refresh_lanes`: the per-lane copies of int4 scales and zero points that the mma.sync decode kernel
-  reads (pack_int4_lanes), re-packed in place whenever their sources may have changed.
+- `lanes_of` / `refresh_lanes`: the per-lane copies of 4-bit scales (and int4's zero points) that the mma.sync decode
+  kernels read (pack_lanes), re-packed in place whenever their sources may have changed.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fxquant.config import LinearScheme
 from fxquant.kernels.cast import capability
 from fxquant.kernels.code_tiles import tile_codes, tiles_fit
+from fxquant.kernels.gemm_fp4_mma import pack_fp4_lanes
 from fxquant.kernels.gemm_int4_mma import pack_lanes
 from fxquant.numerics.quantized import Quantized
 
-LANES_KEY = "fxquant_int4_lanes"  # gm.meta: (scale buffer, zero point buffer) of each weight packed in lanes
-WATCHED_KEY = "fxquant_int4_lanes_follow"  # gm.meta: model parameters whose change re-packs gm's lanes (quantize_'s)
+LANES_KEY = "fxquant_lanes"  # gm.meta: (scale buffer, zero point buffer or None, format) of each weight in lanes
+WATCHED_KEY = "fxquant_lanes_follow"  # gm.meta: model parameters whose change re-packs gm's lanes (quantize_'s)
 
 # parameter -> {(recipe, layout): (version, (Quantized, *what quantize measured with it))}
 _ENTRIES: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -99,14 +100,16 @@ def _copy_of(source: torch.Tensor | None, packed: torch.Tensor | None) -> torch.
     return found
 
 
-def lanes_of(scale: torch.Tensor, zero_point: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The per-lane copies of (scale, zero point), one for every graph, packed afresh into them on each call."""
-    lane_scale, lane_zero = pack_lanes(scale, zero_point)
+def lanes_of(scale: torch.Tensor, zero_point: torch.Tensor | None,
+             fmt: str = "int4") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The per-lane copies of (scale, zero point) of a `fmt` weight (int4, mxfp4, nvfp4), one for every graph,
+    packed afresh into them on each call."""
+    lane_scale, lane_zero = pack_lanes(scale, zero_point) if fmt == "int4" else (pack_fp4_lanes(scale, fmt), None)
     return _copy_of(scale, lane_scale), _copy_of(zero_point, lane_zero)
 
 
 def refresh_lanes(gm: torch.fx.GraphModule) -> None:
-    """Re-pack the per-lane copies of gm's int4 weights, after the backend re-quantized some in place or a model
+    """Re-pack the per-lane copies of gm's 4-bit weights, after the backend re-quantized some in place or a model
     parameter they follow (gm.meta[WATCHED_KEY]) changed."""
-    for scale_name, zero_name in gm.meta.get(LANES_KEY, ()):
-        lanes_of(getattr(gm, scale_name), getattr(gm, zero_name) if zero_name else None)
+    for scale_name, zero_name, fmt in gm.meta.get(LANES_KEY, ()):
+        lanes_of(getattr(gm, scale_name), getattr(gm, zero_name) if zero_name else None, fmt)

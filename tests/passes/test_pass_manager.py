@@ -76,10 +76,10 @@ def reference(recipe: str):
 
 
 @pytest.mark.xdist_group("pass_manager_references")  # one worker computes each recipe's references once
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name == "pack_int4_lanes" else name
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name == "pack_lanes" else name
                                   for name in OPTIONAL])  # CI: int4's references for a pass with no work on the CPU
 def test_a_pass_left_out_does_not_run_and_the_model_stays_within_its_bound(name):
-    recipe = "int4_wo" if name == "pack_int4_lanes" else "fp8_row"  # the packing pass has int4 weights only
+    recipe = "int4_wo" if name == "pack_lanes" else "fp8_row"  # the packing pass has int4 weights only
     every_pass, bound = reference(recipe)
     got, results = _decode(recipe, {"disable_passes": name})
     assert results and all(name not in passes_run(result.gm) for result in results)

@@ -1,16 +1,21 @@
-"""pack_int4_lanes: int4 linears also get their scales and zero points in the per-lane layout of the mma.sync decode
-kernel (`kernels/gemm_int4_mma.py`), which serves one activation row.
+"""pack_lanes: 4-bit weight-only linears also get their scales (and int4's zero points) in the per-lane layout of
+the mma.sync decode kernels (`kernels/gemm_int4_mma.py`, `kernels/gemm_fp4_mma.py`), which serve one activation row.
 
-Pre:  quantize_linear and merge_linear have run. Post: each int4 linear_weight_only over weights a layer record
-owns, or over the model's own quantized parameters (quantize_'s, a loaded checkpoint's), with groups and K multiples
-of 128, on an sm_80+ GPU, is linear_int4_lanes over the same tensors plus the per-lane copy (7.8% of the codes'
-bytes: 6.25% scales, 1.6% zero points). Other row counts keep the row-major tensors and the in-register kernel.
+Pre:  quantize_linear and merge_linear have run. Post: each 4-bit linear_weight_only over weights a layer record
+owns, or over the model's own quantized parameters (quantize_'s, a loaded checkpoint's), with K a multiple of 128,
+on an sm_80+ GPU, is its lanes op over the same tensors plus the per-lane copy; other row counts keep the row-major
+tensors and the in-register kernel.
+- int4, groups a multiple of 128: linear_int4_lanes (a copy of 7.8% of the codes' bytes: 6.25% scales, 1.6% zero
+  points);
+- MXFP4 and NVFP4, under the option `fp4_lanes` (off until timed): linear_fp4_lanes (a copy of 3.1% and 6.25%).
 
     %y = fxquant.linear_weight_only(%x, %w, %s, None, %z, %b, "int4", 128, N)
         ->  %y = fxquant.linear_int4_lanes(%x, %w, %s, %z, %s_lanes, %z_lanes, %b, 128, N)
+    %y = fxquant.linear_weight_only(%x, %w, %s, %gs, None, %b, "nvfp4", 16, N)
+        ->  %y = fxquant.linear_fp4_lanes(%x, %w, %s, %gs, %s_lanes, %b, "nvfp4", 16, N)
 
-The codes stay what quantize_linear made them: on the GPU, tiles (kernels/code_tiles.py, weight_store.tiles_chosen),
-which every kernel of the op reads at every row count.
+The codes stay what quantize_linear made them: on the GPU, int4's are tiles (kernels/code_tiles.py,
+weight_store.tiles_chosen), which every kernel of the op reads at every row count; FP4's are rows.
 
 The copy is shared by every graph that reads the same scales, and re-packed in place whenever they may have
 changed: when a graph is compiled (another graph may have re-quantized shared weights), and on
@@ -27,6 +32,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.kernels.cast import capability
 from fxquant.kernels.code_tiles import is_tiled
+from fxquant.kernels.gemm_fp4_mma import BLOCKS
 from fxquant.kernels.gemm_int4_mma import STEP_K
 from fxquant.passes.annotations import PARTS_KEY, SOURCE_KEY, fetch_attr
 from fxquant.passes.op_arguments import arguments
@@ -35,7 +41,9 @@ from fxquant.passes.state import PipelineState
 from fxquant.quantization.weight_store import LANES_KEY, WATCHED_KEY, lanes_of
 
 WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default
-LANES = torch.ops.fxquant.linear_int4_lanes.default
+INT4_LANES = torch.ops.fxquant.linear_int4_lanes.default
+FP4_LANES = torch.ops.fxquant.linear_fp4_lanes.default
+
 
 def model_sources(node: torch.fx.Node | None) -> list[torch.Tensor] | None:
     """The model's tensors that a get_attr node's value is (freeze_params' source) or stacks (merge_linear's parts),
@@ -53,50 +61,60 @@ def kernel_serves(scale: torch.Tensor) -> bool:
     return scale.is_cuda and capability(scale.device) >= (8, 0)
 
 
-class PackInt4Lanes(FxquantPass):
-    name = "pack_int4_lanes"
+class PackLanes(FxquantPass):
+    name = "pack_lanes"
     optional = True
     def __init__(self, state: PipelineState):
         super().__init__()
-        self.state = state  # its layer records name the buffers this graph quantized
+        self.state = state  # its layer records name the buffers this graph quantized, its config the formats
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         owned = {layer.buffers.scale for layer in self.state.layers if layer.buffers is not None}
-        packed = {}  # (scale buffer, zero point buffer) -> None, in order
+        packed = {}  # (scale buffer, zero point buffer, format) -> None, in order
         watched = {}  # id -> a model parameter some per-lane copy follows, in order
-        modified = False
         for node in list(gm.graph.nodes):
             if node.target is not WEIGHT_ONLY:
                 continue
             args = arguments(node)
-            w, scale, zero_point, group = args["w"], args["w_scale"], args["w_zero_point"], args["group_size"]
-            if args["fmt"] != "int4" or scale.op != "get_attr" or group % STEP_K:
+            w, scale, zero_point, fmt = args["w"], args["w_scale"], args["w_zero_point"], args["fmt"]
+            if not self._packs(fmt, args["group_size"]) or scale.op != "get_attr":
                 continue
             follows = self._follows(scale, zero_point, owned)
             if follows is None:
                 continue
             scale_t, zero_t, codes = fetch_attr(gm, scale), fetch_attr(gm, zero_point), fetch_attr(gm, w)
-            # codes [N, K / 2], or tiles, whose K is a multiple of 128 by construction
+            # int4 codes [N, K / 2], or tiles, whose K is a multiple of 128 by construction; FP4 codes [N, K / 2]
             if (not is_tiled(codes) and 2 * codes.shape[-1] % STEP_K) or not kernel_serves(scale_t):
                 continue
-            lane_scale, lane_zero = lanes_of(scale_t, zero_t)
+            lane_scale, lane_zero = lanes_of(scale_t, zero_t, fmt)
             names = (scale.target, zero_point.target if zero_point is not None else None)
             with gm.graph.inserting_before(node):
-                attrs = [self._attr(gm, name, tensor) for name, tensor in zip(names, (lane_scale, lane_zero),
-                                                                               strict=True)]
-                lanes = gm.graph.call_function(LANES, (args["x"], w, scale, zero_point, *attrs, args["bias"],
-                                                       group, args["out_features"]))
+                s_lanes, z_lanes = (self._attr(gm, name, tensor) for name, tensor in zip(names, (lane_scale, lane_zero),
+                                                                                      strict=True))
+                if fmt == "int4":
+                    lanes = gm.graph.call_function(INT4_LANES, (args["x"], w, scale, zero_point, s_lanes, z_lanes,
+                                                                args["bias"], args["group_size"],
+                                                                args["out_features"]))
+                else:
+                    lanes = gm.graph.call_function(FP4_LANES, (args["x"], w, scale, args["w_global_scale"], s_lanes,
+                                                               args["bias"], fmt, args["group_size"],
+                                                               args["out_features"]))
             lanes.meta.update(node.meta)
             node.replace_all_uses_with(lanes)
             gm.graph.erase_node(node)
-            packed[names] = None
+            packed[(*names, fmt)] = None
             watched.update((id(t), t) for t in follows)
-            modified = True
-        if not modified:
+        if not packed:
             return PassResult(gm, False)
         gm.meta[LANES_KEY] = list(packed)
         gm.meta[WATCHED_KEY] = list(watched.values())
         return PassResult(gm, True)
+
+    def _packs(self, fmt: str, group: int) -> bool:
+        """Whether a weight of this format and group has a lanes kernel the pass is to give it."""
+        if fmt == "int4":
+            return group % STEP_K == 0
+        return self.state.config.fp4_lanes and BLOCKS.get(fmt) == group
 
     @staticmethod
     def _follows(scale: torch.fx.Node, zero_point: torch.fx.Node | None, owned: set) -> list[torch.Tensor] | None:

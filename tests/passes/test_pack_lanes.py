@@ -1,8 +1,8 @@
-"""pack_int4_lanes: int4 linears a graph quantized get the mma.sync decode kernel's per-lane scales, one copy shared
-by every graph and re-packed when the weight is re-quantized.
+"""pack_lanes: 4-bit linears a graph quantized get the mma.sync decode kernels' per-lane scales, one copy shared by
+every graph and re-packed when the weight is re-quantized: int4 always, MXFP4 and NVFP4 under the option fp4_lanes.
 
-On the CPU the pass is made to run (`kernel_serves` patched) and linear_int4_lanes runs linear_weight_only's
-reference, so outputs match the unpacked graph bit for bit; the GPU tests run the kernel in a decode."""
+On the CPU the pass is made to run (`kernel_serves` patched) and the lanes ops run linear_weight_only's reference, so
+outputs match the unpacked graph bit for bit; the GPU tests run the kernels in a decode."""
 
 import copy
 import warnings
@@ -18,21 +18,26 @@ from fxquant.compile.pipeline import run_pipeline
 from fxquant.config import RECIPES, QuantConfig
 from fxquant.kernels import gemm_int4_mma
 from fxquant.kernels.code_tiles import is_tiled, untile_codes
+from fxquant.kernels.gemm_fp4_mma import pack_fp4_lanes
 from fxquant.kernels.gemm_int4_mma import pack_lanes
 from fxquant.ops import linear as linear_ops
-from fxquant.passes import pack_int4_lanes
+from fxquant.passes import pack_lanes as lanes_pass
 from fxquant.quantization.weight_store import LANES_KEY, tiles_chosen
 
 LANES = torch.ops.fxquant.linear_int4_lanes.default
+FP4_LANES = torch.ops.fxquant.linear_fp4_lanes.default
 WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPT = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+# the linears of one Llama layer after merge_linear: q/k/v and gate/up merged, o and down alone; NVFP4's per-weight
+# global scales keep all seven apart
+LINEARS = {"int4_wo": 4, "int4_sym_wo": 4, "mxfp4_wo": 4, "nvfp4_wo": 7}
 
 
 @pytest.fixture
 def serves(monkeypatch):
     """The pass runs on the CPU too: its rewrite and bookkeeping are device-independent."""
-    monkeypatch.setattr(pack_int4_lanes, "kernel_serves", lambda scale: True)
+    monkeypatch.setattr(lanes_pass, "kernel_serves", lambda scale: True)
 
 
 def compile_collecting(model, recipe="int4_wo", **options):
@@ -51,14 +56,19 @@ def lanes_buffers(gm):
     """(scale, zero point, their per-lane copies) of each packed weight of gm; None for a symmetric weight's zero
     point and its copy."""
     attr = lambda name: getattr(gm, name) if name else None
-    return [(attr(s), attr(z), attr(f"{s}_lanes"), attr(z and f"{z}_lanes")) for s, z in gm.meta[LANES_KEY]]
+    return [(attr(s), attr(z), attr(f"{s}_lanes"), attr(z and f"{z}_lanes")) for s, z, _ in gm.meta[LANES_KEY]]
 
 
-def packed_as_lanes(scale, zero, lane_scale, lane_zero) -> bool:
-    """Whether the per-lane copies hold `pack_lanes` of the scales and zero points as they are now."""
-    want_scale, want_zero = pack_lanes(scale, zero)
+def packed_as_lanes(scale, zero, lane_scale, lane_zero, fmt="int4") -> bool:
+    """Whether the per-lane copies hold the format's packing of the scales and zero points as they are now."""
+    want_scale, want_zero = pack_lanes(scale, zero) if fmt == "int4" else (pack_fp4_lanes(scale, fmt), None)
     return torch.equal(lane_scale, want_scale) and (
         lane_zero is want_zero is None or torch.equal(lane_zero, want_zero))
+
+
+def formats(gm):
+    """The format of each packed weight of gm, in lanes_buffers' order."""
+    return [fmt for _, _, fmt in gm.meta[LANES_KEY]]
 
 
 def test_int4_linears_take_the_lanes_op_with_the_same_numbers(serves, monkeypatch):
@@ -73,11 +83,32 @@ def test_int4_linears_take_the_lanes_op_with_the_same_numbers(serves, monkeypatc
         packed = pack_lanes(scale, zero)
         assert torch.equal(lane_scale, packed[0]) and torch.equal(lane_zero, packed[1])
 
-    monkeypatch.setattr(pack_int4_lanes, "kernel_serves", lambda scale: False)
+    monkeypatch.setattr(lanes_pass, "kernel_serves", lambda scale: False)
     fn, callables = compile_collecting(model)
     with torch.no_grad():
         assert torch.equal(fn(PROMPT, use_cache=False).logits, logits)
     assert Counter(node.target for node in callables[0].result.gm.graph.nodes)[WEIGHT_ONLY] == 4
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4_wo", "nvfp4_wo"])
+def test_fp4_linears_take_their_lanes_op_under_the_option_with_the_same_numbers(serves, recipe):
+    model = decoder("llama", num_hidden_layers=1)
+    fn, callables = compile_collecting(model, recipe)
+    with torch.no_grad():
+        logits = fn(PROMPT, use_cache=False).logits
+    counts = Counter(node.target for node in callables[0].result.gm.graph.nodes)
+    assert counts[FP4_LANES] == 0 and counts[WEIGHT_ONLY] == LINEARS[recipe]  # off by default: untimed
+
+    fn, callables = compile_collecting(model, recipe, fp4_lanes=True)
+    with torch.no_grad():
+        assert torch.equal(fn(PROMPT, use_cache=False).logits, logits)
+    gm = callables[0].result.gm
+    counts = Counter(node.target for node in gm.graph.nodes)
+    assert counts[FP4_LANES] == LINEARS[recipe] and counts[WEIGHT_ONLY] == 0
+    fmt = recipe.removesuffix("_wo")
+    assert formats(gm) == [fmt] * LINEARS[recipe]
+    assert all(zero is None and packed_as_lanes(*buffers, fmt) for buffers in lanes_buffers(gm)
+               for zero in [buffers[1]])
 
 
 def test_a_second_graph_shares_the_lanes_and_a_changed_weight_repacks_them(serves):
@@ -151,17 +182,17 @@ def test_tiles_are_chosen_for_int4_weight_only_codes_whose_shape_tiles_where_the
     assert tiles_chosen(option, RECIPES[recipe], torch.zeros(shape)) is expected
 
 
-@pytest.mark.parametrize("recipe", ["int4_wo", "int4_sym_wo"])
+@pytest.mark.parametrize("recipe", ["int4_wo", "int4_sym_wo", "mxfp4_wo", "nvfp4_wo"])
 def test_quantize_inplace_weights_take_the_lanes_op_and_a_loaded_state_re_packs_their_lanes(serves, recipe):
     """quantize_'s parameters (a loaded checkpoint's) are the model's state: the per-lane copy follows them, re-packed
     on the first call after a load_state_dict, with no recompile."""
     model = fxquant.quantize_(decoder("llama", num_hidden_layers=1), {"recipe": recipe})
-    fn, callables = compile_collecting(model, recipe)
+    fn, callables = compile_collecting(model, recipe, fp4_lanes=True)
     with torch.no_grad():
         fn(PROMPT, use_cache=False)
     gm = callables[0].result.gm
     counts = Counter(node.target for node in gm.graph.nodes)
-    assert counts[LANES] == 4 and counts[WEIGHT_ONLY] == 0
+    assert counts[FP4_LANES if "fp4" in recipe else LANES] == LINEARS[recipe] and counts[WEIGHT_ONLY] == 0
     other = fxquant.quantize_(decoder("llama", num_hidden_layers=1, seed=1), {"recipe": recipe})
     model.load_state_dict(other.state_dict())
     with torch.no_grad():
@@ -169,7 +200,7 @@ def test_quantize_inplace_weights_take_the_lanes_op_and_a_loaded_state_re_packs_
         expected = other(PROMPT, use_cache=False).logits
     assert len(callables) == 1  # the same graph, its parameters changed in place
     assert torch.allclose(logits, expected, rtol=0, atol=1e-2)  # eager against the graph's fusions
-    assert all(packed_as_lanes(*buffers) for buffers in lanes_buffers(gm))
+    assert all(packed_as_lanes(*buffers, fmt) for buffers, fmt in zip(lanes_buffers(gm), formats(gm), strict=True))
     qkv_scale = lanes_buffers(gm)[0][0]
     assert torch.equal(qkv_scale[:256], other.model.layers[0].self_attn.q_proj.weight_scale)  # q's 256 rows
 
@@ -210,4 +241,21 @@ def test_a_small_batch_decode_runs_the_kernel_within_the_bound_of_its_fake_quant
         got = static_decode(run, compiled(run, recipe="int4_wo"), prompt, steps)
     assert len(calls) >= 3 * 8  # every decode step's 8 int4 GEMMs (2 layers) on the kernel
     copies = fake_quantized(model, "int4_wo", exact=True), fake_quantized(model, "int4_wo", exact=False), model
+    assert not within_bound(got, *(static_decode(m, traced(m), prompt, steps) for m in copies))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["mxfp4_wo", "nvfp4_wo"])
+def test_an_fp4_decode_under_the_option_runs_the_kernel_within_the_bound_of_its_fake_quantized_copy(monkeypatch,
+                                                                                                   recipe):
+    calls = []
+    kernel = linear_ops.fp4_mma_mm
+    monkeypatch.setattr(linear_ops, "fp4_mma_mm", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
+    model = decoder("llama", num_hidden_layers=2).to(DEVICE)
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 64, (1, 8), generator=generator).to(DEVICE)
+    steps = torch.randint(0, 64, (1, 3), generator=generator).to(DEVICE)
+    got = static_decode(model, compiled(model, recipe=recipe, fp4_lanes=True), prompt, steps)
+    assert len(calls) >= 3 * 2 * LINEARS[recipe]  # every decode step's FP4 GEMMs (2 layers) on the kernel
+    copies = fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=False), model
     assert not within_bound(got, *(static_decode(m, traced(m), prompt, steps) for m in copies))
