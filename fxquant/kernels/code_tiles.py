@@ -1,5 +1,5 @@
-"""Packed int4 codes in tiles: a layout of a weight's codes in which each decode program's K step reads one
-contiguous run of memory.
+"""Packed 4-bit codes (int4; MXFP4 and NVFP4 under the option fp4_lanes) in tiles: a layout of a weight's codes
+in which each decode program's K step reads one contiguous run of memory.
 
 A weight's codes as `quantize` packs them are rows [N, K / 2] bytes: a K step of 128 codes over 64 rows reads 64 B
 from each of 64 rows, K / 2 bytes apart. Tiled, they are [N / 64, K / 128, 64, 64] bytes: tile (i, j) holds codes
@@ -19,27 +19,27 @@ import torch
 import triton
 import triton.language as tl
 
-TILE_ROWS = 64  # rows of a tile: the int4 mma.sync kernel's rows per program
+TILE_ROWS = 64  # rows of a tile: the mma.sync decode kernels' rows per program
 TILE_CODES = 128  # codes of a row in a tile: one K step of that kernel, and a multiple of its int4 groups
 
 
 def tiles_fit(N: int, K: int) -> bool:
-    """Whether the codes of an [N, K] int4 weight can be tiled."""
+    """Whether the codes of an [N, K] 4-bit weight can be tiled."""
     return N > 0 and K > 0 and N % TILE_ROWS == 0 and K % TILE_CODES == 0
 
 
 def is_tiled(codes: torch.Tensor) -> bool:
-    """Whether packed int4 codes are tiles (4-D) rather than rows (2-D)."""
+    """Whether packed 4-bit codes are tiles (4-D) rather than rows (2-D)."""
     return codes.dim() == 4
 
 
 def code_rows(codes: torch.Tensor) -> int:
-    """The weight rows (N) that packed int4 codes hold, as rows or as tiles."""
+    """The weight rows (N) that packed 4-bit codes hold, as rows or as tiles."""
     return codes.shape[0] * TILE_ROWS if is_tiled(codes) else codes.shape[0]
 
 
 def tiled_shape(N: int, K: int) -> tuple[int, int, int, int]:
-    """The tiles' shape, in bytes, for an [N, K] int4 weight."""
+    """The tiles' shape, in bytes, for an [N, K] 4-bit weight."""
     return N // TILE_ROWS, K // TILE_CODES, TILE_ROWS, TILE_CODES // 2
 
 
@@ -47,7 +47,7 @@ def tile_codes(codes: torch.Tensor) -> torch.Tensor:
     """Packed codes [N, K / 2] (uint8, as `quantize` packs them) as tiles [N / 64, K / 128, 64, 64]."""
     N, half_k = codes.shape
     if not tiles_fit(N, 2 * half_k):
-        raise ValueError(f"fxquant: the int4 codes of a [{N}, {2 * half_k}] weight do not tile: tiles need N a "
+        raise ValueError(f"fxquant: the 4-bit codes of a [{N}, {2 * half_k}] weight do not tile: tiles need N a "
                          f"multiple of {TILE_ROWS} and K of {TILE_CODES}")
     tiles, k_tiles, rows, tile_bytes = tiled_shape(N, 2 * half_k)
     return codes.reshape(tiles, rows, k_tiles, tile_bytes).permute(0, 2, 1, 3).contiguous()

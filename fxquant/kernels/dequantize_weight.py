@@ -76,8 +76,8 @@ def _dequantize_kernel(
 
 def dequantize_weight(codes, scale, fmt: str, group: int, K: int, dtype: torch.dtype, *, zero_point=None,
                       global_scale=None) -> torch.Tensor:
-    """codes: [N, K] int8 or e4m3 (as uint8), or [N, K/8] int32 words of packed 4-bit codes, or int4 codes as
-    `code_tiles`' tiles in int32 words [N / 64, K / 128, 64, 16]; scale: [N, K/group] (E8M0/e4m3 as uint8), [N, 1]
+    """codes: [N, K] int8 or e4m3 (as uint8), or [N, K/8] int32 words of packed 4-bit codes, or packed 4-bit codes
+    as `code_tiles`' tiles in int32 words [N / 64, K / 128, 64, 16]; scale: [N, K/group] (E8M0/e4m3 as uint8), [N, 1]
     for int8; or all of them with a leading dim of E stacked experts (NVFP4's global scale then one per expert,
     [E]), one launch for all. Returns the [..., N, K] weight in `dtype`, rounded once."""
     tiled = is_tiled(codes)

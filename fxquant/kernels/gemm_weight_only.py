@@ -63,8 +63,8 @@ def wo_accumulate(a_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, M, N, K, first_k, 
                   PAIR_ORDER: tl.constexpr, TILED: tl.constexpr = False):
     """The fp32 tile A[offs_m] @ W[offs_n].T over K steps [first_k, last_k), each code decoded in registers to a
     value DOT holds exactly; int8's channel scale and NVFP4's global scale are left to `wo_scale_tile`.
-    PAIR_ORDER: packed 4-bit codes and the activations meet in `codes.pair_order`, not in K order. TILED: int4
-    codes in `code_tiles`' tiles."""
+    PAIR_ORDER: packed 4-bit codes and the activations meet in `codes.pair_order`, not in K order. TILED: packed
+    4-bit codes in `code_tiles`' tiles."""
     offs_k = tl.arange(0, BLOCK_K)
     mask_m, mask_n = offs_m < M, offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -97,7 +97,7 @@ def wo_accumulate(a_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, M, N, K, first_k, 
                                 mask=mask_n[:, None] & (k[None, :] < K), other=0)  # [BN, BK]
                 acc = tl.dot(a, tl.trans(mxfp8_values(codes, scale_value(raw, FMT), GROUP).to(DOT)), acc)
             else:
-                packed = packed_words(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K)
+                packed = packed_words(w_ptr, offs_n, mask_n, step, K, stride_wn, BLOCK_K, EVEN_K, TILED)
                 x, w = dot_operands(a, fp4_values(packed, raw, GROUP, DOT, FMT), PAIR_ORDER)
                 acc = tl.dot(x, w, acc)
     return acc
@@ -245,9 +245,9 @@ def weight_operands(a, w, w_scale, fmt: str, group: int, N: int):
         raise ValueError("fxquant: an mxfp8 weight multiplies bf16 activations, the 16-bit type with MXFP8's "
                          f"range; got {a.dtype}: cast the activations to bf16")
     packed = fmt in PACKED
-    if fmt == "int4" and is_tiled(w):
+    if fmt in PACKED and is_tiled(w):
         if w.shape != tiled_shape(N, K):
-            raise ValueError(f"fxquant: int4 code tiles must be {tiled_shape(N, K)} for an [N={N}, K={K}] weight, "
+            raise ValueError(f"fxquant: {fmt} code tiles must be {tiled_shape(N, K)} for an [N={N}, K={K}] weight, "
                              f"got {tuple(w.shape)}")
         lead = ()
     elif w.shape[-2:] != (N, K // 2 if packed else K) or (packed and K % 8):
@@ -266,7 +266,7 @@ def weight_operands(a, w, w_scale, fmt: str, group: int, N: int):
 def weight_only_mm(a, w, w_scale, fmt: str, group: int, N: int, *, zero_point=None, global_scale=None,
                    bias=None, config=None):
     """a: [M, K] bf16/fp16 (bf16 for mxfp8); w: the codes as `fxquant.quantize` packs them ([N, K] int8 or e4m3,
-    or [N, K/2] uint8), or int4 codes in `code_tiles`' tiles; w_scale: [N, 1] (int8), [N, K/group] fp32 (int4),
+    or [N, K/2] uint8), or packed 4-bit codes in `code_tiles`' tiles; w_scale: [N, 1] (int8), [N, K/group] fp32 (int4),
     E8M0 (mxfp4, mxfp8) or e4m3 (nvfp4). Returns [M, N] in a's dtype.
     Up to DEQUANTIZE_ABOVE_M, or at any M given an explicit tile `config`, the weight is dequantized in registers;
     past it, and for int4 groups narrower than a K step, it is dequantized to the activation dtype in chunks of at

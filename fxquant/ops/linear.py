@@ -165,8 +165,8 @@ def _(a, a_scale, w, w_scale, w_zero_point, bias, group_size, out_features, out_
 def _linear_weight_only(x: Tensor, w: Tensor, w_scale: Tensor, w_global_scale: Tensor | None,
                         w_zero_point: Tensor | None, bias: Tensor | None, fmt: str, group_size: int,
                         out_features: int) -> Tensor:
-    """F.linear with a weight-only quantized weight (int8, int4, mxfp4, nvfp4), activations untouched. int4 codes
-    may be tiles (`code_tiles`), which the GPU's kernels read as they are and the reference untiles."""
+    """F.linear with a weight-only quantized weight (int8, int4, mxfp4, nvfp4), activations untouched. Packed
+    4-bit codes may be tiles (`code_tiles`), which the GPU's kernels read as they are and the reference untiles."""
     in_features = x.shape[-1]
     if gemm_weight_only.supports(x, fmt) is None:
         out = gemm_weight_only.weight_only_mm(x.reshape(-1, in_features), w, w_scale, fmt, group_size,
@@ -226,10 +226,11 @@ def _linear_fp4_lanes(x: Tensor, w: Tensor, w_scale: Tensor, w_global_scale: Ten
     """linear_weight_only for an MXFP4 or NVFP4 weight whose scales are also held in the mma.sync decode kernel's
     per-lane layout (`gemm_fp4_mma.pack_fp4_lanes`): activation rows up to `gemm_int4_mma.serves_rows()` (one unless
     told otherwise, as for int4) on the GPU take that kernel; every other case takes linear_weight_only on the
-    row-major scales. The codes w are rows [N, K / 2], as `quantize` packs them."""
+    row-major scales. The codes w are rows [N, K / 2], or tiles (`code_tiles`), as linear_weight_only takes them."""
     rows = x.reshape(-1, x.shape[-1])
     K = rows.shape[1]
-    if (rows.shape[0] <= gemm_int4_mma.serves_rows() and w.is_contiguous() and w.shape == (out_features, K // 2)
+    stored = tiled_shape(out_features, K) if is_tiled(w) else (out_features, K // 2)
+    if (rows.shape[0] <= gemm_int4_mma.serves_rows() and w.is_contiguous() and w.shape == stored
             and group_size == gemm_fp4_mma.BLOCKS.get(fmt) and lane_scale.shape == fp4_lane_layout_shape(
                 out_features, K, fmt) and gemm_fp4_mma.supports(rows, fmt) is None):
         out = fp4_mma_mm(rows, w.view(torch.int32), lane_scale, fmt, w_global_scale, bias)

@@ -115,9 +115,9 @@ class QuantizeLinear(FxquantPass):
             return False
         recipe = recipes.pop()
         owner = operands[0].weight.meta.get(SOURCE_KEY)
-        # int4 weight-only codes in the layout the GPU's kernels read fastest, as the one copy
+        # 4-bit weight-only codes in the layout the GPU's kernels read fastest, as the one copy
         # (docs/decisions/0029-int4-codes-held-in-tiles-on-the-gpu.md)
-        tiled = tiles_chosen(self.state.config.int4_code_tiles, RECIPES[recipe], w)
+        tiled = tiles_chosen(self.state.config, RECIPES[recipe], w)
 
         def quantize(weight, name):
             q, *measured = quantize_and_measure(weight, name)

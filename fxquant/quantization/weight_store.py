@@ -6,8 +6,8 @@ process, owned here rather than by a pass.
   before quantizing. Entries live as long as the weight they quantize (a weak reference to the model's parameter)
   and are re-quantized in place, for every graph at once, when that weight changed. merge_linear may re-point their
   tensors into a stacked copy, which is then the one copy.
-- `tiles_chosen` / `stored_layout`: int4 weight-only codes are held in tiles (kernels/code_tiles.py) where the GPU's
-  int4 kernels read them, rather than in the rows `quantize` packs: the one copy, in the layout its readers want.
+- `tiles_chosen` / `stored_layout`: 4-bit weight-only codes are held in tiles (kernels/code_tiles.py) where the GPU's
+  kernels read them, rather than in the rows `quantize` packs: the one copy, in the layout its readers want.
 - `lanes_of` / `refresh_lanes`: the per-lane copies of 4-bit scales (and int4's zero points) that the mma.sync decode
   kernels read (pack_lanes), re-packed in place whenever their sources may have changed.
 """
@@ -20,7 +20,7 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fxquant.config import LinearScheme
+from fxquant.config import LinearScheme, QuantConfig
 from fxquant.kernels.cast import capability
 from fxquant.kernels.code_tiles import tile_codes, tiles_fit
 from fxquant.kernels.gemm_fp4_mma import pack_fp4_lanes
@@ -55,13 +55,16 @@ def shared_quantized(owner: torch.Tensor | None, weight: torch.Tensor, recipe: s
     return fresh
 
 
-def tiles_chosen(option: bool | None, scheme: LinearScheme, weight: torch.Tensor) -> bool:
-    """Whether an [N, K] weight's int4 weight-only codes are held in tiles: under the option int4_code_tiles None
-    (the default) where the GPU's int4 kernels read them (CUDA, sm_80+), True wherever the shape tiles (the CPU's
-    reference untiles them), False nowhere. In the 32-layer int4_wo decode step at one sequence the GPU took 3.130 ms
-    over tiles against 3.432 over rows, and at 16 sequences 5.176 against 5.086, within the noise (H100,
-    docs/decisions/0029-int4-codes-held-in-tiles-on-the-gpu.md)."""
-    if option is False or (scheme.kind, scheme.weight_fmt) != ("weight_only", "int4") or weight.dim() != 2:
+def tiles_chosen(config: QuantConfig, scheme: LinearScheme, weight: torch.Tensor) -> bool:
+    """Whether an [N, K] weight's 4-bit weight-only codes are held in tiles: int4's, and MXFP4's and NVFP4's where
+    their mma.sync kernel serves them (the option fp4_lanes). Under the option int4_code_tiles None (the default)
+    where the GPU's kernels read them (CUDA, sm_80+), True wherever the shape tiles (the CPU's reference untiles
+    them), False nowhere. In the 32-layer int4_wo decode step at one sequence the GPU took 3.130 ms over tiles
+    against 3.432 over rows, and at 16 sequences 5.176 against 5.086, within the noise (H100,
+    docs/decisions/0029-int4-codes-held-in-tiles-on-the-gpu.md); FP4's tiles are untimed."""
+    option = config.int4_code_tiles
+    formats = ("int4", "mxfp4", "nvfp4") if config.fp4_lanes else ("int4",)
+    if option is False or scheme.kind != "weight_only" or scheme.weight_fmt not in formats or weight.dim() != 2:
         return False
     if not tiles_fit(*weight.shape):
         return False
@@ -69,7 +72,7 @@ def tiles_chosen(option: bool | None, scheme: LinearScheme, weight: torch.Tensor
 
 
 def stored_layout(q: Quantized, tiled: bool) -> Quantized:
-    """q as the backend holds it: its packed int4 codes in tiles where `tiled`, else as `quantize` packed them."""
+    """q as the backend holds it: its packed 4-bit codes in tiles where `tiled`, else as `quantize` packed them."""
     return dataclasses.replace(q, data=tile_codes(q.data)) if tiled else q
 
 

@@ -1,8 +1,9 @@
-"""int4 codes in tiles (`code_tiles.py`): the conversion each way, and every kernel that reads packed int4 codes
-giving the same bits from tiles as from the rows they tile. Under the interpreter on the CPU (the mma.sync kernel's
-PTX through ptx_emulator), and on the GPU."""
+"""Packed 4-bit codes in tiles (`code_tiles.py`): the conversion each way, and every kernel that reads packed int4,
+MXFP4 or NVFP4 codes giving the same bits from tiles as from the rows they tile. Under the interpreter on the CPU (the
+mma.sync kernels' PTX through ptx_emulator), and on the GPU."""
 
 import pytest
+import test_gemm_fp4_mma as fp4
 import torch
 import triton.runtime.interpreter as interpreter
 from test_gemm_int4_mma import _ptx_step, operands
@@ -10,6 +11,7 @@ from test_gemm_int4_mma import _ptx_step, operands
 from fxquant.kernels import dependent_launch
 from fxquant.kernels.code_tiles import tile_codes, tiled_shape, tiles_fit, untile_codes
 from fxquant.kernels.dequantize_weight import dequantize_weight
+from fxquant.kernels.gemm_fp4_mma import fp4_mma_mm
 from fxquant.kernels.gemm_int4_mma import int4_mma_mm
 from fxquant.kernels.gemm_weight_only import DEQUANTIZE_ABOVE_M, weight_only_mm, weight_operands
 
@@ -89,3 +91,38 @@ def test_the_mma_kernel_gives_the_same_bits_from_tiles_on_the_gpu(N, K):
         assert torch.equal(int4_mma_mm(x, tiles, lane_scale, lane_zero, 128, bias, split=split), rows)
         with dependent_launch.weights_prefetched(True):
             assert torch.equal(int4_mma_mm(x, tiles, lane_scale, lane_zero, 128, bias, split=split), rows)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("M", [1, 5, DEQUANTIZE_ABOVE_M + 3])  # in registers, and dequantized for the GEMM
+def test_fp4_codes_give_the_weight_only_gemm_and_the_dequantizer_the_same_bits_from_tiles(fmt, M):
+    q, x, bias, codes, _ = fp4.operands(fmt, 128, 384, M)
+    rows = weight_only_mm(x, q.data, q.scale, fmt, fp4.BLOCK[fmt], 128, global_scale=q.global_scale, bias=bias)
+    tiles = tile_codes(q.data)
+    assert torch.equal(weight_only_mm(x, tiles, q.scale, fmt, fp4.BLOCK[fmt], 128, global_scale=q.global_scale,
+                                      bias=bias), rows)
+    words, scale = weight_operands(x, tiles, q.scale, fmt, fp4.BLOCK[fmt], 128)
+    assert torch.equal(dequantize_weight(words, scale, fmt, fp4.BLOCK[fmt], 384, torch.bfloat16,
+                                         global_scale=q.global_scale),
+                       dequantize_weight(codes, scale, fmt, fp4.BLOCK[fmt], 384, torch.bfloat16,
+                                         global_scale=q.global_scale))
+
+
+@pytest.mark.skipif(GPU, reason="the interpreter with an emulator of the PTX; the GPU runs the PTX itself below")
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_the_fp4_mma_kernel_gives_the_same_bits_from_tiles_under_the_interpreter(monkeypatch, fmt):
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", fp4._ptx_step, raising=False)
+    q, x, bias, codes, lanes = fp4.operands(fmt, 128, 384, 3)
+    _, _, _, tiles, _ = fp4.operands(fmt, 128, 384, 3, tiled=True)
+    rows = fp4_mma_mm(x, codes, lanes, fmt, q.global_scale, bias, split=2)
+    assert torch.equal(fp4_mma_mm(x, tiles, lanes, fmt, q.global_scale, bias, split=2), rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_the_fp4_mma_kernel_gives_the_same_bits_from_tiles_on_the_gpu(fmt):
+    q, x, bias, codes, lanes = fp4.operands(fmt, 4096, 4096, 1)
+    _, _, _, tiles, _ = fp4.operands(fmt, 4096, 4096, 1, tiled=True)
+    for split in (None, 1, 5, 16):
+        rows = fp4_mma_mm(x, codes, lanes, fmt, q.global_scale, bias, split=split)
+        assert torch.equal(fp4_mma_mm(x, tiles, lanes, fmt, q.global_scale, bias, split=split), rows)

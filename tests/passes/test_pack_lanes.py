@@ -176,10 +176,34 @@ def test_int4_codes_in_tiles_are_the_graphs_one_copy_give_the_same_numbers_and_t
     (True, "int4_fp8", (128, 256), False),  # its kernel reads rows
     (True, "int8_wo", (128, 256), False),
     (False, "int4_wo", (128, 256), False),
+    (True, "mxfp4_wo", (128, 256), False),  # FP4's codes tile only where their mma.sync kernel serves them
 ])
 def test_tiles_are_chosen_for_int4_weight_only_codes_whose_shape_tiles_where_the_option_asks(option, recipe, shape,
                                                                                              expected):
-    assert tiles_chosen(option, RECIPES[recipe], torch.zeros(shape)) is expected
+    assert tiles_chosen(QuantConfig(int4_code_tiles=option), RECIPES[recipe], torch.zeros(shape)) is expected
+
+
+@pytest.mark.parametrize(("option", "recipe", "expected"), [
+    (True, "mxfp4_wo", True), (True, "nvfp4_wo", True), (None, "nvfp4_wo", False), (False, "mxfp4_wo", False),
+    (True, "mxfp8", False),
+])
+def test_fp4_codes_are_tiled_as_int4_s_under_fp4_lanes(option, recipe, expected):
+    config = QuantConfig(int4_code_tiles=option, fp4_lanes=True)
+    assert tiles_chosen(config, RECIPES[recipe], torch.zeros(128, 256)) is expected
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4_wo", "nvfp4_wo"])
+def test_fp4_codes_in_tiles_give_the_same_numbers_through_their_lanes_op(serves, recipe):
+    model = decoder("llama", num_hidden_layers=1)
+    fn, _ = compile_collecting(model, recipe, fp4_lanes=True, int4_code_tiles=False)
+    with torch.no_grad():
+        logits = fn(PROMPT, use_cache=False).logits
+    fn, callables = compile_collecting(model, recipe, fp4_lanes=True, int4_code_tiles=True)
+    with torch.no_grad():
+        assert torch.equal(fn(PROMPT, use_cache=False).logits, logits)
+    gm = callables[0].result.gm
+    codes = [getattr(gm, node.args[1].target) for node in gm.graph.nodes if node.target is FP4_LANES]
+    assert len(codes) == LINEARS[recipe] and all(is_tiled(c) for c in codes)
 
 
 @pytest.mark.parametrize("recipe", ["int4_wo", "int4_sym_wo", "mxfp4_wo", "nvfp4_wo"])
