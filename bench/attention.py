@@ -2,7 +2,7 @@
 static KV cache of B sequences x context tokens: fxquant's split-KV kernel on the bf16 cache (with and without
 transformers' additive mask, with the mask merged by the separate merge kernel rather than the last split, and with
 its output quantized per token for an fp8 o-projection, in the kernel or by the row quantizer after it) and on
-an e4m3 cache with per-(token, KV head) or per-tensor scales (V's codes read as words, and byte-wise), against torch's
+an e4m3 cache with per-(token, KV head) or per-tensor scales, against torch's
 SDPA after repeat_kv (the cache copied per query head, as transformers' eager path and Inductor run it), SDPA with
 enable_gqa=True (no mask) and FlexAttention's decoding (compiled; at 4k only, its compile per shape is long).
 
@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from bench.common import copy_bandwidth_gbs, graph_time_ms, header, rotating, table
-from fxquant.kernels.decode_attention import reading_v_as_words
 from fxquant.kernels.splitk import reduce_in_gemm
 from fxquant.numerics import reference_attention as RA
 
@@ -43,14 +42,6 @@ def fp8_cache(t: torch.Tensor, per_token: bool = True) -> tuple[torch.Tensor, to
         return (t.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
     scale = t.float().abs().amax().reshape(1).clamp_min(2**-9) / 448
     return (t.float() / scale).to(torch.float8_e4m3fn), scale
-
-
-def with_v_bytes(fn):
-    """fn with the kernel reading e4m3 V codes byte by byte, as Triton lowers an fp8 operand, not as words."""
-    def run(*args):
-        with reading_v_as_words(False):
-            return fn(*args)
-    return run
 
 
 def with_merge_kernel(fn):
@@ -102,9 +93,6 @@ def paths(batch: int, context: int):
             masked(c).transpose(1, 2).reshape(batch, 1, HEADS_Q * DIM), 0), cache_bytes),
         ("fxquant fp8 cache, mask",
          lambda c: attn(c["q"], c["kc"], c["vc"], c["mask"], scale, 0.0, None, c["ks"], c["vs"], None), codes_bytes),
-        ("fxquant fp8 cache, mask, V read byte-wise", with_v_bytes(
-            lambda c: attn(c["q"], c["kc"], c["vc"], c["mask"], scale, 0.0, None, c["ks"], c["vs"], None)),
-         codes_bytes),
         ("fxquant fp8 per-tensor, mask",
          lambda c: attn(c["q"], c["kt"], c["vt"], c["mask"], scale, 0.0, None, c["kts"], c["vts"], None),
          tensor_bytes),
@@ -129,8 +117,6 @@ def paths(batch: int, context: int):
         "fxquant bf16 cache, mask, merge kernel": RA.decode_attention(q, k, v, mask, scale),
         "fxquant fp8 cache, mask": RA.decode_attention(q, first["kc"], first["vc"], mask, scale, k_scale=first["ks"],
                                                        v_scale=first["vs"]),
-        "fxquant fp8 cache, mask, V read byte-wise": RA.decode_attention(q, first["kc"], first["vc"], mask, scale,
-                                                                         k_scale=first["ks"], v_scale=first["vs"]),
         "fxquant fp8 per-tensor, mask": RA.decode_attention(q, first["kt"], first["vt"], mask, scale,
                                                             k_scale=first["kts"], v_scale=first["vts"]),
     }

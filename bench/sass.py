@@ -15,9 +15,8 @@ Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pai
                                                      split in 5)
      python -m bench.sass fp4mma [mxfp4|nvfp4] [--stages N] [--tiles]   (MXFP4 / NVFP4 at M = 1 on mma.sync,
                                                      14336x4096, split in 5; codes in rows unless --tiles)
-     python -m bench.sass attention [--codes [--v-bytes]] [--warps N] [--stages N] [--quantize]   (Llama-3-8B's
-                                                     heads at B16, 1k keys; --quantize: the output quantized per
-                                                     token; --v-bytes: V's codes as bytes, not words)
+     python -m bench.sass attention [--codes] [--warps N] [--stages N] [--quantize]   (Llama-3-8B's heads at
+                                                     B16, 1k keys; --quantize: the output quantized per token)
 """
 
 from __future__ import annotations
@@ -139,15 +138,14 @@ def fp4_mma_kernel_sass(fmt: str, stages: int | None = None, tiled: bool = False
 
 
 def attention_kernel_sass(codes: bool, warps: int | None = None, stages: int | None = None,
-                          quantize: bool = False, v_bytes: bool = False) -> tuple[str, int]:
+                          quantize: bool = False) -> tuple[str, int]:
     """SASS and registers per thread of the split-KV attention kernel as it runs for Llama-3-8B's heads at B16 over
     1024 keys (128 pairs, three splits over bf16 and two over codes, merged by the last), with transformers' per-key
-    mask: over bf16 or over e4m3 codes with per-token scales, V's read as words (`words_of_codes`) unless v_bytes;
-    quantize: its output quantized per token as it merges (fuse_attention_quant)."""
+    mask: over bf16 or over e4m3 codes with per-token scales; quantize: its output quantized per token as it
+    merges (fuse_attention_quant)."""
     params = list(inspect.signature(DA._decode_attention_split_kernel.fn).parameters)
     plan = dict(DA.CODES_PLANS)[128] if codes else DA.SHORT_PLAN
     constexprs = dict(HKV=8, D=128, BLOCK_M=16, BLOCK_N=plan[3], SPLITS=2 if codes else 3, KV_CODES=codes,
-                      V_WORDS=codes and not v_bytes,
                       SCALE_PER_TOKEN=codes, MASK=2, MASK_PER_KEY=True, HAS_LENS=False, SOFTCAP=False,
                       DOT=tl.float16 if codes else tl.bfloat16, PRECISION="tf32", LAST_SPLIT_MERGES=True, ROWS=4,
                       HAS_SINKS=False, OUT=tl.bfloat16, CAST=0, PDL=True, QUANT=DA.PER_TOKEN if quantize else 0,
@@ -227,10 +225,8 @@ def main():
         codes = "--codes" in sys.argv
         warps = int(sys.argv[sys.argv.index("--warps") + 1]) if "--warps" in sys.argv else None
         quantize = "--quantize" in sys.argv
-        v_bytes = "--v-bytes" in sys.argv
-        sass, registers = attention_kernel_sass(codes, warps, stages, quantize, v_bytes)
-        what = (f"attention over {'e4m3 codes' if codes else 'bf16'}{', V read byte-wise' if codes and v_bytes else ''}"
-                f"{', output quantized' if quantize else ''}")
+        sass, registers = attention_kernel_sass(codes, warps, stages, quantize)
+        what = f"attention over {'e4m3 codes' if codes else 'bf16'}{', output quantized' if quantize else ''}"
         step = "key block"
     elif "fp4mma" in sys.argv:
         fmt = "nvfp4" if "nvfp4" in sys.argv else "mxfp4"

@@ -22,9 +22,8 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import cast_float, cast_mode, float_cast_mode, interpreting
-from fxquant.kernels.codes import e4m3_words
 from fxquant.kernels.dependent_launch import await_previous, launch_options, start_next, wait_for_previous
-from fxquant.kernels.launch import cdiv, next_power_of_2, set_inside, sm_count, visible
+from fxquant.kernels.launch import cdiv, next_power_of_2, sm_count, visible
 from fxquant.kernels.quant_fp8 import MAX_ROW_LEN, quant_rows, quantize_fp8_rows
 from fxquant.kernels.splitk import counters
 from fxquant.numerics.formats import AMAX_FLOOR, E4M3
@@ -155,8 +154,8 @@ def _decode_attention_split_kernel(
     sqb, sqh, sqq, skb, skh, sks, svb, svh, svs, ssb, ssh, sss, smb, smh, smq, sms, sob, soh, soq,
     # meta-parameters
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    KV_CODES: tl.constexpr, V_WORDS: tl.constexpr, SCALE_PER_TOKEN: tl.constexpr, MASK: tl.constexpr,
-    MASK_PER_KEY: tl.constexpr, HAS_LENS: tl.constexpr,
+    KV_CODES: tl.constexpr, SCALE_PER_TOKEN: tl.constexpr, MASK: tl.constexpr, MASK_PER_KEY: tl.constexpr,
+    HAS_LENS: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     LAST_SPLIT_MERGES: tl.constexpr, ROWS: tl.constexpr, HAS_SINKS: tl.constexpr, OUT: tl.constexpr,
     CAST: tl.constexpr, QUANT: tl.constexpr, QGROUP: tl.constexpr, FMAX: tl.constexpr, FP8: tl.constexpr,
@@ -187,7 +186,6 @@ def _decode_attention_split_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     k_base, v_base = k_ptr + b * skb + h * skh, v_ptr + b * svb + h * svh
-    v_words = v_ptr.to(tl.pointer_type(tl.int32)) + (b * svb + h * svh) // 4  # V_WORDS: strides are in bytes
     for start in range(first, end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < end
@@ -226,13 +224,8 @@ def _decode_attention_split_kernel(
             p *= (v_scale * tl.exp2(-exponent))[None, :]
         elif KV_CODES:
             v_unit = tl.load(v_scale_ptr)
-        if V_WORDS:  # V's MMA operand pairs codes of two keys: as words, each pair of a key to fp16 in one instruction
-            words = tl.load(v_words + keys[:, None] * (svs // 4) + tl.arange(0, D // 4)[None, :], mask=key_ok[:, None],
-                            other=0)
-            v = e4m3_words(words, DOT)
-        else:
-            v = tl.load(v_base + keys[:, None] * svs + cols[None, :], mask=key_ok[:, None], other=0.0).to(DOT)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION) * v_unit
+        v = tl.load(v_base + keys[:, None] * svs + cols[None, :], mask=key_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PRECISION) * v_unit
         m_i = m_new
     # The next kernel launches once every program is past its keys: launched at the start, its waiting programs
     # held SM slots this kernel's own needed (H200, B16 1k: 22.4 against 29.5 us; decision 0021).
@@ -310,25 +303,6 @@ def output_like(q: torch.Tensor) -> torch.Tensor:
     and a real one lay out differently along a dim of size 1."""
     batch, heads_q, queries, dim = q.shape
     return torch.empty((batch, queries, heads_q, dim), device=q.device, dtype=q.dtype).transpose(1, 2)
-
-
-_v_words = [True]  # `reading_v_as_words`
-
-
-def reading_v_as_words(enabled: bool):
-    """Inside the block, the kernel reads e4m3 V codes as int32 words where it can (`words_of_codes`), or, off, byte
-    by byte as Triton lowers an fp8 operand. Words, two codes to fp16 an instruction, took the key loop over codes
-    from 1302 to 1107 instructions and 255 to 168 registers a thread (sm_90, 4 warps, 128 keys: `python -m
-    bench.sass attention --codes [--v-bytes]`); untimed, on by default: `python -m bench.attention` times both."""
-    return set_inside(_v_words, enabled)
-
-
-def words_of_codes(v: torch.Tensor) -> bool:
-    """Whether the kernel reads e4m3 V codes [B, Hkv, S, D] as int32 words: under `reading_v_as_words`, each
-    token's row contiguous and every row 16-byte aligned (what a cache allocates), so that a thread's loads stay
-    vectors."""
-    return (_v_words[0] and v.stride(3) == 1 and all(stride % 16 == 0 for stride in v.stride()[:3])
-            and v.data_ptr() % 16 == 0)
 
 
 def fuses_quantization(q: torch.Tensor, group_size: int) -> bool:
@@ -414,7 +388,6 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
         *(mask.stride() if mask is not None else (0, 0, 0, 0)),
         out.stride(0), out.stride(1), out.stride(2),
         HKV=heads_kv, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits, KV_CODES=codes,
-        V_WORDS=codes and words_of_codes(v),
         SCALE_PER_TOKEN=per_token, MASK=0 if mask is None else 2 if mask.dtype == torch.bool else 1,
         MASK_PER_KEY=per_key,
         HAS_LENS=kv_lens is not None, SOFTCAP=softcap > 0, DOT=dot,

@@ -6,14 +6,7 @@ V (as flash attention does), about 2^-9 relative in bf16; in fp32 it is exact bu
 import pytest
 import torch
 
-from fxquant.kernels.decode_attention import (
-    SHORT_PLAN,
-    decode_attention,
-    num_splits,
-    reading_v_as_words,
-    supports,
-    words_of_codes,
-)
+from fxquant.kernels.decode_attention import SHORT_PLAN, decode_attention, num_splits, supports
 from fxquant.numerics import reference_attention as RA
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -165,23 +158,6 @@ def test_an_fp8_cache_of_codes_and_scales(per_token):
     (kc, ks), (vc, vs) = quantized
     got, _ = check(q, kc, vc, torch.bfloat16, k_scale=ks, v_scale=vs)
     assert rel_err(got, RA.decode_attention(q, k, v)) < 0.1  # and near the unquantized cache's result
-
-
-def test_v_codes_read_as_words_give_the_bits_of_v_codes_read_as_bytes():
-    """V's codes are read as int32 words, four codes each, where every token's row is 16-byte aligned (a cache's
-    allocation) and `reading_v_as_words` is on (the default); elsewhere byte by byte. Both widen each code to the
-    same exact value, so the outputs are equal."""
-    q, k, v = operands(2, 4, 2, 1, 130, 64, torch.bfloat16, seed=5)
-    (kc, ks), (vc, vs) = fp8_cache(k), fp8_cache(v)
-    shifted = torch.empty(*vc.shape[:-1], 65, dtype=vc.dtype, device=vc.device)[..., 1:]  # rows 1 byte off
-    shifted.copy_(vc)
-    assert words_of_codes(vc) and not words_of_codes(shifted)
-    as_words, _ = check(q, kc, vc, torch.bfloat16, k_scale=ks, v_scale=vs)
-    as_bytes, _ = check(q, kc, shifted, torch.bfloat16, k_scale=ks, v_scale=vs)
-    with reading_v_as_words(False):
-        assert not words_of_codes(vc)
-        switched_off, _ = check(q, kc, vc, torch.bfloat16, k_scale=ks, v_scale=vs)
-    assert torch.equal(as_words, as_bytes) and torch.equal(as_words, switched_off)
 
 
 def test_codes_meet_queries_past_fp16s_range_and_values_far_below_it():
