@@ -216,12 +216,10 @@ def _decode_attention_split_kernel(
         alpha = tl.exp2((m_i - m_safe) * LOG2_E)
         l_i = l_i * alpha + tl.sum(p, 1)
         v_unit = 1.0
-        if KV_CODES and SCALE_PER_TOKEN:  # p * v_scale / v_unit, in [0, 1]: fp16 is finer there
+        if KV_CODES and SCALE_PER_TOKEN:  # p * v_scale / the block's largest, in [0, 1]: fp16 is finer there
             v_scale = tl.load(v_scale_ptr + b * ssb + h * ssh + keys * sss, mask=key_ok, other=0.0)
-            # v_unit: the power of two at or above the block's largest scale, exact to apply, by a multiply
-            exponent = tl.ceil(tl.log2(tl.maximum(tl.max(v_scale, 0), 1e-30)))
-            v_unit = tl.exp2(exponent)
-            p *= (v_scale * tl.exp2(-exponent))[None, :]
+            v_unit = tl.maximum(tl.max(v_scale, 0), 1e-30)
+            p *= (v_scale / v_unit)[None, :]
         elif KV_CODES:
             v_unit = tl.load(v_scale_ptr)
         v = tl.load(v_base + keys[:, None] * svs + cols[None, :], mask=key_ok[:, None], other=0.0)
