@@ -92,8 +92,7 @@ def test_the_kernel_under_the_interpreter(monkeypatch, fmt, M, N, K, split, spre
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("M,N,K,spread,tiled", [(1, 4096, 4096, 0, False), (1, 14336, 4096, 0, True),
-                                                (3, 200, 384, 0, False), (8, 6144, 512, 0, False),
-                                                (2, 128, 256, 100, False)])
+                                                (8, 200, 384, 0, False), (2, 128, 256, 100, False)])
 def test_the_kernel_on_the_gpu(fmt, M, N, K, spread, tiled):
     q, x, bias, codes, lanes = operands(fmt, N, K, M, spread=spread, tiled=tiled)
     assert supports(x, fmt) is None
