@@ -167,13 +167,18 @@ def static_decode(model, forward, prompt, steps, max_len=32, allocate_eagerly=Fa
     return torch.stack(outs)
 
 
+TOWARD_ZERO = "toward zero"  # fake_quantized's exact=: the exact sums, each rounded toward zero
+
+
 class FakeQuantizedLinear(torch.nn.Module):
     """nn.Linear with its weight, and for fp8 and MXFP8 recipes its input, through the reference's quantize ->
     dequantize. exact: products and sums in fp32 from the fp32 dequantized operands, one rounding to the input's
     dtype, as a quantized GEMM computes; else the dequantized operands are rounded to the input's dtype and
-    multiplied there, as a plain fake-quantized copy in that dtype would."""
+    multiplied there, as a plain fake-quantized copy in that dtype would. exact == TOWARD_ZERO: the exact sums
+    rounded toward zero (bf16), the other rounding of every output that a once-rounded implementation may give."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str, exact: bool, k_shards: int = 1):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str, exact: bool | str,
+                 k_shards: int = 1):
         super().__init__()
         self.scheme, self.exact, self.width = RECIPES[recipe], exact, weight.shape[1] // k_shards
         quantized = lambda w: R.quantize(w.float(), self.scheme.weight_fmt, self.scheme.weight_granularity,
@@ -193,7 +198,12 @@ class FakeQuantizedLinear(torch.nn.Module):
         slice's product rounded to dtype and the partials summed in dtype, as row-parallel ranks and their
         all-reduce compute it."""
         if self.exact:
-            return torch.nn.functional.linear(x.float(), self.dequantized, self.bias).to(dtype)
+            out = torch.nn.functional.linear(x.float(), self.dequantized, self.bias)
+            if self.exact == TOWARD_ZERO:
+                if dtype != torch.bfloat16:
+                    raise ValueError(f"hf_models: sums rounded toward zero are bf16's, not {dtype}'s")
+                out = (out.view(torch.int32) & -65536).view(torch.float32)  # fp32 bits past bf16's dropped
+            return out.to(dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
         if self.width == self.weight.shape[1]:
             return torch.nn.functional.linear(x.to(dtype), self.weight.to(dtype), bias)
@@ -269,7 +279,7 @@ class FakeQuantizedExperts(torch.nn.Module):
         return out
 
 
-def fake_quantized(model, recipe: str, exact: bool, skip=("lm_head",), k_shards=None):
+def fake_quantized(model, recipe: str, exact: bool | str, skip=("lm_head",), k_shards=None):
     """A copy of `model` whose nn.Linear and Conv1D (weight [K, N]) layers are FakeQuantizedLinear, and whose
     experts are FakeQuantizedExperts, under `recipe`: the reference's numerics in eager PyTorch, independent of
     the passes. Skipped: names ending in `skip`, routers (transformers' routers are not nn.Linear), and linears

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from hf_models import compiled, decoder, fake_quantized, static_decode, traced, within_bound
+from hf_models import TOWARD_ZERO, compiled, decoder, fake_quantized, static_decode, traced, within_bound
 
 import fxquant
 from fxquant.compile.backend import fxquant as fxquant_backend
@@ -272,6 +272,9 @@ def test_a_small_batch_decode_runs_the_kernel_within_the_bound_of_its_fake_quant
 @pytest.mark.parametrize("recipe", ["mxfp4_wo", "nvfp4_wo"])
 def test_an_fp4_decode_under_the_option_runs_the_kernel_within_the_bound_of_its_fake_quantized_copy(monkeypatch,
                                                                                                    recipe):
+    """MXFP4's values and scales are exact in bf16, so its plain copy is the exact one and bounds nothing (the H100
+    put two of the kernel's decode steps 5.3e-3 and 5.8e-3 rad from both): its bound is the exact sums each rounded toward zero,
+    the other rounding of every output that the kernel's once-rounded fp32 sums may take."""
     calls = []
     kernel = linear_ops.fp4_mma_mm
     monkeypatch.setattr(linear_ops, "fp4_mma_mm", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
@@ -281,5 +284,6 @@ def test_an_fp4_decode_under_the_option_runs_the_kernel_within_the_bound_of_its_
     steps = torch.randint(0, 64, (1, 3), generator=generator).to(DEVICE)
     got = static_decode(model, compiled(model, recipe=recipe, fp4_lanes=True), prompt, steps)
     assert len(calls) >= 3 * 2 * LINEARS[recipe]  # every decode step's FP4 GEMMs (2 layers) on the kernel
-    copies = fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=False), model
+    plain = TOWARD_ZERO if recipe == "mxfp4_wo" else False
+    copies = fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=plain), model
     assert not within_bound(got, *(static_decode(m, traced(m), prompt, steps) for m in copies))
