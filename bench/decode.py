@@ -33,14 +33,15 @@ fxquant:<recipe>+head=<recipe> (the lm_head quantized too, under the second reci
 fxquant:<recipe>+without=<pass> (without one of the pipeline's optional passes; repeatable),
 fxquant:<recipe>+inductor=<option> (one of Inductor's boolean options on, e.g. combo_kernels; repeatable),
 fxquant:<recipe>+rows (int4 codes held in rows, not the GPU's default tiles: the option int4_code_tiles=False),
-fxquant:<recipe>+fp4lanes (MXFP4 / NVFP4 GEMMs of one row on the mma.sync kernel: the option fp4_lanes),
+fxquant:<recipe>+fp4inregisters (MXFP4 / NVFP4 GEMMs of one row in the in-register GEMM over rows: fp4_lanes=False),
 fxquant:<recipe>+inplace (a copy of the model quantize_'d under the recipe, then compiled: a loaded checkpoint's path),
 fxquant:<recipe>+nopdl (every fxquant kernel launched without programmatic dependent launch), +reducekernel (split
 GEMMs summed by the reduce kernel, not by their last slice), +prefetch (the fp8 and 4-bit decode GEMMs ask the L2 for
-their first weights before they wait for the previous kernel), +mma8 (int4 GEMMs of up to 8 rows on the mma.sync
+their first weights before they wait for the previous kernel; by default the fp8 GEMM alone), +noprefetch (none
+does), +mma8 (int4 GEMMs of up to 8 rows on the mma.sync
 kernel, not one),
 torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head, +without, +inductor,
-+rows, +fp4lanes, +inplace and the launch settings).
++rows, +fp4inregisters, +inplace and the launch settings).
 
 Three phases. First, untimed, every path runs once in worker processes, --warm-jobs at a time, the longest first
 (warm_groups): each compile and autotune fills the on-disk caches (Inductor's FX graph and AOT caches, Triton's
@@ -225,9 +226,17 @@ class Decoder:
 FP8_KV = "+fp8kv"
 NO_PDL = "+nopdl"  # fxquant:<recipe>+nopdl: every kernel launched without programmatic dependent launch
 REDUCE_KERNEL = "+reducekernel"  # split-K GEMMs summed by the reduce kernel, not by their last slice
-PREFETCH = "+prefetch"  # decode GEMMs ask the L2 for their first weights before waiting on the previous kernel
+PREFETCH = "+prefetch"  # every decode GEMM asks the L2 for its first weights before waiting on the previous kernel
+NO_PREFETCH = "+noprefetch"  # none does (by default the fp8 GEMM does: decision 0030)
 MMA_ROWS = "+mma8"  # int4 GEMMs of up to 8 rows on the mma.sync kernel (one row otherwise)
-LAUNCH_SETTINGS = (NO_PDL, REDUCE_KERNEL, PREFETCH, MMA_ROWS)
+LAUNCH_SETTINGS = (NO_PDL, REDUCE_KERNEL, PREFETCH, NO_PREFETCH, MMA_ROWS)
+
+
+def prefetch_setting(path: str) -> bool | None:
+    """`weights_prefetched`'s argument for a path: True under +prefetch, False under +noprefetch, else None (each
+    kernel's default)."""
+    extras = {"+" + extra for extra in path.split("+")[1:]}
+    return True if PREFETCH in extras else False if NO_PREFETCH in extras else None
 
 
 @contextlib.contextmanager
@@ -236,7 +245,7 @@ def launch_settings(path: str, profiled: bool = False):
     without PDL: a kernel launched dependent is resident while it waits for the one before, and the profile would
     count the wait as its time."""
     with (dependent_launches(NO_PDL not in path and not profiled), reduce_in_gemm(REDUCE_KERNEL not in path),
-          weights_prefetched(PREFETCH in path), serving_up_to(MAX_M if MMA_ROWS in path else 1)):
+          weights_prefetched(prefetch_setting(path)), serving_up_to(MAX_M if MMA_ROWS in path else 1)):
         yield
 
 
@@ -262,7 +271,7 @@ HEAD = "+head="  # fxquant:<recipe>+head=<recipe>: the lm_head quantized too, un
 WITHOUT = "+without="  # fxquant:<recipe>+without=<pass>: the pipeline without one of its optional passes
 INDUCTOR = "+inductor="  # fxquant:<recipe>+inductor=<option>: one of Inductor's boolean options turned on
 ROWS = "+rows"  # fxquant:<recipe>+rows: int4 codes held in rows (the backend's option int4_code_tiles=False)
-FP4_LANES = "+fp4lanes"  # fxquant:<recipe>+fp4lanes: MXFP4 / NVFP4 on the mma.sync kernel at M = 1 (option fp4_lanes)
+IN_REGISTERS = "+fp4inregisters"  # MXFP4 / NVFP4 at M = 1 in the in-register GEMM over rows (fp4_lanes=False)
 IN_PLACE = "+inplace"  # fxquant:<recipe>+inplace: the model quantize_'d first (its copy), then compiled
 
 
@@ -282,13 +291,13 @@ def recipe_options(path: str) -> dict:
             options.setdefault("inductor", {})[value] = True
         elif key == ROWS:
             options["int4_code_tiles"] = False
-        elif key == FP4_LANES:
-            options["fp4_lanes"] = True
+        elif key == IN_REGISTERS:
+            options["fp4_lanes"] = False
         elif key in LAUNCH_SETTINGS or key == IN_PLACE:
             continue  # a launch setting or the model's preparation, not a backend option: work() applies it
         else:
             raise ValueError(f"bench.decode: path {path!r}: {key!r} is none of +head=, +without=, +inductor=, "
-                             f"+rows, +fp4lanes, +inplace, +fp8kv, {', '.join(LAUNCH_SETTINGS)}")
+                             f"+rows, +fp4inregisters, +inplace, +fp8kv, {', '.join(LAUNCH_SETTINGS)}")
     return options
 
 

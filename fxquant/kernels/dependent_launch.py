@@ -5,9 +5,11 @@ run. Each of its programs first waits (griddepcontrol.wait) until that kernel ha
 visible, then lets the next kernel begin its own launch. Between the dozen dependent kernels of a decode layer this
 hides the launch and tail each one otherwise waits for; stream capture keeps the edges, so CUDA graphs keep it.
 
-The wait comes before any load or store, so every result is the serial launch's, bit for bit. Under
-`weights_prefetched` (off until timed) the decode GEMMs first ask the L2 for their first weights, which no kernel
-writes (`prefetch_l2`, a hint), so that the fetch overlaps the previous kernel's end.
+The wait comes before any load or store, so every result is the serial launch's, bit for bit. The fp8 decode GEMM
+first asks the L2 for its first weights, which no kernel writes (`prefetch_l2`, a hint), so that the fetch overlaps
+the previous kernel's end; the 4-bit decode GEMMs can, and do not by default (`weights_prefetched`): in the 32-layer
+step on the H100 the fp8 GEMM's prefetch took 0.10 / 0.20 ms of GPU time a step at B1 / B16 (3.816 -> 3.713, 4.939
+-> 4.740, step less host) and int4's added 0.10 (docs/decisions/0030-fp8-decode-weights-prefetched.md).
 Decode attention lets the next kernel launch only after its key loop, and the fp8 and int4 mma.sync GEMMs after their
 K loop: a next kernel as large as itself, resident early and waiting, took the slots its own programs needed
 (docs/decisions/0021-decode-attention-merged-by-the-last-split.md,
@@ -31,7 +33,7 @@ from fxquant.kernels.launch import inlined, set_inside
 ON = {"PDL": True, "launch_pdl": True}
 OFF = {"PDL": False}
 _enabled = [os.environ.get("FXQUANT_PDL", "1") != "0"]
-_prefetch = [False]
+_prefetch = [None]  # `weights_prefetched`: None, each kernel's default
 PREFETCH_STEPS = tl.constexpr(4)  # K steps of a program's weights asked of the L2 before the wait
 
 
@@ -48,16 +50,19 @@ def dependent_launches(enabled: bool):
     return set_inside(_enabled, enabled)
 
 
-def weights_prefetched(enabled: bool):
+def weights_prefetched(enabled: bool | None):
     """The decode GEMMs launched inside the block (the fp8 GEMM, the int4 mma.sync kernel over tiles, the in-register
     weight-only GEMM over packed 4-bit codes) ask the L2 for their first PREFETCH_STEPS K steps of weights before
-    they wait for the previous kernel, or not (the default)."""
+    they wait for the previous kernel (True), or none does (False); None, the default: each kernel's own default
+    (`prefetching`), the fp8 GEMM's on and the 4-bit GEMMs' off."""
     return set_inside(_prefetch, enabled)
 
 
-def prefetching(options: dict) -> bool:
-    """Whether a kernel launched with `launch_options` `options` prefetches: only a kernel launched dependent waits."""
-    return _prefetch[0] and bool(options["PDL"])
+def prefetching(options: dict, by_default: bool = False) -> bool:
+    """Whether a kernel launched with `launch_options` `options` prefetches: under `weights_prefetched`, or its own
+    default `by_default` outside it; only a kernel launched dependent waits, so only it prefetches."""
+    chosen = by_default if _prefetch[0] is None else _prefetch[0]
+    return chosen and bool(options["PDL"])
 
 
 @triton.jit

@@ -239,7 +239,8 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
         asm, ask, bsn, bsk,
         BLOCK_SCALES=block_scales, SCALE_BLOCK=SCALE_BLOCK, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
         CAST=float_cast_mode(_fp8_gemm_kernel), SPLIT_K=split, LAST_SLICE_SUMS=count is not None, **meta,
-        PREFETCH=prefetching(pdl), **pdl,
+        # the first weights asked of the L2 before the wait (docs/decisions/0030-fp8-decode-weights-prefetched.md)
+        PREFETCH=prefetching(pdl, by_default=True), **pdl,
     )
     if split > 1 and count is None:
         reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])

@@ -20,9 +20,10 @@ and casts.
 `tl.range`'s pipeliner keeps STAGES steps of codes, scales, zero points and activations in flight as asynchronous
 copies while one is multiplied. What bounds the kernel is that reading: a variant that only loads took 79-88% of
 its time on the Llama shapes, and the same codes tiled per (64 rows, 128-code step) ran 6-18% faster (H100,
-BENCHMARKS.md, "The int4 decode GEMM's launch, split and code layout"). Under `dependent_launch.weights_prefetched`
-(off until timed), a program over tiles asks the L2 for its first steps of codes before it waits for the previous
-kernel: 16 KB in one run.
+BENCHMARKS.md, "The int4 decode GEMM's launch, split and code layout"). Under
+`dependent_launch.weights_prefetched(True)` a program over tiles asks the L2 for its first steps of codes before it
+waits for the previous kernel (16 KB in one run); off by default: in the 32-layer step it added 0.10 ms
+(docs/decisions/0030-fp8-decode-weights-prefetched.md).
 
 Inline PTX does not run under Triton's interpreter: there `supports` is false and the caller takes
 `gemm_weight_only`, which computes the same product. tests/kernels/test_gemm_int4_mma.py runs this kernel under the

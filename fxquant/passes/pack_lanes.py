@@ -7,7 +7,8 @@ on an sm_80+ GPU, is its lanes op over the same tensors plus the per-lane copy; 
 tensors and the in-register kernel.
 - int4, groups a multiple of 128: linear_int4_lanes (a copy of 7.8% of the codes' bytes: 6.25% scales, 1.6% zero
   points);
-- MXFP4 and NVFP4, under the option `fp4_lanes` (off until timed): linear_fp4_lanes (a copy of 3.1% and 6.25%).
+- MXFP4 and NVFP4, under the option `fp4_lanes` (on; docs/decisions/0031-fp4-decode-on-mma-sync.md):
+  linear_fp4_lanes (a copy of 3.1% and 6.25%).
 
     %y = fxquant.linear_weight_only(%x, %w, %s, None, %z, %b, "int4", 128, N)
         ->  %y = fxquant.linear_int4_lanes(%x, %w, %s, %z, %s_lanes, %z_lanes, %b, 128, N)

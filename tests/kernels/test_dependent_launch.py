@@ -27,11 +27,14 @@ def test_it_is_off_on_the_cpu_while_inlined_and_when_turned_off():
         assert launch_options(cuda) == ON
 
 
-def test_a_kernel_prefetches_only_under_the_switch_and_when_launched_dependent():
-    assert not prefetching(ON) and not prefetching(OFF)
+def test_a_kernel_prefetches_by_its_default_or_the_switch_and_only_when_launched_dependent():
+    """The fp8 GEMM prefetches by default (decision 0030), the 4-bit GEMMs do not; the switch sets both."""
+    assert prefetching(ON, by_default=True) and not prefetching(ON) and not prefetching(OFF, by_default=True)
     with weights_prefetched(True):
         assert prefetching(ON) and not prefetching(OFF)  # without the wait there is nothing to overlap
-    assert not prefetching(ON)
+    with weights_prefetched(False):
+        assert not prefetching(ON, by_default=True)
+    assert prefetching(ON, by_default=True) and not prefetching(ON)
 
 
 def chain(h, weights):

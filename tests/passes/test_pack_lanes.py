@@ -1,5 +1,5 @@
 """pack_lanes: 4-bit linears a graph quantized get the mma.sync decode kernels' per-lane scales, one copy shared by
-every graph and re-packed when the weight is re-quantized: int4 always, MXFP4 and NVFP4 under the option fp4_lanes.
+every graph and re-packed when the weight is re-quantized: int4, and MXFP4 and NVFP4 unless the option fp4_lanes is off.
 
 On the CPU the pass is made to run (`kernel_serves` patched) and the lanes ops run linear_weight_only's reference, so
 outputs match the unpacked graph bit for bit; the GPU tests run the kernels in a decode."""
@@ -91,15 +91,15 @@ def test_int4_linears_take_the_lanes_op_with_the_same_numbers(serves, monkeypatc
 
 
 @pytest.mark.parametrize("recipe", ["mxfp4_wo", "nvfp4_wo"])
-def test_fp4_linears_take_their_lanes_op_under_the_option_with_the_same_numbers(serves, recipe):
+def test_fp4_linears_take_their_lanes_op_unless_told_not_to_with_the_same_numbers(serves, recipe):
     model = decoder("llama", num_hidden_layers=1)
-    fn, callables = compile_collecting(model, recipe)
+    fn, callables = compile_collecting(model, recipe, fp4_lanes=False)
     with torch.no_grad():
         logits = fn(PROMPT, use_cache=False).logits
     counts = Counter(node.target for node in callables[0].result.gm.graph.nodes)
-    assert counts[FP4_LANES] == 0 and counts[WEIGHT_ONLY] == LINEARS[recipe]  # off by default: untimed
+    assert counts[FP4_LANES] == 0 and counts[WEIGHT_ONLY] == LINEARS[recipe]  # the in-register GEMM
 
-    fn, callables = compile_collecting(model, recipe, fp4_lanes=True)
+    fn, callables = compile_collecting(model, recipe)  # fp4_lanes by default
     with torch.no_grad():
         assert torch.equal(fn(PROMPT, use_cache=False).logits, logits)
     gm = callables[0].result.gm
@@ -176,29 +176,29 @@ def test_int4_codes_in_tiles_are_the_graphs_one_copy_give_the_same_numbers_and_t
     (True, "int4_fp8", (128, 256), False),  # its kernel reads rows
     (True, "int8_wo", (128, 256), False),
     (False, "int4_wo", (128, 256), False),
-    (True, "mxfp4_wo", (128, 256), False),  # FP4's codes tile only where their mma.sync kernel serves them
 ])
 def test_tiles_are_chosen_for_int4_weight_only_codes_whose_shape_tiles_where_the_option_asks(option, recipe, shape,
                                                                                              expected):
     assert tiles_chosen(QuantConfig(int4_code_tiles=option), RECIPES[recipe], torch.zeros(shape)) is expected
 
 
-@pytest.mark.parametrize(("option", "recipe", "expected"), [
-    (True, "mxfp4_wo", True), (True, "nvfp4_wo", True), (None, "nvfp4_wo", False), (False, "mxfp4_wo", False),
-    (True, "mxfp8", False),
+@pytest.mark.parametrize(("option", "fp4_lanes", "recipe", "expected"), [
+    (True, True, "mxfp4_wo", True), (True, True, "nvfp4_wo", True), (None, True, "nvfp4_wo", False),
+    (False, True, "mxfp4_wo", False), (True, True, "mxfp8", False),
+    (True, False, "mxfp4_wo", False),  # FP4's codes tile only where their mma.sync kernel serves them
 ])
-def test_fp4_codes_are_tiled_as_int4_s_under_fp4_lanes(option, recipe, expected):
-    config = QuantConfig(int4_code_tiles=option, fp4_lanes=True)
+def test_fp4_codes_are_tiled_as_int4_s_under_fp4_lanes(option, fp4_lanes, recipe, expected):
+    config = QuantConfig(int4_code_tiles=option, fp4_lanes=fp4_lanes)
     assert tiles_chosen(config, RECIPES[recipe], torch.zeros(128, 256)) is expected
 
 
 @pytest.mark.parametrize("recipe", ["mxfp4_wo", "nvfp4_wo"])
 def test_fp4_codes_in_tiles_give_the_same_numbers_through_their_lanes_op(serves, recipe):
     model = decoder("llama", num_hidden_layers=1)
-    fn, _ = compile_collecting(model, recipe, fp4_lanes=True, int4_code_tiles=False)
+    fn, _ = compile_collecting(model, recipe, int4_code_tiles=False)
     with torch.no_grad():
         logits = fn(PROMPT, use_cache=False).logits
-    fn, callables = compile_collecting(model, recipe, fp4_lanes=True, int4_code_tiles=True)
+    fn, callables = compile_collecting(model, recipe, int4_code_tiles=True)
     with torch.no_grad():
         assert torch.equal(fn(PROMPT, use_cache=False).logits, logits)
     gm = callables[0].result.gm
@@ -211,7 +211,7 @@ def test_quantize_inplace_weights_take_the_lanes_op_and_a_loaded_state_re_packs_
     """quantize_'s parameters (a loaded checkpoint's) are the model's state: the per-lane copy follows them, re-packed
     on the first call after a load_state_dict, with no recompile."""
     model = fxquant.quantize_(decoder("llama", num_hidden_layers=1), {"recipe": recipe})
-    fn, callables = compile_collecting(model, recipe, fp4_lanes=True)
+    fn, callables = compile_collecting(model, recipe)
     with torch.no_grad():
         fn(PROMPT, use_cache=False)
     gm = callables[0].result.gm
@@ -270,11 +270,10 @@ def test_a_small_batch_decode_runs_the_kernel_within_the_bound_of_its_fake_quant
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["mxfp4_wo", "nvfp4_wo"])
-def test_an_fp4_decode_under_the_option_runs_the_kernel_within_the_bound_of_its_fake_quantized_copy(monkeypatch,
-                                                                                                   recipe):
+def test_an_fp4_decode_runs_the_kernel_within_the_bound_of_its_fake_quantized_copy(monkeypatch, recipe):
     """MXFP4's values and scales are exact in bf16, so its plain copy is the exact one and bounds nothing (the H100
-    put two of the kernel's decode steps 5.3e-3 and 5.8e-3 rad from both): its bound is the exact sums each rounded toward zero,
-    the other rounding of every output that the kernel's once-rounded fp32 sums may take."""
+    put two of the kernel's decode steps 5.3e-3 and 5.8e-3 rad from both): its bound is the exact sums each rounded
+    toward zero, the other rounding of every output that the kernel's once-rounded fp32 sums may take."""
     calls = []
     kernel = linear_ops.fp4_mma_mm
     monkeypatch.setattr(linear_ops, "fp4_mma_mm", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
@@ -282,7 +281,7 @@ def test_an_fp4_decode_under_the_option_runs_the_kernel_within_the_bound_of_its_
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 64, (1, 8), generator=generator).to(DEVICE)
     steps = torch.randint(0, 64, (1, 3), generator=generator).to(DEVICE)
-    got = static_decode(model, compiled(model, recipe=recipe, fp4_lanes=True), prompt, steps)
+    got = static_decode(model, compiled(model, recipe=recipe), prompt, steps)
     assert len(calls) >= 3 * 2 * LINEARS[recipe]  # every decode step's FP4 GEMMs (2 layers) on the kernel
     plain = TOWARD_ZERO if recipe == "mxfp4_wo" else False
     copies = fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=plain), model
