@@ -3,8 +3,8 @@
 
 Run: python -m bench.weight_only [--sweep | --crossover | --pair-order] [--decode | --medium]
      (--pair-order: the shipped tiles with packed 4-bit operands in codes.pair_order and in K order, M = 1, 16, 32)
-The 4-bit formats also run through their lanes ops (int4's always on the GPU, MXFP4's and NVFP4's under the option
-fp4_lanes): at M = 1 the mma.sync kernels.
+The 4-bit formats also run through their lanes ops, as the backend gives them on the GPU: at M = 1 the mma.sync
+kernels.
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ def lanes_of(q):
 
 
 def run_lanes(x, q, *lanes):
-    """A 4-bit weight through its lanes op, as the backend puts it on int4 weights (and on FP4's under fp4_lanes):
-    at M = 1 the mma.sync kernel."""
+    """A 4-bit weight through its lanes op, as the backend puts it on 4-bit weights: at M = 1 the mma.sync kernel."""
     if q.fmt == "int4":
         return torch.ops.fxquant.linear_int4_lanes(x, q.data, q.scale, q.zero_point, *lanes, None, 128, q.shape[0])
     return torch.ops.fxquant.linear_fp4_lanes(x, q.data, q.scale, q.global_scale, *lanes, None, q.fmt,
