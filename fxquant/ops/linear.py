@@ -191,6 +191,14 @@ def _(x, w, w_scale, w_global_scale, w_zero_point, bias, fmt, group_size, out_fe
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+def _lanes_serve(rows: Tensor, w: Tensor, out_features: int) -> bool:
+    """What the mma.sync decode kernels ask of both lanes ops' operands: at most `gemm_int4_mma.serves_rows()`
+    activation rows, and packed 4-bit codes as the backend holds them, contiguous rows [N, K / 2] or tiles."""
+    K = rows.shape[1]
+    stored = tiled_shape(out_features, K) if is_tiled(w) else (out_features, K // 2)
+    return rows.shape[0] <= gemm_int4_mma.serves_rows() and w.is_contiguous() and w.shape == stored
+
+
 def _linear_int4_lanes(x: Tensor, w: Tensor, w_scale: Tensor, w_zero_point: Tensor | None, lane_scale: Tensor,
                        lane_zero: Tensor | None, bias: Tensor | None, group_size: int, out_features: int) -> Tensor:
     """linear_weight_only for an int4 weight whose scales and zero points are also held in the mma.sync decode
@@ -201,10 +209,7 @@ def _linear_int4_lanes(x: Tensor, w: Tensor, w_scale: Tensor, w_zero_point: Tens
     [N, K / 2], or tiles (`code_tiles`), as linear_weight_only takes them."""
     rows = x.reshape(-1, x.shape[-1])
     K = rows.shape[1]
-    tiled = is_tiled(w)
-    if (rows.shape[0] <= gemm_int4_mma.serves_rows() and w.is_contiguous()
-            and w.shape == (tiled_shape(out_features, K) if tiled else (out_features, K // 2))
-            and lane_scale.shape == lane_layout_shape(out_features, K, group_size)
+    if (_lanes_serve(rows, w, out_features) and lane_scale.shape == lane_layout_shape(out_features, K, group_size)
             and gemm_int4_mma.supports(rows, group_size) is None):
         out = int4_mma_mm(rows, w.view(torch.int32), lane_scale, lane_zero, group_size, bias)
         return out.reshape(*x.shape[:-1], out_features)
@@ -229,10 +234,9 @@ def _linear_fp4_lanes(x: Tensor, w: Tensor, w_scale: Tensor, w_global_scale: Ten
     row-major scales. The codes w are rows [N, K / 2], or tiles (`code_tiles`), as linear_weight_only takes them."""
     rows = x.reshape(-1, x.shape[-1])
     K = rows.shape[1]
-    stored = tiled_shape(out_features, K) if is_tiled(w) else (out_features, K // 2)
-    if (rows.shape[0] <= gemm_int4_mma.serves_rows() and w.is_contiguous() and w.shape == stored
-            and group_size == gemm_fp4_mma.BLOCKS.get(fmt) and lane_scale.shape == fp4_lane_layout_shape(
-                out_features, K, fmt) and gemm_fp4_mma.supports(rows, fmt) is None):
+    if (_lanes_serve(rows, w, out_features) and group_size == gemm_fp4_mma.BLOCKS.get(fmt)
+            and lane_scale.shape == fp4_lane_layout_shape(out_features, K, fmt)
+            and gemm_fp4_mma.supports(rows, fmt) is None):
         out = fp4_mma_mm(rows, w.view(torch.int32), lane_scale, fmt, w_global_scale, bias)
         return out.reshape(*x.shape[:-1], out_features)
     return _linear_weight_only(x, w, w_scale, w_global_scale, None, bias, fmt, group_size, out_features)
