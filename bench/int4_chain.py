@@ -10,11 +10,15 @@ as `quantize` packs them, and in tiles (`code_tiles`), as the backend holds them
 product's split with dependent launch on, at other pipeline depths (`int4_mma_mm`'s stages, 3 in the product), and
 with each program's first codes asked of the L2 before it waits for the previous GEMM (`weights_prefetched`).
 
-Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...]
+With --grid, only the tiles with dependent launch on, at every pair of a program count (`--programs`) and a
+pipeline depth (`--stages`): fewer, longer programs keep more K steps in flight each.
+
+Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...] [--grid]
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import torch
@@ -95,6 +99,13 @@ def main():
                 "% copy": f"{100 * nbytes / ms / 1e6 / ceiling:.0f}"}
 
     rows = [{"GEMMs": "bf16 torch.mm", "dependent launch": "-", "ms": f"{bf16_ms:.3f}", "x bf16": "1.00"}]
+    if "--grid" in sys.argv:
+        for (name, rule), stages in itertools.product(rules, depths):
+            with dependent_launches(True):
+                rows.append(row(f"tiled, {name}, {stages} stages", True, chain_ms(layers, xs, rule, True, stages)))
+            print(rows[-1], flush=True)
+        print(table(rows))
+        return
     for pdl, tiled in ((True, False), (True, True), (False, False), (False, True)):
         for name, rule in rules:
             with dependent_launches(pdl):
