@@ -39,7 +39,8 @@ fxquant:<recipe>+nopdl (every fxquant kernel launched without programmatic depen
 GEMMs summed by the reduce kernel, not by their last slice), +prefetch (the fp8 and 4-bit decode GEMMs ask the L2 for
 their first weights before they wait for the previous kernel; by default the fp8 GEMM alone), +noprefetch (none
 does), +mma8 (int4 GEMMs of up to 8 rows on the mma.sync
-kernel, not one),
+kernel, not one), +wholerows (silu(gate) * up quantized one program a token's row: a few tokens' rows are cut across
+programs by default),
 torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head, +without, +inductor,
 +rows, +fp4inregisters, +inplace and the launch settings).
 
@@ -76,6 +77,7 @@ from bench.common import LLAMA_3_VOCAB, header, llama, llama_config, table
 from fxquant.compile.backend import fxquant as fxquant_backend
 from fxquant.kernels.dependent_launch import dependent_launches, weights_prefetched
 from fxquant.kernels.gemm_int4_mma import MAX_M, serving_up_to
+from fxquant.kernels.silu_mul_quant import CUT_TOKENS, rows_cut_up_to
 from fxquant.kernels.splitk import reduce_in_gemm
 
 CHECK_STEPS = 4  # the first decode steps: they compile, their logits are compared with eager's, and go untimed
@@ -229,7 +231,8 @@ REDUCE_KERNEL = "+reducekernel"  # split-K GEMMs summed by the reduce kernel, no
 PREFETCH = "+prefetch"  # every decode GEMM asks the L2 for its first weights before waiting on the previous kernel
 NO_PREFETCH = "+noprefetch"  # none does (by default the fp8 GEMM does: decision 0030)
 MMA_ROWS = "+mma8"  # int4 GEMMs of up to 8 rows on the mma.sync kernel (one row otherwise)
-LAUNCH_SETTINGS = (NO_PDL, REDUCE_KERNEL, PREFETCH, NO_PREFETCH, MMA_ROWS)
+WHOLE_ROWS = "+wholerows"  # silu(gate) * up quantized one program a token's row, its rows never cut
+LAUNCH_SETTINGS = (NO_PDL, REDUCE_KERNEL, PREFETCH, NO_PREFETCH, MMA_ROWS, WHOLE_ROWS)
 
 
 def prefetch_setting(path: str) -> bool | None:
@@ -245,7 +248,8 @@ def launch_settings(path: str, profiled: bool = False):
     without PDL: a kernel launched dependent is resident while it waits for the one before, and the profile would
     count the wait as its time."""
     with (dependent_launches(NO_PDL not in path and not profiled), reduce_in_gemm(REDUCE_KERNEL not in path),
-          weights_prefetched(prefetch_setting(path)), serving_up_to(MAX_M if MMA_ROWS in path else 1)):
+          weights_prefetched(prefetch_setting(path)), serving_up_to(MAX_M if MMA_ROWS in path else 1),
+          rows_cut_up_to(0 if WHOLE_ROWS in path else CUT_TOKENS)):
         yield
 
 

@@ -24,7 +24,8 @@ import torch
 from bench.common import copy_bandwidth_gbs, graph_time_ms, header, table
 from fxquant.kernels.dependent_launch import dependent_launches
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
-from fxquant.kernels.quant_fp8 import quantize_fp8_rows, silu_mul_quantize_fp8_rows
+from fxquant.kernels.quant_fp8 import quantize_fp8_rows
+from fxquant.kernels.silu_mul_quant import silu_mul_quantize_fp8_rows
 from fxquant.kernels.splitk import reduce_in_gemm
 
 HIDDEN, INTER, QKV = 4096, 14336, 6144

@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.kernels import decode_attention as attention_kernels
-from fxquant.kernels import quant_fp8
+from fxquant.kernels import silu_mul_quant
 from fxquant.kernels.gemm_fp4_mma import pack_fp4_lanes
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8
 from fxquant.kernels.rotary_cache import rotary_cache_write
@@ -71,7 +71,7 @@ def cases():
 # Each op's kernel launch on the op's arguments, as its CUDA branch makes it (the CPU runs it under the interpreter).
 KERNELS = {
     "rotary_cache_write": rotary_cache_write,
-    "silu_mul_quantize_fp8": lambda gate, up, group: quant_fp8.silu_mul_quantize_fp8_rows(gate, up, group or
+    "silu_mul_quantize_fp8": lambda gate, up, group: silu_mul_quant.silu_mul_quantize_fp8_rows(gate, up, group or
                                                                                            gate.shape[-1]),
     "norm_quant_fp8": lambda x, w, b, eps, group, rms: norm_quant_fp8(x, w, b, eps, group, rms=rms)[:2],
     "add_norm_quant_fp8": lambda x, res, w, b, eps, group, rms: norm_quant_fp8(x, w, b, eps, group, rms=rms,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fxquant.kernels.cast import cast_float, cast_fp8, cast_mode
+from fxquant.kernels.cast import cast_fp8, cast_mode
 from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.launch import cdiv, next_power_of_2, visible
 from fxquant.numerics.formats import AMAX_FLOOR, E4M3, E5M2
@@ -63,40 +63,21 @@ def _quant_fp8_rows_kernel(
 @triton.jit
 def quant_rows(x, FMAX: tl.constexpr, FP8: tl.constexpr, CAST: tl.constexpr, AMAX_FLOOR: tl.constexpr):
     """fp32 x [R, C] -> (fp8 codes [R, C], fp32 scales [R]): one dynamic scale per row, as the reference makes it."""
-    amax = tl.reduce(tl.abs(x), 1, max_keep_nan)  # NaN or inf anywhere in a row surfaces here
-    # Same fp32 ops as the reference: max(amax, floor) / FMAX (IEEE division); a poisoned row gets a NaN
-    # scale, so every code in it is NaN.
-    scale = tl.where(amax < float("inf"), tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FMAX), float("nan"))
-    q = saturate(x * tl.math.div_rn(1.0, scale)[:, None], FMAX)
-    return cast_fp8(q, FP8, CAST), scale
+    scale = row_scale(tl.reduce(tl.abs(x), 1, max_keep_nan), FMAX, AMAX_FLOOR)  # NaN or inf in a row surfaces
+    return codes_of(x, tl.math.div_rn(1.0, scale)[:, None], FMAX, FP8, CAST), scale
 
 
 @triton.jit
-def _silu_mul_quant_fp8_kernel(
-    # pointers
-    gate_ptr, up_ptr, y_ptr, scale_ptr,
-    # sizes and the inputs' token strides
-    n_rows, row_len, width, stride_gate, stride_up,
-    # meta-parameters
-    OUT: tl.constexpr, FMAX: tl.constexpr, FP8: tl.constexpr, CAST: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, PDL: tl.constexpr,
-):
-    wait_for_previous(PDL)
-    """Quantizer rows of silu(gate) * up: row r is chunk r % (width / row_len) of token r // (width / row_len)."""
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = tl.arange(0, BLOCK_COLS)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < row_len)
-    chunks = width // row_len
-    token, column = rows // chunks, (rows % chunks) * row_len
-    gate = tl.load(gate_ptr + token[:, None].to(tl.int64) * stride_gate + column[:, None] + cols[None, :], mask=mask,
-                   other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + token[:, None].to(tl.int64) * stride_up + column[:, None] + cols[None, :], mask=mask,
-                 other=0.0).to(tl.float32)
-    # The product in fp32, rounded once to the activations' dtype: the tensor the unfused graph stores and quantizes.
-    h = cast_float(gate * tl.sigmoid(gate) * up, OUT, CAST).to(tl.float32)
-    codes, scale = quant_rows(h, FMAX, FP8, CAST, AMAX_FLOOR)
-    tl.store(y_ptr + rows[:, None].to(tl.int64) * row_len + cols[None, :], codes, mask=mask)
-    tl.store(scale_ptr + rows, scale, mask=rows < n_rows)
+def row_scale(amax, FMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
+    """A row's scale from its amax by the reference's fp32 ops, max(amax, floor) / FMAX (IEEE division); a poisoned
+    row (amax NaN or inf) gets a NaN scale, so every code in it is NaN."""
+    return tl.where(amax < float("inf"), tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FMAX), float("nan"))
+
+
+@triton.jit
+def codes_of(x, inverse, FMAX: tl.constexpr, FP8: tl.constexpr, CAST: tl.constexpr):
+    """x times its row's IEEE reciprocal of the scale (`inverse`, broadcast), saturated and cast."""
+    return cast_fp8(saturate(x * inverse, FMAX), FP8, CAST)
 
 
 @triton.jit
@@ -153,7 +134,7 @@ def _quant_fp8_tensor_kernel(
 
 
 @functools.lru_cache(maxsize=1024)
-def _rows_plan(n_rows: int, row_len: int, fp8_dtype: torch.dtype) -> tuple[int, dict]:
+def rows_plan(n_rows: int, row_len: int, fp8_dtype: torch.dtype) -> tuple[int, dict]:
     """(programs, meta-parameters): a whole row per tile, about 8K elements per program. The same for every call
     at a shape, so worked out once."""
     fmt, tl_fp8 = FP8_FORMATS[fp8_dtype]
@@ -190,35 +171,10 @@ def quantize_fp8_rows(x: torch.Tensor, row_len: int, fp8_dtype=torch.float8_e4m3
     y = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     scale = torch.empty((*x.shape[:-1], x.shape[-1] // row_len), dtype=torch.float32, device=x.device)
     if n_rows:
-        programs, meta = _rows_plan(n_rows, row_len, fp8_dtype)
+        programs, meta = rows_plan(n_rows, row_len, fp8_dtype)
         visible(_quant_fp8_rows_kernel)[(programs,)](
             x, y, scale, n_rows, row_len, CAST=cast_mode(_quant_fp8_rows_kernel, x.device), **meta,
             **launch_options(x.device),
-        )
-    return y, scale
-
-
-def silu_mul_quantize_fp8_rows(gate: torch.Tensor, up: torch.Tensor, row_len: int,
-                               fp8_dtype=torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_fp8_rows(silu(gate) * up) in one kernel, the product rounded once to gate's dtype as the unfused graph
-    stores it. gate, up: [..., I] of one dtype, each token's row contiguous (slices of a merged gate/up output
-    qualify); -> (codes [..., I], scales [..., I // row_len])."""
-    fmt, tl_fp8 = FP8_FORMATS[fp8_dtype]
-    width = gate.shape[-1]
-    if gate.shape != up.shape or gate.dtype != up.dtype or width % row_len or row_len > MAX_ROW_LEN:
-        raise ValueError(f"fxquant: silu(gate) * up quantized in rows of {row_len} needs gate and up of one shape and "
-                         f"dtype whose last dim it divides (at most {MAX_ROW_LEN}); got {tuple(gate.shape)} "
-                         f"{gate.dtype} and {tuple(up.shape)} {up.dtype}")
-    gate2, up2 = (t.reshape(-1, width) if t.stride(-1) == 1 else t.contiguous().reshape(-1, width) for t in (gate, up))
-    tokens = gate2.shape[0]
-    y = torch.empty(gate.shape, dtype=fp8_dtype, device=gate.device)
-    scale = torch.empty((*gate.shape[:-1], width // row_len), dtype=torch.float32, device=gate.device)
-    n_rows = tokens * (width // row_len)
-    if n_rows:
-        programs, meta = _rows_plan(n_rows, row_len, fp8_dtype)
-        visible(_silu_mul_quant_fp8_kernel)[(programs,)](
-            gate2, up2, y, scale, n_rows, row_len, width, gate2.stride(0), up2.stride(0), OUT=FLOAT_TYPES[gate.dtype],
-            CAST=cast_mode(_silu_mul_quant_fp8_kernel, gate.device), **meta, **launch_options(gate.device),
         )
     return y, scale
 

@@ -7,7 +7,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fxquant.kernels import cublas_fp8, gemm_fp4_mma, gemm_int4_fp8, gemm_int4_mma, gemm_weight_only, quant_fp8
+from fxquant.kernels import (
+    cublas_fp8,
+    gemm_fp4_mma,
+    gemm_int4_fp8,
+    gemm_int4_mma,
+    gemm_weight_only,
+    quant_fp8,
+    silu_mul_quant,
+)
 from fxquant.kernels.cast import capability
 from fxquant.kernels.code_tiles import is_tiled, tiled_shape, untile_codes
 from fxquant.kernels.gemm_fp4_mma import fp4_lane_layout_shape, fp4_mma_mm
@@ -68,7 +76,7 @@ def _silu_mul_quantize_fp8(gate: Tensor, up: Tensor, group_size: int) -> tuple[T
     tensor a gated MLP's unfused graph stores): one kernel on CUDA, where the quantizer's rows kernel serves."""
     row_len = group_size or gate.shape[-1]
     if group_size >= 0 and quant_fp8.supports_rows(gate, row_len) is None:
-        return quant_fp8.silu_mul_quantize_fp8_rows(gate, up, row_len, E4M3)
+        return silu_mul_quant.silu_mul_quantize_fp8_rows(gate, up, row_len, E4M3)
     g = gate.float()
     return _quantize_fp8((g * torch.sigmoid(g) * up.float()).to(gate.dtype), group_size)  # silu as x * sigmoid(x)
 

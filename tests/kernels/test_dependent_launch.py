@@ -10,7 +10,8 @@ from fxquant.kernels.cast import capability
 from fxquant.kernels.dependent_launch import OFF, ON, launch_options, prefetching, weights_prefetched
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
 from fxquant.kernels.launch import kernels_inlined
-from fxquant.kernels.quant_fp8 import quantize_fp8_rows, silu_mul_quantize_fp8_rows
+from fxquant.kernels.quant_fp8 import quantize_fp8_rows
+from fxquant.kernels.silu_mul_quant import silu_mul_quantize_fp8_rows
 
 HOPPER = torch.cuda.is_available() and capability(torch.device("cuda")) >= (9, 0)
 

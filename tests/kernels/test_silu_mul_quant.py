@@ -1,0 +1,94 @@
+"""silu(gate) * up quantized to fp8 in one launch, against the unfused steps and across its two kernels."""
+
+import pytest
+import torch
+from fp8_cases import same_bits
+
+import fxquant
+from fxquant.kernels import silu_mul_quant
+from fxquant.kernels.splitk import counters
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def sample(shape, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-8, 8, shape[:-1] + (1,), generator=gen))
+    return x.to(dtype).to(DEVICE)
+
+
+def merged_gate_up(tokens: int, width: int, dtype, poisoned=None):
+    """gate and up as slices of one merged [tokens, 2 width] output, as merge_linear leaves them; `poisoned`: (token,
+    value) written into that token's up."""
+    merged = torch.cat([sample((tokens, width), dtype, seed=1), sample((tokens, width), dtype, seed=2)], dim=-1)
+    if poisoned is not None:
+        merged[poisoned[0], width + 5] = poisoned[1]
+    return merged[..., :width], merged[..., width:]
+
+
+def unfused(gate, up, group):
+    """silu(gate) * up rounded to the activations' dtype, then the reference quantizer."""
+    g = gate.float()
+    h = (g * torch.sigmoid(g) * up.float()).to(gate.dtype)
+    return fxquant.quantize(h, "fp8_e4m3", ("group", group) if group else "token", impl="reference")
+
+
+def check_against_unfused(codes, scale, ref, row_len):
+    """Bits on the CPU. On the GPU tl.sigmoid's exp is approximate, so a code may move by one e4m3 step."""
+    if DEVICE == "cpu":
+        assert same_bits(codes, ref.data) == 0
+        assert torch.equal(scale.reshape(ref.scale.shape).nan_to_num(-1.0), ref.scale.nan_to_num(-1.0))
+        return
+    ours = codes.float() * scale.repeat_interleave(row_len, -1)
+    theirs = ref.data.float() * ref.scale.reshape(scale.shape).repeat_interleave(row_len, -1)
+    finite = theirs.isfinite()
+    step = 2**-9 * float(scale.nan_to_num(0).max())  # e4m3's smallest subnormal at the largest scale
+    assert torch.allclose(ours[finite], theirs[finite], rtol=2**-3, atol=step)  # one e4m3 step
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("group", [0, 128], ids=["token", "1x128"])
+def test_silu_times_up_quantized_in_one_kernel_matches_the_two_steps(dtype, group):
+    """Rows of 384, one program a row. A NaN in up poisons its quantizer row, and only it. Under the interpreter
+    silu's exp is numpy's and torch's sigmoid is its own: equal bits at these seeds."""
+    gate, up = merged_gate_up(6, 384, dtype, poisoned=(5, float("nan")))
+    gate, up = gate.reshape(2, 3, 384), up.reshape(2, 3, 384)
+    codes, scale = silu_mul_quant.silu_mul_quantize_fp8_rows(gate, up, group or 384)
+    assert bool(scale[1, 2, 0].isnan()) and bool(codes[1, 2, :group or 384].float().isnan().all())  # its row only
+    assert not bool(scale[0].isnan().any())
+    check_against_unfused(codes, scale, unfused(gate, up, group), group or 384)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("tokens, poisoned", [(1, None), (1, (0, float("inf"))), (3, (1, float("nan")))],
+                         ids=["one token", "one token, inf", "three tokens, one NaN"])
+def test_a_few_tokens_rows_cut_across_programs_give_the_one_program_bits(dtype, tokens, poisoned, monkeypatch):
+    """Rows of 4480 per token: three chunks of 2048, the last part-filled. The chunks' amaxes, the scale and the
+    codes from the stored products are the one-program kernel's, bit for bit; a NaN or inf poisons its token's row
+    alone; the counters are left zero for the next kernel."""
+    width = 4480
+    assert silu_mul_quant.chunks_of(tokens, width, width) == 3
+    gate, up = merged_gate_up(tokens, width, dtype, poisoned)
+    gate[:, -1], up[:, -1] = 4.0, up[:, -1].abs().amax() * 64  # each row's amax in its last, part-filled chunk
+    with monkeypatch.context() as patched:  # the one-program kernel cannot run: the rows are cut
+        patched.setattr(silu_mul_quant, "_silu_mul_quant_fp8_kernel", None)
+        codes, scale = silu_mul_quant.silu_mul_quantize_fp8_rows(gate, up, width)
+    with silu_mul_quant.rows_cut_up_to(0):
+        whole_codes, whole_scale = silu_mul_quant.silu_mul_quantize_fp8_rows(gate, up, width)
+    assert same_bits(codes, whole_codes) == 0
+    assert torch.equal(scale.nan_to_num(-1.0), whole_scale.nan_to_num(-1.0))
+    assert not bool(counters(gate.device, tokens)[:tokens].any())
+    for token in range(tokens):
+        hit = poisoned is not None and token == poisoned[0]
+        assert bool(scale[token].isnan()) == hit and bool(codes[token].float().isnan().all()) == hit
+    check_against_unfused(codes, scale, unfused(gate, up, 0), width)
+
+
+def test_rows_are_cut_only_per_token_and_for_a_few_tokens():
+    assert silu_mul_quant.chunks_of(1, 14336, 14336) == 7
+    assert silu_mul_quant.chunks_of(16, 14336, 14336) == 7
+    assert silu_mul_quant.chunks_of(17, 14336, 14336) == 1  # enough rows for one program each
+    assert silu_mul_quant.chunks_of(1, 128, 14336) == 1  # 1x128 groups: 112 rows a token already
+    assert silu_mul_quant.chunks_of(1, 1024, 1024) == 1  # one chunk's width
+    with silu_mul_quant.rows_cut_up_to(32):
+        assert silu_mul_quant.chunks_of(32, 14336, 14336) == 7
