@@ -3,8 +3,8 @@
 The product is computed in fp32 and rounded once to the activations' dtype, the tensor the unfused graph stores;
 its rows are then quantized as `quant_fp8.quantize_fp8_rows` quantizes them, bit for bit.
 
-One program takes whole rows where there are many. A few tokens quantized per token (decode: one row of 14336 per
-token) would leave one program, on one SM, to compute every sigmoid of its row. There each token's row is cut into
+One program takes whole rows. A few tokens quantized per token (decode: one row of 14336 per token) leave one
+program, on one SM, to compute every sigmoid of its row. Under `rows_cut_up_to`, each such token's row is cut into
 chunks of SPLIT_CHUNK columns, one program each: a program stores its chunk's product and amax, and the token's
 last program to count in (`splitk.counters`, as split-K GEMMs count) takes the amax of all its chunks, the scale, and
 quantizes the row from the stored products. The codes and scales are the one-program kernel's.
@@ -33,8 +33,10 @@ from fxquant.kernels.splitk import counters
 from fxquant.numerics.formats import AMAX_FLOOR
 
 SPLIT_CHUNK = 2048  # columns of a token's row per program where its row is cut
-CUT_TOKENS = 16  # the most tokens whose rows are cut, unless `rows_cut_up_to` says otherwise
-_split_up_to = [CUT_TOKENS]
+# The most tokens whose rows are cut, unless `rows_cut_up_to` says otherwise: none until the 32-layer step has timed
+# it (`python -m bench.decode fxquant:fp8_row+cutrows fxquant:fp8_row ...`); 16 is the candidate timed
+CUT_TOKENS = 16
+_split_up_to = [0]
 
 
 @triton.jit
@@ -108,8 +110,8 @@ def _silu_mul_quant_fp8_cut_kernel(
 
 
 def rows_cut_up_to(tokens: int):
-    """Inside the block, up to `tokens` tokens quantized per token have their rows cut across programs (CUT_TOKENS
-    unless told; 0: one program a row, as for many tokens)."""
+    """Inside the block, up to `tokens` tokens quantized per token have their rows cut across programs (0: one
+    program a row, the default)."""
     return set_inside(_split_up_to, tokens)
 
 

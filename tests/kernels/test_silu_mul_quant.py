@@ -67,14 +67,13 @@ def test_a_few_tokens_rows_cut_across_programs_give_the_one_program_bits(dtype, 
     codes from the stored products are the one-program kernel's, bit for bit; a NaN or inf poisons its token's row
     alone; the counters are left zero for the next kernel."""
     width = 4480
-    assert silu_mul_quant.chunks_of(tokens, width, width) == 3
     gate, up = merged_gate_up(tokens, width, dtype, poisoned)
     gate[:, -1], up[:, -1] = 4.0, up[:, -1].abs().amax() * 64  # each row's amax in its last, part-filled chunk
-    with monkeypatch.context() as patched:  # the one-program kernel cannot run: the rows are cut
-        patched.setattr(silu_mul_quant, "_silu_mul_quant_fp8_kernel", None)
+    with silu_mul_quant.rows_cut_up_to(silu_mul_quant.CUT_TOKENS), monkeypatch.context() as patched:
+        assert silu_mul_quant.chunks_of(tokens, width, width) == 3
+        patched.setattr(silu_mul_quant, "_silu_mul_quant_fp8_kernel", None)  # it cannot run: the rows are cut
         codes, scale = silu_mul_quant.silu_mul_quantize_fp8_rows(gate, up, width)
-    with silu_mul_quant.rows_cut_up_to(0):
-        whole_codes, whole_scale = silu_mul_quant.silu_mul_quantize_fp8_rows(gate, up, width)
+    whole_codes, whole_scale = silu_mul_quant.silu_mul_quantize_fp8_rows(gate, up, width)  # one program a row
     assert same_bits(codes, whole_codes) == 0
     assert torch.equal(scale.nan_to_num(-1.0), whole_scale.nan_to_num(-1.0))
     assert not bool(counters(gate.device, tokens)[:tokens].any())
@@ -84,11 +83,13 @@ def test_a_few_tokens_rows_cut_across_programs_give_the_one_program_bits(dtype, 
     check_against_unfused(codes, scale, unfused(gate, up, 0), width)
 
 
-def test_rows_are_cut_only_per_token_and_for_a_few_tokens():
-    assert silu_mul_quant.chunks_of(1, 14336, 14336) == 7
-    assert silu_mul_quant.chunks_of(16, 14336, 14336) == 7
-    assert silu_mul_quant.chunks_of(17, 14336, 14336) == 1  # enough rows for one program each
-    assert silu_mul_quant.chunks_of(1, 128, 14336) == 1  # 1x128 groups: 112 rows a token already
-    assert silu_mul_quant.chunks_of(1, 1024, 1024) == 1  # one chunk's width
+def test_rows_are_cut_only_when_asked_per_token_and_for_a_few_tokens():
+    assert silu_mul_quant.chunks_of(1, 14336, 14336) == 1  # off by default
+    with silu_mul_quant.rows_cut_up_to(16):
+        assert silu_mul_quant.chunks_of(1, 14336, 14336) == 7
+        assert silu_mul_quant.chunks_of(16, 14336, 14336) == 7
+        assert silu_mul_quant.chunks_of(17, 14336, 14336) == 1  # enough rows for one program each
+        assert silu_mul_quant.chunks_of(1, 128, 14336) == 1  # 1x128 groups: 112 rows a token already
+        assert silu_mul_quant.chunks_of(1, 1024, 1024) == 1  # one chunk's width
     with silu_mul_quant.rows_cut_up_to(32):
         assert silu_mul_quant.chunks_of(32, 14336, 14336) == 7
