@@ -17,6 +17,8 @@ Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pai
                                                      14336x4096, split in 5; codes in rows unless --tiles)
      python -m bench.sass attention [--codes] [--warps N] [--stages N] [--quantize]   (Llama-3-8B's heads at
                                                      B16, 1k keys; --quantize: the output quantized per token)
+     python -m bench.sass silu [--cut]   (silu(gate) * up quantized per token over 14336 columns: the whole
+                                                     kernel, one program a row, or --cut, 2048 columns a program)
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fxquant.kernels import decode_attention as DA
-from fxquant.kernels import gemm_fp4_mma, gemm_fp8, gemm_int4_fp8, gemm_int4_mma
+from fxquant.kernels import gemm_fp4_mma, gemm_fp8, gemm_int4_fp8, gemm_int4_mma, silu_mul_quant
 from fxquant.kernels.codes import FORMATS, PACKED
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_weight_only import _wo_gemm_kernel, wo_gemm_config
@@ -167,6 +169,43 @@ def attention_kernel_sass(codes: bool, warps: int | None = None, stages: int | N
                          stages or (*plan[4:], 2)[0])
 
 
+def silu_kernel_sass(cut: bool) -> tuple[str, int]:
+    """SASS and registers per thread of the gated-MLP quantizer at decode (bf16, e4m3 per token, 14336 columns):
+    one program a token's row, or (cut) one of the row's seven 2048-column programs, the last path included."""
+    width = 14336
+    constexprs = dict(OUT=tl.bfloat16, FMAX=448.0, FP8=tl.float8e4nv, CAST=0, AMAX_FLOOR=1e-12, PDL=True)
+    if cut:
+        kernel = silu_mul_quant._silu_mul_quant_fp8_cut_kernel
+        chunks = -(-width // silu_mul_quant.SPLIT_CHUNK)
+        constexprs |= dict(CHUNKS=chunks, PARTS=8, CHUNK=silu_mul_quant.SPLIT_CHUNK)
+        pointers = dict(gate_ptr="*bf16", up_ptr="*bf16", h_ptr="*bf16", amax_ptr="*fp32", counter_ptr="*i32",
+                        y_ptr="*fp8e4nv", scale_ptr="*fp32")
+        warps = 8
+    else:
+        kernel = silu_mul_quant._silu_mul_quant_fp8_kernel
+        constexprs |= dict(BLOCK_ROWS=1, BLOCK_COLS=16384)  # quant_fp8.rows_plan for one row of 14336
+        pointers = dict(gate_ptr="*bf16", up_ptr="*bf16", y_ptr="*fp8e4nv", scale_ptr="*fp32")
+        warps = 8
+    params = list(inspect.signature(kernel.fn).parameters)
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in params}
+    divisible = [*pointers, "width", "row_len", "stride_gate", "stride_up"]
+    attrs = {(params.index(name),): [["tt.divisibility", 16]] for name in divisible if name in params}
+    return compiled_sass(kernel, signature, constexprs, attrs, warps, 1)
+
+
+def opcodes(sass: str) -> collections.Counter:
+    """Every instruction of a kernel by opcode: for kernels without a main loop."""
+    return collections.Counter(map(_opcode, _instructions(sass)))
+
+
+def _instructions(sass: str) -> list[str]:
+    return [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+
+
+def _opcode(line: str) -> str:
+    return re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", line).split()[0]
+
+
 def compiled_sass(kernel, signature: dict, constexprs: dict, attrs: dict, warps: int, stages: int) -> tuple[str, int]:
     """The kernel compiled for sm_90: its SASS, and its registers per thread."""
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
@@ -184,15 +223,14 @@ def longest_loop(sass: str, shortest: bool = False) -> collections.Counter:
     """Opcodes of the longest backward branch's body that runs an MMA: the K loop (an epilogue's loop, such as the
     quantizer's over a token's row, has none). A body with branches inside counts its longest path through them,
     or with `shortest` its shortest (a kernel that takes a slower path only on rare data)."""
-    lines = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+    lines = _instructions(sass)
     address = lambda line: int(re.match(r"\s+/\*([0-9a-f]+)\*/", line).group(1), 16)
-    opcode = lambda line: re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", line).split()[0]
     body = lambda loop: [line for line in lines if loop[0] <= address(line) <= loop[1]]
     loops = [(int(m.group(1), 16), address(line)) for line in lines
              if (m := re.search(r"BRA\s+0x([0-9a-f]+)", line)) and int(m.group(1), 16) < address(line)]
-    with_mma = [loop for loop in loops if any("MMA" in opcode(line) for line in body(loop))]
+    with_mma = [loop for loop in loops if any("MMA" in _opcode(line) for line in body(loop))]
     return collections.Counter(_path(body(max(with_mma or loops, key=lambda loop: loop[1] - loop[0])), address,
-                                     opcode, shortest))
+                                     _opcode, shortest))
 
 
 def _path(body: list[str], address, opcode, shortest: bool) -> list[str]:
@@ -221,6 +259,16 @@ def _path(body: list[str], address, opcode, shortest: bool) -> list[str]:
 def main():
     stages = int(sys.argv[sys.argv.index("--stages") + 1]) if "--stages" in sys.argv else None
     code_rows = "--code-rows" in sys.argv
+    if "silu" in sys.argv:
+        cut = "--cut" in sys.argv
+        sass, registers = silu_kernel_sass(cut)
+        ops = opcodes(sass)
+        what = "cut: a 2048-column program" if cut else "one program a row"
+        print(f"silu(gate) * up quantized per token, 14336 columns, {what}: {sum(ops.values())} instructions in the "
+              f"kernel, {registers} registers per thread (triton {triton.__version__}, sm_90)")
+        for name, count in ops.most_common(12):
+            print(f"  {count:5d}  {name}")
+        return
     if "attention" in sys.argv:
         codes = "--codes" in sys.argv
         warps = int(sys.argv[sys.argv.index("--warps") + 1]) if "--warps" in sys.argv else None

@@ -101,10 +101,10 @@ def _silu_mul_quant_fp8_cut_kernel(
         scale = row_scale(amax, FMAX, AMAX_FLOOR)
         inverse = tl.math.div_rn(1.0, scale)
         for c in tl.static_range(CHUNKS):  # unrolled: every chunk's load in flight at once
-            cols = c * CHUNK + tl.arange(0, CHUNK)
-            h = tl.load(h_ptr + token * width + cols, mask=cols < width, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptr + token * width + cols, codes_of(h.to(tl.float32), inverse, FMAX, FP8, CAST),
-                     mask=cols < width)
+            row = c * CHUNK + tl.arange(0, CHUNK)
+            stored = tl.load(h_ptr + token * width + row, mask=row < width, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + token * width + row, codes_of(stored.to(tl.float32), inverse, FMAX, FP8, CAST),
+                     mask=row < width)
         tl.store(scale_ptr + token, scale)
         tl.store(counter_ptr + token, 0)  # the next kernel to count waits for this one to end
 
