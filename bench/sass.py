@@ -41,12 +41,15 @@ from fxquant.kernels import gemm_fp4_mma, gemm_fp8, gemm_int4_fp8, gemm_int4_mma
 from fxquant.kernels.codes import FORMATS, PACKED
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_weight_only import _wo_gemm_kernel, wo_gemm_config
+from fxquant.kernels.launch import next_power_of_2
+from fxquant.numerics.formats import AMAX_FLOOR, E4M3
 
 ARGS = ["a_ptr", "w_ptr", "s_ptr", "z_ptr", "gs_ptr", "c_ptr", "ws_ptr", "bias_ptr", "counter_ptr", "M", "N", "K",
         "stride_am", "stride_ak", "stride_wn", "stride_wk", "stride_sn", "stride_sk", "stride_cm", "stride_cn"]
 UNIT_STRIDES = ("stride_ak", "stride_wk", "stride_sk", "stride_cn")
 DIVISIBLE = ("N", "K", "stride_am", "stride_wn", "stride_sn", "stride_cm")
 GROUPS = {"int8": 1, "int4": 128, "mxfp4": 32, "nvfp4": 16}
+MMA_DIVISIBLE = ("N", "K", "stride_am", "stride_wn", "stride_ws")  # besides the pointers, for the mma.sync kernels
 
 
 def decode_kernel_sass(fmt: str, stages: int | None = None, rows: int = 16,
@@ -75,35 +78,29 @@ def fp8_kernel_sass(stages: int | None = None, swap: bool = False, prefetch: boo
     in the tiles `gemm_configs` gives it, unsplit; swap: with the operands swapped (the weight's rows as the MMA's
     M); prefetch: its first weights asked of the L2 before the wait."""
     cfg = fp8_gemm_config(16, 14336, 4096, block_scales=False)
-    params = list(inspect.signature(gemm_fp8._fp8_gemm_kernel.fn).parameters)
     constexprs = dict(BLOCK_SCALES=False, SCALE_BLOCK=128, HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, SPLIT_K=1,
                       LAST_SLICE_SUMS=False, COMPILER_PROMOTES=True, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                       BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PDL=True, SWAP_AB=swap, PREFETCH=prefetch,
                       stride_ak=1, stride_bk=1, stride_cn=1)
     pointers = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", ws_ptr="*fp32", a_scale_ptr="*fp32",
                     b_scale_ptr="*fp32", bias_ptr="*bf16", counter_ptr="*i32")
-    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in params}
-    divisible = [*pointers, "N", "K", "stride_am", "stride_bn", "stride_cm"]
-    attrs = {(params.index(name),): [["tt.divisibility", 16]] for name in divisible}
-    return compiled_sass(gemm_fp8._fp8_gemm_kernel, signature, constexprs, attrs, cfg["num_warps"],
-                         stages or cfg["num_stages"])
+    return compiled_by_name(gemm_fp8._fp8_gemm_kernel, constexprs, pointers,
+                            [*pointers, "N", "K", "stride_am", "stride_bn", "stride_cm"], cfg["num_warps"],
+                            stages or cfg["num_stages"])
 
 
 def w4a8_kernel_sass(stages: int | None = None) -> tuple[str, int]:
     """SASS and registers per thread of the W4A8 GEMM (int4 codes with zero points, e4m3 activations) at decode (M <=
     16) on a 4096-row weight, in the tiles `int4_fp8_config` gives it, split in 8 and summed by the last slice."""
     cfg = gemm_int4_fp8.int4_fp8_config(16, 4096)
-    params = list(inspect.signature(gemm_int4_fp8._int4_fp8_kernel.fn).parameters)
     constexprs = dict(HAS_ZP=True, HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, SPLIT_K=8, LAST_SLICE_SUMS=True,
                       GROUP=gemm_int4_fp8.GROUP, DOT=tl.float16, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                       GROUP_M=cfg["GROUP_M"], PDL=True, PAIR_ORDER=cfg["PAIR_ORDER"])
     pointers = dict(a_ptr="*i32", a_scale_ptr="*fp32", w_ptr="*i32", w_scale_ptr="*fp32", w_zero_ptr="*u8",
                     bias_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32", counter_ptr="*i32")
-    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in params}
-    divisible = [*pointers, "N", "K", "stride_am", "stride_wn", "stride_sn", "stride_om"]
-    attrs = {(params.index(name),): [["tt.divisibility", 16]] for name in divisible}
-    return compiled_sass(gemm_int4_fp8._int4_fp8_kernel, signature, constexprs, attrs, cfg["num_warps"],
-                         stages or cfg["num_stages"])
+    return compiled_by_name(gemm_int4_fp8._int4_fp8_kernel, constexprs, pointers,
+                            [*pointers, "N", "K", "stride_am", "stride_wn", "stride_sn", "stride_om"], cfg["num_warps"],
+                            stages or cfg["num_stages"])
 
 
 def int4_mma_kernel_sass(stages: int | None = None, code_rows: bool = False,
@@ -112,31 +109,25 @@ def int4_mma_kernel_sass(stages: int | None = None, code_rows: bool = False,
     in 5 (`int4_mma_split`) and summed by the last slice, with dependent launch; its codes in tiles, as the backend
     holds them on the GPU, unless code_rows; prefetch: its first codes asked of the L2 before the wait."""
     stages = stages or 3  # int4_mma_mm's default
-    params = list(inspect.signature(gemm_int4_mma._int4_mma_kernel.fn).parameters)
     constexprs = dict(GROUP=gemm_int4_mma.STEP_K, HAS_ZP=True, BF16=True, SPLIT_K=5, LAST_SLICE_SUMS=True,
                       HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, STAGES=stages, PDL=True, TILED=not code_rows,
                       PREFETCH=prefetch and not code_rows)
     pointers = dict(a_ptr="*i32", w_ptr="*i32", s_ptr="*fp32", z_ptr="*i32", ws_ptr="*fp32", c_ptr="*bf16",
                     bias_ptr="*bf16", counter_ptr="*i32")
-    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in params}
-    divisible = [*pointers, "N", "K", "stride_am", "stride_wn", "stride_ws"]
-    attrs = {(params.index(name),): [["tt.divisibility", 16]] for name in divisible}
-    return compiled_sass(gemm_int4_mma._int4_mma_kernel, signature, constexprs, attrs, 1, stages)
+    return compiled_by_name(gemm_int4_mma._int4_mma_kernel, constexprs, pointers, [*pointers, *MMA_DIVISIBLE], 1,
+                            stages)
 
 
 def fp4_mma_kernel_sass(fmt: str, stages: int | None = None, tiled: bool = False) -> tuple[str, int]:
     """SASS and registers per thread of the MXFP4 / NVFP4 mma.sync kernel at M = 1 on 14336x4096, split in 5 and
     summed by the last slice, with dependent launch; codes in rows as `quantize` packs them, or in tiles."""
     stages = stages or 3  # fp4_mma_mm's default
-    params = list(inspect.signature(gemm_fp4_mma._fp4_mma_kernel.fn).parameters)
     constexprs = dict(FMT=FORMATS[fmt], SPLIT_K=5, LAST_SLICE_SUMS=True, HAS_BIAS=False, OUT=tl.bfloat16, CAST=0,
                       STAGES=stages, PDL=True, TILED=tiled)
     pointers = dict(a_ptr="*i32", w_ptr="*i32", s_ptr="*i32", gs_ptr="*fp32", ws_ptr="*fp32", c_ptr="*bf16",
                     bias_ptr="*bf16", counter_ptr="*i32")
-    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in params}
-    divisible = [*pointers, "N", "K", "stride_am", "stride_wn", "stride_ws"]
-    attrs = {(params.index(name),): [["tt.divisibility", 16]] for name in divisible}
-    return compiled_sass(gemm_fp4_mma._fp4_mma_kernel, signature, constexprs, attrs, 1, stages)
+    return compiled_by_name(gemm_fp4_mma._fp4_mma_kernel, constexprs, pointers, [*pointers, *MMA_DIVISIBLE], 1,
+                            stages)
 
 
 def attention_kernel_sass(codes: bool, warps: int | None = None, stages: int | None = None,
@@ -145,7 +136,6 @@ def attention_kernel_sass(codes: bool, warps: int | None = None, stages: int | N
     1024 keys (128 pairs, three splits over bf16 and two over codes, merged by the last), with transformers' per-key
     mask: over bf16 or over e4m3 codes with per-token scales; quantize: its output quantized per token as it
     merges (fuse_attention_quant)."""
-    params = list(inspect.signature(DA._decode_attention_split_kernel.fn).parameters)
     plan = dict(DA.CODES_PLANS)[128] if codes else DA.SHORT_PLAN
     constexprs = dict(HKV=8, D=128, BLOCK_M=16, BLOCK_N=plan[3], SPLITS=2 if codes else 3, KV_CODES=codes,
                       SCALE_PER_TOKEN=codes, MASK=2, MASK_PER_KEY=True, HAS_LENS=False, SOFTCAP=False,
@@ -158,39 +148,29 @@ def attention_kernel_sass(codes: bool, warps: int | None = None, stages: int | N
     pointers = dict(q_ptr="*bf16", k_ptr=cache, v_ptr=cache, k_scale_ptr="*fp32", v_scale_ptr="*fp32",
                     mask_ptr="*i1", lens_ptr="*i32", o_part_ptr="*fp32", lse_part_ptr="*fp32", sinks_ptr="*bf16",
                     out_ptr="*bf16", counter_ptr="*i32", codes_ptr="*fp8e4nv", qscale_ptr="*fp32")
-    floats = ("scale", "softcap")
-    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name in floats else "i32")
-                 for name in params}
     # pointers and the batch, head and token strides of q, k, v, the scales and out: multiples of 16 elements
     divisible = [*pointers, "sqb", "sqh", "sqq", "skb", "skh", "sks", "svb", "svh", "svs", "ssb", "ssh", "sob",
                  "soh", "soq"]
-    attrs = {(params.index(name),): [["tt.divisibility", 16]] for name in divisible}
-    return compiled_sass(DA._decode_attention_split_kernel, signature, constexprs, attrs, warps or plan[2],
-                         stages or (*plan[4:], 2)[0])
+    return compiled_by_name(DA._decode_attention_split_kernel, constexprs, pointers, divisible, warps or plan[2],
+                            stages or (*plan[4:], 2)[0], floats=("scale", "softcap"))
 
 
 def silu_kernel_sass(cut: bool) -> tuple[str, int]:
     """SASS and registers per thread of the gated-MLP quantizer at decode (bf16, e4m3 per token, 14336 columns):
     one program a token's row, or (cut) one of the row's seven 2048-column programs, the last path included."""
-    width = 14336
-    constexprs = dict(OUT=tl.bfloat16, FMAX=448.0, FP8=tl.float8e4nv, CAST=0, AMAX_FLOOR=1e-12, PDL=True)
+    width, chunk = 14336, silu_mul_quant.SPLIT_CHUNK
+    constexprs = dict(OUT=tl.bfloat16, FMAX=E4M3.max, FP8=tl.float8e4nv, CAST=0, AMAX_FLOOR=AMAX_FLOOR, PDL=True)
+    pointers = dict(gate_ptr="*bf16", up_ptr="*bf16", y_ptr="*fp8e4nv", scale_ptr="*fp32")
     if cut:
         kernel = silu_mul_quant._silu_mul_quant_fp8_cut_kernel
-        chunks = -(-width // silu_mul_quant.SPLIT_CHUNK)
-        constexprs |= dict(CHUNKS=chunks, PARTS=8, CHUNK=silu_mul_quant.SPLIT_CHUNK)
-        pointers = dict(gate_ptr="*bf16", up_ptr="*bf16", h_ptr="*bf16", amax_ptr="*fp32", counter_ptr="*i32",
-                        y_ptr="*fp8e4nv", scale_ptr="*fp32")
-        warps = 8
+        constexprs |= dict(CHUNKS=-(-width // chunk), PARTS=next_power_of_2(-(-width // chunk)), CHUNK=chunk)
+        pointers |= dict(h_ptr="*bf16", amax_ptr="*fp32", counter_ptr="*i32")
+        divisible = [*pointers, "width", "stride_gate", "stride_up"]
     else:
         kernel = silu_mul_quant._silu_mul_quant_fp8_kernel
-        constexprs |= dict(BLOCK_ROWS=1, BLOCK_COLS=16384)  # quant_fp8.rows_plan for one row of 14336
-        pointers = dict(gate_ptr="*bf16", up_ptr="*bf16", y_ptr="*fp8e4nv", scale_ptr="*fp32")
-        warps = 8
-    params = list(inspect.signature(kernel.fn).parameters)
-    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in params}
-    divisible = [*pointers, "width", "row_len", "stride_gate", "stride_up"]
-    attrs = {(params.index(name),): [["tt.divisibility", 16]] for name in divisible if name in params}
-    return compiled_sass(kernel, signature, constexprs, attrs, warps, 1)
+        constexprs |= dict(BLOCK_ROWS=1, BLOCK_COLS=next_power_of_2(width))  # quant_fp8.rows_plan for one row
+        divisible = [*pointers, "row_len", "width", "stride_gate", "stride_up"]
+    return compiled_by_name(kernel, constexprs, pointers, divisible, 8, 1)
 
 
 def opcodes(sass: str) -> collections.Counter:
@@ -204,6 +184,17 @@ def _instructions(sass: str) -> list[str]:
 
 def _opcode(line: str) -> str:
     return re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", line).split()[0]
+
+
+def compiled_by_name(kernel, constexprs: dict, pointers: dict, divisible: list, warps: int, stages: int,
+                     floats: tuple = ()) -> tuple[str, int]:
+    """`compiled_sass` of a kernel whose arguments are named: `constexprs` by value, `pointers` by type, `floats`
+    fp32, every other int32; the arguments named in `divisible` multiples of 16."""
+    params = list(inspect.signature(kernel.fn).parameters)
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name in floats else "i32")
+                 for name in params}
+    attrs = {(params.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    return compiled_sass(kernel, signature, constexprs, attrs, warps, stages)
 
 
 def compiled_sass(kernel, signature: dict, constexprs: dict, attrs: dict, warps: int, stages: int) -> tuple[str, int]:
