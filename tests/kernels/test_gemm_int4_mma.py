@@ -81,17 +81,17 @@ def test_the_kernel_under_the_interpreter(monkeypatch, dtype, M, N, K, group, sy
 
 
 @pytest.mark.skipif(GPU, reason="the interpreter with an emulator of the PTX; the GPU runs the PTX itself below")
-@pytest.mark.parametrize("warps,M,N,K,split,tiled", [(2, 1, 128, 640, 1, True), (2, 1, 128, 640, 1, False),
-                                                     (4, 3, 64, 1024, 2, True), (4, 8, 192, 384, 1, True),
-                                                     (4, 8, 200, 384, 1, False)], ids=str)
-def test_warps_of_a_program_share_its_k_steps(monkeypatch, warps, M, N, K, split, tiled):
+@pytest.mark.parametrize("warps,M,N,K,split,tiled,symmetric", [
+    (2, 1, 128, 640, 1, True, False), (2, 1, 128, 640, 1, False, False), (4, 3, 64, 1024, 2, True, False),
+    (4, 8, 192, 384, 1, True, False), (4, 8, 200, 384, 1, False, True)], ids=str)
+def test_warps_of_a_program_share_its_k_steps(monkeypatch, warps, M, N, K, split, tiled, symmetric):
     """W warps a program each take every W-th K step of the slice and their sums meet in shared memory: a slice
     of 5 steps over 2 warps, 4 over 4, and 3 over 4 (a warp with no step of its own, reading the slice's last step
-    and adding nothing), over codes in tiles and in rows (a row tail there)."""
+    and adding nothing), over codes in tiles and in rows (a row tail there, and symmetric codes)."""
     from fxquant.kernels.code_tiles import tile_codes
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", _ptx_step, raising=False)
-    q, x, bias, codes, lane_scale, lane_zero = operands(N, K, M, torch.bfloat16, seed=warps + M)
+    q, x, bias, codes, lane_scale, lane_zero = operands(N, K, M, torch.bfloat16, symmetric, seed=warps + M)
     if tiled:
         codes, _ = weight_operands(x, tile_codes(q.data), q.scale, "int4", 128, N)
     out = int4_mma_mm(x, codes, lane_scale, lane_zero, 128, bias, split=split, warps=warps)
