@@ -135,7 +135,7 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
                      stride_wn, stride_ws, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr,
                      SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
                      CAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, TILED: tl.constexpr,
-                     PREFETCH: tl.constexpr = False, WARPS: tl.constexpr = 1):
+                     PREFETCH: tl.constexpr = False, WARPS: tl.constexpr = 1, WHOLE: tl.constexpr = True):
     if not PREFETCH:
         await_previous(PDL)
     g, t, tile, rows0, rows1, a_row, a_in, steps, first, last = warp_plan(a_ptr, stride_am, M, K, SPLIT_K, WARPS)
@@ -150,7 +150,9 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
     for base in tl.range(first, last, WARPS, num_stages=STAGES):
         if WARPS == 1:
             step = base
-        else:  # warp w takes steps first + w, first + w + WARPS, ...: the warps' tiles of an iteration adjoin
+        elif WHOLE:  # warp w takes steps first + w, first + w + WARPS, ...: the warps' tiles of an iteration adjoin
+            step = base + tl.arange(0, 32 * WARPS) // 32
+        else:  # a slice's steps not a multiple of WARPS (WHOLE is true at one warp)
             lane_step = base + tl.arange(0, 32 * WARPS) // 32
             live = (lane_step < last)[:, None]
             step = tl.minimum(lane_step, last - 1)  # a warp past the slice reads its last step, and adds nothing
@@ -178,7 +180,7 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
         # the group's scale multiplies the step's exact-operand fp32 sums, as gemm_weight_only's int4 path does
         p0, p1 = stack(a0, b0, c0, d0) * s0, stack(a1, b1, c1, d1) * s0
         p2, p3 = stack(a2, b2, c2, d2) * s1, stack(a3, b3, c3, d3) * s1
-        if WARPS > 1:  # a select, not a product by 0: a NaN of the repeated step stays out
+        if not WHOLE:  # a select, not a product by 0: a NaN of the repeated step stays out
             p0, p1, p2, p3 = tl.where(live, p0, 0.0), tl.where(live, p1, 0.0), tl.where(live, p2, 0.0), \
                 tl.where(live, p3, 0.0)
         acc0 += p0
@@ -272,10 +274,14 @@ def int4_mma_split(N: int, K: int, warps: int = 1) -> int:
     37.6; on 4096x4096, 9 and 8 took 8.2 and 8.3 us, 16 more than 8.6, and this gives 10. With the next kernel
     launched after the K loop, 32 layers of the four decode GEMMs in one graph took 2.397 ms under this rule against
     2.621 / 2.426 / 2.654 with K split toward 450 / 900 / 1800 programs each (H100, BENCHMARKS.md). With `warps`
-    warps a program, the same toward 900 warps, at least 3 K steps a warp (untimed)."""
+    warps a program, the same toward 900 warps, at least 3 K steps a warp, lowered to the nearest split whose slices
+    all hold a multiple of W steps where there is one (untimed)."""
     steps = K // STEP_K
     # W warps a program: toward 900 warps, at least 3 K steps a warp
-    return max(1, min(16, steps // (3 * warps), cdiv(900, cdiv(N, ROWS) * warps)))
+    split = max(1, min(16, steps // (3 * warps), cdiv(900, cdiv(N, ROWS) * warps)))
+    if warps > 1:  # the nearest smaller split whose slices all hold a multiple of W steps: no warp idles
+        split = next((s for s in range(split, 0, -1) if steps % s == 0 and steps // s % warps == 0), split)
+    return split
 
 
 def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split: int | None = None,
@@ -289,6 +295,9 @@ def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split
     N = codes.shape[0] * ROWS if tiled else codes.shape[0]
     warps = warps or _warps[0]
     split = split or int4_mma_split(N, K, warps)
+    per_slice = cdiv(K // STEP_K, split)
+    # every slice's steps a multiple of the warps: no warp of the program idles
+    whole = warps == 1 or (per_slice % warps == 0 and (K // STEP_K) % per_slice == 0)
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device)
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     tiles = cdiv(N, ROWS)
@@ -301,5 +310,5 @@ def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split
         GROUP=group, HAS_ZP=lane_zero is not None, BF16=a.dtype == torch.bfloat16, SPLIT_K=split,
         LAST_SLICE_SUMS=count is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[a.dtype],
         CAST=float_cast_mode(_int4_mma_kernel), STAGES=stages, TILED=tiled, num_warps=warps, num_stages=stages,
-        PREFETCH=tiled and warps == 1 and prefetching(pdl), WARPS=warps, **pdl)
+        PREFETCH=tiled and warps == 1 and prefetching(pdl), WARPS=warps, WHOLE=whole, **pdl)
     return out if count is not None else reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])
