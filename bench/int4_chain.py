@@ -10,12 +10,10 @@ as `quantize` packs them, and in tiles (`code_tiles`), as the backend holds them
 product's split with dependent launch on, at other pipeline depths (`int4_mma_mm`'s stages, 3 in the product), and
 with each program's first codes asked of the L2 before it waits for the previous GEMM (`weights_prefetched`).
 
-With --grid, only the tiles with dependent launch on, at every program count (`--programs`), pipeline depth
-(`--stages`) and warps a program (`--warps`, `warps_per_program`; the product runs 1): fewer, longer programs keep
-more K steps in flight each, and more warps a program more of them without more split-K partials. The product's
-split at W warps aims at 900 warps (`int4_mma_split`).
+With --grid, only the tiles with dependent launch on, at every pair of a program count (`--programs`) and a
+pipeline depth (`--stages`): fewer, longer programs keep more K steps in flight each.
 
-Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...] [--grid [--warps 1 2 4]]
+Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...] [--grid]
 """
 
 from __future__ import annotations
@@ -55,14 +53,14 @@ def split_toward(n: int, k: int, programs: int) -> int:
     return max(1, min(k // STEP_K // 2, round(programs / -(-n // 64))))
 
 
-def chain_ms(layers, xs, split_rule, tiled: bool, stages: int = 3, warps: int = 1) -> float:
+def chain_ms(layers, xs, split_rule, tiled: bool, stages: int = 3) -> float:
     """Median ms of one graph replay of every layer's four GEMMs, K split by split_rule(n, k) (None: the product's),
-    over the codes as stored or tiled, `stages` K steps in flight, `warps` warps a program."""
+    over the codes as stored or tiled, `stages` K steps in flight."""
     def run():
         for layer in layers:
             for n, k, codes, tiles, lane_scale, lane_zero in layer:
                 int4_mma_mm(xs[k], tiles if tiled else codes, lane_scale, lane_zero, GROUP, split=split_rule(n, k),
-                            stages=stages, warps=warps)
+                            stages=stages)
     return triton.testing.do_bench_cudagraph(run, rep=200, return_mode="median")
 
 
@@ -71,17 +69,6 @@ def bf16_chain_ms(xs) -> float:
     weights = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for n, k in LAYER] for _ in range(LAYERS)]
     return triton.testing.do_bench_cudagraph(lambda: [xs[w.shape[1]] @ w.T for layer in weights for w in layer],
                                              rep=200, return_mode="median")
-
-
-def check_warps(layers, xs, warp_counts) -> None:
-    """Each layer-0 GEMM at each warp count gives what one warp a program gives, within 1e-3 relative (the warps'
-    fp32 sums meet in another order; the tests hold each to the fp64 product): a wrong row before any time."""
-    for n, k, _codes, tiles, lane_scale, lane_zero in layers[0]:
-        want = int4_mma_mm(xs[k], tiles, lane_scale, lane_zero, GROUP, warps=1).float()
-        for warps in warp_counts:
-            got = int4_mma_mm(xs[k], tiles, lane_scale, lane_zero, GROUP, warps=warps).float()
-            error = float((got - want).norm() / want.norm())
-            assert error < 1e-3, f"{n}x{k} at {warps} warps a program: relative error {error:.2e}"
 
 
 def values_after(flag: str, default) -> list[str]:
@@ -98,7 +85,6 @@ def main():
     print(f"copy ceiling (read+write): {ceiling:.0f} GB/s")
     programs = [int(v) for v in values_after("--programs", DEFAULT_PROGRAMS)]
     depths = [int(v) for v in values_after("--stages", DEFAULT_STAGES)]
-    warp_counts = [int(v) for v in values_after("--warps", (1,))]
     xs = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for k in sorted({width for _, width in LAYER})}
     bf16_ms = bf16_chain_ms(xs)
     torch.cuda.empty_cache()
@@ -114,11 +100,9 @@ def main():
 
     rows = [{"GEMMs": "bf16 torch.mm", "dependent launch": "-", "ms": f"{bf16_ms:.3f}", "x bf16": "1.00"}]
     if "--grid" in sys.argv:
-        check_warps(layers, xs, warp_counts)
-        for (name, rule), stages, warps in itertools.product(rules, depths, warp_counts):
+        for (name, rule), stages in itertools.product(rules, depths):
             with dependent_launches(True):
-                rows.append(row(f"tiled, {name}, {stages} stages, {warps} warp(s) a program", True,
-                                chain_ms(layers, xs, rule, True, stages, warps)))
+                rows.append(row(f"tiled, {name}, {stages} stages", True, chain_ms(layers, xs, rule, True, stages)))
             print(rows[-1], flush=True)
         print(table(rows))
         return

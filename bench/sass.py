@@ -104,18 +104,17 @@ def w4a8_kernel_sass(stages: int | None = None) -> tuple[str, int]:
 
 
 def int4_mma_kernel_sass(stages: int | None = None, code_rows: bool = False,
-                         prefetch: bool = False, warps: int = 1) -> tuple[str, int]:
+                         prefetch: bool = False) -> tuple[str, int]:
     """SASS and registers per thread of the int4 mma.sync kernel at M = 1 (bf16, zero points) on 14336x4096, split
     in 5 (`int4_mma_split`) and summed by the last slice, with dependent launch; its codes in tiles, as the backend
-    holds them on the GPU, unless code_rows; prefetch: its first codes asked of the L2 before the wait; `warps` warps
-    a program."""
+    holds them on the GPU, unless code_rows; prefetch: its first codes asked of the L2 before the wait."""
     stages = stages or 3  # int4_mma_mm's default
     constexprs = dict(GROUP=gemm_int4_mma.STEP_K, HAS_ZP=True, BF16=True, SPLIT_K=5, LAST_SLICE_SUMS=True,
                       HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, STAGES=stages, PDL=True, TILED=not code_rows,
-                      PREFETCH=prefetch and not code_rows, WARPS=warps, WHOLE=True)
+                      PREFETCH=prefetch and not code_rows)
     pointers = dict(a_ptr="*i32", w_ptr="*i32", s_ptr="*fp32", z_ptr="*i32", ws_ptr="*fp32", c_ptr="*bf16",
                     bias_ptr="*bf16", counter_ptr="*i32")
-    return compiled_by_name(gemm_int4_mma._int4_mma_kernel, constexprs, pointers, [*pointers, *MMA_DIVISIBLE], warps,
+    return compiled_by_name(gemm_int4_mma._int4_mma_kernel, constexprs, pointers, [*pointers, *MMA_DIVISIBLE], 1,
                             stages)
 
 
@@ -277,10 +276,9 @@ def main():
         step = "K step"
     elif "mma" in sys.argv:
         prefetch = "--prefetch" in sys.argv
-        warps = int(sys.argv[sys.argv.index("--warps") + 1]) if "--warps" in sys.argv else 1
-        sass, registers = int4_mma_kernel_sass(stages, code_rows, prefetch, warps)
-        what = (f"int4 on mma.sync, M = 1 (64 rows x 128 codes a warp, {warps} warp(s) a program), codes in "
-                f"{'rows' if code_rows else 'tiles'}{', first codes prefetched' if prefetch else ''}")
+        sass, registers = int4_mma_kernel_sass(stages, code_rows, prefetch)
+        what = (f"int4 on mma.sync, M = 1 (64 rows x 128 codes a warp), codes in {'rows' if code_rows else 'tiles'}"
+                f"{', first codes prefetched' if prefetch else ''}")
         step = "K step"
     elif "w4a8" in sys.argv:
         sass, registers = w4a8_kernel_sass(stages)

@@ -4,8 +4,8 @@ converted to fp16 pairs, and movs that pack or unpack 16-bit halves. An instruct
 packed product that its 16-bit type cannot hold exactly (the decode blocks claim exact arithmetic; overflow to infinity
 excepted), so the emulator never has to pick a rounding the hardware might not make.
 
-`mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}` runs too, over operands of whole warps (lane i of warp w at index
-32 w + i), by the fragment layout PTX documents: lane (g, t) = (lane / 4, lane % 4) holds A rows g and g + 8 at columns
+`mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}` runs too, over operands of one warp (32 lanes, lane i at index
+i), by the fragment layout PTX documents: lane (g, t) = (lane / 4, lane % 4) holds A rows g and g + 8 at columns
 2t, 2t + 1 (registers 0 and 1) and 2t + 8, 2t + 9 (2 and 3), B rows 2t, 2t + 1 and 2t + 8, 2t + 9 of column g, and
 D rows g, g + 8 at columns 2t, 2t + 1. Its products and sum are computed in fp64 and rounded once to fp32: the
 hardware's order of summation is its own, so a test of it states a bound, not bits."""
@@ -116,31 +116,19 @@ def _mma(regs: dict, opcode: str, rest: str, read) -> None:
     """mma.sync m16n8k16, row.col, fp32 accumulators, 16-bit A and B: D = A @ B + C over one warp's fragments."""
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[opcode.split(".")[-3]]
     d, a, b, c = [[token.strip() for token in group.split(",")] for group in re.findall(r"\{([^}]*)\}", rest)]
-    lanes = read(a[0]).shape
-    if len(lanes) != 1 or lanes[0] % 32:
-        raise ValueError(f"ptx_emulator: mma.sync takes the operands of whole warps, 32 lanes each; got {lanes}")
-    out = {reg: np.empty(lanes, dtype=U32) for reg in d}
-    for warp in range(lanes[0] // 32):  # lane i of warp w at element 32 w + i
-        at = slice(32 * warp, 32 * warp + 32)
-        words = {reg: read(reg)[at] for reg in (*a, *b, *c)}
-        for reg, value in _warp_mma(dtype, d, a, b, c, words).items():
-            out[reg][at] = value
-    regs.update(out)
-
-
-def _warp_mma(dtype, d, a, b, c, words: dict) -> dict:
-    """One warp's D fragments of D = A @ B + C from its A, B and C fragments (`words`, 32 lanes each)."""
     lane = np.arange(32)
     g, t = lane // 4, lane % 4
+    if read(a[0]).shape != (32,):
+        raise ValueError("ptx_emulator: mma.sync takes the operands of one warp, 32 lanes")
     A, B = np.zeros((16, 16)), np.zeros((16, 8))
     for reg, rows, cols in ((0, g, 2 * t), (1, g + 8, 2 * t), (2, g, 2 * t + 8), (3, g + 8, 2 * t + 8)):
-        A[rows, cols], A[rows, cols + 1] = _halves(words[a[reg]], dtype)
+        A[rows, cols], A[rows, cols + 1] = _halves(read(a[reg]), dtype)
     for reg, k in ((0, 2 * t), (1, 2 * t + 8)):
-        B[k, g], B[k + 1, g] = _halves(words[b[reg]], dtype)
+        B[k, g], B[k + 1, g] = _halves(read(b[reg]), dtype)
     as_float = lambda word: word.astype(U32).view(np.float32).astype(np.float64)
     C = np.zeros((16, 8))
     for reg, rows, cols in ((0, g, 2 * t), (1, g, 2 * t + 1), (2, g + 8, 2 * t), (3, g + 8, 2 * t + 1)):
-        C[rows, cols] = as_float(words[c[reg]])
+        C[rows, cols] = as_float(read(c[reg]))
     D = (A @ B + C).astype(np.float32)
-    return {d[reg]: D[rows, cols].view(U32) for reg, rows, cols in
-            ((0, g, 2 * t), (1, g, 2 * t + 1), (2, g + 8, 2 * t), (3, g + 8, 2 * t + 1))}
+    for reg, rows, cols in ((0, g, 2 * t), (1, g, 2 * t + 1), (2, g + 8, 2 * t), (3, g + 8, 2 * t + 1)):
+        regs[d[reg]] = D[rows, cols].view(U32)

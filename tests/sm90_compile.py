@@ -108,7 +108,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-errors, ttgir = {}, []
+errors = {}
 for launch in json.loads(sys.stdin.read()):
     module, name = launch["kernel"].rsplit(".", 1)
     kernel = getattr(importlib.import_module(module), name)
@@ -117,33 +117,19 @@ for launch in json.loads(sys.stdin.read()):
                   for key, value in launch["constexprs"].items()}
     attrs = {(params.index(key),): [["tt.divisibility", 16]] for key in launch["divisible"]}
     try:
-        compiled = triton.compile(ASTSource(fn=kernel, signature=launch["signature"], constexprs=constexprs,
-                                            attrs=attrs), target=GPUTarget("cuda", 90, 32), options=launch["options"])
-        ttgir.append(compiled.asm["ttgir"])
+        triton.compile(ASTSource(fn=kernel, signature=launch["signature"], constexprs=constexprs, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=launch["options"])
     except Exception as error:  # every refusal is reported, with its kernel's constexprs
         errors.setdefault(launch["kernel"], []).append(f"{launch['constexprs']}: {error}"[-3000:])
-        ttgir.append(None)
-print(json.dumps(dict(errors=errors, ttgir=ttgir)))
+print(json.dumps(errors))
 """
-
-
-def _compiled(launches: list[dict], timeout: int) -> dict:
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(launches), cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=timeout)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.splitlines()[-1])
 
 
 def compile_errors(launches: list[dict], timeout: int = 900) -> dict[str, list[str]]:
     """Each launch compiled for sm_90 in a process without the interpreter: {kernel: [its errors]}, empty where
     every one compiled."""
-    return _compiled(launches, timeout)["errors"]
-
-
-def compiled_ttgir(launch: dict, timeout: int = 300) -> str:
-    """One launch compiled for sm_90 as `compile_errors` compiles it: its Triton GPU IR, where the layout of each
-    tensor is written out."""
-    compiled = _compiled([launch], timeout)
-    assert not compiled["errors"], compiled["errors"]
-    return compiled["ttgir"][0]
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(launches), cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.splitlines()[-1])

@@ -59,7 +59,6 @@ from fxquant.kernels.mma_fragments import (
     step_activations,
     step_codes,
     store_partials,
-    warp_lanes,
     warp_plan,
 )
 from fxquant.kernels.splitk import counters, reduce_partials, sum_if_last_slice
@@ -68,8 +67,6 @@ STEP_K = 128  # codes per row per K step: 4 lanes x 32; int4 groups must be mult
 ROWS = TILE_ROWS  # weight rows per program: four 16-row MMA blocks
 MAX_M = 8  # activation rows one m16n8k16 MMA takes as its B operand
 _serves_rows = [1]  # the most activation rows linear_int4_lanes gives this kernel (`serving_up_to`)
-WARP_COUNTS = (1, 2, 4, 8)  # warps a program may run (`warps_per_program`): a power of two, for the lanes' arange
-_warps = [1]
 
 
 def _step_asm(magic: str, fma: str, one: str, dtype: str) -> str:
@@ -125,47 +122,33 @@ def _block_step(w_ptr, row0, stride_w, t, step, N, z0, z1, x0, x1, x2, x3, x4, x
 
 
 @triton.jit
-def _across_warps(acc, WARPS: tl.constexpr):
-    """[32 WARPS, 4] C fragments, lane i of warp w at row 32 w + i, summed over the warps: [32, 4]."""
-    return tl.sum(tl.reshape(acc, (WARPS, 32, 4)), 0)
-
-
-@triton.jit
 def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counter_ptr, M, N, K, G, stride_am,
                      stride_wn, stride_ws, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr,
                      SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
                      CAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, TILED: tl.constexpr,
-                     PREFETCH: tl.constexpr = False, WARPS: tl.constexpr = 1, WHOLE: tl.constexpr = True):
+                     PREFETCH: tl.constexpr = False):
     if not PREFETCH:
         await_previous(PDL)
-    g, t, tile, rows0, rows1, a_row, a_in, steps, first, last = warp_plan(a_ptr, stride_am, M, K, SPLIT_K, WARPS)
+    g, t, tile, rows0, rows1, a_row, a_in, steps, first, last = warp_plan(a_ptr, stride_am, M, K, SPLIT_K)
     if PREFETCH:  # no kernel writes the codes: the L2 fetches them while the previous kernel ends
         tiles = step_tile(w_ptr, tile, steps_ahead(first, last), K)  # the slice's first tiles, one run of memory
         prefetch_l2(tiles[None, :] + tl.arange(0, 32)[:, None] * 32)  # 32 lines of 128 B a tile, one a lane
         await_previous(PDL)
-    acc0 = tl.zeros((32 * WARPS, 4), tl.float32)
-    acc1 = tl.zeros((32 * WARPS, 4), tl.float32)
-    acc2 = tl.zeros((32 * WARPS, 4), tl.float32)
-    acc3 = tl.zeros((32 * WARPS, 4), tl.float32)
-    for base in tl.range(first, last, WARPS, num_stages=STAGES):
-        if WARPS == 1:
-            step = base
-        elif WHOLE:  # warp w takes steps first + w, first + w + WARPS, ...: the warps' tiles of an iteration adjoin
-            step = base + tl.arange(0, 32 * WARPS) // 32
-        else:  # a slice's steps not a multiple of WARPS (WHOLE is true at one warp)
-            lane_step = base + tl.arange(0, 32 * WARPS) // 32
-            live = (lane_step < last)[:, None]
-            step = tl.minimum(lane_step, last - 1)  # a warp past the slice reads its last step, and adds nothing
+    acc0 = tl.zeros((32, 4), tl.float32)
+    acc1 = tl.zeros((32, 4), tl.float32)
+    acc2 = tl.zeros((32, 4), tl.float32)
+    acc3 = tl.zeros((32, 4), tl.float32)
+    for step in tl.range(first, last, num_stages=STAGES):
         group = step * 128 // GROUP
         lane_pack = (tile * G + group) * 8 + g  # this lane's record in pack_lanes' [tiles, G, 8 g, ...]
         s01 = tl.load(s_ptr + lane_pack[:, None] * 8 + tl.arange(0, 8)[None, :])  # [32, 8]: (block, half)
-        s0, s1 = tl.split(tl.reshape(s01, (32 * WARPS, 4, 2)))  # [32, 4] a warp: half 0 (row g), 1 (row g + 8)
+        s0, s1 = tl.split(tl.reshape(s01, (32, 4, 2)))  # [32, 4] each: half 0 (row g), half 1 (row g + 8)
         if HAS_ZP:  # eight uint8 zero points as two words: (block 0, halves 0-1), (block 1, halves 0-1), ...
             zw0, zw1 = tl.split(tl.load(z_ptr + lane_pack[:, None] * 2 + tl.arange(0, 2)[None, :]))
             za0, za1, zb0, zb1 = zw0 & 0xFF, (zw0 >> 8) & 0xFF, (zw0 >> 16) & 0xFF, (zw0 >> 24) & 0xFF
             zc0, zc1, zd0, zd1 = zw1 & 0xFF, (zw1 >> 8) & 0xFF, (zw1 >> 16) & 0xFF, (zw1 >> 24) & 0xFF
         else:
-            za0 = tl.full((32 * WARPS,), 8, tl.int32)
+            za0 = tl.full((32,), 8, tl.int32)
             za1, zb0, zb1, zc0, zc1, zd0, zd1 = za0, za0, za0, za0, za0, za0, za0
         x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(a_row, step, a_in)
         w_step, local = step_codes(w_ptr, tile, g, step, K, TILED)
@@ -178,24 +161,14 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
         d0, d1, d2, d3 = _block_step(w_step, local + 48, stride_wn, t, step, N, zd0, zd1, x0, x1, x2, x3, x4, x5, x6,
                                      x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16, TILED)
         # the group's scale multiplies the step's exact-operand fp32 sums, as gemm_weight_only's int4 path does
-        p0, p1 = stack(a0, b0, c0, d0) * s0, stack(a1, b1, c1, d1) * s0
-        p2, p3 = stack(a2, b2, c2, d2) * s1, stack(a3, b3, c3, d3) * s1
-        if not WHOLE:  # a select, not a product by 0: a NaN of the repeated step stays out
-            p0, p1, p2, p3 = tl.where(live, p0, 0.0), tl.where(live, p1, 0.0), tl.where(live, p2, 0.0), \
-                tl.where(live, p3, 0.0)
-        acc0 += p0
-        acc1 += p1
-        acc2 += p2
-        acc3 += p3
+        acc0 += stack(a0, b0, c0, d0) * s0
+        acc1 += stack(a1, b1, c1, d1) * s0
+        acc2 += stack(a2, b2, c2, d2) * s1
+        acc3 += stack(a3, b3, c3, d3) * s1
     # The next kernel launches after the K loop, as the fp8 GEMM's does: launched at the start, its waiting programs
     # took this one's slots (32 layers of the four decode GEMMs, H100: 2.960 -> 2.397 ms;
     # docs/decisions/0028-int4-mma-next-kernel-after-the-k-loop.md)
     start_next(PDL)
-    if WARPS > 1:  # the warps' sums added in shared memory, in the order the compiled reduction fixes
-        acc0, acc1 = _across_warps(acc0, WARPS), _across_warps(acc1, WARPS)
-        acc2, acc3 = _across_warps(acc2, WARPS), _across_warps(acc3, WARPS)
-        g, t, rows0 = warp_lanes(tile, 1)
-        rows1 = rows0 + 8
     store_partials(ws_ptr, stride_ws, acc0, acc1, acc2, acc3, t, rows0, rows1, M, N)
     if LAST_SLICE_SUMS:
         sum_if_last_slice(ws_ptr, c_ptr, bias_ptr, counter_ptr, tile, tl.arange(0, 8),  # MAX_M rows
@@ -256,48 +229,28 @@ def supports(a: torch.Tensor, group: int) -> str | None:
     return None
 
 
-def warps_per_program(warps: int):
-    """int4_mma_mm launched inside the block runs `warps` warps a program on each 64-row tile, each its own K steps,
-    summed in shared memory before the split-K tail; 1 by default, until the 32-layer chain has timed more."""
-    if warps not in WARP_COUNTS:
-        raise ValueError(f"fxquant: the int4 mma.sync kernel runs {', '.join(map(str, WARP_COUNTS))} warps a "
-                         f"program, not {warps}")
-    return set_inside(_warps, warps)
-
-
 @functools.lru_cache(maxsize=256)
-def int4_mma_split(N: int, K: int, warps: int = 1) -> int:
+def int4_mma_split(N: int, K: int) -> int:
     """K slices: toward 900 programs (6.8 per SM of an H200), keeping at least 3 K steps per slice and at most 16
     slices for the reduce to sum. An M = 1 sweep of split and stages on the Llama-3-8B shapes
     (docs/decisions/0009-int4-split-and-reduce.md) found 10 slices best on 6144x4096 (10.4 us), 5 on
     14336x4096 (18.7), 15 within 0.1 us of the best 14 on 4096x14336, and 3 at 34.1 us on 28672x4096, where 4 took
     37.6; on 4096x4096, 9 and 8 took 8.2 and 8.3 us, 16 more than 8.6, and this gives 10. With the next kernel
     launched after the K loop, 32 layers of the four decode GEMMs in one graph took 2.397 ms under this rule against
-    2.621 / 2.426 / 2.654 with K split toward 450 / 900 / 1800 programs each (H100, BENCHMARKS.md). With `warps`
-    warps a program, the same toward 900 warps, at least 3 K steps a warp, lowered to the nearest split whose slices
-    all hold a multiple of W steps where there is one (untimed)."""
+    2.621 / 2.426 / 2.654 with K split toward 450 / 900 / 1800 programs each (H100, BENCHMARKS.md)."""
     steps = K // STEP_K
-    # W warps a program: toward 900 warps, at least 3 K steps a warp
-    split = max(1, min(16, steps // (3 * warps), cdiv(900, cdiv(N, ROWS) * warps)))
-    if warps > 1:  # the nearest smaller split whose slices all hold a multiple of W steps: no warp idles
-        split = next((s for s in range(split, 0, -1) if steps % s == 0 and steps // s % warps == 0), split)
-    return split
+    return max(1, min(16, steps // 3, cdiv(900, cdiv(N, ROWS))))
 
 
 def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split: int | None = None,
-                stages: int = 3, warps: int | None = None):
+                stages: int = 3):
     """a [M <= 8, K] bf16/fp16 @ dequantize(codes)[N, K].T (+ bias): codes [N, K / 8] int32 words (8 codes each,
     as `quantize` packs them), or `code_tiles`' tiles as words [N / 64, K / 128, 64, 16]; lane_scale and lane_zero
-    from `pack_lanes`. warps: a program's (`warps_per_program` where None). Returns [M, N] in a's dtype. The caller
-    checks `supports`."""
+    from `pack_lanes`. Returns [M, N] in a's dtype. The caller checks `supports`."""
     M, K = a.shape
     tiled = is_tiled(codes)
     N = codes.shape[0] * ROWS if tiled else codes.shape[0]
-    warps = warps or _warps[0]
-    split = split or int4_mma_split(N, K, warps)
-    per_slice = cdiv(K // STEP_K, split)
-    # every slice's steps a multiple of the warps: no warp of the program idles
-    whole = warps == 1 or (per_slice % warps == 0 and (K // STEP_K) % per_slice == 0)
+    split = split or int4_mma_split(N, K)
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device)
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     tiles = cdiv(N, ROWS)
@@ -309,6 +262,6 @@ def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split
         M, N, K, K // group, a.stride(0) // 2, codes.stride(0), ws.stride(0),
         GROUP=group, HAS_ZP=lane_zero is not None, BF16=a.dtype == torch.bfloat16, SPLIT_K=split,
         LAST_SLICE_SUMS=count is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[a.dtype],
-        CAST=float_cast_mode(_int4_mma_kernel), STAGES=stages, TILED=tiled, num_warps=warps, num_stages=stages,
-        PREFETCH=tiled and warps == 1 and prefetching(pdl), WARPS=warps, WHOLE=whole, **pdl)
+        CAST=float_cast_mode(_int4_mma_kernel), STAGES=stages, TILED=tiled, num_warps=1, num_stages=stages,
+        PREFETCH=tiled and prefetching(pdl), **pdl)
     return out if count is not None else reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])

@@ -9,9 +9,7 @@ decode takes together. MMA 2u + e takes codes (2e, 2e + 4) into K slots (2t, 2t 
 (2t + 8, 2t + 9). The activations are paired the same way from the lane's own 32 values (`activation_pairs`).
 
 Every asm operand is [32], element i in lane i: Triton 3.6 spread lanes across the first dimension of [4, 32]
-operands, which mma.sync cannot take. A program of W warps (`warp_plan`'s WARPS) keeps them one-dimensional,
-[32 W], element i in lane i % 32 of warp i // 32: the layout Triton gives a one-dimensional tensor over W warps,
-which tests/kernels/test_gemm_int4_mma.py checks in the compiled code."""
+operands, which mma.sync cannot take."""
 
 from __future__ import annotations
 
@@ -54,39 +52,30 @@ def activation_pairs(ptr, mask):
 def block_words(w_ptr, row0, stride_w, t, step, N, TILED: tl.constexpr):
     """The [32, 4] words of one K step that lane (g, t) decodes for rows row0 (g) and row0 + 8 of a 16-row block:
     codes 32t .. 32t + 31 of the step. TILED: w_ptr is the step's tile (`code_tiles`) and row0 a row of it, all
-    there, 16 words a row; else rows of stride_w words, rows past N read as 0. Over W warps each lane's step may
-    differ: w_ptr (tiled) or step is then one a lane, [32 W] as the lanes."""
+    there, 16 words a row; else rows of stride_w words, rows past N read as 0."""
     word = tl.arange(0, 4)[None, :]
     row1 = row0 + 8
     if TILED:  # no mask, and no address that depends on the step
-        w0 = tl.load((w_ptr + row0 * 16 + t * 4)[:, None] + word)
-        w1 = tl.load((w_ptr + row1 * 16 + t * 4)[:, None] + word)
+        w0 = tl.load(w_ptr + row0[:, None] * 16 + t[:, None] * 4 + word)
+        w1 = tl.load(w_ptr + row1[:, None] * 16 + t[:, None] * 4 + word)
     else:
-        w0 = tl.load((w_ptr + row0.to(tl.int64) * stride_w + t * 4 + step * 16)[:, None] + word,
+        w0 = tl.load(w_ptr + row0[:, None].to(tl.int64) * stride_w + t[:, None] * 4 + step * 16 + word,
                      mask=(row0 < N)[:, None], other=0)
-        w1 = tl.load((w_ptr + row1.to(tl.int64) * stride_w + t * 4 + step * 16)[:, None] + word,
+        w1 = tl.load(w_ptr + row1[:, None].to(tl.int64) * stride_w + t[:, None] * 4 + step * 16 + word,
                      mask=(row1 < N)[:, None], other=0)
     return w0, w1
 
 
 @triton.jit
-def warp_lanes(tile, WARPS: tl.constexpr):
-    """Lane (g, t) of each of a program's WARPS warps over weight tile `tile`, [32 WARPS] each, and rows0 [32 WARPS,
-    4]: row g of each 16-row block (row g + 8 follows)."""
-    lane = tl.arange(0, 32 * WARPS)
-    if WARPS > 1:
-        lane = lane % 32
+def warp_plan(a_ptr, stride_am, M, K, SPLIT_K: tl.constexpr):
+    """What one program (a warp over 64 weight rows, one K slice) works from: lane (g, t); its tile; rows0 [32, 4]
+    (row g of each 16-row block; row g + 8 follows: rows1); the lane's activations of step 0 (a_row, 16 words of
+    value pairs, masked by a_in past M); the K steps of the matrix and the slice's [first, last)."""
+    lane = tl.arange(0, 32)
     g = lane // 4
-    return g, lane % 4, (tile * 64 + g)[:, None] + tl.arange(0, 4)[None, :] * 16
-
-
-@triton.jit
-def warp_plan(a_ptr, stride_am, M, K, SPLIT_K: tl.constexpr, WARPS: tl.constexpr = 1):
-    """What one program (WARPS warps over 64 weight rows, one K slice) works from: lane (g, t) and rows0
-    (`warp_lanes`); its tile; the lane's activations of step 0 (a_row, 16 words of value pairs, masked by a_in past
-    M); the K steps of the matrix and the slice's [first, last)."""
+    t = lane % 4
     tile = tl.program_id(0)
-    g, t, rows0 = warp_lanes(tile, WARPS)
+    rows0 = (tile * 64 + g)[:, None] + tl.arange(0, 4)[None, :] * 16
     a_row = a_ptr + g * stride_am + t * 16
     a_in = (g < M)[:, None]
     steps = K // 128
@@ -123,7 +112,5 @@ def step_codes(w_ptr, tile, g, step, K, TILED: tl.constexpr):
     """Where `block_words` reads a K step's codes for the warp's first block: (pointer, row g there), the step's
     tile (`code_tiles`, one contiguous 4 KB of the program's 64 rows) or the rows as stored."""
     if TILED:
-        at, row = step_tile(w_ptr, tile, step, K), g
-    else:
-        at, row = w_ptr, tile * 64 + g
-    return at, row
+        return step_tile(w_ptr, tile, step, K), g
+    return w_ptr, tile * 64 + g

@@ -8,8 +8,6 @@ layout (lane (g, t) holds A rows g and g + 8 at K slots 2t, 2t + 1, 2t + 8, 2t +
 slots), its sum in fp64 rounded once to fp32. That checks the PTX text and which words, lanes, zero points, scales
 and activation pairs meet; the GPU runs the PTX itself below."""
 
-import re
-
 import numpy as np
 import pytest
 import torch
@@ -22,7 +20,6 @@ from fxquant.kernels.gemm_int4_mma import int4_mma_mm, lane_layout_shape, pack_l
 from fxquant.kernels.gemm_weight_only import weight_operands
 from fxquant.numerics import reference as R
 from tests.kernels.test_gemm_weight_only import within_bound
-from tests.sm90_compile import compiled_ttgir, recorded_launches
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -56,10 +53,9 @@ def test_pack_lanes_puts_each_scale_and_zero_point_where_the_kernel_reads_it():
 
 
 def _ptx_step(self, asm, constraints, values, types, is_pure, pack):
-    """create_inline_asm for the interpreter: the kernel's PTX (`_step_asm`) run by ptx_emulator over the program's
-    warps, 32 lanes each, its fp32 accumulator out."""
-    lanes = np.broadcast_shapes(*(np.shape(v.data) for v in values))
-    out = run(asm, [np.broadcast_to(v.data, lanes).astype(np.int64) for v in values], outputs=4)
+    """create_inline_asm for the interpreter: the kernel's PTX (`_step_asm`) run by ptx_emulator over the warp's 32
+    lanes, its fp32 accumulator out."""
+    out = run(asm, [np.broadcast_to(v.data, (32,)).astype(np.int64) for v in values], outputs=4)
 
     class Result:
         def get_result(self, i):
@@ -80,44 +76,6 @@ def test_the_kernel_under_the_interpreter(monkeypatch, dtype, M, N, K, group, sy
     assert within_bound(out, x, R.dequantize(q, torch.float64), bias)
 
 
-@pytest.mark.skipif(GPU, reason="the interpreter with an emulator of the PTX; the GPU runs the PTX itself below")
-@pytest.mark.parametrize("warps,M,N,K,split,tiled,symmetric", [
-    (2, 1, 128, 640, 1, True, False), (2, 1, 128, 640, 1, False, False), (4, 3, 64, 1024, 2, True, False),
-    (4, 8, 192, 384, 1, True, False), (4, 8, 200, 384, 1, False, True)], ids=str)
-def test_warps_of_a_program_share_its_k_steps(monkeypatch, warps, M, N, K, split, tiled, symmetric):
-    """W warps a program each take every W-th K step of the slice and their sums meet in shared memory: a slice
-    of 5 steps over 2 warps, 4 over 4, and 3 over 4 (a warp with no step of its own, reading the slice's last step
-    and adding nothing), over codes in tiles and in rows (a row tail there, and symmetric codes)."""
-    from fxquant.kernels.code_tiles import tile_codes
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", _ptx_step, raising=False)
-    q, x, bias, codes, lane_scale, lane_zero = operands(N, K, M, torch.bfloat16, symmetric, seed=warps + M)
-    if tiled:
-        codes, _ = weight_operands(x, tile_codes(q.data), q.scale, "int4", 128, N)
-    out = int4_mma_mm(x, codes, lane_scale, lane_zero, 128, bias, split=split, warps=warps)
-    assert within_bound(out, x, R.dequantize(q, torch.float64), bias)
-
-
-@pytest.mark.skipif(GPU, reason="records the launch under the interpreter, then compiles it for sm_90")
-def test_a_program_s_warps_are_the_lanes_the_mma_takes(monkeypatch):
-    """mma.sync needs element i of each operand in lane i % 32 of warp i // 32: the layout Triton gives the kernel's
-    one-dimensional operands over four warps when it compiles them for sm_90 (a two-dimensional [4, 32] operand got
-    its lanes spread over both dimensions). The interpreter's launch is compiled as the GPU compiles it."""
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", _ptx_step, raising=False)
-    q, x, bias, codes, lane_scale, lane_zero = operands(64, 512, 1, torch.bfloat16)
-    with recorded_launches() as launches:
-        int4_mma_mm(x, codes, lane_scale, lane_zero, 128, bias, warps=4)
-    (launch,) = [launch for launch in launches if launch["kernel"].endswith("._int4_mma_kernel")]
-    ir = compiled_ttgir(launch)
-    layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ir, re.M))
-    asm = [line for line in ir.splitlines() if "elementwise_inline_asm" in line and "mma.sync" in line]
-    assert len(asm) == 4  # the four 16-row blocks' steps
-    operand_layouts = {layouts[name] for line in asm for name in re.findall(r"tensor<\d+x\w+, (#\w+)>", line)}
-    assert operand_layouts == {"#ttg.blocked<{sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = [4], "
-                               "order = [0]}>"}
-    assert {shape for line in asm for shape in re.findall(r"tensor<(\d+)x", line)} == {"128"}
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("M,N,K,group,symmetric", [(1, 4096, 4096, 128, False), (1, 4160, 1024, 128, True),
@@ -125,10 +83,10 @@ def test_a_program_s_warps_are_the_lanes_the_mma_takes(monkeypatch):
 def test_the_kernel_on_the_gpu(dtype, M, N, K, group, symmetric):
     q, x, bias, codes, lane_scale, lane_zero = operands(N, K, M, dtype, symmetric, group)
     assert supports(x, group) is None
-    for split, warps in ((None, 1), (1, 1), (5, 1), (None, 2), (None, 4), (3, 4)):  # whole slices, and not
-        out = int4_mma_mm(x, codes, lane_scale, lane_zero, group, bias, split=split, warps=warps)
+    for split in (None, 1, 5):
+        out = int4_mma_mm(x, codes, lane_scale, lane_zero, group, bias, split=split)
         assert out.shape == (M, N) and out.dtype == dtype
-        assert within_bound(out, x, R.dequantize(q, torch.float64), bias), (split, warps)
+        assert within_bound(out, x, R.dequantize(q, torch.float64), bias)
 
 
 def test_tensors_off_the_gpu_take_the_in_register_kernel():
@@ -150,10 +108,3 @@ def test_what_the_kernel_refuses_on_the_gpu():
 def test_split_k_aims_at_900_programs_with_3_steps_per_slice_and_16_slices_at_most():
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (14336, 4096), (4096, 14336), (64, 256), (64, 65536)]
     assert [gemm_int4_mma.int4_mma_split(N, K) for N, K in shapes] == [10, 10, 3, 5, 15, 1, 16]
-    # four warps a program: toward 900 warps, 3 K steps a warp
-    assert [gemm_int4_mma.int4_mma_split(N, K, 4) for N, K in shapes] == [2, 2, 1, 2, 4, 1, 16]
-
-
-def test_warps_a_program_outside_its_counts_are_refused():
-    with pytest.raises(ValueError, match="runs 1, 2, 4, 8 warps a program, not 3"):
-        gemm_int4_mma.warps_per_program(3)
