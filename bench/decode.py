@@ -39,8 +39,7 @@ fxquant:<recipe>+nopdl (every fxquant kernel launched without programmatic depen
 GEMMs summed by the reduce kernel, not by their last slice), +prefetch (the fp8 and 4-bit decode GEMMs ask the L2 for
 their first weights before they wait for the previous kernel; by default the fp8 GEMM alone), +noprefetch (none
 does), +mma8 (int4 GEMMs of up to 8 rows on the mma.sync
-kernel, not one), +cutrows (silu(gate) * up quantized with a few tokens' rows cut across programs, not one program a
-row),
+kernel, not one),
 torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head, +without, +inductor,
 +rows, +fp4inregisters, +inplace and the launch settings).
 
@@ -77,7 +76,6 @@ from bench.common import LLAMA_3_VOCAB, header, llama, llama_config, table
 from fxquant.compile.backend import fxquant as fxquant_backend
 from fxquant.kernels.dependent_launch import dependent_launches, weights_prefetched
 from fxquant.kernels.gemm_int4_mma import MAX_M, serving_up_to
-from fxquant.kernels.silu_mul_quant import CUT_TOKENS, rows_cut_up_to
 from fxquant.kernels.splitk import reduce_in_gemm
 
 CHECK_STEPS = 4  # the first decode steps: they compile, their logits are compared with eager's, and go untimed
@@ -231,8 +229,7 @@ REDUCE_KERNEL = "+reducekernel"  # split-K GEMMs summed by the reduce kernel, no
 PREFETCH = "+prefetch"  # every decode GEMM asks the L2 for its first weights before waiting on the previous kernel
 NO_PREFETCH = "+noprefetch"  # none does (by default the fp8 GEMM does: decision 0030)
 MMA_ROWS = "+mma8"  # int4 GEMMs of up to 8 rows on the mma.sync kernel (one row otherwise)
-CUT_ROWS = "+cutrows"  # silu(gate) * up quantized with up to CUT_TOKENS tokens' rows cut across programs
-LAUNCH_SETTINGS = (NO_PDL, REDUCE_KERNEL, PREFETCH, NO_PREFETCH, MMA_ROWS, CUT_ROWS)
+LAUNCH_SETTINGS = (NO_PDL, REDUCE_KERNEL, PREFETCH, NO_PREFETCH, MMA_ROWS)
 
 
 def prefetch_setting(path: str) -> bool | None:
@@ -248,8 +245,7 @@ def launch_settings(path: str, profiled: bool = False):
     without PDL: a kernel launched dependent is resident while it waits for the one before, and the profile would
     count the wait as its time."""
     with (dependent_launches(NO_PDL not in path and not profiled), reduce_in_gemm(REDUCE_KERNEL not in path),
-          weights_prefetched(prefetch_setting(path)), serving_up_to(MAX_M if MMA_ROWS in path else 1),
-          rows_cut_up_to(CUT_TOKENS if CUT_ROWS in path else 0)):
+          weights_prefetched(prefetch_setting(path)), serving_up_to(MAX_M if MMA_ROWS in path else 1)):
         yield
 
 

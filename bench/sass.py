@@ -17,8 +17,8 @@ Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pai
                                                      14336x4096, split in 5; codes in rows unless --tiles)
      python -m bench.sass attention [--codes] [--warps N] [--stages N] [--quantize]   (Llama-3-8B's heads at
                                                      B16, 1k keys; --quantize: the output quantized per token)
-     python -m bench.sass silu [--cut]   (silu(gate) * up quantized per token over 14336 columns: the whole
-                                                     kernel, one program a row, or --cut, 2048 columns a program)
+     python -m bench.sass silu           (silu(gate) * up quantized per token over 14336 columns: the whole
+                                                     kernel, one program a row)
 """
 
 from __future__ import annotations
@@ -155,21 +155,15 @@ def attention_kernel_sass(codes: bool, warps: int | None = None, stages: int | N
                             stages or (*plan[4:], 2)[0], floats=("scale", "softcap"))
 
 
-def silu_kernel_sass(cut: bool) -> tuple[str, int]:
+def silu_kernel_sass() -> tuple[str, int]:
     """SASS and registers per thread of the gated-MLP quantizer at decode (bf16, e4m3 per token, 14336 columns):
-    one program a token's row, or (cut) one of the row's seven 2048-column programs, the last path included."""
-    width, chunk = 14336, silu_mul_quant.SPLIT_CHUNK
-    constexprs = dict(OUT=tl.bfloat16, FMAX=E4M3.max, FP8=tl.float8e4nv, CAST=0, AMAX_FLOOR=AMAX_FLOOR, PDL=True)
+    one program a token's row."""
+    width = 14336
+    constexprs = dict(OUT=tl.bfloat16, FMAX=E4M3.max, FP8=tl.float8e4nv, CAST=0, AMAX_FLOOR=AMAX_FLOOR, PDL=True,
+                      BLOCK_ROWS=1, BLOCK_COLS=next_power_of_2(width))  # quant_fp8.rows_plan for one row
     pointers = dict(gate_ptr="*bf16", up_ptr="*bf16", y_ptr="*fp8e4nv", scale_ptr="*fp32")
-    if cut:
-        kernel = silu_mul_quant._silu_mul_quant_fp8_cut_kernel
-        constexprs |= dict(CHUNKS=-(-width // chunk), PARTS=next_power_of_2(-(-width // chunk)), CHUNK=chunk)
-        pointers |= dict(h_ptr="*bf16", amax_ptr="*fp32", counter_ptr="*i32")
-        divisible = [*pointers, "width", "stride_gate", "stride_up"]
-    else:
-        kernel = silu_mul_quant._silu_mul_quant_fp8_kernel
-        constexprs |= dict(BLOCK_ROWS=1, BLOCK_COLS=next_power_of_2(width))  # quant_fp8.rows_plan for one row
-        divisible = [*pointers, "row_len", "width", "stride_gate", "stride_up"]
+    kernel = silu_mul_quant._silu_mul_quant_fp8_kernel
+    divisible = [*pointers, "row_len", "width", "stride_gate", "stride_up"]
     return compiled_by_name(kernel, constexprs, pointers, divisible, 8, 1)
 
 
@@ -251,12 +245,10 @@ def main():
     stages = int(sys.argv[sys.argv.index("--stages") + 1]) if "--stages" in sys.argv else None
     code_rows = "--code-rows" in sys.argv
     if "silu" in sys.argv:
-        cut = "--cut" in sys.argv
-        sass, registers = silu_kernel_sass(cut)
+        sass, registers = silu_kernel_sass()
         ops = opcodes(sass)
-        what = "cut: a 2048-column program" if cut else "one program a row"
-        print(f"silu(gate) * up quantized per token, 14336 columns, {what}: {sum(ops.values())} instructions in the "
-              f"kernel, {registers} registers per thread (triton {triton.__version__}, sm_90)")
+        print(f"silu(gate) * up quantized per token, 14336 columns, one program a row: {sum(ops.values())} "
+              f"instructions in the kernel, {registers} registers per thread (triton {triton.__version__}, sm_90)")
         for name, count in ops.most_common(12):
             print(f"  {count:5d}  {name}")
         return

@@ -84,7 +84,7 @@ def test_path_suffixes_become_backend_options():
         "recipe": "fp8_row", "inductor": {"combo_kernels": True}}
     assert recipe_options("fxquant:int4_wo+rows") == {"recipe": "int4_wo", "int4_code_tiles": False}
     assert recipe_options("fxquant:mxfp4_wo+fp4inregisters") == {"recipe": "mxfp4_wo", "fp4_lanes": False}
-    for setting in ("+nopdl", "+reducekernel", "+prefetch", "+mma8", "+cutrows"):  # launch settings, by work()
+    for setting in ("+nopdl", "+reducekernel", "+prefetch", "+mma8"):  # launch settings, by work()
         assert recipe_options("fxquant:fp8_row" + setting) == {"recipe": "fp8_row"}
     with pytest.raises(ValueError, match=r"'\+heads' is none of"):
         recipe_options("fxquant:fp8_row+heads=int8_wo")
@@ -101,7 +101,7 @@ def test_an_inplace_path_compiles_a_quantize_d_copy_and_leaves_the_model_as_it_w
 
 
 def test_launch_settings_turn_off_what_the_path_names_and_only_inside_the_block():
-    from fxquant.kernels import dependent_launch, gemm_int4_mma, silu_mul_quant, splitk
+    from fxquant.kernels import dependent_launch, gemm_int4_mma, splitk
 
     with launch_settings("fxquant:fp8_row+reducekernel"):  # each kernel's own prefetch default: None
         assert dependent_launch._enabled[0] and not splitk._in_gemm[0] and dependent_launch._prefetch[0] is None
@@ -110,13 +110,11 @@ def test_launch_settings_turn_off_what_the_path_names_and_only_inside_the_block(
     with launch_settings("fxquant:fp8_row+noprefetch"):  # not read as +prefetch
         assert dependent_launch._prefetch[0] is False
     with launch_settings("fxquant:int4_wo+mma8"):
-        assert gemm_int4_mma.serves_rows() == 8 and silu_mul_quant.chunks_of(1, 14336, 14336) == 1
-    with launch_settings("fxquant:fp8_row+cutrows"):
-        assert silu_mul_quant.chunks_of(1, 14336, 14336) == 7
+        assert gemm_int4_mma.serves_rows() == 8
     with launch_settings("fxquant:fp8_row", profiled=True):  # a profile launches without PDL
         assert not dependent_launch._enabled[0] and splitk._in_gemm[0]
     assert dependent_launch._enabled[0] and splitk._in_gemm[0] and dependent_launch._prefetch[0] is None
-    assert gemm_int4_mma.serves_rows() == 1 and silu_mul_quant.chunks_of(1, 14336, 14336) == 1
+    assert gemm_int4_mma.serves_rows() == 1
 
 
 def test_too_few_steps_to_time_are_refused_by_name(monkeypatch, capsys):

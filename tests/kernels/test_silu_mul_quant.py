@@ -1,4 +1,4 @@
-"""silu(gate) * up quantized to fp8 in one launch, against the unfused steps and across its two kernels."""
+"""silu(gate) * up quantized to fp8 in one launch, against the unfused steps."""
 
 import pytest
 import torch
@@ -6,7 +6,6 @@ from fp8_cases import same_bits
 
 import fxquant
 from fxquant.kernels import silu_mul_quant
-from fxquant.kernels.splitk import counters
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -62,34 +61,14 @@ def test_silu_times_up_quantized_in_one_kernel_matches_the_two_steps(dtype, grou
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("tokens, poisoned", [(1, None), (1, (0, float("inf"))), (3, (1, float("nan")))],
                          ids=["one token", "one token, inf", "three tokens, one NaN"])
-def test_a_few_tokens_rows_cut_across_programs_give_the_one_program_bits(dtype, tokens, poisoned, monkeypatch):
-    """Rows of 4480 per token: three chunks of 2048, the last part-filled. The chunks' amaxes, the scale and the
-    codes from the stored products are the one-program kernel's, bit for bit; a NaN or inf poisons its token's row
-    alone; the counters are left zero for the next kernel."""
+def test_a_token_s_whole_row_in_one_program(dtype, tokens, poisoned):
+    """Decode's shape: one scale per token over a row of 4480, each row its amax at its very end (a program that
+    missed the row's tail would take a smaller one). A NaN or inf poisons its token's row alone."""
     width = 4480
     gate, up = merged_gate_up(tokens, width, dtype, poisoned)
-    gate[:, -1], up[:, -1] = 4.0, up[:, -1].abs().amax() * 64  # each row's amax in its last, part-filled chunk
-    with silu_mul_quant.rows_cut_up_to(silu_mul_quant.CUT_TOKENS), monkeypatch.context() as patched:
-        assert silu_mul_quant.chunks_of(tokens, width, width) == 3
-        patched.setattr(silu_mul_quant, "_silu_mul_quant_fp8_kernel", None)  # it cannot run: the rows are cut
-        codes, scale = silu_mul_quant.silu_mul_quantize_fp8_rows(gate, up, width)
-    whole_codes, whole_scale = silu_mul_quant.silu_mul_quantize_fp8_rows(gate, up, width)  # one program a row
-    assert same_bits(codes, whole_codes) == 0
-    assert torch.equal(scale.nan_to_num(-1.0), whole_scale.nan_to_num(-1.0))
-    assert not bool(counters(gate.device, tokens)[:tokens].any())
+    gate[:, -1], up[:, -1] = 4.0, up[:, -1].abs().amax() * 64
+    codes, scale = silu_mul_quant.silu_mul_quantize_fp8_rows(gate, up, width)
     for token in range(tokens):
         hit = poisoned is not None and token == poisoned[0]
         assert bool(scale[token].isnan()) == hit and bool(codes[token].float().isnan().all()) == hit
     check_against_unfused(codes, scale, unfused(gate, up, 0), width)
-
-
-def test_rows_are_cut_only_when_asked_per_token_and_for_a_few_tokens():
-    assert silu_mul_quant.chunks_of(1, 14336, 14336) == 1  # off by default
-    with silu_mul_quant.rows_cut_up_to(16):
-        assert silu_mul_quant.chunks_of(1, 14336, 14336) == 7
-        assert silu_mul_quant.chunks_of(16, 14336, 14336) == 7
-        assert silu_mul_quant.chunks_of(17, 14336, 14336) == 1  # enough rows for one program each
-        assert silu_mul_quant.chunks_of(1, 128, 14336) == 1  # 1x128 groups: 112 rows a token already
-        assert silu_mul_quant.chunks_of(1, 1024, 1024) == 1  # one chunk's width
-    with silu_mul_quant.rows_cut_up_to(32):
-        assert silu_mul_quant.chunks_of(32, 14336, 14336) == 7
