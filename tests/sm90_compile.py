@@ -5,7 +5,7 @@ type changes inside an `if`, a layout the backend cannot convert) passes every C
 `recorded_launches` notes each launch's kernel, argument types and constexprs while the interpreter runs it;
 `compile_errors` compiles each distinct one with Triton's sm_90 backend, which needs no GPU, in a process without
 the interpreter. The constexprs the interpreter chooses differently from the GPU are given the GPU's values
-(`ON_THE_GPU`), so the compile sees the code that the GPU runs.
+(`_gpu_value`), so the compile sees the code that the GPU runs.
 """
 
 from __future__ import annotations

@@ -58,12 +58,12 @@ def silu_mul_quantize_fp8_rows(gate: torch.Tensor, up: torch.Tensor, row_len: in
     """quantize_fp8_rows(silu(gate) * up) in one launch, the product rounded once to gate's dtype as the unfused graph
     stores it. gate, up: [..., I] of one dtype, each token's row contiguous (slices of a merged gate/up output
     qualify); -> (codes [..., I], scales [..., I // row_len])."""
-    fmt, tl_fp8 = FP8_FORMATS[fp8_dtype]
     width = gate.shape[-1]
-    if gate.shape != up.shape or gate.dtype != up.dtype or width % row_len or row_len > MAX_ROW_LEN:
+    if (gate.shape != up.shape or gate.dtype != up.dtype or width % row_len or row_len > MAX_ROW_LEN
+            or fp8_dtype not in FP8_FORMATS):
         raise ValueError(f"fxquant: silu(gate) * up quantized in rows of {row_len} needs gate and up of one shape and "
-                         f"dtype whose last dim it divides (at most {MAX_ROW_LEN}); got {tuple(gate.shape)} "
-                         f"{gate.dtype} and {tuple(up.shape)} {up.dtype}")
+                         f"dtype whose last dim it divides (at most {MAX_ROW_LEN}), and an fp8 dtype; got "
+                         f"{tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype} into {fp8_dtype}")
     gate2, up2 = (t.reshape(-1, width) if t.stride(-1) == 1 else t.contiguous().reshape(-1, width) for t in (gate, up))
     y = torch.empty(gate.shape, dtype=fp8_dtype, device=gate.device)
     scale = torch.empty((*gate.shape[:-1], width // row_len), dtype=torch.float32, device=gate.device)

@@ -72,3 +72,14 @@ def test_a_token_s_whole_row_in_one_program(dtype, tokens, poisoned):
         hit = poisoned is not None and token == poisoned[0]
         assert bool(scale[token].isnan()) == hit and bool(codes[token].float().isnan().all()) == hit
     check_against_unfused(codes, scale, unfused(gate, up, 0), width)
+
+
+@pytest.mark.parametrize("case", ["shapes", "row_len", "dtype"])
+def test_what_the_quantizer_refuses_is_named(case):
+    """Each refusal differs from an accepted call in one thing: gate and up of two shapes, a row length that does not
+    divide the row, a target dtype that is not fp8."""
+    gate, up = merged_gate_up(2, 384, torch.bfloat16)
+    args = {"shapes": (gate, up[:1], 384), "row_len": (gate, up, 100), "dtype": (gate, up, 384, torch.float16)}[case]
+    silu_mul_quant.silu_mul_quantize_fp8_rows(gate, up, 384)  # accepted
+    with pytest.raises(ValueError, match=r"silu\(gate\) \* up quantized in rows of .* an fp8 dtype; got"):
+        silu_mul_quant.silu_mul_quantize_fp8_rows(*args)
