@@ -38,8 +38,7 @@ fxquant:<recipe>+inplace (a copy of the model quantize_'d under the recipe, then
 fxquant:<recipe>+nopdl (every fxquant kernel launched without programmatic dependent launch), +reducekernel (split
 GEMMs summed by the reduce kernel, not by their last slice), +prefetch (the fp8 and 4-bit decode GEMMs ask the L2 for
 their first weights before they wait for the previous kernel; by default the fp8 GEMM alone), +noprefetch (none
-does), +mma8 (int4 GEMMs of up to 8 rows on the mma.sync
-kernel, not one),
+does), +mma8 (int4 GEMMs of up to 8 rows on the mma.sync kernel, not one),
 torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head, +without, +inductor,
 +rows, +fp4inregisters, +inplace and the launch settings).
 
