@@ -84,7 +84,7 @@ def test_path_suffixes_become_backend_options():
         "recipe": "fp8_row", "inductor": {"combo_kernels": True}}
     assert recipe_options("fxquant:int4_wo+rows") == {"recipe": "int4_wo", "int4_code_tiles": False}
     assert recipe_options("fxquant:mxfp4_wo+fp4inregisters") == {"recipe": "mxfp4_wo", "fp4_lanes": False}
-    for setting in ("+nopdl", "+reducekernel", "+prefetch", "+mma8"):  # launch settings, by work()
+    for setting in ("+nopdl", "+reducekernel", "+prefetch", "+mma8"):  # launch settings, applied by work()
         assert recipe_options("fxquant:fp8_row" + setting) == {"recipe": "fp8_row"}
     with pytest.raises(ValueError, match=r"'\+heads' is none of"):
         recipe_options("fxquant:fp8_row+heads=int8_wo")

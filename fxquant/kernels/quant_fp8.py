@@ -63,21 +63,12 @@ def _quant_fp8_rows_kernel(
 @triton.jit
 def quant_rows(x, FMAX: tl.constexpr, FP8: tl.constexpr, CAST: tl.constexpr, AMAX_FLOOR: tl.constexpr):
     """fp32 x [R, C] -> (fp8 codes [R, C], fp32 scales [R]): one dynamic scale per row, as the reference makes it."""
-    scale = row_scale(tl.reduce(tl.abs(x), 1, max_keep_nan), FMAX, AMAX_FLOOR)  # NaN or inf in a row surfaces
-    return codes_of(x, tl.math.div_rn(1.0, scale)[:, None], FMAX, FP8, CAST), scale
-
-
-@triton.jit
-def row_scale(amax, FMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
-    """A row's scale from its amax by the reference's fp32 ops, max(amax, floor) / FMAX (IEEE division); a poisoned
-    row (amax NaN or inf) gets a NaN scale, so every code in it is NaN."""
-    return tl.where(amax < float("inf"), tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FMAX), float("nan"))
-
-
-@triton.jit
-def codes_of(x, inverse, FMAX: tl.constexpr, FP8: tl.constexpr, CAST: tl.constexpr):
-    """x times its row's IEEE reciprocal of the scale (`inverse`, broadcast), saturated and cast."""
-    return cast_fp8(saturate(x * inverse, FMAX), FP8, CAST)
+    amax = tl.reduce(tl.abs(x), 1, max_keep_nan)  # NaN or inf anywhere in a row surfaces here
+    # Same fp32 ops as the reference: max(amax, floor) / FMAX (IEEE division); a poisoned row gets a NaN
+    # scale, so every code in it is NaN.
+    scale = tl.where(amax < float("inf"), tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FMAX), float("nan"))
+    q = saturate(x * tl.math.div_rn(1.0, scale)[:, None], FMAX)
+    return cast_fp8(q, FP8, CAST), scale
 
 
 @triton.jit

@@ -5,8 +5,9 @@ its rows are then quantized as `quant_fp8.quantize_fp8_rows` quantizes them, bit
 
 One program takes whole rows, at decode a token's row of 14336 on one SM. Cutting a few tokens' rows across
 programs (2048 columns each, the token's last program to count in quantizing the row) was built and timed: 3.85 /
-4.49 us at 1 / 16 tokens against 3.91 / 4.46 for one program a row, and slower from 32 tokens (H100; BENCHMARKS.md,
-"The int4 decode GEMM over several warps a program, the gated MLP's quantizer cut, ..."), so it was taken out.
+4.49 us at 1 / 16 tokens against 3.91 / 4.46 for one program a row, and slower from 32 tokens (H100, BENCHMARKS.md:
+"The int4 decode GEMM over several warps a program, the gated MLP's quantizer cut, the FP4 GEMMs per shape, and the
+suite, on the H100"), so it was taken out.
 """
 
 from __future__ import annotations
