@@ -13,21 +13,29 @@ with each program's first codes asked of the L2 before it waits for the previous
 With --grid, only the tiles with dependent launch on, at every pair of a program count (`--programs`) and a
 pipeline depth (`--stages`): fewer, longer programs keep more K steps in flight each.
 
-Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...] [--grid]
+With --floors, what reading the chain's bytes costs without the GEMMs (`bench.read_floor`), over random words: the
+GEMMs' own programs that only load (their access pattern's floor); each GEMM's bytes read flat by a plain kernel
+(the floor of 128 dependent kernels of these sizes); all 3.8 GB in one flat read (the device's read ceiling); and
+the GEMM kernel over the same bytes as two GEMMs, each layer's K = 4096 weights stacked into one and the down
+projections into another (the GEMM's own floor without 128 launches, ramps and tails).
+
+Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...] [--grid | --floors]
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 
 import torch
 import triton.testing
 
 from bench.common import copy_bandwidth_gbs, header, table
+from bench.read_floor import read_as_int4_programs, read_flat
 from fxquant.kernels.code_tiles import tile_codes
 from fxquant.kernels.dependent_launch import dependent_launches, weights_prefetched
-from fxquant.kernels.gemm_int4_mma import STEP_K, int4_mma_mm, pack_lanes
+from fxquant.kernels.gemm_int4_mma import STEP_K, int4_mma_mm, int4_mma_split, pack_lanes
 from fxquant.kernels.gemm_weight_only import weight_operands
 from fxquant.numerics import reference as R
 
@@ -79,6 +87,76 @@ def values_after(flag: str, default) -> list[str]:
     return rest[:next((i for i, v in enumerate(rest) if v.startswith("--")), len(rest))]
 
 
+def random_int4_gemm(words: torch.Tensor, n: int, k: int):
+    """An [n, k] int4 weight's operands as views of `words` (int32, filled with random bits here): tiles, lane
+    scales and zero points, one run of memory in that order, and that run."""
+    shapes = [(n // 64, k // STEP_K, 64, 16), (n // 64, k // GROUP, 8, 4, 2), (n // 64, k // GROUP, 8, 2)]
+    sizes = [math.prod(shape) for shape in shapes]
+    run = words[:sum(sizes)]
+    tiles, scale, zero = (part.view(shape) for part, shape in zip(run.split(sizes), shapes, strict=True))
+    tiles.random_()
+    zero.copy_(torch.randint(0, 16, (zero.numel() * 4,), dtype=torch.uint8, device=words.device).view(torch.int32)
+               .view(zero.shape))  # four uint8 zero points a word, each a valid code
+    scale = scale.view(torch.float32)
+    scale.uniform_(1e-3, 2e-3)
+    return tiles, scale, zero, run
+
+
+def gemm_words(n: int, k: int) -> int:
+    """int32 words of `random_int4_gemm`'s run for an [n, k] weight: codes, then 64 scales and 16 zero-point words
+    for each 64-row tile's group."""
+    return n * k // 8 + (n // 64) * (k // GROUP) * (64 + 16)
+
+
+def floors(xs, bf16_ms: float, ceiling: float) -> list[dict]:
+    """The chain of int4 GEMMs against kernels that only read its bytes; see the module's docstring."""
+    per_layer = sum(gemm_words(n, k) for n, k in LAYER)
+    chain = torch.empty(LAYERS * per_layer, dtype=torch.int32, device="cuda")
+    gemms, start = [], 0
+    for _ in range(LAYERS):
+        for n, k in LAYER:
+            gemms.append((n, k, *random_int4_gemm(chain[start:], n, k)))
+            start += gemm_words(n, k)
+    nbytes = chain.nbytes
+
+    def row(name: str, ms: float, pdl: str = "-") -> dict:
+        return {"kernels": name, "dependent launch": pdl, "ms": f"{ms:.3f}", "x bf16": f"{bf16_ms / ms:.2f}",
+                "GB/s": f"{nbytes / ms / 1e6:.0f}", "% copy": f"{100 * nbytes / ms / 1e6 / ceiling:.0f}"}
+
+    def replay(fn) -> float:
+        return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
+
+    def gemm_chain():
+        for n, k, tiles, scale, zero, _ in gemms:
+            int4_mma_mm(xs[k], tiles, scale, zero, GROUP)
+
+    rows = []
+    for pdl in (True, False):
+        with dependent_launches(pdl):
+            rows.append(row("128 int4 GEMMs, the product's split", replay(gemm_chain), "on" if pdl else "off"))
+        print(rows[-1], flush=True)
+    rows.append(row("128 reads as the GEMMs' programs (loads only)", replay(
+        lambda: [read_as_int4_programs(t, s, z, int4_mma_split(n, k)) for n, k, t, s, z, _ in gemms])))
+    print(rows[-1], flush=True)
+    rows.append(row("128 flat reads, one a GEMM's bytes", replay(lambda: [read_flat(run) for *_, run in gemms])))
+    print(rows[-1], flush=True)
+    rows.append(row("one flat read of every byte", replay(lambda: read_flat(chain))))
+    print(rows[-1], flush=True)
+    del gemms, chain
+    torch.cuda.empty_cache()
+    stacked = [(k, n * LAYERS) for k, n in ((4096, sum(n for n, k in LAYER if k == 4096)), (14336, 4096))]
+    merged = []
+    for k, n in stacked:
+        words = torch.empty(gemm_words(n, k), dtype=torch.int32, device="cuda")
+        merged.append((k, *random_int4_gemm(words, n, k)))
+    rows.append(row("2 int4 GEMMs of the same bytes, the product's split", replay(
+        lambda: [int4_mma_mm(xs[k], t, s, z, GROUP) for k, t, s, z, _ in merged]), "on"))
+    print(rows[-1], flush=True)
+    print(f"{LAYERS} layers x {len(LAYER)} GEMMs at M = 1, one CUDA graph; int4 bytes (codes, lane scales, zero "
+          f"points): {nbytes / 1e9:.2f} GB; each kernel's reads summed and stored, so none is dead")
+    return rows
+
+
 def main():
     print(header())
     ceiling = copy_bandwidth_gbs()
@@ -88,6 +166,10 @@ def main():
     xs = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for k in sorted({width for _, width in LAYER})}
     bf16_ms = bf16_chain_ms(xs)
     torch.cuda.empty_cache()
+    if "--floors" in sys.argv:
+        rows = [{"kernels": "bf16 torch.mm", "ms": f"{bf16_ms:.3f}", "x bf16": "1.00"}]
+        print(table(rows + floors(xs, bf16_ms, ceiling)))
+        return
     layers = [[(n, k, *int4_weight(n, k)) for n, k in LAYER] for _ in range(LAYERS)]
     nbytes = sum(t.nbytes for layer in layers for _, _, codes, _, *lanes in layer for t in (codes, *lanes))
     rules = [("the product's split", lambda n, k: None)]

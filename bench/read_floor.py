@@ -1,0 +1,76 @@
+"""Kernels that only read: what reading a decode GEMM's weight bytes costs, without the GEMM.
+
+`read_as_int4_programs` reads int4 tiles, lane scales and zero points with the int4 mma.sync kernel's grid and
+program plan (one warp over a 64-row tile, one K slice, the same STAGES-deep pipeline): its time is the floor of that
+access pattern. `read_flat` reads any tensor front to back, 16 KB a program step over a persistent grid: the floor of
+reading the same bytes as well as a plain kernel can. Each program sums what it reads into one int32 (wrapping), so
+that no load is dead; the sums are not a checksum of anything and serve only the tests, which compare them with
+torch's over the same words.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fxquant.kernels.launch import cdiv
+
+FLAT_WORDS = 4096  # int32 words a program step of read_flat: 16 KB, one contiguous run
+FLAT_PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _read_as_int4_kernel(w_ptr, s_ptr, z_ptr, out_ptr, K, G, SPLIT_K: tl.constexpr, STAGES: tl.constexpr):
+    tile = tl.program_id(0)
+    steps = K // 128
+    per_slice = tl.cdiv(steps, SPLIT_K)
+    first = tl.program_id(1) * per_slice
+    last = tl.minimum(first + per_slice, steps)
+    codes = tl.zeros((1024,), tl.int32)
+    scales = tl.zeros((64,), tl.int32)
+    zeros = tl.zeros((16,), tl.int32)
+    for step in tl.range(first, last, num_stages=STAGES):
+        codes += tl.load(w_ptr + (tile.to(tl.int64) * steps + step) * 1024 + tl.arange(0, 1024))  # the step's tile
+        record = tile * G + step * 128 // (K // G)  # the step's group: its 64 scales and 64 zero points
+        scales += tl.load(s_ptr + record * 64 + tl.arange(0, 64))
+        zeros += tl.load(z_ptr + record * 16 + tl.arange(0, 16))
+    tl.store(out_ptr + tl.program_id(0) * SPLIT_K + tl.program_id(1), tl.sum(codes) + tl.sum(scales) + tl.sum(zeros))
+
+
+@triton.jit
+def _read_flat_kernel(x_ptr, out_ptr, words, WORDS: tl.constexpr, STAGES: tl.constexpr):
+    total = tl.zeros((WORDS,), tl.int32)
+    offsets = tl.arange(0, WORDS)
+    for start in tl.range(tl.program_id(0) * WORDS, words, tl.num_programs(0) * WORDS, num_stages=STAGES):
+        where = offsets.to(tl.int64) + start
+        total += tl.load(x_ptr + where, mask=where < words, other=0)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(total))
+
+
+def read_as_int4_programs(tiles: torch.Tensor, lane_scale: torch.Tensor, lane_zero: torch.Tensor, split: int,
+                          stages: int = 3) -> torch.Tensor:
+    """Read int4 tiles [N / 64, K / 128, 64, 16] (int32 words), their `pack_lanes` scales [N / 64, G, 8, 4, 2]
+    (fp32) and zero points [N / 64, G, 8, 2] (int32) as the int4 mma.sync kernel's (tile, K slice) programs do, K
+    cut into `split` slices. Returns each program's wrapped int32 sum [N / 64 * split]."""
+    row_tiles, k_steps = tiles.shape[:2]
+    groups = lane_scale.shape[1]
+    out = torch.empty(row_tiles * split, dtype=torch.int32, device=tiles.device)
+    _read_as_int4_kernel[(row_tiles, split)](tiles, lane_scale.view(torch.int32), lane_zero, out, k_steps * 128,
+                                            groups, SPLIT_K=split, STAGES=stages, num_warps=1, num_stages=stages)
+    return out
+
+
+def read_flat(x: torch.Tensor, programs: int | None = None, stages: int = 3) -> torch.Tensor:
+    """Read a contiguous tensor (a whole number of int32 words) front to back, FLAT_WORDS words a program step, over
+    `programs` programs (FLAT_PROGRAMS_PER_SM a multiprocessor, fewer where there are fewer steps). Returns each
+    program's wrapped int32 sum."""
+    words = x.reshape(-1).view(torch.int32)
+    if programs is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 2
+        programs = FLAT_PROGRAMS_PER_SM * sms
+    programs = max(1, min(programs, cdiv(words.numel(), FLAT_WORDS)))
+    out = torch.empty(programs, dtype=torch.int32, device=x.device)
+    _read_flat_kernel[(programs,)](words, out, words.numel(), WORDS=FLAT_WORDS, STAGES=stages, num_warps=4,
+                                   num_stages=stages)
+    return out

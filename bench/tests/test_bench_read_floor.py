@@ -1,0 +1,43 @@
+"""bench.read_floor's kernels read every word they are given once (their sums equal torch's over the same words) and
+compile for sm_90; bench.int4_chain lays a random int4 weight's operands out as one run."""
+
+import pytest
+import torch
+
+from bench.int4_chain import GROUP, gemm_words, random_int4_gemm
+from bench.read_floor import FLAT_WORDS, read_as_int4_programs, read_flat
+from tests.sm90_compile import compile_errors, recorded_launches
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's launches are the ones recorded")
+
+
+def _words(n: int, generator: torch.Generator) -> torch.Tensor:
+    """Small int32 words, so that no sum wraps and each word read twice or left out changes the total."""
+    return torch.randint(1, 1000, (n,), dtype=torch.int32, generator=generator)
+
+
+def test_the_reads_sum_each_word_once_and_compile_for_sm90():
+    generator = torch.Generator().manual_seed(0)
+    n, k, split = 128, 512, 3  # 4 K steps over 3 slices: the last slice is short
+    tiles = _words(n * k // 8, generator).view(n // 64, k // 128, 64, 16)
+    scale = _words(n // 64 * k // GROUP * 64, generator).view(torch.float32).view(n // 64, k // GROUP, 8, 4, 2)
+    zero = _words(n // 64 * k // GROUP * 16, generator).view(n // 64, k // GROUP, 8, 2)
+    flat = _words(2 * FLAT_WORDS + 5, generator)  # two whole steps and a part-filled third
+    with recorded_launches() as launches:
+        by_program = read_as_int4_programs(tiles, scale, zero, split)
+        by_flat = read_flat(flat, programs=2)
+    assert by_program.shape == (n // 64 * split,)
+    assert by_program.sum() == tiles.sum() + scale.view(torch.int32).sum() + zero.sum()
+    assert by_flat.shape == (2,) and by_flat.sum() == flat.sum()
+    assert compile_errors(launches) == {}
+
+
+def test_a_random_int4_weight_is_one_run_of_tiles_scales_and_zero_points():
+    n, k = 128, 256
+    words = torch.zeros(gemm_words(n, k) + 7, dtype=torch.int32)
+    tiles, scale, zero, run = random_int4_gemm(words, n, k)
+    assert run.numel() == gemm_words(n, k) and (words[run.numel():] == 0).all()
+    assert tiles.shape == (2, 2, 64, 16) and scale.shape == (2, 2, 8, 4, 2) and zero.shape == (2, 2, 8, 2)
+    assert tiles.data_ptr() == words.data_ptr() and run.numel() == tiles.numel() + scale.numel() + zero.numel()
+    assert scale.dtype == torch.float32 and bool(((scale >= 1e-3) & (scale <= 2e-3)).all())
+    assert int(zero.view(torch.uint8).max()) < 16
