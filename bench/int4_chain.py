@@ -108,8 +108,19 @@ def gemm_words(n: int, k: int) -> int:
     return n * k // 8 + (n // 64) * (k // GROUP) * (64 + 16)
 
 
-def floors(xs, bf16_ms: float, ceiling: float) -> list[dict]:
-    """The chain of int4 GEMMs against kernels that only read its bytes; see the module's docstring."""
+def floor_row(name: str, ms: float, nbytes: int, bf16_ms: float, ceiling: float, pdl: str = "-") -> dict:
+    row = {"kernels": name, "dependent launch": pdl, "ms": f"{ms:.3f}", "x bf16": f"{bf16_ms / ms:.2f}",
+           "GB/s": f"{nbytes / ms / 1e6:.0f}", "% copy": f"{100 * nbytes / ms / 1e6 / ceiling:.0f}"}
+    print(row, flush=True)
+    return row
+
+
+def replay_ms(fn) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
+
+
+def chain_floors(xs, bf16_ms: float, ceiling: float) -> tuple[list[dict], int]:
+    """The 128 GEMMs of the chain, and the reads of their bytes; returns the rows and the bytes."""
     per_layer = sum(gemm_words(n, k) for n, k in LAYER)
     chain = torch.empty(LAYERS * per_layer, dtype=torch.int32, device="cuda")
     gemms, start = [], 0
@@ -119,39 +130,37 @@ def floors(xs, bf16_ms: float, ceiling: float) -> list[dict]:
             start += gemm_words(n, k)
     nbytes = chain.nbytes
 
-    def row(name: str, ms: float, pdl: str = "-") -> dict:
-        return {"kernels": name, "dependent launch": pdl, "ms": f"{ms:.3f}", "x bf16": f"{bf16_ms / ms:.2f}",
-                "GB/s": f"{nbytes / ms / 1e6:.0f}", "% copy": f"{100 * nbytes / ms / 1e6 / ceiling:.0f}"}
-
-    def replay(fn) -> float:
-        return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
-
     def gemm_chain():
-        for n, k, tiles, scale, zero, _ in gemms:
+        for _, k, tiles, scale, zero, _ in gemms:
             int4_mma_mm(xs[k], tiles, scale, zero, GROUP)
 
     rows = []
     for pdl in (True, False):
         with dependent_launches(pdl):
-            rows.append(row("128 int4 GEMMs, the product's split", replay(gemm_chain), "on" if pdl else "off"))
-        print(rows[-1], flush=True)
-    rows.append(row("128 reads as the GEMMs' programs (loads only)", replay(
-        lambda: [read_as_int4_programs(t, s, z, int4_mma_split(n, k)) for n, k, t, s, z, _ in gemms])))
-    print(rows[-1], flush=True)
-    rows.append(row("128 flat reads, one a GEMM's bytes", replay(lambda: [read_flat(run) for *_, run in gemms])))
-    print(rows[-1], flush=True)
-    rows.append(row("one flat read of every byte", replay(lambda: read_flat(chain))))
-    print(rows[-1], flush=True)
-    del gemms, chain
+            rows.append(floor_row("128 int4 GEMMs, the product's split", replay_ms(gemm_chain), nbytes, bf16_ms,
+                                  ceiling, "on" if pdl else "off"))
+    rows.append(floor_row("128 reads as the GEMMs' programs (loads only)", replay_ms(
+        lambda: [read_as_int4_programs(t, s, z, int4_mma_split(n, k)) for n, k, t, s, z, _ in gemms]),
+        nbytes, bf16_ms, ceiling))
+    rows.append(floor_row("128 flat reads, one a GEMM's bytes", replay_ms(lambda: [read_flat(g[-1]) for g in gemms]),
+                          nbytes, bf16_ms, ceiling))
+    rows.append(floor_row("one flat read of every byte", replay_ms(lambda: read_flat(chain)), nbytes, bf16_ms,
+                          ceiling))
+    return rows, nbytes
+
+
+def floors(xs, bf16_ms: float, ceiling: float) -> list[dict]:
+    """The chain of int4 GEMMs against kernels that only read its bytes; see the module's docstring."""
+    rows, nbytes = chain_floors(xs, bf16_ms, ceiling)
     torch.cuda.empty_cache()
-    stacked = [(k, n * LAYERS) for k, n in ((4096, sum(n for n, k in LAYER if k == 4096)), (14336, 4096))]
     merged = []
-    for k, n in stacked:
+    for k, n in ((4096, LAYERS * sum(n for n, k in LAYER if k == 4096)), (14336, LAYERS * 4096)):
         words = torch.empty(gemm_words(n, k), dtype=torch.int32, device="cuda")
         merged.append((k, *random_int4_gemm(words, n, k)))
-    rows.append(row("2 int4 GEMMs of the same bytes, the product's split", replay(
-        lambda: [int4_mma_mm(xs[k], t, s, z, GROUP) for k, t, s, z, _ in merged]), "on"))
-    print(rows[-1], flush=True)
+    with dependent_launches(True):
+        rows.append(floor_row("2 int4 GEMMs of the same bytes, the product's split", replay_ms(
+            lambda: [int4_mma_mm(xs[k], t, s, z, GROUP) for k, t, s, z, _ in merged]), nbytes, bf16_ms, ceiling,
+            "on"))
     print(f"{LAYERS} layers x {len(LAYER)} GEMMs at M = 1, one CUDA graph; int4 bytes (codes, lane scales, zero "
           f"points): {nbytes / 1e9:.2f} GB; each kernel's reads summed and stored, so none is dead")
     return rows
