@@ -14,10 +14,11 @@ With --grid, only the tiles with dependent launch on, at every pair of a program
 pipeline depth (`--stages`): fewer, longer programs keep more K steps in flight each.
 
 With --floors, what reading the chain's bytes costs without the GEMMs (`bench.read_floor`), over random words: the
-GEMMs' own programs that only load (their access pattern's floor); each GEMM's bytes read flat by a plain kernel
-(the floor of 128 dependent kernels of these sizes); all 3.8 GB in one flat read (the device's read ceiling); and
-the GEMM kernel over the same bytes as two GEMMs, each layer's K = 4096 weights stacked into one and the down
-projections into another (the GEMM's own floor without 128 launches, ramps and tails).
+GEMMs' own programs that only load (their access pattern's floor); each GEMM's bytes read flat by a plain kernel,
+over a persistent grid and over programs of 3 steps as the GEMMs' (the floor of 128 dependent kernels of these
+sizes); all 3.8 GB in one flat read (the device's read ceiling); and the GEMM kernel over the same bytes as two
+GEMMs, each layer's K = 4096 weights stacked into one and the down projections into another (the GEMM's own floor
+without 128 launches, ramps and tails).
 
 Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...] [--grid | --floors]
 """
@@ -32,11 +33,12 @@ import torch
 import triton.testing
 
 from bench.common import copy_bandwidth_gbs, header, table
-from bench.read_floor import read_as_int4_programs, read_flat
+from bench.read_floor import FLAT_WORDS, read_as_int4_programs, read_flat
 from fxquant.kernels.code_tiles import tile_codes
 from fxquant.kernels.dependent_launch import dependent_launches, weights_prefetched
 from fxquant.kernels.gemm_int4_mma import STEP_K, int4_mma_mm, int4_mma_split, pack_lanes
 from fxquant.kernels.gemm_weight_only import weight_operands
+from fxquant.kernels.launch import cdiv
 from fxquant.numerics import reference as R
 
 LAYER = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # merged q/k/v, o, merged gate/up, down
@@ -144,6 +146,9 @@ def chain_floors(xs, bf16_ms: float, ceiling: float) -> tuple[list[dict], int]:
         nbytes, bf16_ms, ceiling))
     rows.append(floor_row("128 flat reads, one a GEMM's bytes", replay_ms(lambda: [read_flat(g[-1]) for g in gemms]),
                           nbytes, bf16_ms, ceiling))
+    rows.append(floor_row("128 flat reads, 3 steps of 16 KB a program", replay_ms(
+        lambda: [read_flat(g[-1], programs=cdiv(g[-1].numel(), 3 * FLAT_WORDS)) for g in gemms]), nbytes, bf16_ms,
+        ceiling))
     rows.append(floor_row("one flat read of every byte", replay_ms(lambda: read_flat(chain)), nbytes, bf16_ms,
                           ceiling))
     return rows, nbytes
