@@ -1,11 +1,11 @@
 """Kernels that only read: what reading a decode GEMM's weight bytes costs, without the GEMM.
 
-`read_as_int4_programs` reads int4 tiles, lane scales and zero points with the int4 mma.sync kernel's grid and
-program plan (one warp over a 64-row tile, one K slice, the same STAGES-deep pipeline): its time is the floor of that
-access pattern. `read_flat` reads any tensor front to back, 16 KB a program step over a persistent grid: the floor of
-reading the same bytes as well as a plain kernel can. Each program sums what it reads into one int32 (wrapping), so
-that no load is dead; the sums are not a checksum of anything and serve only the tests, which compare them with
-torch's over the same words.
+`read_as_int4_programs` reads int4 tiles, lane scales and zero points with the int4 mma.sync kernel's grid and program
+plan (one warp over a 64-row tile, one K slice, the same STAGES-deep pipeline): its time is the floor of that access
+pattern; or with several adjacent tiles a program, a warp each. `read_flat` reads any tensor front to back, 16 KB a
+program step over a persistent grid: the floor of reading the same bytes as well as a plain kernel can. Each program
+sums what it reads into one int32 (wrapping), so that no load is dead; the sums are not a checksum of anything and serve
+only the tests, which compare them with torch's over the same words.
 """
 
 from __future__ import annotations
@@ -21,20 +21,23 @@ FLAT_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
-def _read_as_int4_kernel(w_ptr, s_ptr, z_ptr, out_ptr, K, G, SPLIT_K: tl.constexpr, STAGES: tl.constexpr):
-    tile = tl.program_id(0)
+def _read_as_int4_kernel(w_ptr, s_ptr, z_ptr, out_ptr, K, G, row_tiles, SPLIT_K: tl.constexpr,
+                         TILES: tl.constexpr, STAGES: tl.constexpr):
+    tile = tl.program_id(0) * TILES + tl.arange(0, TILES)[:, None]  # TILES tiles of 64 rows, one a warp
+    live = tile < row_tiles
     steps = K // 128
     per_slice = tl.cdiv(steps, SPLIT_K)
     first = tl.program_id(1) * per_slice
     last = tl.minimum(first + per_slice, steps)
-    codes = tl.zeros((1024,), tl.int32)
-    scales = tl.zeros((64,), tl.int32)
-    zeros = tl.zeros((16,), tl.int32)
+    codes = tl.zeros((TILES, 1024), tl.int32)
+    scales = tl.zeros((TILES, 64), tl.int32)
+    zeros = tl.zeros((TILES, 16), tl.int32)
     for step in tl.range(first, last, num_stages=STAGES):
-        codes += tl.load(w_ptr + (tile.to(tl.int64) * steps + step) * 1024 + tl.arange(0, 1024))  # the step's tile
-        record = tile * G + step * 128 // (K // G)  # the step's group: its 64 scales and 64 zero points
-        scales += tl.load(s_ptr + record * 64 + tl.arange(0, 64))
-        zeros += tl.load(z_ptr + record * 16 + tl.arange(0, 16))
+        at = (tile.to(tl.int64) * steps + step) * 1024 + tl.arange(0, 1024)[None, :]  # the step's tiles
+        codes += tl.load(w_ptr + at, mask=live, other=0)
+        record = tile * G + step * 128 // (K // G)  # the step's group: its 64 scales and 64 zero points a tile
+        scales += tl.load(s_ptr + record * 64 + tl.arange(0, 64)[None, :], mask=live, other=0)
+        zeros += tl.load(z_ptr + record * 16 + tl.arange(0, 16)[None, :], mask=live, other=0)
     tl.store(out_ptr + tl.program_id(0) * SPLIT_K + tl.program_id(1), tl.sum(codes) + tl.sum(scales) + tl.sum(zeros))
 
 
@@ -49,15 +52,18 @@ def _read_flat_kernel(x_ptr, out_ptr, words, WORDS: tl.constexpr, STAGES: tl.con
 
 
 def read_as_int4_programs(tiles: torch.Tensor, lane_scale: torch.Tensor, lane_zero: torch.Tensor, split: int,
-                          stages: int = 3) -> torch.Tensor:
+                          stages: int = 3, tiles_per_program: int = 1) -> torch.Tensor:
     """Read int4 tiles [N / 64, K / 128, 64, 16] (int32 words), their `pack_lanes` scales [N / 64, G, 8, 4, 2]
     (fp32) and zero points [N / 64, G, 8, 2] (int32) as the int4 mma.sync kernel's (tile, K slice) programs do, K
-    cut into `split` slices. Returns each program's wrapped int32 sum [N / 64 * split]."""
+    cut into `split` slices; a program a warp a tile, or `tiles_per_program` adjacent tiles with a warp each.
+    Returns each program's wrapped int32 sum [programs * split]."""
     row_tiles, k_steps = tiles.shape[:2]
     groups = lane_scale.shape[1]
-    out = torch.empty(row_tiles * split, dtype=torch.int32, device=tiles.device)
-    _read_as_int4_kernel[(row_tiles, split)](tiles, lane_scale.view(torch.int32), lane_zero, out, k_steps * 128,
-                                            groups, SPLIT_K=split, STAGES=stages, num_warps=1, num_stages=stages)
+    programs = cdiv(row_tiles, tiles_per_program)
+    out = torch.empty(programs * split, dtype=torch.int32, device=tiles.device)
+    _read_as_int4_kernel[(programs, split)](tiles, lane_scale.view(torch.int32), lane_zero, out, k_steps * 128,
+                                            groups, row_tiles, SPLIT_K=split, TILES=tiles_per_program,
+                                            STAGES=stages, num_warps=tiles_per_program, num_stages=stages)
     return out
 
 

@@ -25,9 +25,11 @@ def test_the_reads_sum_each_word_once_and_compile_for_sm90():
     flat = _words(2 * FLAT_WORDS + 5, generator)  # two whole steps and a part-filled third
     with recorded_launches() as launches:
         by_program = read_as_int4_programs(tiles, scale, zero, split)
+        by_programs_of_tiles = read_as_int4_programs(tiles, scale, zero, split, tiles_per_program=4)  # 2 tiles
         by_flat = read_flat(flat, programs=2)
     assert by_program.shape == (n // 64 * split,)
     assert by_program.sum() == tiles.sum() + scale.view(torch.int32).sum() + zero.sum()
+    assert by_programs_of_tiles.shape == (split,) and by_programs_of_tiles.sum() == by_program.sum()
     assert by_flat.shape == (2,) and by_flat.sum() == flat.sum()
     assert compile_errors(launches) == {}
 
