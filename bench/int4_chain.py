@@ -14,11 +14,12 @@ With --grid, only the tiles with dependent launch on, at every pair of a program
 pipeline depth (`--stages`): fewer, longer programs keep more K steps in flight each.
 
 With --floors, what reading the chain's bytes costs without the GEMMs (`bench.read_floor`), over random words: the
-GEMMs' own programs that only load (their access pattern's floor), and with four tiles a program; each GEMM's bytes read
-flat by a plain kernel, over a persistent grid and over programs of 3 steps as the GEMMs' (the floor of 128 dependent
-kernels of these sizes); all 3.8 GB in one flat read (the device's read ceiling); and the GEMM kernel over the same
-bytes as two GEMMs, each layer's K = 4096 weights stacked into one and the down projections into another (the GEMM's own
-floor without 128 launches, ramps and tails).
+GEMMs' own programs that only load (their access pattern's floor), the same read and summed across K slices as the
+GEMMs' are (their split-K tail), and with four tiles a program; each GEMM's bytes read flat by a plain kernel, over a
+persistent grid and over programs of 3 steps as the GEMMs' (the floor of 128 dependent kernels of these sizes); all 3.8
+GB in one flat read (the device's read ceiling); and the GEMM kernel over the same bytes as two GEMMs, each layer's K =
+4096 weights stacked into one and the down projections into another (the GEMM's own floor without 128 launches, ramps
+and tails).
 
 Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...] [--grid | --floors]
 """
@@ -33,7 +34,7 @@ import torch
 import triton.testing
 
 from bench.common import copy_bandwidth_gbs, header, table
-from bench.read_floor import FLAT_WORDS, read_as_int4_programs, read_flat
+from bench.read_floor import FLAT_WORDS, read_as_int4_programs, read_flat, read_then_sum_as_int4_programs
 from fxquant.kernels.code_tiles import tile_codes
 from fxquant.kernels.dependent_launch import dependent_launches, weights_prefetched
 from fxquant.kernels.gemm_int4_mma import STEP_K, int4_mma_mm, int4_mma_split, pack_lanes
@@ -144,6 +145,9 @@ def chain_floors(xs, bf16_ms: float, ceiling: float) -> tuple[list[dict], int]:
     rows.append(floor_row("128 reads as the GEMMs' programs (loads only)", replay_ms(
         lambda: [read_as_int4_programs(t, s, z, int4_mma_split(n, k)) for n, k, t, s, z, _ in gemms]),
         nbytes, bf16_ms, ceiling))
+    rows.append(floor_row("128 reads as the GEMMs' programs, then their split-K sums", replay_ms(
+        lambda: [read_then_sum_as_int4_programs(t, s, z, int4_mma_split(n, k)) for n, k, t, s, z, _ in gemms]), nbytes,
+        bf16_ms, ceiling))
     rows.append(floor_row("128 reads as the GEMMs' programs, 4 tiles (4 warps) a program", replay_ms(
         lambda: [read_as_int4_programs(t, s, z, int4_mma_split(n, k), tiles_per_program=4)
                  for n, k, t, s, z, _ in gemms]), nbytes, bf16_ms, ceiling))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from bench.int4_chain import GROUP, gemm_words, random_int4_gemm
-from bench.read_floor import FLAT_WORDS, read_as_int4_programs, read_flat
+from bench.read_floor import FLAT_WORDS, read_as_int4_programs, read_flat, read_then_sum_as_int4_programs
 from tests.sm90_compile import compile_errors, recorded_launches
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's launches are the ones recorded")
@@ -27,10 +27,17 @@ def test_the_reads_sum_each_word_once_and_compile_for_sm90():
         by_program = read_as_int4_programs(tiles, scale, zero, split)
         by_programs_of_tiles = read_as_int4_programs(tiles, scale, zero, split, tiles_per_program=4)  # 2 tiles
         by_flat = read_flat(flat, programs=2)
+        summed = read_then_sum_as_int4_programs(tiles, scale, zero, split)
     assert by_program.shape == (n // 64 * split,)
     assert by_program.sum() == tiles.sum() + scale.view(torch.int32).sum() + zero.sum()
     assert by_programs_of_tiles.shape == (split,) and by_programs_of_tiles.sum() == by_program.sum()
     assert by_flat.shape == (2,) and by_flat.sum() == flat.sum()
+    # each tile's output rows g + 16 b and g + 8 + 16 b: its words 32 (4 g) + 8 b .. + 7 of every step, plus every
+    # scale and zero-point word of its groups, summed over the K slices (integers under 2^24: exact in fp32)
+    words = tiles.reshape(n // 64, k // 128, 32, 4, 8)[:, :, 0::4].sum(dim=(1, 4))  # [tiles, g, b]
+    groups = scale.view(torch.int32).flatten(1).sum(1) + zero.flatten(1).sum(1)
+    expected = (words + groups[:, None, None]).transpose(1, 2).reshape(n // 64, 4, 1, 8).expand(-1, -1, 2, -1)
+    assert torch.equal(summed, expected.reshape(1, n).float().to(torch.bfloat16))
     assert compile_errors(launches) == {}
 
 
