@@ -31,13 +31,15 @@ import math
 import sys
 
 import torch
+import triton.language as tl
 import triton.testing
 
 from bench.common import copy_bandwidth_gbs, header, table
 from bench.read_floor import FLAT_WORDS, read_as_int4_programs, read_flat, read_then_sum_as_int4_programs
+from fxquant.kernels.cast import float_cast_mode
 from fxquant.kernels.code_tiles import tile_codes
-from fxquant.kernels.dependent_launch import dependent_launches, weights_prefetched
-from fxquant.kernels.gemm_int4_mma import STEP_K, int4_mma_mm, int4_mma_split, pack_lanes
+from fxquant.kernels.dependent_launch import dependent_launches, launch_options, weights_prefetched
+from fxquant.kernels.gemm_int4_mma import STEP_K, _int4_mma_kernel, int4_mma_mm, int4_mma_split, pack_lanes
 from fxquant.kernels.gemm_weight_only import weight_operands
 from fxquant.kernels.launch import cdiv
 from fxquant.numerics import reference as R
@@ -118,6 +120,22 @@ def floor_row(name: str, ms: float, nbytes: int, bf16_ms: float, ceiling: float,
     return row
 
 
+def int4_partials_only(a, tiles, lane_scale, lane_zero) -> torch.Tensor:
+    """The int4 mma.sync kernel as `int4_mma_mm` launches it over tiles, at its split, but ending at its K slices'
+    fp32 partials [split, M, N], which nothing sums: the GEMM without its split-K tail, the floor of a sum folded into
+    the consumer."""
+    M, K = a.shape
+    n = tiles.shape[0] * 64
+    split = int4_mma_split(n, K)
+    ws = torch.empty((split, M, n), dtype=torch.float32, device=a.device)
+    _int4_mma_kernel[(tiles.shape[0], split)](
+        a.view(torch.int32), tiles, lane_scale, lane_zero, ws, ws, ws, ws, M, n, K, K // GROUP, a.stride(0) // 2,
+        tiles.stride(0), ws.stride(0), GROUP=GROUP, HAS_ZP=True, BF16=True, SPLIT_K=split, LAST_SLICE_SUMS=False,
+        HAS_BIAS=False, OUT=tl.bfloat16, CAST=float_cast_mode(_int4_mma_kernel), STAGES=3, TILED=True, num_warps=1,
+        num_stages=3, **launch_options(a.device))
+    return ws
+
+
 def replay_ms(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
 
@@ -156,6 +174,10 @@ def chain_floors(xs, bf16_ms: float, ceiling: float) -> tuple[list[dict], int]:
     rows.append(floor_row("128 flat reads, 3 steps of 16 KB a program", replay_ms(
         lambda: [read_flat(g[-1], programs=cdiv(g[-1].numel(), 3 * FLAT_WORDS)) for g in gemms]), nbytes, bf16_ms,
         ceiling))
+    with dependent_launches(True):
+        rows.append(floor_row("128 int4 GEMMs ending at their partials (no split-K sum)", replay_ms(
+            lambda: [int4_partials_only(xs[k], t, s, z) for _, k, t, s, z, _ in gemms]), nbytes, bf16_ms, ceiling,
+            "on"))
     rows.append(floor_row("one flat read of every byte", replay_ms(lambda: read_flat(chain)), nbytes, bf16_ms,
                           ceiling))
     return rows, nbytes
