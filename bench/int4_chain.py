@@ -7,19 +7,20 @@ unit a kernel change must win on before the 32-layer step.
 Each row is the mma.sync kernel (`gemm_int4_mma`) at a split-K rule: the product's (`int4_mma_split`), or K cut
 toward a program count per GEMM; with dependent launch on (as the decode step runs) and off; over the codes in rows,
 as `quantize` packs them, and in tiles (`code_tiles`), as the backend holds them on the GPU. Last, the tiles at the
-product's split with dependent launch on, at other pipeline depths (`int4_mma_mm`'s stages, 3 in the product), and
-with each program's first codes asked of the L2 before it waits for the previous GEMM (`weights_prefetched`).
+product's split with dependent launch on, at other pipeline depths (`int4_mma_mm`'s stages, 3 in the product), with
+each K step's MMAs block after block rather than in four interleaved chains (`mma_chains_interleaved`), and with
+each program's first codes asked of the L2 before it waits for the previous GEMM (`weights_prefetched`).
 
 With --grid, only the tiles with dependent launch on, at every pair of a program count (`--programs`) and a
 pipeline depth (`--stages`): fewer, longer programs keep more K steps in flight each.
 
-With --floors, what reading the chain's bytes costs without the GEMMs (`bench.read_floor`), over random words: the
-GEMMs' own programs that only load (their access pattern's floor), the same read and summed across K slices as the
-GEMMs' are (their split-K tail), and with four tiles a program; each GEMM's bytes read flat by a plain kernel, over a
-persistent grid and over programs of 3 steps as the GEMMs' (the floor of 128 dependent kernels of these sizes); all 3.8
-GB in one flat read (the device's read ceiling); and the GEMM kernel over the same bytes as two GEMMs, each layer's K =
-4096 weights stacked into one and the down projections into another (the GEMM's own floor without 128 launches, ramps
-and tails).
+With --floors, the GEMMs (also with their MMAs block after block), then what reading the chain's bytes costs without the
+GEMMs (`bench.read_floor`), over random words: the GEMMs' own programs that only load (their access pattern's floor),
+the same read and summed across K slices as the GEMMs' are (their split-K tail), and with four tiles a program; each
+GEMM's bytes read flat by a plain kernel, over a persistent grid and over programs of 3 steps as the GEMMs' (the floor
+of 128 dependent kernels of these sizes); all 3.8 GB in one flat read (the device's read ceiling); and the GEMM kernel
+over the same bytes as two GEMMs, each layer's K = 4096 weights stacked into one and the down projections into another
+(the GEMM's own floor without 128 launches, ramps and tails).
 
 Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...] [--grid | --floors]
 """
@@ -39,7 +40,15 @@ from bench.read_floor import FLAT_WORDS, read_as_int4_programs, read_flat, read_
 from fxquant.kernels.cast import float_cast_mode
 from fxquant.kernels.code_tiles import tile_codes
 from fxquant.kernels.dependent_launch import dependent_launches, launch_options, weights_prefetched
-from fxquant.kernels.gemm_int4_mma import STEP_K, _int4_mma_kernel, int4_mma_mm, int4_mma_split, pack_lanes
+from fxquant.kernels.gemm_int4_mma import (
+    STEP_K,
+    _int4_mma_kernel,
+    int4_mma_mm,
+    int4_mma_split,
+    mma_chains_interleaved,
+    pack_lanes,
+    step_asm,
+)
 from fxquant.kernels.gemm_weight_only import weight_operands
 from fxquant.kernels.launch import cdiv
 from fxquant.numerics import reference as R
@@ -131,8 +140,8 @@ def int4_partials_only(a, tiles, lane_scale, lane_zero) -> torch.Tensor:
     _int4_mma_kernel[(tiles.shape[0], split)](
         a.view(torch.int32), tiles, lane_scale, lane_zero, ws, ws, ws, ws, M, n, K, K // GROUP, a.stride(0) // 2,
         tiles.stride(0), ws.stride(0), GROUP=GROUP, HAS_ZP=True, BF16=True, SPLIT_K=split, LAST_SLICE_SUMS=False,
-        HAS_BIAS=False, OUT=tl.bfloat16, CAST=float_cast_mode(_int4_mma_kernel), STAGES=3, TILED=True, num_warps=1,
-        num_stages=3, **launch_options(a.device))
+        HAS_BIAS=False, OUT=tl.bfloat16, CAST=float_cast_mode(_int4_mma_kernel), STAGES=3, TILED=True,
+        STEP=step_asm(a.dtype), num_warps=1, num_stages=3, **launch_options(a.device))
     return ws
 
 
@@ -160,6 +169,9 @@ def chain_floors(xs, bf16_ms: float, ceiling: float) -> tuple[list[dict], int]:
         with dependent_launches(pdl):
             rows.append(floor_row("128 int4 GEMMs, the product's split", replay_ms(gemm_chain), nbytes, bf16_ms,
                                   ceiling, "on" if pdl else "off"))
+    with dependent_launches(True), mma_chains_interleaved(False):
+        rows.append(floor_row("the same, each K step's MMAs block after block", replay_ms(gemm_chain), nbytes,
+                              bf16_ms, ceiling, "on"))
     rows.append(floor_row("128 reads as the GEMMs' programs (loads only)", replay_ms(
         lambda: [read_as_int4_programs(t, s, z, int4_mma_split(n, k)) for n, k, t, s, z, _ in gemms]),
         nbytes, bf16_ms, ceiling))
@@ -241,6 +253,10 @@ def main():
             rows.append(row(f"tiled, the product's split, {stages} stages", True,
                             chain_ms(layers, xs, rules[0][1], True, stages)))
         print(rows[-1], flush=True)
+    with dependent_launches(True), mma_chains_interleaved(False):
+        rows.append(row("tiled, the product's split, MMAs block after block", True,
+                        chain_ms(layers, xs, rules[0][1], True)))
+    print(rows[-1], flush=True)
     with dependent_launches(True), weights_prefetched(True):
         rows.append(row("tiled, the product's split, first codes prefetched", True,
                         chain_ms(layers, xs, rules[0][1], True)))

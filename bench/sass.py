@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -107,11 +108,12 @@ def int4_mma_kernel_sass(stages: int | None = None, code_rows: bool = False,
                          prefetch: bool = False) -> tuple[str, int]:
     """SASS and registers per thread of the int4 mma.sync kernel at M = 1 (bf16, zero points) on 14336x4096, split
     in 5 (`int4_mma_split`) and summed by the last slice, with dependent launch; its codes in tiles, as the backend
-    holds them on the GPU, unless code_rows; prefetch: its first codes asked of the L2 before the wait."""
+    holds them on the GPU, unless code_rows; prefetch: its first codes asked of the L2 before the wait. Its MMAs in
+    the order `gemm_int4_mma.mma_chains_interleaved` sets (`--blockwise`: block after block)."""
     stages = stages or 3  # int4_mma_mm's default
     constexprs = dict(GROUP=gemm_int4_mma.STEP_K, HAS_ZP=True, BF16=True, SPLIT_K=5, LAST_SLICE_SUMS=True,
                       HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, STAGES=stages, PDL=True, TILED=not code_rows,
-                      PREFETCH=prefetch and not code_rows)
+                      PREFETCH=prefetch and not code_rows, STEP=gemm_int4_mma.step_asm(torch.bfloat16))
     pointers = dict(a_ptr="*i32", w_ptr="*i32", s_ptr="*fp32", z_ptr="*i32", ws_ptr="*fp32", c_ptr="*bf16",
                     bias_ptr="*bf16", counter_ptr="*i32")
     return compiled_by_name(gemm_int4_mma._int4_mma_kernel, constexprs, pointers, [*pointers, *MMA_DIVISIBLE], 1,
@@ -268,9 +270,12 @@ def main():
         step = "K step"
     elif "mma" in sys.argv:
         prefetch = "--prefetch" in sys.argv
-        sass, registers = int4_mma_kernel_sass(stages, code_rows, prefetch)
+        blockwise = "--blockwise" in sys.argv
+        with gemm_int4_mma.mma_chains_interleaved(not blockwise):
+            sass, registers = int4_mma_kernel_sass(stages, code_rows, prefetch)
         what = (f"int4 on mma.sync, M = 1 (64 rows x 128 codes a warp), codes in {'rows' if code_rows else 'tiles'}"
-                f"{', first codes prefetched' if prefetch else ''}")
+                f"{', first codes prefetched' if prefetch else ''}, MMAs "
+                f"{'block after block' if blockwise else 'in four interleaved chains'}")
         step = "K step"
     elif "w4a8" in sys.argv:
         sass, registers = w4a8_kernel_sass(stages)

@@ -69,31 +69,64 @@ MAX_M = 8  # activation rows one m16n8k16 MMA takes as its B operand
 _serves_rows = [1]  # the most activation rows linear_int4_lanes gives this kernel (`serving_up_to`)
 
 
-def _step_asm(magic: str, fma: str, one: str, dtype: str) -> str:
-    """PTX for one 16-row block and one K step. Operands: $0-$3 the fp32 accumulator out (C fragment); $4-$7 row
-    g's four words, $8-$11 row g + 8's; $12, $13 -(magic + z) for the two rows as x2 pairs; $14 + 2c, $15 + 2c the
-    activation pairs of MMA c."""
-    lines = ["{", ".reg .b32 s, a0, a1, a2, a3, zero, one;", "mov.b32 zero, 0;", f"mov.b32 one, {one};"]
-    for c in range(8):
+BLOCKS = 4  # 16-row MMA blocks of a program's 64 rows
+
+
+def _step_asm(magic: str, fma: str, one: str, dtype: str, interleaved: bool) -> str:
+    """PTX for one K step of the program's four 16-row blocks. Operands: $4b-$4b+3 block b's fp32 accumulator out (C
+    fragment); $16 + 8b .. + 3 row g's four words of block b, + 4 .. + 7 row g + 8's; $48 + 2b, $49 + 2b -(magic + z)
+    for block b's two rows as x2 pairs; $56 + 2c, $57 + 2c the activation pairs of MMA c.
+
+    Each block's eight MMAs chain through its accumulator, in the order c = 0..7 either way, so the sums and their
+    bits do not depend on `interleaved`. Interleaved, MMA c of every block is written before MMA c + 1 of any: four
+    independent chains, which ptxas overlaps two at a time, so that an MMA's latency is spent on another block's
+    decode and MMA. Block after block, ptxas ran the 32 MMAs of a step as one dependent chain, with one or two warps
+    a scheduler to cover it (`python -m bench.sass mma [--blockwise]`)."""
+    lines = ["{", ".reg .b32 s, zero, one;", ".reg .b32 " + ", ".join(f"a{b}_{r}" for b in range(BLOCKS)
+                                                                      for r in range(4)) + ";",
+             "mov.b32 zero, 0;", f"mov.b32 one, {one};"]
+
+    def mma(b: int, c: int) -> list[str]:
         u, e = divmod(c, 2)
         lo, hi = 8 * e, 8 * e + 4  # bit shifts of nibbles 2e and 2e + 1 (each with its partner 4 nibbles up)
-        for reg, word, shift in ((0, 4 + u, lo), (1, 8 + u, lo), (2, 4 + u, hi), (3, 8 + u, hi)):
+        words = (16 + 8 * b + u, 20 + 8 * b + u)  # rows g and g + 8
+        out = []
+        for reg, word, shift in ((0, words[0], lo), (1, words[1], lo), (2, words[0], hi), (3, words[1], hi)):
             src = f"${word}"
             if shift:
-                lines.append(f"shr.u32 s, ${word}, {shift};")
+                out.append(f"shr.u32 s, ${word}, {shift};")
                 src = "s"
             # (w & 0x000f000f) | magic: two codes in the mantissas of a packed pair, exactly magic + q
-            lines.append(f"lop3.b32 a{reg}, {src}, 0x000f000f, {magic}, 0xea;")
+            out.append(f"lop3.b32 a{b}_{reg}, {src}, 0x000f000f, {magic}, 0xea;")
         for reg in range(4):  # (magic + q) * 1 - (magic + z) = q - z, exact: |q - z| <= 15 and the ulp is 1
-            lines.append(f"{fma} a{reg}, a{reg}, one, ${12 + reg % 2};")
-        acc = "zero, zero, zero, zero" if c == 0 else "$0, $1, $2, $3"
-        lines.append(mma_line(dtype, "a0, a1, a2, a3", f"${14 + 2 * c}, ${15 + 2 * c}", acc))
+            out.append(f"{fma} a{b}_{reg}, a{b}_{reg}, one, ${48 + 2 * b + reg % 2};")
+        acc = ", ".join(f"${4 * b + r}" for r in range(4))
+        regs = ", ".join(f"a{b}_{r}" for r in range(4))
+        out.append(mma_line(dtype, regs, f"${56 + 2 * c}, ${57 + 2 * c}", "zero, zero, zero, zero" if c == 0 else acc,
+                            acc))
+        return out
+
+    order = [(b, c) for c in range(8) for b in range(BLOCKS)] if interleaved else \
+        [(b, c) for b in range(BLOCKS) for c in range(8)]
+    for b, c in order:
+        lines += mma(b, c)
     return "\n".join(lines + ["}"])
 
 
-STEP_BF16 = tl.constexpr(_step_asm("0x43004300", "fma.rn.bf16x2", "0x3F803F80", "bf16"))  # 128.0 in bf16
-STEP_F16 = tl.constexpr(_step_asm("0x64006400", "fma.rn.f16x2", "0x3C003C00", "f16"))  # 1024.0 in f16
-STEP_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 26))
+def _step_asms(interleaved: bool) -> tuple[tl.constexpr, tl.constexpr]:
+    return (tl.constexpr(_step_asm("0x43004300", "fma.rn.bf16x2", "0x3F803F80", "bf16", interleaved)),  # 128.0, bf16
+            tl.constexpr(_step_asm("0x64006400", "fma.rn.f16x2", "0x3C003C00", "f16", interleaved)))  # 1024.0, f16
+
+
+_STEPS = {interleaved: dict(zip((torch.bfloat16, torch.float16), _step_asms(interleaved), strict=True))
+          for interleaved in (True, False)}
+STEP_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 56))
+_interleaved = [True]  # `mma_chains_interleaved`
+
+
+def step_asm(dtype: torch.dtype) -> tl.constexpr:
+    """The K step's PTX for bf16 or fp16 activations, its MMAs in the order `mma_chains_interleaved` chose."""
+    return _STEPS[_interleaved[0]][dtype]
 
 
 @triton.jit
@@ -104,21 +137,36 @@ def _offsets(z, BF16: tl.constexpr):
 
 
 @triton.jit
-def _block_step(w_ptr, row0, stride_w, t, step, N, z0, z1, x0, x1, x2, x3, x4, x5, x6, x7,
-                y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP: tl.constexpr, BF16: tl.constexpr, TILED: tl.constexpr):
-    """One K step of one 16-row block: its C fragment ([32] each) from rows row0 (g) and row0 + 8 (g + 8), read as
-    `mma_fragments.block_words` reads them."""
+def _block_columns(w_ptr, row0, stride_w, t, step, N, HAS_ZP: tl.constexpr, TILED: tl.constexpr):
+    """One K step's words of one 16-row block, rows row0 (g) and row0 + 8 (g + 8), read as `mma_fragments.block_words`
+    reads them: the eight [32] columns the step's PTX takes (row g's four, then row g + 8's)."""
     w0, w1 = block_words(w_ptr, row0, stride_w, t, step, N, TILED)  # [32, 4]: rows g and g + 8
     if not HAS_ZP:  # a symmetric code c is (c ^ 8) - 8
         w0 = w0 ^ -0x77777778  # 0x88888888 as int32: bit 3 of every nibble
         w1 = w1 ^ -0x77777778
     r0, r1, r2, r3 = columns(w0)
     q0, q1, q2, q3 = columns(w1)
+    return r0, r1, r2, r3, q0, q1, q2, q3
+
+
+@triton.jit
+def _step(w_ptr, row0, stride_w, t, step, N, za0, za1, zb0, zb1, zc0, zc1, zd0, zd1, x0, x1, x2, x3, x4, x5, x6, x7,
+          y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP: tl.constexpr, BF16: tl.constexpr, TILED: tl.constexpr,
+          STEP: tl.constexpr):
+    """One K step of the program's four 16-row blocks (rows row0 + 16 b, + 8) by the PTX `STEP` (`step_asm`): their
+    C fragments, sixteen [32]."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = _block_columns(w_ptr, row0, stride_w, t, step, N, HAS_ZP, TILED)
+    b0, b1, b2, b3, b4, b5, b6, b7 = _block_columns(w_ptr, row0 + 16, stride_w, t, step, N, HAS_ZP, TILED)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _block_columns(w_ptr, row0 + 32, stride_w, t, step, N, HAS_ZP, TILED)
+    d0, d1, d2, d3, d4, d5, d6, d7 = _block_columns(w_ptr, row0 + 48, stride_w, t, step, N, HAS_ZP, TILED)
     return tl.inline_asm_elementwise(
-        STEP_BF16 if BF16 else STEP_F16, STEP_CONSTRAINTS,
-        [r0, r1, r2, r3, q0, q1, q2, q3, _offsets(z0, BF16), _offsets(z1, BF16),
+        STEP, STEP_CONSTRAINTS,
+        [a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
+         c0, c1, c2, c3, c4, c5, c6, c7, d0, d1, d2, d3, d4, d5, d6, d7,
+         _offsets(za0, BF16), _offsets(za1, BF16), _offsets(zb0, BF16), _offsets(zb1, BF16),
+         _offsets(zc0, BF16), _offsets(zc1, BF16), _offsets(zd0, BF16), _offsets(zd1, BF16),
          x0, y0, x1, y1, x2, y2, x3, y3, x4, y4, x5, y5, x6, y6, x7, y7],
-        dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        dtype=(tl.float32,) * 16, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -126,7 +174,7 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
                      stride_wn, stride_ws, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr,
                      SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
                      CAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, TILED: tl.constexpr,
-                     PREFETCH: tl.constexpr = False):
+                     STEP: tl.constexpr, PREFETCH: tl.constexpr = False):
     if not PREFETCH:
         await_previous(PDL)
     g, t, tile, rows0, rows1, a_row, a_in, steps, first, last = warp_plan(a_ptr, stride_am, M, K, SPLIT_K)
@@ -152,14 +200,9 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
             za1, zb0, zb1, zc0, zc1, zd0, zd1 = za0, za0, za0, za0, za0, za0, za0
         x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(a_row, step, a_in)
         w_step, local = step_codes(w_ptr, tile, g, step, K, TILED)
-        a0, a1, a2, a3 = _block_step(w_step, local, stride_wn, t, step, N, za0, za1, x0, x1, x2, x3, x4, x5, x6, x7,
-                                     y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16, TILED)
-        b0, b1, b2, b3 = _block_step(w_step, local + 16, stride_wn, t, step, N, zb0, zb1, x0, x1, x2, x3, x4, x5, x6,
-                                     x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16, TILED)
-        c0, c1, c2, c3 = _block_step(w_step, local + 32, stride_wn, t, step, N, zc0, zc1, x0, x1, x2, x3, x4, x5, x6,
-                                     x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16, TILED)
-        d0, d1, d2, d3 = _block_step(w_step, local + 48, stride_wn, t, step, N, zd0, zd1, x0, x1, x2, x3, x4, x5, x6,
-                                     x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16, TILED)
+        (a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3) = _step(
+            w_step, local, stride_wn, t, step, N, za0, za1, zb0, zb1, zc0, zc1, zd0, zd1,
+            x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16, TILED, STEP)
         # the group's scale multiplies the step's exact-operand fp32 sums, as gemm_weight_only's int4 path does
         acc0 += stack(a0, b0, c0, d0) * s0
         acc1 += stack(a1, b1, c1, d1) * s0
@@ -195,6 +238,13 @@ def pack_lanes(scale: torch.Tensor, zero_point: torch.Tensor | None):
     then viewed as int32 words [tiles, G, 8, 2]. Returns (scales, zero points or None)."""
     zeros = None if zero_point is None else lane_order(zero_point).reshape(-1, scale.shape[1], 8, 8).view(torch.int32)
     return lane_order(scale), zeros
+
+
+def mma_chains_interleaved(enabled: bool):
+    """Kernels launched inside the block issue each K step's 32 MMAs as four interleaved chains (True, the default)
+    or block after block (False): the same sums in the same order, so the same bits; for timing one against the
+    other (`python -m bench.int4_chain`)."""
+    return set_inside(_interleaved, enabled)
 
 
 def serving_up_to(rows: int):
@@ -263,5 +313,5 @@ def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split
         GROUP=group, HAS_ZP=lane_zero is not None, BF16=a.dtype == torch.bfloat16, SPLIT_K=split,
         LAST_SLICE_SUMS=count is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[a.dtype],
         CAST=float_cast_mode(_int4_mma_kernel), STAGES=stages, TILED=tiled, num_warps=1, num_stages=stages,
-        PREFETCH=tiled and prefetching(pdl), **pdl)
+        STEP=step_asm(a.dtype), PREFETCH=tiled and prefetching(pdl), **pdl)
     return out if count is not None else reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])

@@ -19,9 +19,10 @@ import triton.language as tl
 from fxquant.kernels.code_tiles import step_tile
 
 
-def mma_line(dtype: str, a: str, b: str, acc: str) -> str:
-    """One m16n8k16 MMA (fp32 accumulators) into $0-$3, from A registers `a`, B registers `b` and C `acc`."""
-    return f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32 {{$0, $1, $2, $3}}, {{{a}}}, {{{b}}}, {{{acc}}};"
+def mma_line(dtype: str, a: str, b: str, acc: str, out: str = "$0, $1, $2, $3") -> str:
+    """One m16n8k16 MMA (fp32 accumulators) into `out` ($0-$3 unless given), from A registers `a`, B registers `b`
+    and C `acc`."""
+    return f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32 {{{out}}}, {{{a}}}, {{{b}}}, {{{acc}}};"
 
 
 @triton.jit

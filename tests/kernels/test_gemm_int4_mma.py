@@ -54,8 +54,9 @@ def test_pack_lanes_puts_each_scale_and_zero_point_where_the_kernel_reads_it():
 
 def _ptx_step(self, asm, constraints, values, types, is_pure, pack):
     """create_inline_asm for the interpreter: the kernel's PTX (`_step_asm`) run by ptx_emulator over the warp's 32
-    lanes, its fp32 accumulator out."""
-    out = run(asm, [np.broadcast_to(v.data, (32,)).astype(np.int64) for v in values], outputs=4)
+    lanes, its fp32 accumulators out (four blocks' C fragments)."""
+    out = run(asm, [np.broadcast_to(v.data, (32,)).astype(np.int64) for v in values],
+              outputs=constraints.split(",").count("=f"))
 
     class Result:
         def get_result(self, i):
@@ -74,6 +75,28 @@ def test_the_kernel_under_the_interpreter(monkeypatch, dtype, M, N, K, group, sy
     out = int4_mma_mm(x, codes, lane_scale, lane_zero, group, bias, split=split)
     assert out.shape == (M, N) and out.dtype == dtype
     assert within_bound(out, x, R.dequantize(q, torch.float64), bias)
+
+
+@pytest.mark.skipif(GPU, reason="the interpreter with an emulator of the PTX; the GPU runs the PTX itself below")
+def test_the_mma_order_changes_no_bit_under_the_interpreter(monkeypatch):
+    """Each block's MMAs chain in the same order either way: interleaved across the blocks or block after block."""
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", _ptx_step, raising=False)
+    q, x, bias, codes, lane_scale, lane_zero = operands(200, 512, 3, torch.bfloat16)
+    interleaved = int4_mma_mm(x, codes, lane_scale, lane_zero, 128, bias, split=2)
+    with gemm_int4_mma.mma_chains_interleaved(False):
+        blockwise = int4_mma_mm(x, codes, lane_scale, lane_zero, 128, bias, split=2)
+    assert torch.equal(interleaved, blockwise)
+    assert within_bound(interleaved, x, R.dequantize(q, torch.float64), bias)
+
+
+@pytest.mark.gpu
+def test_the_mma_order_changes_no_bit_on_the_gpu():
+    q, x, bias, codes, lane_scale, lane_zero = operands(4160, 4096, 1, torch.bfloat16)
+    interleaved = int4_mma_mm(x, codes, lane_scale, lane_zero, 128, bias)
+    with gemm_int4_mma.mma_chains_interleaved(False):
+        blockwise = int4_mma_mm(x, codes, lane_scale, lane_zero, 128, bias)
+    assert torch.equal(interleaved, blockwise)
+    assert within_bound(interleaved, x, R.dequantize(q, torch.float64), bias)
 
 
 @pytest.mark.gpu
