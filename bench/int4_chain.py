@@ -45,12 +45,12 @@ from fxquant.kernels.gemm_int4_mma import (
     _int4_mma_kernel,
     int4_mma_mm,
     int4_mma_split,
-    mma_chains_interleaved,
     pack_lanes,
     step_asm,
 )
 from fxquant.kernels.gemm_weight_only import weight_operands
 from fxquant.kernels.launch import cdiv
+from fxquant.kernels.mma_fragments import mma_chains_interleaved
 from fxquant.numerics import reference as R
 
 LAYER = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # merged q/k/v, o, merged gate/up, down

@@ -38,7 +38,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fxquant.kernels import decode_attention as DA
-from fxquant.kernels import gemm_fp4_mma, gemm_fp8, gemm_int4_fp8, gemm_int4_mma, silu_mul_quant
+from fxquant.kernels import gemm_fp4_mma, gemm_fp8, gemm_int4_fp8, gemm_int4_mma, mma_fragments, silu_mul_quant
 from fxquant.kernels.codes import FORMATS, PACKED
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_weight_only import _wo_gemm_kernel, wo_gemm_config
@@ -109,7 +109,7 @@ def int4_mma_kernel_sass(stages: int | None = None, code_rows: bool = False,
     """SASS and registers per thread of the int4 mma.sync kernel at M = 1 (bf16, zero points) on 14336x4096, split
     in 5 (`int4_mma_split`) and summed by the last slice, with dependent launch; its codes in tiles, as the backend
     holds them on the GPU, unless code_rows; prefetch: its first codes asked of the L2 before the wait. Its MMAs in
-    the order `gemm_int4_mma.mma_chains_interleaved` sets (`--blockwise`: block after block)."""
+    the order `mma_fragments.mma_chains_interleaved` sets (`--blockwise`: block after block)."""
     stages = stages or 3  # int4_mma_mm's default
     constexprs = dict(GROUP=gemm_int4_mma.STEP_K, HAS_ZP=True, BF16=True, SPLIT_K=5, LAST_SLICE_SUMS=True,
                       HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, STAGES=stages, PDL=True, TILED=not code_rows,
@@ -271,7 +271,7 @@ def main():
     elif "mma" in sys.argv:
         prefetch = "--prefetch" in sys.argv
         blockwise = "--blockwise" in sys.argv
-        with gemm_int4_mma.mma_chains_interleaved(not blockwise):
+        with mma_fragments.mma_chains_interleaved(not blockwise):
             sass, registers = int4_mma_kernel_sass(stages, code_rows, prefetch)
         what = (f"int4 on mma.sync, M = 1 (64 rows x 128 codes a warp), codes in {'rows' if code_rows else 'tiles'}"
                 f"{', first codes prefetched' if prefetch else ''}, MMAs "

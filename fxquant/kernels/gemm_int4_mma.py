@@ -52,9 +52,12 @@ from fxquant.kernels.dependent_launch import (
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, set_inside, visible
 from fxquant.kernels.mma_fragments import (
+    BLOCKS,
     block_words,
     columns,
+    interleaved,
     mma_line,
+    mma_order,
     stack,
     step_activations,
     step_codes,
@@ -69,19 +72,13 @@ MAX_M = 8  # activation rows one m16n8k16 MMA takes as its B operand
 _serves_rows = [1]  # the most activation rows linear_int4_lanes gives this kernel (`serving_up_to`)
 
 
-BLOCKS = 4  # 16-row MMA blocks of a program's 64 rows
-
-
 def _step_asm(magic: str, fma: str, one: str, dtype: str, interleaved: bool) -> str:
     """PTX for one K step of the program's four 16-row blocks. Operands: $4b-$4b+3 block b's fp32 accumulator out (C
     fragment); $16 + 8b .. + 3 row g's four words of block b, + 4 .. + 7 row g + 8's; $48 + 2b, $49 + 2b -(magic + z)
     for block b's two rows as x2 pairs; $56 + 2c, $57 + 2c the activation pairs of MMA c.
 
-    Each block's eight MMAs chain through its accumulator, in the order c = 0..7 either way, so the sums and their
-    bits do not depend on `interleaved`. Interleaved, MMA c of every block is written before MMA c + 1 of any: four
-    independent chains, which ptxas overlaps two at a time, so that an MMA's latency is spent on another block's
-    decode and MMA. Block after block, ptxas ran the 32 MMAs of a step as one dependent chain, with one or two warps
-    a scheduler to cover it (`python -m bench.sass mma [--blockwise]`)."""
+    Each block's eight MMAs chain through its accumulator, in the order c = 0..7; `interleaved` orders the blocks'
+    chains as `mma_fragments.mma_order` says, which changes no bit."""
     lines = ["{", ".reg .b32 s, zero, one;", ".reg .b32 " + ", ".join(f"a{b}_{r}" for b in range(BLOCKS)
                                                                       for r in range(4)) + ";",
              "mov.b32 zero, 0;", f"mov.b32 one, {one};"]
@@ -106,9 +103,7 @@ def _step_asm(magic: str, fma: str, one: str, dtype: str, interleaved: bool) -> 
                             acc))
         return out
 
-    order = [(b, c) for c in range(8) for b in range(BLOCKS)] if interleaved else \
-        [(b, c) for b in range(BLOCKS) for c in range(8)]
-    for b, c in order:
+    for b, c in mma_order(interleaved):
         lines += mma(b, c)
     return "\n".join(lines + ["}"])
 
@@ -121,12 +116,12 @@ def _step_asms(interleaved: bool) -> tuple[tl.constexpr, tl.constexpr]:
 _STEPS = {interleaved: dict(zip((torch.bfloat16, torch.float16), _step_asms(interleaved), strict=True))
           for interleaved in (True, False)}
 STEP_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 56))
-_interleaved = [True]  # `mma_chains_interleaved`
 
 
 def step_asm(dtype: torch.dtype) -> tl.constexpr:
-    """The K step's PTX for bf16 or fp16 activations, its MMAs in the order `mma_chains_interleaved` chose."""
-    return _STEPS[_interleaved[0]][dtype]
+    """The K step's PTX for bf16 or fp16 activations, its MMAs in the order `mma_fragments.mma_chains_interleaved`
+    chose."""
+    return _STEPS[interleaved()][dtype]
 
 
 @triton.jit
@@ -238,13 +233,6 @@ def pack_lanes(scale: torch.Tensor, zero_point: torch.Tensor | None):
     then viewed as int32 words [tiles, G, 8, 2]. Returns (scales, zero points or None)."""
     zeros = None if zero_point is None else lane_order(zero_point).reshape(-1, scale.shape[1], 8, 8).view(torch.int32)
     return lane_order(scale), zeros
-
-
-def mma_chains_interleaved(enabled: bool):
-    """Kernels launched inside the block issue each K step's 32 MMAs as four interleaved chains (True, the default)
-    or block after block (False): the same sums in the same order, so the same bits; for timing one against the
-    other (`python -m bench.int4_chain`)."""
-    return set_inside(_interleaved, enabled)
 
 
 def serving_up_to(rows: int):

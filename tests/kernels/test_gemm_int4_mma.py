@@ -15,7 +15,7 @@ import triton.runtime.interpreter as interpreter
 from ptx_emulator import run
 from triton import language as tl
 
-from fxquant.kernels import gemm_int4_mma
+from fxquant.kernels import gemm_int4_mma, mma_fragments
 from fxquant.kernels.gemm_int4_mma import int4_mma_mm, lane_layout_shape, pack_lanes, supports
 from fxquant.kernels.gemm_weight_only import weight_operands
 from fxquant.numerics import reference as R
@@ -83,7 +83,7 @@ def test_the_mma_order_changes_no_bit_under_the_interpreter(monkeypatch):
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", _ptx_step, raising=False)
     q, x, bias, codes, lane_scale, lane_zero = operands(200, 512, 3, torch.bfloat16)
     interleaved = int4_mma_mm(x, codes, lane_scale, lane_zero, 128, bias, split=2)
-    with gemm_int4_mma.mma_chains_interleaved(False):
+    with mma_fragments.mma_chains_interleaved(False):
         blockwise = int4_mma_mm(x, codes, lane_scale, lane_zero, 128, bias, split=2)
     assert torch.equal(interleaved, blockwise)
     assert within_bound(interleaved, x, R.dequantize(q, torch.float64), bias)
@@ -93,7 +93,7 @@ def test_the_mma_order_changes_no_bit_under_the_interpreter(monkeypatch):
 def test_the_mma_order_changes_no_bit_on_the_gpu():
     q, x, bias, codes, lane_scale, lane_zero = operands(4160, 4096, 1, torch.bfloat16)
     interleaved = int4_mma_mm(x, codes, lane_scale, lane_zero, 128, bias)
-    with gemm_int4_mma.mma_chains_interleaved(False):
+    with mma_fragments.mma_chains_interleaved(False):
         blockwise = int4_mma_mm(x, codes, lane_scale, lane_zero, 128, bias)
     assert torch.equal(interleaved, blockwise)
     assert within_bound(interleaved, x, R.dequantize(q, torch.float64), bias)
