@@ -206,18 +206,36 @@ def compiled_sass(kernel, signature: dict, constexprs: dict, attrs: dict, warps:
         return dump("-sass"), int(re.search(r"REG:(\d+)", dump("-res-usage")).group(1))
 
 
-def longest_loop(sass: str, shortest: bool = False) -> collections.Counter:
-    """Opcodes of the longest backward branch's body that runs an MMA: the K loop (an epilogue's loop, such as the
-    quantizer's over a token's row, has none). A body with branches inside counts its longest path through them,
-    or with `shortest` its shortest (a kernel that takes a slower path only on rare data)."""
+def _address(line: str) -> int:
+    return int(re.match(r"\s+/\*([0-9a-f]+)\*/", line).group(1), 16)
+
+
+def _main_loop(sass: str) -> list[str]:
+    """The instructions of the longest backward branch's body that runs an MMA: the K loop (an epilogue's loop, such
+    as the quantizer's over a token's row, has none)."""
     lines = _instructions(sass)
-    address = lambda line: int(re.match(r"\s+/\*([0-9a-f]+)\*/", line).group(1), 16)
-    body = lambda loop: [line for line in lines if loop[0] <= address(line) <= loop[1]]
-    loops = [(int(m.group(1), 16), address(line)) for line in lines
-             if (m := re.search(r"BRA\s+0x([0-9a-f]+)", line)) and int(m.group(1), 16) < address(line)]
+    body = lambda loop: [line for line in lines if loop[0] <= _address(line) <= loop[1]]
+    loops = [(int(m.group(1), 16), _address(line)) for line in lines
+             if (m := re.search(r"BRA\s+0x([0-9a-f]+)", line)) and int(m.group(1), 16) < _address(line)]
     with_mma = [loop for loop in loops if any("MMA" in _opcode(line) for line in body(loop))]
-    return collections.Counter(_path(body(max(with_mma or loops, key=lambda loop: loop[1] - loop[0])), address,
-                                     _opcode, shortest))
+    return body(max(with_mma or loops, key=lambda loop: loop[1] - loop[0]))
+
+
+def longest_loop(sass: str, shortest: bool = False) -> collections.Counter:
+    """Opcodes of the main loop (`_main_loop`). A body with branches inside counts its longest path through them,
+    or with `shortest` its shortest (a kernel that takes a slower path only on rare data)."""
+    return collections.Counter(_path(_main_loop(sass), _address, _opcode, shortest))
+
+
+def longest_mma_chain(sass: str) -> int:
+    """The most MMAs in a row, in the main loop's order, that write one register: each of them waits for the one
+    before it, with nothing of the warp's own between to cover its latency."""
+    targets = [m.group(1) for line in _main_loop(sass) if (m := re.search(r"MMA\S*\s+(R\d+)", line))]
+    longest = run = 0
+    for i, target in enumerate(targets):
+        run = run + 1 if i and target == targets[i - 1] else 1
+        longest = max(longest, run)
+    return longest
 
 
 def _path(body: list[str], address, opcode, shortest: bool) -> list[str]:
@@ -294,8 +312,8 @@ def main():
         tiles = ", codes in tiles" if fmt == "int4" and not code_rows else ""
         what, step = f"{fmt}, {rows} rows{', pair order' if pairs else ''}{tiles}", "K step"
     ops = longest_loop(sass, shortest="fp4mma" in sys.argv)
-    print(f"{what}: {sum(ops.values())} instructions per {step} per thread, {registers} registers per thread "
-          f"(triton {triton.__version__}, sm_90)")
+    print(f"{what}: {sum(ops.values())} instructions per {step} per thread, {registers} registers per thread, "
+          f"at most {longest_mma_chain(sass)} MMAs in a row into one register (triton {triton.__version__}, sm_90)")
     for name, count in ops.most_common(12):
         print(f"  {count:5d}  {name}")
 
