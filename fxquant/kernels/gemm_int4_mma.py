@@ -13,8 +13,10 @@ cost each K step 16 scattered 4-byte copies per warp, which kept the L1 busiest 
 (docs/decisions/0008-int4-mma-lane-packed-scales-at-m1.md).
 
 A code q becomes the exact integer q - z from bits, with no int -> float conversion: q ORed into the mantissa of
-128.0 (bf16, ulp 1) or 1024.0 (f16) is 128 + q, and one packed FMA adds -(128 + z). The eight MMAs of a step chain
-through one fp32 accumulator, which the group's fp32 scale then multiplies, as in `gemm_weight_only`'s int4 path.
+128.0 (bf16, ulp 1) or 1024.0 (f16) is 128 + q, and one packed FMA adds -(128 + z). Each block's eight MMAs of a step
+chain through its fp32 accumulator, which the group's fp32 scale then multiplies, as in `gemm_weight_only`'s int4 path.
+The four blocks' chains are written interleaved in one PTX statement, so that ptxas overlaps them
+(`mma_fragments.mma_order`).
 K is split across programs, each writing fp32 partials that the tile's last slice (`splitk.py`) sums in a fixed order
 and casts.
 `tl.range`'s pipeliner keeps STAGES steps of codes, scales, zero points and activations in flight as asynchronous
@@ -113,8 +115,7 @@ def _step_asms(interleaved: bool) -> tuple[tl.constexpr, tl.constexpr]:
             tl.constexpr(_step_asm("0x64006400", "fma.rn.f16x2", "0x3C003C00", "f16", interleaved)))  # 1024.0, f16
 
 
-_STEPS = {interleaved: dict(zip((torch.bfloat16, torch.float16), _step_asms(interleaved), strict=True))
-          for interleaved in (True, False)}
+_STEPS = {order: dict(zip((torch.bfloat16, torch.float16), _step_asms(order), strict=True)) for order in (True, False)}
 STEP_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 56))
 
 
