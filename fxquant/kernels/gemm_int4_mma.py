@@ -74,12 +74,12 @@ MAX_M = 8  # activation rows one m16n8k16 MMA takes as its B operand
 _serves_rows = [1]  # the most activation rows linear_int4_lanes gives this kernel (`serving_up_to`)
 
 
-def _step_asm(magic: str, fma: str, one: str, dtype: str, interleaved: bool) -> str:
+def _step_asm(magic: str, fma: str, one: str, dtype: str, interleave: bool) -> str:
     """PTX for one K step of the program's four 16-row blocks. Operands: $4b-$4b+3 block b's fp32 accumulator out (C
     fragment); $16 + 8b .. + 3 row g's four words of block b, + 4 .. + 7 row g + 8's; $48 + 2b, $49 + 2b -(magic + z)
     for block b's two rows as x2 pairs; $56 + 2c, $57 + 2c the activation pairs of MMA c.
 
-    Each block's eight MMAs chain through its accumulator, in the order c = 0..7; `interleaved` orders the blocks'
+    Each block's eight MMAs chain through its accumulator, in the order c = 0..7; `interleave` orders the blocks'
     chains as `mma_fragments.mma_order` says, which changes no bit."""
     lines = ["{", ".reg .b32 s, zero, one;", ".reg .b32 " + ", ".join(f"a{b}_{r}" for b in range(BLOCKS)
                                                                       for r in range(4)) + ";",
@@ -105,14 +105,14 @@ def _step_asm(magic: str, fma: str, one: str, dtype: str, interleaved: bool) -> 
                             acc))
         return out
 
-    for b, c in mma_order(interleaved):
+    for b, c in mma_order(interleave):
         lines += mma(b, c)
     return "\n".join(lines + ["}"])
 
 
-def _step_asms(interleaved: bool) -> tuple[tl.constexpr, tl.constexpr]:
-    return (tl.constexpr(_step_asm("0x43004300", "fma.rn.bf16x2", "0x3F803F80", "bf16", interleaved)),  # 128.0, bf16
-            tl.constexpr(_step_asm("0x64006400", "fma.rn.f16x2", "0x3C003C00", "f16", interleaved)))  # 1024.0, f16
+def _step_asms(interleave: bool) -> tuple[tl.constexpr, tl.constexpr]:
+    return (tl.constexpr(_step_asm("0x43004300", "fma.rn.bf16x2", "0x3F803F80", "bf16", interleave)),  # 128.0, bf16
+            tl.constexpr(_step_asm("0x64006400", "fma.rn.f16x2", "0x3C003C00", "f16", interleave)))  # 1024.0, f16
 
 
 _STEPS = {order: dict(zip((torch.bfloat16, torch.float16), _step_asms(order), strict=True)) for order in (True, False)}

@@ -37,12 +37,12 @@ def interleaved() -> bool:
     return _interleaved[0]
 
 
-def mma_order(interleaved: bool) -> list[tuple[int, int]]:
+def mma_order(interleave: bool) -> list[tuple[int, int]]:
     """The (block, MMA) pairs of a K step in the order its PTX writes them: MMA c of every block before MMA c + 1
     of any (four independent chains, which ptxas overlaps two at a time, so that one MMA's latency is spent on
-    another block's decode and MMA), or block after block (ptxas then ran the step's 32 MMAs as one dependent chain,
-    with a warp or two a scheduler to cover its latency: `python -m bench.sass mma --blockwise`)."""
-    if interleaved:
+    another block's decode and MMA), or block after block (ptxas then ran the four chains one after another, none
+    overlapping, with a warp or two a scheduler to cover their latency: `python -m bench.sass mma --blockwise`)."""
+    if interleave:
         return [(b, c) for c in range(8) for b in range(BLOCKS)]
     return [(b, c) for b in range(BLOCKS) for c in range(8)]
 
