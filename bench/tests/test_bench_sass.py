@@ -12,7 +12,6 @@ ROOT = Path(__file__).resolve().parents[2]
 COUNT = """
 import json
 from bench import sass
-from fxquant.kernels import mma_fragments
 found = {}
 for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
                                  "mxfp4": sass.decode_kernel_sass("mxfp4"),
@@ -29,9 +28,9 @@ for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
     found[what] = dict(registers=registers, ops=sass.longest_loop(code), usual=sass.longest_loop(code, shortest=True))
 code, registers = sass.silu_kernel_sass()
 found["silu"] = dict(registers=registers, ops=sass.opcodes(code))
-for order in (True, False):
-    with mma_fragments.mma_chains_interleaved(order):
-        found[f"int4 mma chain, interleaved {order}"] = sass.longest_mma_chain(sass.int4_mma_kernel_sass()[0])
+found["int4 mma chain"] = sass.longest_mma_chain(sass.int4_mma_kernel_sass()[0])
+found["int4 mma loads before the wait"] = [sass.loads_before_wait(sass.int4_mma_kernel_sass(last_early=early)[0])
+                                           for early in (False, True)]
 print(json.dumps(found))
 """
 
@@ -63,6 +62,9 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
     longest, usual = found["mxfp4 mma"]["ops"], found["mxfp4 mma"]["usual"]
     assert longest["HMUL2.BF16_V2"] == 2 * usual["HMUL2.BF16_V2"] == 256
     assert longest["HMMA.16816.F32.BF16"] == usual["HMMA.16816.F32.BF16"] == 32
-    # the int4 kernel's step written as four interleaved chains compiles to overlapped chains; block after block, to
-    # a run of one block's dependent MMAs (its 8, and more where ptxas joins the next block's on the same register)
-    assert found["int4 mma chain, interleaved True"] <= 4 < 8 <= found["int4 mma chain, interleaved False"]
+    # the int4 kernel's step written as four interleaved chains compiles to overlapped chains, not a run of one
+    # block's 8 dependent MMAs
+    assert found["int4 mma chain"] <= 4
+    # under last_step_read_early the held step's loads (8 of codes, 2 of scales, 1 of zero points) precede the
+    # dependent-launch wait; by default the kernel waits first
+    assert found["int4 mma loads before the wait"] == [0, 11]

@@ -34,6 +34,7 @@ ON = {"PDL": True, "launch_pdl": True}
 OFF = {"PDL": False}
 _enabled = [os.environ.get("FXQUANT_PDL", "1") != "0"]
 _prefetch = [None]  # `weights_prefetched`: None, each kernel's default
+_read_early = [False]  # `last_step_read_early`
 PREFETCH_STEPS = tl.constexpr(4)  # K steps of a program's weights asked of the L2 before the wait
 
 
@@ -63,6 +64,20 @@ def prefetching(options: dict, by_default: bool = False) -> bool:
     default `by_default` outside it; only a kernel launched dependent waits, so only it prefetches."""
     chosen = by_default if _prefetch[0] is None else _prefetch[0]
     return chosen and bool(options["PDL"])
+
+
+def last_step_read_early(enabled: bool):
+    """The int4 mma.sync kernel launched inside the block reads its slice's last K step of weights (codes, scales,
+    zero points) into registers before it waits for the previous kernel, and multiplies it after the loop over the
+    others, in its place (True); or reads every step after the wait (False, the default until timed: `python -m
+    bench.int4_chain`). The order of the sums, and so every bit, is the same either way."""
+    return set_inside(_read_early, enabled)
+
+
+def reading_early() -> bool:
+    """What `last_step_read_early` set. A kernel launched without dependent launch reads the step at its start
+    then, with nothing to overlap: the same read, which the interpreter's tests run."""
+    return _read_early[0]
 
 
 @triton.jit

@@ -48,6 +48,7 @@ from fxquant.kernels.dependent_launch import (
     launch_options,
     prefetch_l2,
     prefetching,
+    reading_early,
     start_next,
     steps_ahead,
 )
@@ -57,7 +58,6 @@ from fxquant.kernels.mma_fragments import (
     BLOCKS,
     block_words,
     columns,
-    interleaved,
     mma_line,
     mma_order,
     stack,
@@ -74,13 +74,13 @@ MAX_M = 8  # activation rows one m16n8k16 MMA takes as its B operand
 _serves_rows = [1]  # the most activation rows linear_int4_lanes gives this kernel (`serving_up_to`)
 
 
-def _step_asm(magic: str, fma: str, one: str, dtype: str, interleave: bool) -> str:
+def _step_asm(magic: str, fma: str, one: str, dtype: str) -> str:
     """PTX for one K step of the program's four 16-row blocks. Operands: $4b-$4b+3 block b's fp32 accumulator out (C
     fragment); $16 + 8b .. + 3 row g's four words of block b, + 4 .. + 7 row g + 8's; $48 + 2b, $49 + 2b -(magic + z)
     for block b's two rows as x2 pairs; $56 + 2c, $57 + 2c the activation pairs of MMA c.
 
-    Each block's eight MMAs chain through its accumulator, in the order c = 0..7; `interleave` orders the blocks'
-    chains as `mma_fragments.mma_order` says, which changes no bit."""
+    Each block's eight MMAs chain through its accumulator, in the order c = 0..7; the blocks' chains interleave as
+    `mma_fragments.mma_order` says."""
     lines = ["{", ".reg .b32 s, zero, one;", ".reg .b32 " + ", ".join(f"a{b}_{r}" for b in range(BLOCKS)
                                                                       for r in range(4)) + ";",
              "mov.b32 zero, 0;", f"mov.b32 one, {one};"]
@@ -105,24 +105,19 @@ def _step_asm(magic: str, fma: str, one: str, dtype: str, interleave: bool) -> s
                             acc))
         return out
 
-    for b, c in mma_order(interleave):
+    for b, c in mma_order():
         lines += mma(b, c)
     return "\n".join(lines + ["}"])
 
 
-def _step_asms(interleave: bool) -> tuple[tl.constexpr, tl.constexpr]:
-    return (tl.constexpr(_step_asm("0x43004300", "fma.rn.bf16x2", "0x3F803F80", "bf16", interleave)),  # 128.0, bf16
-            tl.constexpr(_step_asm("0x64006400", "fma.rn.f16x2", "0x3C003C00", "f16", interleave)))  # 1024.0, f16
-
-
-_STEPS = {order: dict(zip((torch.bfloat16, torch.float16), _step_asms(order), strict=True)) for order in (True, False)}
+_STEPS = {torch.bfloat16: tl.constexpr(_step_asm("0x43004300", "fma.rn.bf16x2", "0x3F803F80", "bf16")),  # 128.0
+          torch.float16: tl.constexpr(_step_asm("0x64006400", "fma.rn.f16x2", "0x3C003C00", "f16"))}  # 1024.0
 STEP_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 56))
 
 
 def step_asm(dtype: torch.dtype) -> tl.constexpr:
-    """The K step's PTX for bf16 or fp16 activations, its MMAs in the order `mma_fragments.mma_chains_interleaved`
-    chose."""
-    return _STEPS[interleaved()][dtype]
+    """The K step's PTX for bf16 or fp16 activations."""
+    return _STEPS[dtype]
 
 
 @triton.jit
@@ -146,23 +141,58 @@ def _block_columns(w_ptr, row0, stride_w, t, step, N, HAS_ZP: tl.constexpr, TILE
 
 
 @triton.jit
-def _step(w_ptr, row0, stride_w, t, step, N, za0, za1, zb0, zb1, zc0, zc1, zd0, zd1, x0, x1, x2, x3, x4, x5, x6, x7,
-          y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP: tl.constexpr, BF16: tl.constexpr, TILED: tl.constexpr,
-          STEP: tl.constexpr):
-    """One K step of the program's four 16-row blocks (rows row0 + 16 b, + 8) by the PTX `STEP` (`step_asm`): their
-    C fragments, sixteen [32]."""
-    a0, a1, a2, a3, a4, a5, a6, a7 = _block_columns(w_ptr, row0, stride_w, t, step, N, HAS_ZP, TILED)
-    b0, b1, b2, b3, b4, b5, b6, b7 = _block_columns(w_ptr, row0 + 16, stride_w, t, step, N, HAS_ZP, TILED)
-    c0, c1, c2, c3, c4, c5, c6, c7 = _block_columns(w_ptr, row0 + 32, stride_w, t, step, N, HAS_ZP, TILED)
-    d0, d1, d2, d3, d4, d5, d6, d7 = _block_columns(w_ptr, row0 + 48, stride_w, t, step, N, HAS_ZP, TILED)
-    return tl.inline_asm_elementwise(
+def _step_scales(s_ptr, z_ptr, tile, g, step, G, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr):
+    """A K step's group scales (s0, s1 [32, 4]: rows g and g + 8 of each block) and its zero points as the addends
+    -(magic + z) the PTX takes (eight [32], two a block)."""
+    group = step * 128 // GROUP
+    lane_pack = (tile * G + group) * 8 + g  # this lane's record in pack_lanes' [tiles, G, 8 g, ...]
+    s01 = tl.load(s_ptr + lane_pack[:, None] * 8 + tl.arange(0, 8)[None, :])  # [32, 8]: (block, half)
+    s0, s1 = tl.split(tl.reshape(s01, (32, 4, 2)))  # [32, 4] each: half 0 (row g), half 1 (row g + 8)
+    if HAS_ZP:  # eight uint8 zero points as two words: (block 0, halves 0-1), (block 1, halves 0-1), ...
+        zw0, zw1 = tl.split(tl.load(z_ptr + lane_pack[:, None] * 2 + tl.arange(0, 2)[None, :]))
+        za0, za1, zb0, zb1 = zw0 & 0xFF, (zw0 >> 8) & 0xFF, (zw0 >> 16) & 0xFF, (zw0 >> 24) & 0xFF
+        zc0, zc1, zd0, zd1 = zw1 & 0xFF, (zw1 >> 8) & 0xFF, (zw1 >> 16) & 0xFF, (zw1 >> 24) & 0xFF
+    else:
+        za0 = tl.full((32,), 8, tl.int32)
+        za1, zb0, zb1, zc0, zc1, zd0, zd1 = za0, za0, za0, za0, za0, za0, za0
+    offsets = (_offsets(za0, BF16), _offsets(za1, BF16), _offsets(zb0, BF16), _offsets(zb1, BF16),
+               _offsets(zc0, BF16), _offsets(zc1, BF16), _offsets(zd0, BF16), _offsets(zd1, BF16))
+    return s0, s1, offsets
+
+
+@triton.jit
+def _step_codes(w_ptr, tile, g, t, step, K, N, stride_wn, HAS_ZP: tl.constexpr, TILED: tl.constexpr):
+    """A K step's codes for the four 16-row blocks: 32 [32] columns, `_block_columns`' eight a block."""
+    w_step, row0 = step_codes(w_ptr, tile, g, step, K, TILED)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _block_columns(w_step, row0, stride_wn, t, step, N, HAS_ZP, TILED)
+    b0, b1, b2, b3, b4, b5, b6, b7 = _block_columns(w_step, row0 + 16, stride_wn, t, step, N, HAS_ZP, TILED)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _block_columns(w_step, row0 + 32, stride_wn, t, step, N, HAS_ZP, TILED)
+    d0, d1, d2, d3, d4, d5, d6, d7 = _block_columns(w_step, row0 + 48, stride_wn, t, step, N, HAS_ZP, TILED)
+    return (a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
+            c0, c1, c2, c3, c4, c5, c6, c7, d0, d1, d2, d3, d4, d5, d6, d7)
+
+
+@triton.jit
+def _multiply(acc0, acc1, acc2, acc3, weights, activations, STEP: tl.constexpr):
+    """The four blocks' accumulators after one K step: its codes (`_step_codes`), scales and zero points
+    (`_step_scales`) times its activations (`step_activations`) by the PTX `STEP` (`step_asm`), each block's
+    exact-operand fp32 sums then multiplied by the group's scale."""
+    codes, scales = weights
+    s0, s1, offsets = scales
+    (a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
+     c0, c1, c2, c3, c4, c5, c6, c7, d0, d1, d2, d3, d4, d5, d6, d7) = codes
+    oa0, oa1, ob0, ob1, oc0, oc1, od0, od1 = offsets
+    x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7 = activations
+    (p0, p1, p2, p3, q0, q1, q2, q3, r0, r1, r2, r3, u0, u1, u2, u3) = tl.inline_asm_elementwise(
         STEP, STEP_CONSTRAINTS,
         [a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
          c0, c1, c2, c3, c4, c5, c6, c7, d0, d1, d2, d3, d4, d5, d6, d7,
-         _offsets(za0, BF16), _offsets(za1, BF16), _offsets(zb0, BF16), _offsets(zb1, BF16),
-         _offsets(zc0, BF16), _offsets(zc1, BF16), _offsets(zd0, BF16), _offsets(zd1, BF16),
+         oa0, oa1, ob0, ob1, oc0, oc1, od0, od1,
          x0, y0, x1, y1, x2, y2, x3, y3, x4, y4, x5, y5, x6, y6, x7, y7],
         dtype=(tl.float32,) * 16, is_pure=True, pack=1)
+    # the group's scale multiplies the step's exact-operand fp32 sums, as gemm_weight_only's int4 path does
+    return (acc0 + stack(p0, q0, r0, u0) * s0, acc1 + stack(p1, q1, r1, u1) * s0,
+            acc2 + stack(p2, q2, r2, u2) * s1, acc3 + stack(p3, q3, r3, u3) * s1)
 
 
 @triton.jit
@@ -170,40 +200,35 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
                      stride_wn, stride_ws, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr,
                      SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
                      CAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, TILED: tl.constexpr,
-                     STEP: tl.constexpr, PREFETCH: tl.constexpr = False):
-    if not PREFETCH:
+                     STEP: tl.constexpr, PREFETCH: tl.constexpr = False, LAST_EARLY: tl.constexpr = False):
+    if not (PREFETCH or LAST_EARLY):
         await_previous(PDL)
     g, t, tile, rows0, rows1, a_row, a_in, steps, first, last = warp_plan(a_ptr, stride_am, M, K, SPLIT_K)
     if PREFETCH:  # no kernel writes the codes: the L2 fetches them while the previous kernel ends
         tiles = step_tile(w_ptr, tile, steps_ahead(first, last), K)  # the slice's first tiles, one run of memory
         prefetch_l2(tiles[None, :] + tl.arange(0, 32)[:, None] * 32)  # 32 lines of 128 B a tile, one a lane
         await_previous(PDL)
+    if LAST_EARLY:  # no kernel writes the weights: the slice's last step is read into registers meanwhile
+        held_step = tl.maximum(last - 1, 0)
+        held = (_step_codes(w_ptr, tile, g, t, held_step, K, N, stride_wn, HAS_ZP, TILED),
+                _step_scales(s_ptr, z_ptr, tile, g, held_step, G, GROUP, HAS_ZP, BF16))
+        await_previous(PDL)
     acc0 = tl.zeros((32, 4), tl.float32)
     acc1 = tl.zeros((32, 4), tl.float32)
     acc2 = tl.zeros((32, 4), tl.float32)
     acc3 = tl.zeros((32, 4), tl.float32)
-    for step in tl.range(first, last, num_stages=STAGES):
-        group = step * 128 // GROUP
-        lane_pack = (tile * G + group) * 8 + g  # this lane's record in pack_lanes' [tiles, G, 8 g, ...]
-        s01 = tl.load(s_ptr + lane_pack[:, None] * 8 + tl.arange(0, 8)[None, :])  # [32, 8]: (block, half)
-        s0, s1 = tl.split(tl.reshape(s01, (32, 4, 2)))  # [32, 4] each: half 0 (row g), half 1 (row g + 8)
-        if HAS_ZP:  # eight uint8 zero points as two words: (block 0, halves 0-1), (block 1, halves 0-1), ...
-            zw0, zw1 = tl.split(tl.load(z_ptr + lane_pack[:, None] * 2 + tl.arange(0, 2)[None, :]))
-            za0, za1, zb0, zb1 = zw0 & 0xFF, (zw0 >> 8) & 0xFF, (zw0 >> 16) & 0xFF, (zw0 >> 24) & 0xFF
-            zc0, zc1, zd0, zd1 = zw1 & 0xFF, (zw1 >> 8) & 0xFF, (zw1 >> 16) & 0xFF, (zw1 >> 24) & 0xFF
-        else:
-            za0 = tl.full((32,), 8, tl.int32)
-            za1, zb0, zb1, zc0, zc1, zd0, zd1 = za0, za0, za0, za0, za0, za0, za0
-        x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(a_row, step, a_in)
-        w_step, local = step_codes(w_ptr, tile, g, step, K, TILED)
-        (a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3) = _step(
-            w_step, local, stride_wn, t, step, N, za0, za1, zb0, zb1, zc0, zc1, zd0, zd1,
-            x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BF16, TILED, STEP)
-        # the group's scale multiplies the step's exact-operand fp32 sums, as gemm_weight_only's int4 path does
-        acc0 += stack(a0, b0, c0, d0) * s0
-        acc1 += stack(a1, b1, c1, d1) * s0
-        acc2 += stack(a2, b2, c2, d2) * s1
-        acc3 += stack(a3, b3, c3, d3) * s1
+    end = last
+    if LAST_EARLY:
+        end = last - 1
+    for step in tl.range(first, end, num_stages=STAGES):
+        scales = _step_scales(s_ptr, z_ptr, tile, g, step, G, GROUP, HAS_ZP, BF16)
+        activations = step_activations(a_row, step, a_in)
+        codes = _step_codes(w_ptr, tile, g, t, step, K, N, stride_wn, HAS_ZP, TILED)
+        acc0, acc1, acc2, acc3 = _multiply(acc0, acc1, acc2, acc3, (codes, scales), activations, STEP)
+    if LAST_EARLY:  # the last step in its place, so the sums and their bits are the loop's; none in an empty slice,
+        # whose activations read as zeros and add zeros
+        activations = step_activations(a_row, held_step, a_in & (last > first))
+        acc0, acc1, acc2, acc3 = _multiply(acc0, acc1, acc2, acc3, held, activations, STEP)
     # The next kernel launches after the K loop, as the fp8 GEMM's does: launched at the start, its waiting programs
     # took this one's slots (32 layers of the four decode GEMMs, H100: 2.960 -> 2.397 ms;
     # docs/decisions/0028-int4-mma-next-kernel-after-the-k-loop.md)
@@ -302,5 +327,6 @@ def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split
         GROUP=group, HAS_ZP=lane_zero is not None, BF16=a.dtype == torch.bfloat16, SPLIT_K=split,
         LAST_SLICE_SUMS=count is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[a.dtype],
         CAST=float_cast_mode(_int4_mma_kernel), STAGES=stages, TILED=tiled, num_warps=1, num_stages=stages,
-        STEP=step_asm(a.dtype), PREFETCH=tiled and prefetching(pdl), **pdl)
+        STEP=step_asm(a.dtype), PREFETCH=tiled and prefetching(pdl),
+        LAST_EARLY=reading_early(), **pdl)
     return out if count is not None else reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])

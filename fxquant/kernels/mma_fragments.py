@@ -17,34 +17,18 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.code_tiles import step_tile
-from fxquant.kernels.launch import set_inside
 
 BLOCKS = 4  # 16-row MMA blocks of a program's 64 rows
-_interleaved = [True]  # `mma_chains_interleaved`
 
 
-def mma_chains_interleaved(enabled: bool):
-    """The int4 decode kernels launched inside the block write each K step's 32 MMAs as four interleaved chains, one
-    a block (True, the default), or block after block (False). Each block's MMAs chain in the same order either way,
-    so the sums and their bits are the same; the switch is for timing one against the other (`python -m
-    bench.int4_chain`). The FP4 kernel carries its blocks' accumulators across K steps in four statements, which
-    ptxas already interleaves (`python -m bench.sass fp4mma`)."""
-    return set_inside(_interleaved, enabled)
-
-
-def interleaved() -> bool:
-    """What `mma_chains_interleaved` set: True unless a block turned it off."""
-    return _interleaved[0]
-
-
-def mma_order(interleave: bool) -> list[tuple[int, int]]:
-    """The (block, MMA) pairs of a K step in the order its PTX writes them: MMA c of every block before MMA c + 1
-    of any (four independent chains, which ptxas overlaps two at a time, so that one MMA's latency is spent on
-    another block's decode and MMA), or block after block (ptxas then ran the four chains one after another, none
-    overlapping, with a warp or two a scheduler to cover their latency: `python -m bench.sass mma --blockwise`)."""
-    if interleave:
-        return [(b, c) for c in range(8) for b in range(BLOCKS)]
-    return [(b, c) for b in range(BLOCKS) for c in range(8)]
+def mma_order() -> list[tuple[int, int]]:
+    """The (block, MMA) pairs of a K step in the order the int4 kernel's PTX writes them: MMA c of every block before
+    MMA c + 1 of any, four independent chains that ptxas overlaps two at a time (`python -m bench.sass mma`: at most
+    3 MMAs in a row into one register). Written block after block, the four chains compiled to runs of 8 one after
+    another; the two orders timed alike in the 32-layer chain (H100: 2.052 against 2.058 ms, bench/HISTORY.md,
+    2026-12-06). The FP4 kernel carries its blocks' accumulators across K steps in four statements, which ptxas
+    already interleaves."""
+    return [(b, c) for c in range(8) for b in range(BLOCKS)]
 
 
 def mma_line(dtype: str, a: str, b: str, acc: str, out: str = "$0, $1, $2, $3") -> str:
