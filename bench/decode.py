@@ -38,8 +38,7 @@ fxquant:<recipe>+inplace (a copy of the model quantize_'d under the recipe, then
 fxquant:<recipe>+nopdl (every fxquant kernel launched without programmatic dependent launch), +reducekernel (split
 GEMMs summed by the reduce kernel, not by their last slice), +prefetch (the fp8 and 4-bit decode GEMMs ask the L2 for
 their first weights before they wait for the previous kernel; by default the fp8 GEMM alone), +noprefetch (none
-does), +mma8 (int4 GEMMs of up to 8 rows on the mma.sync kernel, not one), +lastearly (the int4 mma.sync kernel
-reads its K slice's last step of weights into registers before it waits for the previous kernel),
+does), +mma8 (int4 GEMMs of up to 8 rows on the mma.sync kernel, not one),
 torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head, +without, +inductor,
 +rows, +fp4inregisters, +inplace and the launch settings).
 
@@ -74,7 +73,7 @@ import fxquant
 from bench import peers, timeline, workers
 from bench.common import LLAMA_3_VOCAB, header, llama, llama_config, table
 from fxquant.compile.backend import fxquant as fxquant_backend
-from fxquant.kernels.dependent_launch import dependent_launches, last_step_read_early, weights_prefetched
+from fxquant.kernels.dependent_launch import dependent_launches, weights_prefetched
 from fxquant.kernels.gemm_int4_mma import MAX_M, serving_up_to
 from fxquant.kernels.splitk import reduce_in_gemm
 
@@ -229,8 +228,7 @@ REDUCE_KERNEL = "+reducekernel"  # split-K GEMMs summed by the reduce kernel, no
 PREFETCH = "+prefetch"  # every decode GEMM asks the L2 for its first weights before waiting on the previous kernel
 NO_PREFETCH = "+noprefetch"  # none does (by default the fp8 GEMM does: decision 0030)
 MMA_ROWS = "+mma8"  # int4 GEMMs of up to 8 rows on the mma.sync kernel (one row otherwise)
-LAST_EARLY = "+lastearly"  # the int4 mma.sync kernel reads its slice's last step into registers before the wait
-LAUNCH_SETTINGS = (NO_PDL, REDUCE_KERNEL, PREFETCH, NO_PREFETCH, MMA_ROWS, LAST_EARLY)
+LAUNCH_SETTINGS = (NO_PDL, REDUCE_KERNEL, PREFETCH, NO_PREFETCH, MMA_ROWS)
 
 
 def prefetch_setting(path: str) -> bool | None:
@@ -246,8 +244,7 @@ def launch_settings(path: str, profiled: bool = False):
     without PDL: a kernel launched dependent is resident while it waits for the one before, and the profile would
     count the wait as its time."""
     with (dependent_launches(NO_PDL not in path and not profiled), reduce_in_gemm(REDUCE_KERNEL not in path),
-          weights_prefetched(prefetch_setting(path)), serving_up_to(MAX_M if MMA_ROWS in path else 1),
-          last_step_read_early(LAST_EARLY in path)):
+          weights_prefetched(prefetch_setting(path)), serving_up_to(MAX_M if MMA_ROWS in path else 1)):
         yield
 
 

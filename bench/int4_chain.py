@@ -7,21 +7,19 @@ unit a kernel change must win on before the 32-layer step.
 Each row is the mma.sync kernel (`gemm_int4_mma`) at a split-K rule: the product's (`int4_mma_split`), or K cut
 toward a program count per GEMM; with dependent launch on (as the decode step runs) and off; over the codes in rows,
 as `quantize` packs them, and in tiles (`code_tiles`), as the backend holds them on the GPU. Last, the tiles at the
-product's split with dependent launch on, at other pipeline depths (`int4_mma_mm`'s stages, 3 in the product), with
-each program's first codes asked of the L2 before it waits for the previous GEMM (`weights_prefetched`), and with
-each program's last K step of weights read into registers before that wait (`last_step_read_early`).
+product's split with dependent launch on, at other pipeline depths (`int4_mma_mm`'s stages, 3 in the product), and
+with each program's first codes asked of the L2 before it waits for the previous GEMM (`weights_prefetched`).
 
 With --grid, only the tiles with dependent launch on, at every pair of a program count (`--programs`) and a
 pipeline depth (`--stages`): fewer, longer programs keep more K steps in flight each.
 
-With --floors, the GEMMs (also with each program's last step read before the wait, and with its first codes asked of
-the L2 there), then what reading the chain's bytes costs without the
-GEMMs (`bench.read_floor`), over random words: the GEMMs' own programs that only load (their access pattern's floor),
-the same read and summed across K slices as the GEMMs' are (their split-K tail), and with four tiles a program; each
-GEMM's bytes read flat by a plain kernel, over a persistent grid and over programs of 3 steps as the GEMMs' (the floor
-of 128 dependent kernels of these sizes); all 3.8 GB in one flat read (the device's read ceiling); and the GEMM kernel
-over the same bytes as two GEMMs, each layer's K = 4096 weights stacked into one and the down projections into another
-(the GEMM's own floor without 128 launches, ramps and tails).
+With --floors, the GEMMs (also with each program's first codes asked of the L2 before the wait, and again last), then
+what reading the chain's bytes costs without the GEMMs (`bench.read_floor`), over random words: the GEMMs' own programs
+that only load (their access pattern's floor), the same read and summed across K slices as the GEMMs' are (their split-K
+tail), and with four tiles a program; each GEMM's bytes read flat by a plain kernel, over a persistent grid and over
+programs of 3 steps as the GEMMs' (the floor of 128 dependent kernels of these sizes); all 3.8 GB in one flat read (the
+device's read ceiling); and the GEMM kernel over the same bytes as two GEMMs, each layer's K = 4096 weights stacked into
+one and the down projections into another (the GEMM's own floor without 128 launches, ramps and tails).
 
 Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...] [--grid | --floors]
 """
@@ -40,12 +38,7 @@ from bench.common import copy_bandwidth_gbs, header, table
 from bench.read_floor import FLAT_WORDS, read_as_int4_programs, read_flat, read_then_sum_as_int4_programs
 from fxquant.kernels.cast import float_cast_mode
 from fxquant.kernels.code_tiles import tile_codes
-from fxquant.kernels.dependent_launch import (
-    dependent_launches,
-    last_step_read_early,
-    launch_options,
-    weights_prefetched,
-)
+from fxquant.kernels.dependent_launch import dependent_launches, launch_options, weights_prefetched
 from fxquant.kernels.gemm_int4_mma import (
     STEP_K,
     _int4_mma_kernel,
@@ -174,9 +167,6 @@ def chain_floors(xs, bf16_ms: float, ceiling: float) -> tuple[list[dict], int]:
         with dependent_launches(pdl):
             rows.append(floor_row("128 int4 GEMMs, the product's split", replay_ms(gemm_chain), nbytes, bf16_ms,
                                   ceiling, "on" if pdl else "off"))
-    with dependent_launches(True), last_step_read_early(True):
-        rows.append(floor_row("the same, each program's last step read before the wait", replay_ms(gemm_chain),
-                              nbytes, bf16_ms, ceiling, "on"))
     with dependent_launches(True), weights_prefetched(True):
         rows.append(floor_row("the same, each program's first codes asked of the L2 before the wait",
                               replay_ms(gemm_chain), nbytes, bf16_ms, ceiling, "on"))
@@ -264,10 +254,6 @@ def main():
             rows.append(row(f"tiled, the product's split, {stages} stages", True,
                             chain_ms(layers, xs, rules[0][1], True, stages)))
         print(rows[-1], flush=True)
-    with dependent_launches(True), last_step_read_early(True):
-        rows.append(row("tiled, the product's split, last step read before the wait", True,
-                        chain_ms(layers, xs, rules[0][1], True)))
-    print(rows[-1], flush=True)
     with dependent_launches(True), weights_prefetched(True):
         rows.append(row("tiled, the product's split, first codes prefetched", True,
                         chain_ms(layers, xs, rules[0][1], True)))

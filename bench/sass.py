@@ -105,16 +105,14 @@ def w4a8_kernel_sass(stages: int | None = None) -> tuple[str, int]:
 
 
 def int4_mma_kernel_sass(stages: int | None = None, code_rows: bool = False,
-                         prefetch: bool = False, last_early: bool = False) -> tuple[str, int]:
+                         prefetch: bool = False) -> tuple[str, int]:
     """SASS and registers per thread of the int4 mma.sync kernel at M = 1 (bf16, zero points) on 14336x4096, split
     in 5 (`int4_mma_split`) and summed by the last slice, with dependent launch; its codes in tiles, as the backend
-    holds them on the GPU, unless code_rows; prefetch: its first codes asked of the L2 before the wait; last_early:
-    its last step's weights read into registers before the wait (`last_step_read_early`)."""
+    holds them on the GPU, unless code_rows; prefetch: its first codes asked of the L2 before the wait."""
     stages = stages or 3  # int4_mma_mm's default
     constexprs = dict(GROUP=gemm_int4_mma.STEP_K, HAS_ZP=True, BF16=True, SPLIT_K=5, LAST_SLICE_SUMS=True,
                       HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, STAGES=stages, PDL=True, TILED=not code_rows,
-                      PREFETCH=prefetch and not code_rows, LAST_EARLY=last_early,
-                      STEP=gemm_int4_mma.step_asm(torch.bfloat16))
+                      PREFETCH=prefetch and not code_rows, STEP=gemm_int4_mma.step_asm(torch.bfloat16))
     pointers = dict(a_ptr="*i32", w_ptr="*i32", s_ptr="*fp32", z_ptr="*i32", ws_ptr="*fp32", c_ptr="*bf16",
                     bias_ptr="*bf16", counter_ptr="*i32")
     return compiled_by_name(gemm_int4_mma._int4_mma_kernel, constexprs, pointers, [*pointers, *MMA_DIVISIBLE], 1,
@@ -239,17 +237,6 @@ def longest_mma_chain(sass: str) -> int:
     return longest
 
 
-def loads_before_wait(sass: str) -> int:
-    """Global loads into registers (LDG) before the kernel's dependent-launch wait (ACQBULK, griddepcontrol.wait):
-    reads that overlap the previous kernel's end; 0 where the kernel waits first or never."""
-    count = 0
-    for line in sass.splitlines():
-        if re.search(r"\bACQBULK\b", line):
-            return count
-        count += bool(re.search(r"\bLDG\.", line))
-    return 0
-
-
 def _path(body: list[str], address, opcode, shortest: bool) -> list[str]:
     """The opcodes on the longest (or shortest) path from a loop's first instruction to its last, through the
     forward branches inside it: each instruction falls through to the next unless it is an unpredicated branch,
@@ -300,12 +287,9 @@ def main():
         step = "K step"
     elif "mma" in sys.argv:
         prefetch = "--prefetch" in sys.argv
-        last_early = "--last-early" in sys.argv
-        sass, registers = int4_mma_kernel_sass(stages, code_rows, prefetch, last_early)
+        sass, registers = int4_mma_kernel_sass(stages, code_rows, prefetch)
         what = (f"int4 on mma.sync, M = 1 (64 rows x 128 codes a warp), codes in {'rows' if code_rows else 'tiles'}"
-                f"{', first codes prefetched' if prefetch else ''}"
-                f"{', last step read before the wait' if last_early else ''}, "
-                f"{loads_before_wait(sass)} loads before the wait")
+                f"{', first codes prefetched' if prefetch else ''}")
         step = "K step"
     elif "w4a8" in sys.argv:
         sass, registers = w4a8_kernel_sass(stages)

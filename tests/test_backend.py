@@ -11,6 +11,7 @@ from reports import layer_rows
 
 import fxquant
 from fxquant.config import RECIPES
+from fxquant.kernels.dependent_launch import dependent_launches
 
 X = torch.randn(2, 8, 256, dtype=torch.bfloat16)
 # Output error bound against eager bf16, per recipe: fp8 ~2^-4 per element averages down; 4-bit formats
@@ -141,9 +142,15 @@ def test_inductor_options_reach_the_inner_compile_after_the_modes(monkeypatch):
     torch._dynamo.reset()
     with torch.no_grad():
         out = torch.compile(model, backend="fxquant", options=options)(X)
+        first = len(seen)
+        torch._dynamo.reset()
+        with dependent_launches(False):  # Inductor's kernels launched dependent as fxquant's are, or not
+            torch.compile(model, backend="fxquant", options={"recipe": "fp8_row"})(X)
     torch._dynamo.reset()
-    assert seen[0][0] == {"triton.cudagraphs": False, "combo_kernels": True}  # the mode's, then the option's
-    assert seen[-1][1:] == (True, False)  # in force where Inductor compiles
+    # the mode's, then fxquant's dependent launch, then the option's
+    assert seen[0][0] == {"triton.cudagraphs": False, "triton.enable_pdl": True, "combo_kernels": True}
+    assert seen[first - 1][1:] == (True, False)  # in force where Inductor compiles
+    assert seen[first][0] == {"triton.enable_pdl": False}
     assert rel_err(out, model(X)) < 0.03
     assert fxquant.from_options(options).inductor == (("triton.cudagraphs", False), ("combo_kernels", True))
 

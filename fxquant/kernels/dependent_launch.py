@@ -15,8 +15,11 @@ K loop: a next kernel as large as itself, resident early and waiting, took the s
 (docs/decisions/0021-decode-attention-merged-by-the-last-split.md,
 docs/decisions/0028-int4-mma-next-kernel-after-the-k-loop.md). After a
 kernel launched without it (Inductor's, cuBLAS's), a kernel launched with it starts when that one ends, as before.
-FXQUANT_PDL=0 in the environment, or `dependent_launches(False)`, turns it off. Measured: 6.5% of the 32-layer
-fp8_row step's GPU time at B1 (docs/decisions/0018-programmatic-dependent-launch.md).
+FXQUANT_PDL=0 in the environment, or `dependent_launches(False)`, turns it off, for Inductor's kernels too: while it is
+on, the backend compiles them launched dependent (Inductor's `triton.enable_pdl`), so that a decode GEMM after an
+Inductor kernel (a norm, SiLU x up) starts while that one ends
+(docs/decisions/0032-inductor-kernels-launched-dependent.md). Measured: 6.5% of the 32-layer fp8_row step's GPU time
+at B1 (docs/decisions/0018-programmatic-dependent-launch.md); Inductor's, 0.14 / 0.19 ms of int4_wo's at B1 / B16.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ ON = {"PDL": True, "launch_pdl": True}
 OFF = {"PDL": False}
 _enabled = [os.environ.get("FXQUANT_PDL", "1") != "0"]
 _prefetch = [None]  # `weights_prefetched`: None, each kernel's default
-_read_early = [False]  # `last_step_read_early`
 PREFETCH_STEPS = tl.constexpr(4)  # K steps of a program's weights asked of the L2 before the wait
 
 
@@ -51,6 +53,12 @@ def dependent_launches(enabled: bool):
     return set_inside(_enabled, enabled)
 
 
+def launching_dependent() -> bool:
+    """What `dependent_launches` (or FXQUANT_PDL) set: whether launches now use it where the GPU has it. The backend
+    reads it when it compiles, for Inductor's kernels (`triton.enable_pdl`)."""
+    return _enabled[0]
+
+
 def weights_prefetched(enabled: bool | None):
     """The decode GEMMs launched inside the block (the fp8 GEMM, the int4 mma.sync kernel over tiles, the in-register
     weight-only GEMM over packed 4-bit codes) ask the L2 for their first PREFETCH_STEPS K steps of weights before
@@ -64,20 +72,6 @@ def prefetching(options: dict, by_default: bool = False) -> bool:
     default `by_default` outside it; only a kernel launched dependent waits, so only it prefetches."""
     chosen = by_default if _prefetch[0] is None else _prefetch[0]
     return chosen and bool(options["PDL"])
-
-
-def last_step_read_early(enabled: bool):
-    """The int4 mma.sync kernel launched inside the block reads its slice's last K step of weights (codes, scales,
-    zero points) into registers before it waits for the previous kernel, and multiplies it after the loop over the
-    others, in its place (True); or reads every step after the wait (False, the default until timed: `python -m
-    bench.int4_chain`). The order of the sums, and so every bit, is the same either way."""
-    return set_inside(_read_early, enabled)
-
-
-def reading_early() -> bool:
-    """What `last_step_read_early` set. A kernel launched without dependent launch reads the step at its start
-    then, with nothing to overlap: the same read, which the interpreter's tests run."""
-    return _read_early[0]
 
 
 @triton.jit

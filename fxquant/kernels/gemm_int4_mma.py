@@ -48,7 +48,6 @@ from fxquant.kernels.dependent_launch import (
     launch_options,
     prefetch_l2,
     prefetching,
-    reading_early,
     start_next,
     steps_ahead,
 )
@@ -200,35 +199,23 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
                      stride_wn, stride_ws, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr,
                      SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
                      CAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, TILED: tl.constexpr,
-                     STEP: tl.constexpr, PREFETCH: tl.constexpr = False, LAST_EARLY: tl.constexpr = False):
-    if not (PREFETCH or LAST_EARLY):
+                     STEP: tl.constexpr, PREFETCH: tl.constexpr = False):
+    if not PREFETCH:
         await_previous(PDL)
     g, t, tile, rows0, rows1, a_row, a_in, steps, first, last = warp_plan(a_ptr, stride_am, M, K, SPLIT_K)
     if PREFETCH:  # no kernel writes the codes: the L2 fetches them while the previous kernel ends
         tiles = step_tile(w_ptr, tile, steps_ahead(first, last), K)  # the slice's first tiles, one run of memory
         prefetch_l2(tiles[None, :] + tl.arange(0, 32)[:, None] * 32)  # 32 lines of 128 B a tile, one a lane
         await_previous(PDL)
-    if LAST_EARLY:  # no kernel writes the weights: the slice's last step is read into registers meanwhile
-        held_step = tl.maximum(last - 1, 0)
-        held = (_step_codes(w_ptr, tile, g, t, held_step, K, N, stride_wn, HAS_ZP, TILED),
-                _step_scales(s_ptr, z_ptr, tile, g, held_step, G, GROUP, HAS_ZP, BF16))
-        await_previous(PDL)
     acc0 = tl.zeros((32, 4), tl.float32)
     acc1 = tl.zeros((32, 4), tl.float32)
     acc2 = tl.zeros((32, 4), tl.float32)
     acc3 = tl.zeros((32, 4), tl.float32)
-    end = last
-    if LAST_EARLY:
-        end = last - 1
-    for step in tl.range(first, end, num_stages=STAGES):
+    for step in tl.range(first, last, num_stages=STAGES):
         scales = _step_scales(s_ptr, z_ptr, tile, g, step, G, GROUP, HAS_ZP, BF16)
         activations = step_activations(a_row, step, a_in)
         codes = _step_codes(w_ptr, tile, g, t, step, K, N, stride_wn, HAS_ZP, TILED)
         acc0, acc1, acc2, acc3 = _multiply(acc0, acc1, acc2, acc3, (codes, scales), activations, STEP)
-    if LAST_EARLY:  # the last step in its place, so the sums and their bits are the loop's; none in an empty slice,
-        # whose activations read as zeros and add zeros
-        activations = step_activations(a_row, held_step, a_in & (last > first))
-        acc0, acc1, acc2, acc3 = _multiply(acc0, acc1, acc2, acc3, held, activations, STEP)
     # The next kernel launches after the K loop, as the fp8 GEMM's does: launched at the start, its waiting programs
     # took this one's slots (32 layers of the four decode GEMMs, H100: 2.960 -> 2.397 ms;
     # docs/decisions/0028-int4-mma-next-kernel-after-the-k-loop.md)
@@ -327,6 +314,5 @@ def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split
         GROUP=group, HAS_ZP=lane_zero is not None, BF16=a.dtype == torch.bfloat16, SPLIT_K=split,
         LAST_SLICE_SUMS=count is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[a.dtype],
         CAST=float_cast_mode(_int4_mma_kernel), STAGES=stages, TILED=tiled, num_warps=1, num_stages=stages,
-        STEP=step_asm(a.dtype), PREFETCH=tiled and prefetching(pdl),
-        LAST_EARLY=reading_early(), **pdl)
+        STEP=step_asm(a.dtype), PREFETCH=tiled and prefetching(pdl), **pdl)
     return out if count is not None else reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])

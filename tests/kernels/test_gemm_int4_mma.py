@@ -16,8 +16,6 @@ from ptx_emulator import run
 from triton import language as tl
 
 from fxquant.kernels import gemm_int4_mma
-from fxquant.kernels.code_tiles import tile_codes
-from fxquant.kernels.dependent_launch import last_step_read_early
 from fxquant.kernels.gemm_int4_mma import int4_mma_mm, lane_layout_shape, pack_lanes, supports
 from fxquant.kernels.gemm_weight_only import weight_operands
 from fxquant.numerics import reference as R
@@ -77,36 +75,6 @@ def test_the_kernel_under_the_interpreter(monkeypatch, dtype, M, N, K, group, sy
     out = int4_mma_mm(x, codes, lane_scale, lane_zero, group, bias, split=split)
     assert out.shape == (M, N) and out.dtype == dtype
     assert within_bound(out, x, R.dequantize(q, torch.float64), bias)
-
-
-@pytest.mark.skipif(GPU, reason="the interpreter with an emulator of the PTX; the GPU runs the PTX itself below")
-@pytest.mark.parametrize("symmetric", [False, True], ids=["zero_points", "symmetric"])
-def test_the_last_step_read_early_changes_no_bit_under_the_interpreter(monkeypatch, symmetric):
-    """The slice's last K step read before the wait and multiplied after the loop, in its place: the same sums. K of
-    4 steps in 3 slices of 2 leaves the third slice empty, whose held step must add nothing."""
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", _ptx_step, raising=False)
-    q, x, bias, rows, lane_scale, lane_zero = operands(192, 512, 3, torch.bfloat16, symmetric)
-    tiles, _ = weight_operands(x, tile_codes(q.data), q.scale, "int4", 128, 192)
-    for codes, split in ((rows, 1), (rows, 3), (tiles, 3)):
-        after = int4_mma_mm(x, codes, lane_scale, lane_zero, 128, bias, split=split)
-        with last_step_read_early(True):
-            early = int4_mma_mm(x, codes, lane_scale, lane_zero, 128, bias, split=split)
-        assert torch.equal(early, after), split
-        assert within_bound(early, x, R.dequantize(q, torch.float64), bias)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tiled", [False, True], ids=["rows", "tiles"])
-def test_the_last_step_read_early_changes_no_bit_on_the_gpu(tiled):
-    q, x, bias, codes, lane_scale, lane_zero = operands(4160, 4096, 1, torch.bfloat16)
-    if tiled:
-        codes, _ = weight_operands(x, tile_codes(q.data), q.scale, "int4", 128, 4160)
-    for split in (None, 3, 11):  # 11 slices of 3 steps of 32: the last slice empty
-        after = int4_mma_mm(x, codes, lane_scale, lane_zero, 128, bias, split=split)
-        with last_step_read_early(True):
-            early = int4_mma_mm(x, codes, lane_scale, lane_zero, 128, bias, split=split)
-        assert torch.equal(early, after), split
-        assert within_bound(early, x, R.dequantize(q, torch.float64), bias)
 
 
 @pytest.mark.gpu
