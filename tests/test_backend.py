@@ -266,7 +266,8 @@ def test_inputs_written_in_place_that_dynamo_marked_static_stay_static_for_cuda_
         seen.append((written, set(kwargs["static_input_idxs"])))
         return inductor.compile_fx_inner(gm, example_inputs, **kwargs)
 
-    monkeypatch.setattr(inductor, "compile_fx", lambda *a, **k: compile_fx(*a, inner_compile=spy_inner, **k))
+    # compile_fx calls itself again inside its config patches, passing the inner compile on
+    monkeypatch.setattr(inductor, "compile_fx", lambda *a, **k: compile_fx(*a, **{"inner_compile": spy_inner, **k}))
     layer = torch.nn.Linear(256, 256).to(torch.bfloat16)
     cache = torch.zeros(4, 256, dtype=torch.bfloat16)
     torch._dynamo.mark_static_address(cache)
