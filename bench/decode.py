@@ -31,7 +31,8 @@ Run: python -m bench.decode [path ...] [--batches 1 16 64] [--prefill 1024] [--s
 paths: inductor, fxquant:<recipe>, fxquant:<recipe>+fp8kv (the same over fxquant.FP8StaticCache),
 fxquant:<recipe>+head=<recipe> (the lm_head quantized too, under the second recipe; +fp8kv may follow),
 fxquant:<recipe>+without=<pass> (without one of the pipeline's optional passes; repeatable),
-fxquant:<recipe>+inductor=<option> (one of Inductor's boolean options on, e.g. combo_kernels; repeatable),
+fxquant:<recipe>+inductor=<option> (one of Inductor's boolean options on, e.g. combo_kernels; =0 after it turns it
+off, e.g. +inductor=triton.enable_pdl=0; repeatable),
 fxquant:<recipe>+rows (int4 codes held in rows, not the GPU's default tiles: the option int4_code_tiles=False),
 fxquant:<recipe>+fp4inregisters (MXFP4 / NVFP4 GEMMs of one row in the in-register GEMM over rows: fp4_lanes=False),
 fxquant:<recipe>+inplace (a copy of the model quantize_'d under the recipe, then compiled: a loaded checkpoint's path),
@@ -268,7 +269,7 @@ def graph_replays(times: list[float]):
 
 HEAD = "+head="  # fxquant:<recipe>+head=<recipe>: the lm_head quantized too, under its own recipe
 WITHOUT = "+without="  # fxquant:<recipe>+without=<pass>: the pipeline without one of its optional passes
-INDUCTOR = "+inductor="  # fxquant:<recipe>+inductor=<option>: one of Inductor's boolean options turned on
+INDUCTOR = "+inductor="  # fxquant:<recipe>+inductor=<option>[=0]: one of Inductor's boolean options on (=0: off)
 ROWS = "+rows"  # fxquant:<recipe>+rows: int4 codes held in rows (the backend's option int4_code_tiles=False)
 IN_REGISTERS = "+fp4inregisters"  # MXFP4 / NVFP4 at M = 1 in the in-register GEMM over rows (fp4_lanes=False)
 IN_PLACE = "+inplace"  # fxquant:<recipe>+inplace: the model quantize_'d first (its copy), then compiled
@@ -277,7 +278,8 @@ IN_PLACE = "+inplace"  # fxquant:<recipe>+inplace: the model quantize_'d first (
 def recipe_options(path: str) -> dict:
     """An fxquant path's backend options: its recipe; the lm_head's where the path names one (the lm_head stays in
     high precision by default); the passes it leaves out, to measure what a fusion is worth in the step;
-    Inductor's options it turns on (+inductor=combo_kernels: Inductor's small kernels launched together)."""
+    Inductor's options it turns on or off (+inductor=combo_kernels: Inductor's small kernels launched together;
+    +inductor=triton.enable_pdl=0: Inductor's kernels launched without dependent launch)."""
     recipe, *extras = path.split(":", 1)[1].removesuffix(FP8_KV).split("+")
     options = {"recipe": recipe}
     for extra in extras:
@@ -287,7 +289,8 @@ def recipe_options(path: str) -> dict:
         elif key + "=" == WITHOUT:
             options.setdefault("disable_passes", []).append(value)
         elif key + "=" == INDUCTOR:
-            options.setdefault("inductor", {})[value] = True
+            option, _, flag = value.partition("=")
+            options.setdefault("inductor", {})[option] = flag != "0"
         elif key == ROWS:
             options["int4_code_tiles"] = False
         elif key == IN_REGISTERS:

@@ -74,7 +74,7 @@ def test_graph_replays_times_each_replay():
 def test_path_suffixes_become_backend_options():
     """fxquant:<recipe>+head=<recipe> adds the lm_head under the second recipe (the plain path keeps it in bf16, and
     tests/test_real_models.py checks that the option quantizes it); +without= leaves a pass out; +inductor= turns one of
-    Inductor's options on; +rows holds int4 codes in rows."""
+    Inductor's options on (or off, after =0); +rows holds int4 codes in rows."""
     assert recipe_options("fxquant:fp8_row") == {"recipe": "fp8_row"}
     assert recipe_options("fxquant:fp8_row+head=int8_wo+fp8kv") == {
         "recipe": "fp8_row", "layer_recipes": {r"(^|\.)lm_head$": "int8_wo"}}
@@ -82,6 +82,8 @@ def test_path_suffixes_become_backend_options():
         "recipe": "fp8_row", "disable_passes": ["fuse_silu_mul", "fuse_norm"]}
     assert recipe_options("fxquant:fp8_row+inductor=combo_kernels") == {
         "recipe": "fp8_row", "inductor": {"combo_kernels": True}}
+    assert recipe_options("fxquant:int4_wo+inductor=triton.enable_pdl=0+inductor=combo_kernels") == {
+        "recipe": "int4_wo", "inductor": {"triton.enable_pdl": False, "combo_kernels": True}}
     assert recipe_options("fxquant:int4_wo+rows") == {"recipe": "int4_wo", "int4_code_tiles": False}
     assert recipe_options("fxquant:mxfp4_wo+fp4inregisters") == {"recipe": "mxfp4_wo", "fp4_lanes": False}
     for setting in ("+nopdl", "+reducekernel", "+prefetch", "+mma8"):  # launch settings, applied by work()
