@@ -6,6 +6,7 @@ import itertools
 import os
 import platform
 import subprocess
+import tempfile
 
 import torch
 import transformers as T
@@ -43,14 +44,25 @@ def copy_bandwidth_gbs() -> float:
 
 def commit() -> str:
     """The code's commit: FXQUANT_COMMIT where set (a copied tree's .git may name an older commit than the code it
-    holds), else git's, marked -dirty when the tree differs from it."""
+    holds), else git's, marked -dirty when the tree differs from it, with the id of the tree as it is: `git log
+    --format='%h %T'` finds the commit whose tree that is."""
     if os.environ.get("FXQUANT_COMMIT"):
         return os.environ["FXQUANT_COMMIT"]
     try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        described = _git("describe", "--always", "--dirty")
+        if described.endswith("-dirty"):
+            with tempfile.TemporaryDirectory() as scratch:  # an index of its own: git's own index is left alone
+                index = {"GIT_INDEX_FILE": os.path.join(scratch, "index")}
+                _git("add", "--all", env=index)  # every file git does not ignore, as a commit of it would hold
+                described += f" (tree {_git('write-tree', env=index)})"
+        return described
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def _git(*args: str, env: dict | None = None) -> str:
+    return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                          env={**os.environ, **(env or {})}).stdout.strip()
 
 
 LLAMA_3_VOCAB = 128256
