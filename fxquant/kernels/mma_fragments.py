@@ -25,9 +25,9 @@ def mma_order() -> list[tuple[int, int]]:
     """The (block, MMA) pairs of a K step in the order the int4 kernel's PTX writes them: MMA c of every block before
     MMA c + 1 of any, four independent chains that ptxas overlaps two at a time (`python -m bench.sass mma`: at most
     3 MMAs in a row into one register). Written block after block, the four chains compiled to runs of 8 one after
-    another; the two orders timed alike in the 32-layer chain (H100: 2.052 against 2.058 ms, bench/HISTORY.md,
-    2026-12-06). The FP4 kernel carries its blocks' accumulators across K steps in four statements, which ptxas
-    already interleaves."""
+    another; the two orders timed alike in the 32-layer chain (H100: 2.052 against 2.058 ms; BENCHMARKS.md,
+    "Inductor's kernels launched dependent, the int4 MMA order and a last K step read before the wait"). The FP4
+    kernel carries its blocks' accumulators across K steps in four statements, which ptxas already interleaves."""
     return [(b, c) for c in range(8) for b in range(BLOCKS)]
 
 
