@@ -21,7 +21,10 @@ programs of 3 steps as the GEMMs' (the floor of 128 dependent kernels of these s
 device's read ceiling); and the GEMM kernel over the same bytes as two GEMMs, each layer's K = 4096 weights stacked into
 one and the down projections into another (the GEMM's own floor without 128 launches, ramps and tails).
 
-Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...] [--grid | --floors]
+With --rows, the chain at M = 1, 8 and 16 rows (or those given) on the mma.sync kernel and on the in-register kernel
+that the backend gives more than one row, each against bf16 at the same M (`rows_chain`).
+
+Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...] [--grid | --floors | --rows 1 8 16]
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ from fxquant.kernels.gemm_int4_mma import (
     int4_mma_split,
     pack_lanes,
     step_asm,
+    step_constraints,
 )
-from fxquant.kernels.gemm_weight_only import weight_operands
+from fxquant.kernels.gemm_weight_only import weight_only_mm, weight_operands
 from fxquant.kernels.launch import cdiv
 from fxquant.numerics import reference as R
 
@@ -56,6 +60,7 @@ LAYERS = 32
 GROUP = 128
 DEFAULT_PROGRAMS = (450, 1800)  # the product's split aims at 900: a smaller and a larger grid beside it
 DEFAULT_STAGES = (2, 4, 5)  # the product's pipeline holds 3 K steps in flight
+DEFAULT_ROWS = (1, 8, 16)  # --rows: one row, one MMA's eight, and two MMAs' sixteen
 
 
 def int4_weight(n: int, k: int):
@@ -66,6 +71,55 @@ def int4_weight(n: int, k: int):
     codes, scale = weight_operands(a, q.data, q.scale, "int4", GROUP, n)
     tiles, _ = weight_operands(a, tile_codes(q.data), q.scale, "int4", GROUP, n)
     return codes, tiles, *pack_lanes(scale, q.zero_point)
+
+
+def int4_operands(n: int, k: int):
+    """Random int4 codes in groups of 128 with zero points in tiles: as both kernels take them (int32 words with the
+    scales and zero points packed per lane for the mma.sync kernel; bytes with the row-major ones for the
+    in-register kernel)."""
+    q = R.quantize(torch.randn(n, k, device="cuda") * 0.02, "int4", ("group", GROUP))
+    a = torch.empty(1, k, device="cuda", dtype=torch.bfloat16)
+    tile_bytes = tile_codes(q.data)
+    tiles, scale = weight_operands(a, tile_bytes, q.scale, "int4", GROUP, n)
+    return tiles, *pack_lanes(scale, q.zero_point), tile_bytes, q.scale, q.zero_point
+
+
+def rows_chain(ms: list[int], ceiling: float) -> list[dict]:
+    """--rows: the chain at M activation rows on the mma.sync kernel (each decoded fragment feeding a second MMA past
+    8 rows) and on the in-register kernel, which the backend gives every int4 GEMM of more than one row, against
+    bf16 at the same M. First, on the merged gate/up, the two kernels' largest difference over the largest output."""
+    layers = [[(k, *int4_operands(n, k)) for n, k in LAYER] for _ in range(LAYERS)]
+    nbytes = sum(t.nbytes for layer in layers for _, tiles, lane_scale, lane_zero, *_ in layer
+                 for t in (tiles, lane_scale, lane_zero))
+    rows = []
+    for m in ms:
+        xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k in sorted({k for _, k in LAYER})}
+        bf16_ms = bf16_chain_ms(xs)
+        torch.cuda.empty_cache()
+        k, tiles, lane_scale, lane_zero, tile_bytes, scale, zero = layers[0][2]
+        on_mma = int4_mma_mm(xs[k], tiles, lane_scale, lane_zero, GROUP).float()
+        in_registers = weight_only_mm(xs[k], tile_bytes, scale, "int4", GROUP, tiles.shape[0] * 64,
+                                      zero_point=zero).float()
+        error = ((on_mma - in_registers).abs().max() / in_registers.abs().max()).item()
+        print(f"M = {m}: mma.sync against in-register on 28672x4096, max |difference| / max |output| {error:.1e}",
+              flush=True)
+        if not error < 1e-2:  # two fp32 sums of the same exact products, each rounded once to bf16
+            raise SystemExit(f"bench.int4_chain: the kernels disagree at M = {m} ({error:.1e})")
+        kernels = {
+            "mma.sync": lambda: [int4_mma_mm(xs[k], t, ls, lz, GROUP)
+                                 for layer in layers for k, t, ls, lz, *_ in layer],
+            "in-register": lambda: [weight_only_mm(xs[k], tb, s, "int4", GROUP, t.shape[0] * 64, zero_point=z)
+                                    for layer in layers for k, t, _, _, tb, s, z in layer]}
+        rows.append({"M": m, "kernels": "bf16 torch.mm", "ms": f"{bf16_ms:.3f}", "x bf16": "1.00"})
+        for name, run in kernels.items():
+            with dependent_launches(True):
+                ms_ = replay_ms(run)
+            rows.append({"M": m, "kernels": f"int4 {name}", "ms": f"{ms_:.3f}", "x bf16": f"{bf16_ms / ms_:.2f}",
+                         "% copy": f"{100 * nbytes / ms_ / 1e6 / ceiling:.0f}"})
+            print(rows[-1], flush=True)
+    print(f"{LAYERS} layers x {len(LAYER)} GEMMs, one CUDA graph, codes in tiles, dependent launch on; int4 bytes "
+          f"(codes, lane scales, zero points): {nbytes / 1e9:.2f} GB")
+    return rows
 
 
 def split_toward(n: int, k: int, programs: int) -> int:
@@ -139,7 +193,8 @@ def int4_partials_only(a, tiles, lane_scale, lane_zero) -> torch.Tensor:
         a.view(torch.int32), tiles, lane_scale, lane_zero, ws, ws, ws, ws, M, n, K, K // GROUP, a.stride(0) // 2,
         tiles.stride(0), ws.stride(0), GROUP=GROUP, HAS_ZP=True, BF16=True, SPLIT_K=split, LAST_SLICE_SUMS=False,
         HAS_BIAS=False, OUT=tl.bfloat16, CAST=float_cast_mode(_int4_mma_kernel), STAGES=3, TILED=True,
-        STEP=step_asm(a.dtype), num_warps=1, num_stages=3, **launch_options(a.device))
+        STEP=step_asm(a.dtype), CONSTRAINTS=step_constraints(), num_warps=1, num_stages=3,
+        **launch_options(a.device))
     return ws
 
 
@@ -217,6 +272,9 @@ def main():
     print(header())
     ceiling = copy_bandwidth_gbs()
     print(f"copy ceiling (read+write): {ceiling:.0f} GB/s")
+    if "--rows" in sys.argv:
+        print(table(rows_chain([int(v) for v in values_after("--rows", DEFAULT_ROWS)], ceiling)))
+        return
     programs = [int(v) for v in values_after("--programs", DEFAULT_PROGRAMS)]
     depths = [int(v) for v in values_after("--stages", DEFAULT_STAGES)]
     xs = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for k in sorted({width for _, width in LAYER})}
