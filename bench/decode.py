@@ -39,7 +39,7 @@ fxquant:<recipe>+inplace (a copy of the model quantize_'d under the recipe, then
 fxquant:<recipe>+nopdl (every fxquant kernel launched without programmatic dependent launch), +reducekernel (split
 GEMMs summed by the reduce kernel, not by their last slice), +prefetch (the fp8 and 4-bit decode GEMMs ask the L2 for
 their first weights before they wait for the previous kernel; by default the fp8 GEMM alone), +noprefetch (none
-does), +mma<rows> (int4 GEMMs of up to 8 or 16 rows on the mma.sync kernel, not one: +mma8, +mma16),
+does), +mma8 (int4 GEMMs of up to 8 rows on the mma.sync kernel, not one),
 torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head, +without, +inductor,
 +rows, +fp4inregisters, +inplace and the launch settings).
 
@@ -75,7 +75,7 @@ from bench import peers, timeline, workers
 from bench.common import LLAMA_3_VOCAB, header, llama, llama_config, table
 from fxquant.compile.backend import fxquant as fxquant_backend
 from fxquant.kernels.dependent_launch import dependent_launches, weights_prefetched
-from fxquant.kernels.gemm_int4_mma import serving_up_to
+from fxquant.kernels.gemm_int4_mma import MAX_M, serving_up_to
 from fxquant.kernels.splitk import reduce_in_gemm
 
 CHECK_STEPS = 4  # the first decode steps: they compile, their logits are compared with eager's, and go untimed
@@ -228,8 +228,8 @@ NO_PDL = "+nopdl"  # fxquant:<recipe>+nopdl: every kernel launched without progr
 REDUCE_KERNEL = "+reducekernel"  # split-K GEMMs summed by the reduce kernel, not by their last slice
 PREFETCH = "+prefetch"  # every decode GEMM asks the L2 for its first weights before waiting on the previous kernel
 NO_PREFETCH = "+noprefetch"  # none does (by default the fp8 GEMM does: decision 0030)
-MMA_ROWS = ("+mma8", "+mma16")  # int4 GEMMs of up to 8 or 16 rows on the mma.sync kernel (one row otherwise)
-LAUNCH_SETTINGS = (NO_PDL, REDUCE_KERNEL, PREFETCH, NO_PREFETCH, *MMA_ROWS)
+MMA_ROWS = "+mma8"  # int4 GEMMs of up to 8 rows on the mma.sync kernel (one row otherwise)
+LAUNCH_SETTINGS = (NO_PDL, REDUCE_KERNEL, PREFETCH, NO_PREFETCH, MMA_ROWS)
 
 
 def prefetch_setting(path: str) -> bool | None:
@@ -239,20 +239,13 @@ def prefetch_setting(path: str) -> bool | None:
     return True if PREFETCH in extras else False if NO_PREFETCH in extras else None
 
 
-def mma_rows(path: str) -> int:
-    """The most activation rows the path's int4 GEMMs take on the mma.sync kernel: 8 or 16 under +mma8 or +mma16,
-    else one (the backend's default)."""
-    extras = {"+" + extra for extra in path.split("+")[1:]}
-    return max((int(setting.removeprefix("+mma")) for setting in MMA_ROWS if setting in extras), default=1)
-
-
 @contextlib.contextmanager
 def launch_settings(path: str, profiled: bool = False):
     """The path's launch settings for the launches inside the block, graphs captured included. A profile launches
     without PDL: a kernel launched dependent is resident while it waits for the one before, and the profile would
     count the wait as its time."""
     with (dependent_launches(NO_PDL not in path and not profiled), reduce_in_gemm(REDUCE_KERNEL not in path),
-          weights_prefetched(prefetch_setting(path)), serving_up_to(mma_rows(path))):
+          weights_prefetched(prefetch_setting(path)), serving_up_to(MAX_M if MMA_ROWS in path else 1)):
         yield
 
 

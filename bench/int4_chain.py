@@ -21,10 +21,10 @@ programs of 3 steps as the GEMMs' (the floor of 128 dependent kernels of these s
 device's read ceiling); and the GEMM kernel over the same bytes as two GEMMs, each layer's K = 4096 weights stacked into
 one and the down projections into another (the GEMM's own floor without 128 launches, ramps and tails).
 
-With --rows, the chain at M = 1, 8 and 16 rows (or those given) on the mma.sync kernel and on the in-register kernel
-that the backend gives more than one row, each against bf16 at the same M (`rows_chain`).
+With --rows, the chain at M = 1 and 8 rows (or those given, up to 8) on the mma.sync kernel and on the in-register
+kernel that the backend gives more than one row, each against bf16 at the same M (`rows_chain`).
 
-Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...] [--grid | --floors | --rows 1 8 16]
+Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...] [--grid | --floors | --rows 1 4 8]
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ from fxquant.kernels.gemm_int4_mma import (
     int4_mma_split,
     pack_lanes,
     step_asm,
-    step_constraints,
 )
 from fxquant.kernels.gemm_weight_only import weight_only_mm, weight_operands
 from fxquant.kernels.launch import cdiv
@@ -60,7 +59,7 @@ LAYERS = 32
 GROUP = 128
 DEFAULT_PROGRAMS = (450, 1800)  # the product's split aims at 900: a smaller and a larger grid beside it
 DEFAULT_STAGES = (2, 4, 5)  # the product's pipeline holds 3 K steps in flight
-DEFAULT_ROWS = (1, 8, 16)  # --rows: one row, one MMA's eight, and two MMAs' sixteen
+DEFAULT_ROWS = (1, 8)  # --rows: one row, and the eight one MMA takes
 
 
 def int4_weight(n: int, k: int):
@@ -85,9 +84,9 @@ def int4_operands(n: int, k: int):
 
 
 def rows_chain(ms: list[int], ceiling: float) -> list[dict]:
-    """--rows: the chain at M activation rows on the mma.sync kernel (each decoded fragment feeding a second MMA past
-    8 rows) and on the in-register kernel, which the backend gives every int4 GEMM of more than one row, against
-    bf16 at the same M. First, on the merged gate/up, the two kernels' largest difference over the largest output."""
+    """--rows: the chain at M <= 8 activation rows on the mma.sync kernel and on the in-register kernel, which the
+    backend gives every int4 GEMM of more than one row, against bf16 at the same M. First, on the merged gate/up,
+    the two kernels' largest difference over the largest output."""
     layers = [[(k, *int4_operands(n, k)) for n, k in LAYER] for _ in range(LAYERS)]
     nbytes = sum(t.nbytes for layer in layers for _, tiles, lane_scale, lane_zero, *_ in layer
                  for t in (tiles, lane_scale, lane_zero))
@@ -193,8 +192,7 @@ def int4_partials_only(a, tiles, lane_scale, lane_zero) -> torch.Tensor:
         a.view(torch.int32), tiles, lane_scale, lane_zero, ws, ws, ws, ws, M, n, K, K // GROUP, a.stride(0) // 2,
         tiles.stride(0), ws.stride(0), GROUP=GROUP, HAS_ZP=True, BF16=True, SPLIT_K=split, LAST_SLICE_SUMS=False,
         HAS_BIAS=False, OUT=tl.bfloat16, CAST=float_cast_mode(_int4_mma_kernel), STAGES=3, TILED=True,
-        STEP=step_asm(a.dtype), CONSTRAINTS=step_constraints(), num_warps=1, num_stages=3,
-        **launch_options(a.device))
+        STEP=step_asm(a.dtype), num_warps=1, num_stages=3, **launch_options(a.device))
     return ws
 
 

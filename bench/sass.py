@@ -11,8 +11,8 @@ Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pai
      python -m bench.sass fp8 [--stages N] [--swap] [--prefetch]   (row scales, M <= 16, 14336x4096: the decode
                                                      tiles of gemm_configs; --swap: the operands swapped, SWAP_AB)
      python -m bench.sass w4a8 [--stages N]   (int4_fp8's GEMM at decode, 4096 rows, split in 8)
-     python -m bench.sass mma [--stages N] [--code-rows] [--prefetch] [--sixteen]   (int4 at M = 1 on mma.sync,
-                                                     14336x4096, split in 5; --sixteen: as it runs 9-16 rows)
+     python -m bench.sass mma [--stages N] [--code-rows] [--prefetch]   (int4 at M = 1 on mma.sync, 14336x4096,
+                                                     split in 5)
      python -m bench.sass fp4mma [mxfp4|nvfp4] [--stages N] [--tiles]   (MXFP4 / NVFP4 at M = 1 on mma.sync,
                                                      14336x4096, split in 5; codes in rows unless --tiles)
      python -m bench.sass attention [--codes] [--warps N] [--stages N] [--quantize]   (Llama-3-8B's heads at
@@ -105,16 +105,14 @@ def w4a8_kernel_sass(stages: int | None = None) -> tuple[str, int]:
 
 
 def int4_mma_kernel_sass(stages: int | None = None, code_rows: bool = False,
-                         prefetch: bool = False, halves: int = 1) -> tuple[str, int]:
+                         prefetch: bool = False) -> tuple[str, int]:
     """SASS and registers per thread of the int4 mma.sync kernel at M = 1 (bf16, zero points) on 14336x4096, split
     in 5 (`int4_mma_split`) and summed by the last slice, with dependent launch; its codes in tiles, as the backend
-    holds them on the GPU, unless code_rows; prefetch: its first codes asked of the L2 before the wait; halves 2:
-    as it runs for 9 to 16 rows."""
+    holds them on the GPU, unless code_rows; prefetch: its first codes asked of the L2 before the wait."""
     stages = stages or 3  # int4_mma_mm's default
     constexprs = dict(GROUP=gemm_int4_mma.STEP_K, HAS_ZP=True, BF16=True, SPLIT_K=5, LAST_SLICE_SUMS=True,
                       HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, STAGES=stages, PDL=True, TILED=not code_rows,
-                      PREFETCH=prefetch and not code_rows, STEP=gemm_int4_mma.step_asm(torch.bfloat16, halves),
-                      CONSTRAINTS=gemm_int4_mma.step_constraints(halves), HALVES=halves)
+                      PREFETCH=prefetch and not code_rows, STEP=gemm_int4_mma.step_asm(torch.bfloat16))
     pointers = dict(a_ptr="*i32", w_ptr="*i32", s_ptr="*fp32", z_ptr="*i32", ws_ptr="*fp32", c_ptr="*bf16",
                     bias_ptr="*bf16", counter_ptr="*i32")
     return compiled_by_name(gemm_int4_mma._int4_mma_kernel, constexprs, pointers, [*pointers, *MMA_DIVISIBLE], 1,
@@ -288,10 +286,10 @@ def main():
                 "its usual path (MXFP4's scales up to 2: one multiply)")
         step = "K step"
     elif "mma" in sys.argv:
-        prefetch, halves = "--prefetch" in sys.argv, 2 if "--sixteen" in sys.argv else 1
-        sass, registers = int4_mma_kernel_sass(stages, code_rows, prefetch, halves)
-        what = (f"int4 on mma.sync, M = {8 * halves if halves > 1 else 1} (64 rows x 128 codes a warp), codes in "
-                f"{'rows' if code_rows else 'tiles'}{', first codes prefetched' if prefetch else ''}")
+        prefetch = "--prefetch" in sys.argv
+        sass, registers = int4_mma_kernel_sass(stages, code_rows, prefetch)
+        what = (f"int4 on mma.sync, M = 1 (64 rows x 128 codes a warp), codes in {'rows' if code_rows else 'tiles'}"
+                f"{', first codes prefetched' if prefetch else ''}")
         step = "K step"
     elif "w4a8" in sys.argv:
         sass, registers = w4a8_kernel_sass(stages)

@@ -86,7 +86,7 @@ def test_path_suffixes_become_backend_options():
         "recipe": "int4_wo", "inductor": {"triton.enable_pdl": False, "combo_kernels": True}}
     assert recipe_options("fxquant:int4_wo+rows") == {"recipe": "int4_wo", "int4_code_tiles": False}
     assert recipe_options("fxquant:mxfp4_wo+fp4inregisters") == {"recipe": "mxfp4_wo", "fp4_lanes": False}
-    for setting in ("+nopdl", "+reducekernel", "+prefetch", "+mma8", "+mma16"):  # launch settings, applied by work()
+    for setting in ("+nopdl", "+reducekernel", "+prefetch", "+mma8"):  # launch settings, applied by work()
         assert recipe_options("fxquant:fp8_row" + setting) == {"recipe": "fp8_row"}
     with pytest.raises(ValueError, match=r"'\+heads' is none of"):
         recipe_options("fxquant:fp8_row+heads=int8_wo")
@@ -113,8 +113,6 @@ def test_launch_settings_turn_off_what_the_path_names_and_only_inside_the_block(
         assert dependent_launch._prefetch[0] is False
     with launch_settings("fxquant:int4_wo+mma8"):
         assert gemm_int4_mma.serves_rows() == 8
-    with launch_settings("fxquant:int4_wo+mma16+fp8kv"):
-        assert gemm_int4_mma.serves_rows() == 16
     with launch_settings("fxquant:fp8_row", profiled=True):  # a profile launches without PDL
         assert not dependent_launch._enabled[0] and splitk._in_gemm[0]
     assert dependent_launch._enabled[0] and splitk._in_gemm[0] and dependent_launch._prefetch[0] is None

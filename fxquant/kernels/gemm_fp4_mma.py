@@ -43,7 +43,7 @@ from fxquant.kernels.code_tiles import TILE_ROWS, is_tiled
 from fxquant.kernels.codes import FORMATS, NVFP4_UNSCALE, fp4_pair_lines, scale_bf16_pair
 from fxquant.kernels.dependent_launch import await_previous, launch_options, start_next
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
-from fxquant.kernels.gemm_int4_mma import MMA_ROWS, STEP_K, int4_mma_split
+from fxquant.kernels.gemm_int4_mma import MAX_M, STEP_K, int4_mma_split
 from fxquant.kernels.launch import cdiv, visible
 from fxquant.kernels.mma_fragments import (
     block_words,
@@ -200,7 +200,7 @@ def _fp4_mma_kernel(a_ptr, w_ptr, s_ptr, gs_ptr, ws_ptr, c_ptr, bias_ptr, counte
         acc0, acc1, acc2, acc3 = acc0 * unscale, acc1 * unscale, acc2 * unscale, acc3 * unscale
     store_partials(ws_ptr, stride_ws, acc0, acc1, acc2, acc3, t, rows0, rows1, M, N)
     if LAST_SLICE_SUMS:
-        sum_if_last_slice(ws_ptr, c_ptr, bias_ptr, counter_ptr, tile, tl.arange(0, 8),  # MMA_ROWS rows
+        sum_if_last_slice(ws_ptr, c_ptr, bias_ptr, counter_ptr, tile, tl.arange(0, 8),  # MAX_M rows
                           tile * 64 + tl.arange(0, 64), M, N, N, 1, HAS_BIAS, SPLIT_K, OUT, CAST)
 
 
@@ -238,8 +238,8 @@ def supports(a: torch.Tensor, fmt: str) -> str | None:
         return f"{fmt!r}: the kernel takes {list(BLOCKS)}"
     if not a.is_cuda or interpreting(_fp4_mma_kernel) or capability(a.device) < (8, 0):
         return "no sm_80+ GPU (or Triton's interpreter)"
-    if not 0 < M <= MMA_ROWS:
-        return f"M = {M}: the kernel serves 1 to {MMA_ROWS} rows"
+    if not 0 < M <= MAX_M:
+        return f"M = {M}: the kernel serves 1 to {MAX_M} rows"
     if K % STEP_K:
         return f"K = {K}: the kernel takes multiples of {STEP_K}"
     if a.dtype != torch.bfloat16:

@@ -1,12 +1,11 @@
-"""The int4 decode GEMM on mma.sync: out[M <= 16, N] = A[M, K] @ dequantize(W)[N, K].T (+ bias), int4 groups of a
+"""The int4 decode GEMM on mma.sync: out[M <= 8, N] = A[M, K] @ dequantize(W)[N, K].T (+ bias), int4 groups of a
 multiple of 128 along K, with the codes read in the order `quantize` stores them, through inline PTX (sm_80+).
 
 Each program is one warp and owns 64 weight rows: four 16-row blocks, each the A operand of
-`mma.sync.m16n8k16`, whose B operand is the activations (K by up to 8 rows of A), so one MMA serves a decode batch
-of 8; past 8 rows each decoded fragment feeds a second MMA for rows 8-15, so the decode is paid once for 16. K maps
-onto the MMA's slots so that a lane reads its codes in stored order (`mma_fragments`): in each 128-long K step,
-lane t takes codes 32t .. 32t + 31 of its rows, and one `lop3` extracts codes j and j + 4 of a word together into a
-bf16x2 (or f16x2) register.
+`mma.sync.m16n8k16`, whose B operand is the activations (K by up to 8 rows of A), so one MMA serves a whole
+decode batch. K maps onto the MMA's slots so that a lane reads its codes in stored order (`mma_fragments`): in each
+128-long K step, lane t takes codes 32t .. 32t + 31 of its rows, and one `lop3` extracts codes j and j + 4 of a word
+together into a bf16x2 (or f16x2) register.
 
 Scales and zero points are read in a layout packed per lane (`pack_lanes`): a lane's eight scales of a group (its
 two rows in each of the four blocks) are one 32-byte copy, its eight zero points one 8-byte copy. Row-major scales
@@ -70,22 +69,17 @@ from fxquant.kernels.splitk import counters, reduce_partials, sum_if_last_slice
 
 STEP_K = 128  # codes per row per K step: 4 lanes x 32; int4 groups must be multiples of it
 ROWS = TILE_ROWS  # weight rows per program: four 16-row MMA blocks
-MMA_ROWS = 8  # activation rows one m16n8k16 MMA takes as its B operand
-MAX_M = 2 * MMA_ROWS  # two MMAs a decoded A fragment: rows 0-7 and 8-15
+MAX_M = 8  # activation rows one m16n8k16 MMA takes as its B operand
 _serves_rows = [1]  # the most activation rows linear_int4_lanes gives this kernel (`serving_up_to`)
 
 
-def _step_asm(magic: str, fma: str, one: str, dtype: str, halves: int = 1) -> str:
-    """PTX for one K step of the program's four 16-row blocks, over `halves` eight-row halves of the activations (1
-    or 2). Operands, with C = 16 * halves: $16h + 4b .. + 3 block b's fp32 accumulator of half h out (C fragment);
-    $C + 8b .. + 3 row g's four words of block b, + 4 .. + 7 row g + 8's; $C + 32 + 2b, $C + 33 + 2b -(magic + z)
-    for block b's two rows as x2 pairs; $C + 40 + 16h + 2c, + 1 the activation pairs of MMA c of half h.
+def _step_asm(magic: str, fma: str, one: str, dtype: str) -> str:
+    """PTX for one K step of the program's four 16-row blocks. Operands: $4b-$4b+3 block b's fp32 accumulator out (C
+    fragment); $16 + 8b .. + 3 row g's four words of block b, + 4 .. + 7 row g + 8's; $48 + 2b, $49 + 2b -(magic + z)
+    for block b's two rows as x2 pairs; $56 + 2c, $57 + 2c the activation pairs of MMA c.
 
     Each block's eight MMAs chain through its accumulator, in the order c = 0..7; the blocks' chains interleave as
-    `mma_fragments.mma_order` says. With two halves each decoded A fragment feeds both halves' MMAs: the decode is
-    paid once for 16 activation rows."""
-    codes, offsets = 16 * halves, 16 * halves + 32
-    activations = offsets + 8
+    `mma_fragments.mma_order` says."""
     lines = ["{", ".reg .b32 s, zero, one;", ".reg .b32 " + ", ".join(f"a{b}_{r}" for b in range(BLOCKS)
                                                                       for r in range(4)) + ";",
              "mov.b32 zero, 0;", f"mov.b32 one, {one};"]
@@ -93,7 +87,7 @@ def _step_asm(magic: str, fma: str, one: str, dtype: str, halves: int = 1) -> st
     def mma(b: int, c: int) -> list[str]:
         u, e = divmod(c, 2)
         lo, hi = 8 * e, 8 * e + 4  # bit shifts of nibbles 2e and 2e + 1 (each with its partner 4 nibbles up)
-        words = (codes + 8 * b + u, codes + 4 + 8 * b + u)  # rows g and g + 8
+        words = (16 + 8 * b + u, 20 + 8 * b + u)  # rows g and g + 8
         out = []
         for reg, word, shift in ((0, words[0], lo), (1, words[1], lo), (2, words[0], hi), (3, words[1], hi)):
             src = f"${word}"
@@ -103,13 +97,11 @@ def _step_asm(magic: str, fma: str, one: str, dtype: str, halves: int = 1) -> st
             # (w & 0x000f000f) | magic: two codes in the mantissas of a packed pair, exactly magic + q
             out.append(f"lop3.b32 a{b}_{reg}, {src}, 0x000f000f, {magic}, 0xea;")
         for reg in range(4):  # (magic + q) * 1 - (magic + z) = q - z, exact: |q - z| <= 15 and the ulp is 1
-            out.append(f"{fma} a{b}_{reg}, a{b}_{reg}, one, ${offsets + 2 * b + reg % 2};")
+            out.append(f"{fma} a{b}_{reg}, a{b}_{reg}, one, ${48 + 2 * b + reg % 2};")
+        acc = ", ".join(f"${4 * b + r}" for r in range(4))
         regs = ", ".join(f"a{b}_{r}" for r in range(4))
-        for h in range(halves):
-            acc = ", ".join(f"${16 * h + 4 * b + r}" for r in range(4))
-            pair = activations + 16 * h + 2 * c
-            out.append(mma_line(dtype, regs, f"${pair}, ${pair + 1}", "zero, zero, zero, zero" if c == 0 else acc,
-                                acc))
+        out.append(mma_line(dtype, regs, f"${56 + 2 * c}, ${57 + 2 * c}", "zero, zero, zero, zero" if c == 0 else acc,
+                            acc))
         return out
 
     for b, c in mma_order():
@@ -117,22 +109,14 @@ def _step_asm(magic: str, fma: str, one: str, dtype: str, halves: int = 1) -> st
     return "\n".join(lines + ["}"])
 
 
-_FORMS = {torch.bfloat16: ("0x43004300", "fma.rn.bf16x2", "0x3F803F80", "bf16"),  # magic 128.0, one
-          torch.float16: ("0x64006400", "fma.rn.f16x2", "0x3C003C00", "f16")}  # magic 1024.0, one
-_STEPS = {(dtype, halves): tl.constexpr(_step_asm(*form, halves))
-          for dtype, form in _FORMS.items() for halves in (1, 2)}
-_CONSTRAINTS = {halves: tl.constexpr(",".join(["=f"] * 16 * halves + ["r"] * (40 + 16 * halves)))
-                for halves in (1, 2)}
+_STEPS = {torch.bfloat16: tl.constexpr(_step_asm("0x43004300", "fma.rn.bf16x2", "0x3F803F80", "bf16")),  # 128.0
+          torch.float16: tl.constexpr(_step_asm("0x64006400", "fma.rn.f16x2", "0x3C003C00", "f16"))}  # 1024.0
+STEP_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 56))
 
 
-def step_asm(dtype: torch.dtype, halves: int = 1) -> tl.constexpr:
-    """The K step's PTX for bf16 or fp16 activations, over one or two eight-row halves of them."""
-    return _STEPS[dtype, halves]
-
-
-def step_constraints(halves: int = 1) -> tl.constexpr:
-    """`step_asm`'s operand constraints: its fp32 accumulators out, then its 32-bit registers in."""
-    return _CONSTRAINTS[halves]
+def step_asm(dtype: torch.dtype) -> tl.constexpr:
+    """The K step's PTX for bf16 or fp16 activations."""
+    return _STEPS[dtype]
 
 
 @triton.jit
@@ -188,60 +172,26 @@ def _step_codes(w_ptr, tile, g, t, step, K, N, stride_wn, HAS_ZP: tl.constexpr, 
 
 
 @triton.jit
-def _scaled(acc0, acc1, acc2, acc3, sums, s0, s1):
-    """The four accumulators of one half after a K step: its blocks' exact-operand fp32 sums (16 [32], block after
-    block, four C registers each) times the group's scale, as gemm_weight_only's int4 path scales them."""
-    p0, p1, p2, p3, q0, q1, q2, q3, r0, r1, r2, r3, u0, u1, u2, u3 = sums
-    return (acc0 + stack(p0, q0, r0, u0) * s0, acc1 + stack(p1, q1, r1, u1) * s0,
-            acc2 + stack(p2, q2, r2, u2) * s1, acc3 + stack(p3, q3, r3, u3) * s1)
-
-
-@triton.jit
-def _multiply(acc0, acc1, acc2, acc3, weights, activations, STEP: tl.constexpr, CONSTRAINTS: tl.constexpr):
+def _multiply(acc0, acc1, acc2, acc3, weights, activations, STEP: tl.constexpr):
     """The four blocks' accumulators after one K step: its codes (`_step_codes`), scales and zero points
-    (`_step_scales`) times its activations (`step_activations`) by the PTX `STEP` (`step_asm`)."""
+    (`_step_scales`) times its activations (`step_activations`) by the PTX `STEP` (`step_asm`), each block's
+    exact-operand fp32 sums then multiplied by the group's scale."""
     codes, scales = weights
     s0, s1, offsets = scales
     (a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
      c0, c1, c2, c3, c4, c5, c6, c7, d0, d1, d2, d3, d4, d5, d6, d7) = codes
     oa0, oa1, ob0, ob1, oc0, oc1, od0, od1 = offsets
     x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7 = activations
-    sums = tl.inline_asm_elementwise(
-        STEP, CONSTRAINTS,
+    (p0, p1, p2, p3, q0, q1, q2, q3, r0, r1, r2, r3, u0, u1, u2, u3) = tl.inline_asm_elementwise(
+        STEP, STEP_CONSTRAINTS,
         [a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
          c0, c1, c2, c3, c4, c5, c6, c7, d0, d1, d2, d3, d4, d5, d6, d7,
          oa0, oa1, ob0, ob1, oc0, oc1, od0, od1,
          x0, y0, x1, y1, x2, y2, x3, y3, x4, y4, x5, y5, x6, y6, x7, y7],
         dtype=(tl.float32,) * 16, is_pure=True, pack=1)
-    return _scaled(acc0, acc1, acc2, acc3, sums, s0, s1)
-
-
-@triton.jit
-def _multiply_halves(accs, weights, activations, high, STEP: tl.constexpr, CONSTRAINTS: tl.constexpr):
-    """`_multiply` over 16 activation rows: the eight accumulators (rows 0-7's four, then rows 8-15's) after one K
-    step, `high` the activations of rows 8-15. One PTX statement decodes each fragment once for both halves' MMAs."""
-    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = accs
-    codes, scales = weights
-    s0, s1, offsets = scales
-    (a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
-     c0, c1, c2, c3, c4, c5, c6, c7, d0, d1, d2, d3, d4, d5, d6, d7) = codes
-    oa0, oa1, ob0, ob1, oc0, oc1, od0, od1 = offsets
-    x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7 = activations
-    v0, v1, v2, v3, v4, v5, v6, v7, w0, w1, w2, w3, w4, w5, w6, w7 = high
-    (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15,
-     f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15) = tl.inline_asm_elementwise(
-        STEP, CONSTRAINTS,
-        [a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
-         c0, c1, c2, c3, c4, c5, c6, c7, d0, d1, d2, d3, d4, d5, d6, d7,
-         oa0, oa1, ob0, ob1, oc0, oc1, od0, od1,
-         x0, y0, x1, y1, x2, y2, x3, y3, x4, y4, x5, y5, x6, y6, x7, y7,
-         v0, w0, v1, w1, v2, w2, v3, w3, v4, w4, v5, w5, v6, w6, v7, w7],
-        dtype=(tl.float32,) * 32, is_pure=True, pack=1)
-    low_sums = (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15)
-    high_sums = (f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15)
-    acc0, acc1, acc2, acc3 = _scaled(acc0, acc1, acc2, acc3, low_sums, s0, s1)
-    acc4, acc5, acc6, acc7 = _scaled(acc4, acc5, acc6, acc7, high_sums, s0, s1)
-    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+    # the group's scale multiplies the step's exact-operand fp32 sums, as gemm_weight_only's int4 path does
+    return (acc0 + stack(p0, q0, r0, u0) * s0, acc1 + stack(p1, q1, r1, u1) * s0,
+            acc2 + stack(p2, q2, r2, u2) * s1, acc3 + stack(p3, q3, r3, u3) * s1)
 
 
 @triton.jit
@@ -249,8 +199,7 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
                      stride_wn, stride_ws, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr,
                      SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
                      CAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, TILED: tl.constexpr,
-                     STEP: tl.constexpr, CONSTRAINTS: tl.constexpr, HALVES: tl.constexpr = 1,
-                     PREFETCH: tl.constexpr = False):
+                     STEP: tl.constexpr, PREFETCH: tl.constexpr = False):
     if not PREFETCH:
         await_previous(PDL)
     g, t, tile, rows0, rows1, a_row, a_in, steps, first, last = warp_plan(a_ptr, stride_am, M, K, SPLIT_K)
@@ -262,32 +211,18 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
     acc1 = tl.zeros((32, 4), tl.float32)
     acc2 = tl.zeros((32, 4), tl.float32)
     acc3 = tl.zeros((32, 4), tl.float32)
-    acc4 = tl.zeros((32, 4), tl.float32)  # rows 8-15's, where HALVES is 2
-    acc5 = tl.zeros((32, 4), tl.float32)
-    acc6 = tl.zeros((32, 4), tl.float32)
-    acc7 = tl.zeros((32, 4), tl.float32)
-    a_high = a_row + 8 * stride_am  # lane g's activation row g + 8 (MMA_ROWS further)
-    a_high_in = (g + 8 < M)[:, None]
     for step in tl.range(first, last, num_stages=STAGES):
         scales = _step_scales(s_ptr, z_ptr, tile, g, step, G, GROUP, HAS_ZP, BF16)
         activations = step_activations(a_row, step, a_in)
         codes = _step_codes(w_ptr, tile, g, t, step, K, N, stride_wn, HAS_ZP, TILED)
-        if HALVES == 2:
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _multiply_halves(
-                (acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7), (codes, scales), activations,
-                step_activations(a_high, step, a_high_in), STEP, CONSTRAINTS)
-        else:
-            acc0, acc1, acc2, acc3 = _multiply(acc0, acc1, acc2, acc3, (codes, scales), activations, STEP,
-                                               CONSTRAINTS)
+        acc0, acc1, acc2, acc3 = _multiply(acc0, acc1, acc2, acc3, (codes, scales), activations, STEP)
     # The next kernel launches after the K loop, as the fp8 GEMM's does: launched at the start, its waiting programs
     # took this one's slots (32 layers of the four decode GEMMs, H100: 2.960 -> 2.397 ms;
     # docs/decisions/0028-int4-mma-next-kernel-after-the-k-loop.md)
     start_next(PDL)
     store_partials(ws_ptr, stride_ws, acc0, acc1, acc2, acc3, t, rows0, rows1, M, N)
-    if HALVES == 2:  # rows 8-15: the same fragments, eight rows further into the partials
-        store_partials(ws_ptr + 8 * N, stride_ws, acc4, acc5, acc6, acc7, t, rows0, rows1, M - 8, N)
     if LAST_SLICE_SUMS:
-        sum_if_last_slice(ws_ptr, c_ptr, bias_ptr, counter_ptr, tile, tl.arange(0, 8 * HALVES),
+        sum_if_last_slice(ws_ptr, c_ptr, bias_ptr, counter_ptr, tile, tl.arange(0, 8),  # MAX_M rows
                           tile * 64 + tl.arange(0, 64), M, N, N, 1, HAS_BIAS, SPLIT_K, OUT, CAST)
 
 
@@ -316,8 +251,9 @@ def pack_lanes(scale: torch.Tensor, zero_point: torch.Tensor | None):
 def serving_up_to(rows: int):
     """linear_int4_lanes launched inside the block gives this kernel up to `rows` activation rows (at most MAX_M),
     rather than one: at M = 8 it ran 13-34% slower than the in-register kernel on four of five Llama shapes over
-    codes in rows (docs/decisions/0008-int4-mma-lane-packed-scales-at-m1.md); over tiles, and at 9-16 rows with
-    each decoded fragment feeding two MMAs, `python -m bench.int4_chain --rows` times it."""
+    codes in rows (docs/decisions/0008-int4-mma-lane-packed-scales-at-m1.md), and over tiles the 32 layers' GEMMs
+    took 2.822 against 2.402 ms (H100, `python -m bench.int4_chain --rows`; BENCHMARKS.md, "The int4 GEMMs past one
+    row and the lm_head quantized, on the H100")."""
     if not 1 <= rows <= MAX_M:
         raise ValueError(f"fxquant: the int4 mma.sync kernel serves 1 to {MAX_M} rows, not {rows}")
     return set_inside(_serves_rows, rows)
@@ -330,7 +266,7 @@ def serves_rows() -> int:
 
 def supports(a: torch.Tensor, group: int) -> str | None:
     """Why `int4_mma_mm` does not take activations a [M, K] with int4 groups of `group`, or None where it does:
-    M <= 16 on an sm_80+ GPU (not the interpreter), K and the group multiples of 128, bf16/fp16 rows viewable as int32
+    M <= 8 on an sm_80+ GPU (not the interpreter), K and the group multiples of 128, bf16/fp16 rows viewable as int32
     value pairs."""
     M, K = a.shape
     if not a.is_cuda or interpreting(_int4_mma_kernel) or capability(a.device) < (8, 0):
@@ -361,7 +297,7 @@ def int4_mma_split(N: int, K: int) -> int:
 
 def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split: int | None = None,
                 stages: int = 3):
-    """a [M <= 16, K] bf16/fp16 @ dequantize(codes)[N, K].T (+ bias): codes [N, K / 8] int32 words (8 codes each,
+    """a [M <= 8, K] bf16/fp16 @ dequantize(codes)[N, K].T (+ bias): codes [N, K / 8] int32 words (8 codes each,
     as `quantize` packs them), or `code_tiles`' tiles as words [N / 64, K / 128, 64, 16]; lane_scale and lane_zero
     from `pack_lanes`. Returns [M, N] in a's dtype. The caller checks `supports`."""
     M, K = a.shape
@@ -371,7 +307,6 @@ def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device)
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     tiles = cdiv(N, ROWS)
-    halves = cdiv(M, MMA_ROWS)  # past 8 rows each decoded fragment feeds a second MMA
     pdl = launch_options(a.device)
     count = counters(a.device, tiles)
     visible(_int4_mma_kernel)[(tiles, split)](
@@ -381,6 +316,5 @@ def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split
         GROUP=group, HAS_ZP=lane_zero is not None, BF16=a.dtype == torch.bfloat16, SPLIT_K=split,
         LAST_SLICE_SUMS=count is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[a.dtype],
         CAST=float_cast_mode(_int4_mma_kernel), STAGES=stages, TILED=tiled, num_warps=1, num_stages=stages,
-        STEP=step_asm(a.dtype, halves), CONSTRAINTS=step_constraints(halves), HALVES=halves,
-        PREFETCH=tiled and prefetching(pdl), **pdl)
+        STEP=step_asm(a.dtype), PREFETCH=tiled and prefetching(pdl), **pdl)
     return out if count is not None else reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])

@@ -213,7 +213,7 @@ def _linear_int4_lanes(x: Tensor, w: Tensor, w_scale: Tensor, w_zero_point: Tens
     kernel's per-lane layout (`gemm_int4_mma.pack_lanes`). One activation row on the GPU takes that kernel; every
     other case takes linear_weight_only on the row-major scales. At M = 8 the kernel ran 13-34% slower than the
     in-register one on four of five Llama shapes (docs/decisions/0008-int4-mma-lane-packed-scales-at-m1.md), so it
-    serves M = 1, or up to 16 rows inside `gemm_int4_mma.serving_up_to` (to time it again). The codes w are rows
+    serves M = 1, or up to 8 rows inside `gemm_int4_mma.serving_up_to` (to time it again). The codes w are rows
     [N, K / 2], or tiles (`code_tiles`), as linear_weight_only takes them."""
     rows = x.reshape(-1, x.shape[-1])
     K = rows.shape[1]
@@ -238,9 +238,8 @@ def _linear_fp4_lanes(x: Tensor, w: Tensor, w_scale: Tensor, w_global_scale: Ten
                       bias: Tensor | None, fmt: str, group_size: int, out_features: int) -> Tensor:
     """linear_weight_only for an MXFP4 or NVFP4 weight whose scales are also held in the mma.sync decode kernel's
     per-lane layout (`gemm_fp4_mma.pack_fp4_lanes`): activation rows up to `gemm_int4_mma.serves_rows()` (one unless
-    told otherwise, as for int4; at most the 8 of one MMA) on the GPU take that kernel; every other case takes
-    linear_weight_only on the row-major scales. The codes w are rows [N, K / 2], or tiles (`code_tiles`), as
-    linear_weight_only takes them."""
+    told otherwise, as for int4) on the GPU take that kernel; every other case takes linear_weight_only on the
+    row-major scales. The codes w are rows [N, K / 2], or tiles (`code_tiles`), as linear_weight_only takes them."""
     rows = x.reshape(-1, x.shape[-1])
     K = rows.shape[1]
     if (_lanes_serve(rows, w, out_features) and group_size == gemm_fp4_mma.BLOCKS.get(fmt)

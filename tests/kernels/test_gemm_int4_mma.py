@@ -68,8 +68,7 @@ def _ptx_step(self, asm, constraints, values, types, is_pure, pack):
 @pytest.mark.skipif(GPU, reason="the interpreter with an emulator of the PTX; the GPU runs the PTX itself below")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("M,N,K,group,symmetric,split", [(1, 128, 256, 128, False, 2), (3, 200, 384, 128, True, 1),
-                                                         (8, 64, 512, 256, False, 3), (16, 128, 256, 128, False, 2),
-                                                         (11, 200, 384, 128, True, 1)])
+                                                         (8, 64, 512, 256, False, 3)])
 def test_the_kernel_under_the_interpreter(monkeypatch, dtype, M, N, K, group, symmetric, split):
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", _ptx_step, raising=False)
     q, x, bias, codes, lane_scale, lane_zero = operands(N, K, M, dtype, symmetric, group)
@@ -81,8 +80,7 @@ def test_the_kernel_under_the_interpreter(monkeypatch, dtype, M, N, K, group, sy
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("M,N,K,group,symmetric", [(1, 4096, 4096, 128, False), (1, 4160, 1024, 128, True),
-                                                   (3, 200, 384, 128, False), (8, 6144, 512, 256, False),
-                                                   (16, 4096, 4096, 128, False), (12, 200, 384, 128, True)])
+                                                   (3, 200, 384, 128, False), (8, 6144, 512, 256, False)])
 def test_the_kernel_on_the_gpu(dtype, M, N, K, group, symmetric):
     q, x, bias, codes, lane_scale, lane_zero = operands(N, K, M, dtype, symmetric, group)
     assert supports(x, group) is None
@@ -103,8 +101,7 @@ def test_what_the_kernel_refuses_on_the_gpu():
     assert supports(x, 128) is None and supports(x, 256) is None
     assert "group 64" in supports(x, 64)  # groups narrower than a 128-long K step
     assert "K = 200" in supports(torch.randn(1, 200, dtype=torch.bfloat16, device="cuda"), 128)  # K not whole steps
-    assert supports(torch.randn(16, 256, dtype=torch.bfloat16, device="cuda"), 128) is None  # two MMAs' B
-    assert "M = 17" in supports(torch.randn(17, 256, dtype=torch.bfloat16, device="cuda"), 128)  # past two MMAs' B
+    assert "M = 9" in supports(torch.randn(9, 256, dtype=torch.bfloat16, device="cuda"), 128)  # past one MMA's B
     assert "torch.float32" in supports(x.float(), 128)
     assert "int32 pairs" in supports(torch.randn(1, 257, dtype=torch.bfloat16, device="cuda")[:, 1:], 128)
 

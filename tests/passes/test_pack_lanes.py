@@ -229,12 +229,12 @@ def test_quantize_inplace_weights_take_the_lanes_op_and_a_loaded_state_re_packs_
     assert torch.equal(qkv_scale[:256], other.model.layers[0].self_attn.q_proj.weight_scale)  # q's 256 rows
 
 
-def test_the_kernel_is_asked_to_serve_one_to_sixteen_rows_and_refuses_others_by_name():
-    with gemm_int4_mma.serving_up_to(16):
-        assert gemm_int4_mma.serves_rows() == 16
+def test_the_kernel_is_asked_to_serve_one_to_eight_rows_and_refuses_others_by_name():
+    with gemm_int4_mma.serving_up_to(8):
+        assert gemm_int4_mma.serves_rows() == 8
     assert gemm_int4_mma.serves_rows() == 1
-    with pytest.raises(ValueError, match="serves 1 to 16 rows, not 17"):
-        gemm_int4_mma.serving_up_to(17)
+    with pytest.raises(ValueError, match="serves 1 to 8 rows, not 16"):
+        gemm_int4_mma.serving_up_to(16)
 
 
 def test_a_weight_whose_source_the_graph_does_not_know_keeps_the_row_major_kernel(serves):
@@ -247,13 +247,12 @@ def test_a_weight_whose_source_the_graph_does_not_know_keeps_the_row_major_kerne
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("in_place", "batch"), [(False, 1), (True, 1), (False, 4), (False, 12)],
-                         ids=["backend", "quantize_", "backend, 4 rows inside serving_up_to(16)",
-                              "backend, 12 rows inside serving_up_to(16)"])
+@pytest.mark.parametrize(("in_place", "batch"), [(False, 1), (True, 1), (False, 4)],
+                         ids=["backend", "quantize_", "backend, 4 rows inside serving_up_to(8)"])
 def test_a_small_batch_decode_runs_the_kernel_within_the_bound_of_its_fake_quantized_copy(monkeypatch, in_place,
                                                                                          batch):
     """Over the backend's codes (tiles on the GPU) and over quantize_'s (rows, the model's state); one row, or four
-    or twelve (both eight-row halves) where the kernel is asked to serve up to sixteen."""
+    where the kernel is asked to serve up to eight."""
     calls = []
     kernel = linear_ops.int4_mma_mm
     monkeypatch.setattr(linear_ops, "int4_mma_mm", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
@@ -262,7 +261,7 @@ def test_a_small_batch_decode_runs_the_kernel_within_the_bound_of_its_fake_quant
     prompt = torch.randint(0, 64, (batch, 8), generator=generator).to(DEVICE)
     steps = torch.randint(0, 64, (batch, 3), generator=generator).to(DEVICE)
     run = fxquant.quantize_(copy.deepcopy(model), "int4_wo") if in_place else model
-    with gemm_int4_mma.serving_up_to(16 if batch > 1 else 1):
+    with gemm_int4_mma.serving_up_to(8 if batch > 1 else 1):
         got = static_decode(run, compiled(run, recipe="int4_wo"), prompt, steps)
     assert len(calls) >= 3 * 8  # every decode step's 8 int4 GEMMs (2 layers) on the kernel
     copies = fake_quantized(model, "int4_wo", exact=True), fake_quantized(model, "int4_wo", exact=False), model
