@@ -8,7 +8,8 @@ from dataclasses import dataclass, field, fields
 INNERS = ("inductor", "eager")
 # torch.compile refuses mode= together with options=, so the inner Inductor's mode also travels as an option.
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-# lm_head feeds a 100k-way softmax: it stays in high precision by default. MoE routers, which pick experts, are
+# lm_head feeds a 100k-way softmax: it stays in high precision by default; named in layer_recipes, int8_wo keeps its
+# top-1 tokens (docs/decisions/0033-lm-head-high-precision-by-default.md). MoE routers, which pick experts, are
 # kept by structure (their output feeds a top-k), not by name: see passes/patterns.py.
 DEFAULT_SKIP = (r"(^|\.)lm_head$",)
 
