@@ -22,9 +22,11 @@ device's read ceiling); and the GEMM kernel over the same bytes as two GEMMs, ea
 one and the down projections into another (the GEMM's own floor without 128 launches, ramps and tails).
 
 With --rows, the chain at M = 1 and 8 rows (or those given, up to 8) on the mma.sync kernel and on the in-register
-kernel that the backend gives more than one row, each against bf16 at the same M (`rows_chain`).
+kernel that the backend gives more than one row, each against bf16 at the same M (`rows_chain`); with --rows and
+--sweep, the in-register kernel alone at those M (up to 16) under other warps, depths and split-K targets.
 
-Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...] [--grid | --floors | --rows 1 4 8]
+Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...] [--grid | --floors | --rows 1 4 8
+     [--sweep]]
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from fxquant.kernels.gemm_int4_mma import (
     pack_lanes,
     step_asm,
 )
-from fxquant.kernels.gemm_weight_only import weight_only_mm, weight_operands
+from fxquant.kernels.gemm_weight_only import weight_only_mm, weight_operands, wo_gemm_config
 from fxquant.kernels.launch import cdiv
 from fxquant.numerics import reference as R
 
@@ -118,6 +120,33 @@ def rows_chain(ms: list[int], ceiling: float) -> list[dict]:
             print(rows[-1], flush=True)
     print(f"{LAYERS} layers x {len(LAYER)} GEMMs, one CUDA graph, codes in tiles, dependent launch on; int4 bytes "
           f"(codes, lane scales, zero points): {nbytes / 1e9:.2f} GB")
+    return rows
+
+
+SWEEP = [(4, 3, 1), (4, 4, 1), (4, 3, 2), (4, 3, 0.5), (8, 3, 1), (8, 4, 2), (2, 3, 1), (2, 4, 2)]
+
+
+def in_register_sweep(ms: list[int], ceiling: float) -> list[dict]:
+    """--rows with --sweep: the in-register kernel's chain at M rows under other decode tiles' settings (warps,
+    pipeline depth, and the split-K target times a factor), the backend's first: (4 warps, 3 stages, x1)."""
+    layers = [[(k, *int4_operands(n, k)) for n, k in LAYER] for _ in range(LAYERS)]
+    nbytes = sum(t.nbytes for layer in layers for _, tiles, lane_scale, lane_zero, *_ in layer
+                 for t in (tiles, lane_scale, lane_zero))
+    rows = []
+    for m in ms:
+        xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k in sorted({k for _, k in LAYER})}
+        for warps, stages, factor in SWEEP:
+            configs = {k: {**wo_gemm_config(m, k, "int4"), "num_warps": warps, "num_stages": stages}
+                       for k in xs}
+            for cfg in configs.values():
+                cfg["programs"] = int(cfg["programs"] * factor)
+            with dependent_launches(True):
+                ms_ = replay_ms(lambda: [weight_only_mm(xs[k], tb, s, "int4", GROUP, t.shape[0] * 64, zero_point=z,
+                                                        config=configs[k])
+                                         for layer in layers for k, t, _, _, tb, s, z in layer])
+            rows.append({"M": m, "warps": warps, "stages": stages, "split-K target": f"x{factor}",
+                         "ms": f"{ms_:.3f}", "% copy": f"{100 * nbytes / ms_ / 1e6 / ceiling:.0f}"})
+            print(rows[-1], flush=True)
     return rows
 
 
@@ -271,7 +300,8 @@ def main():
     ceiling = copy_bandwidth_gbs()
     print(f"copy ceiling (read+write): {ceiling:.0f} GB/s")
     if "--rows" in sys.argv:
-        print(table(rows_chain([int(v) for v in values_after("--rows", DEFAULT_ROWS)], ceiling)))
+        ms = [int(v) for v in values_after("--rows", DEFAULT_ROWS)]
+        print(table(in_register_sweep(ms, ceiling) if "--sweep" in sys.argv else rows_chain(ms, ceiling)))
         return
     programs = [int(v) for v in values_after("--programs", DEFAULT_PROGRAMS)]
     depths = [int(v) for v in values_after("--stages", DEFAULT_STAGES)]
