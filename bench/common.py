@@ -6,6 +6,7 @@ import itertools
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 
 import torch
@@ -85,6 +86,14 @@ def llama(layers: int, hidden: int = 4096, device: str = "cuda", vocab: int = 32
             return T.LlamaForCausalLM(llama_config(layers, hidden, vocab)).eval()
     finally:
         torch.set_default_dtype(default)
+
+
+def values_after(flag: str, default) -> list[str]:
+    """The arguments after `flag` up to the next flag, or `default` where it is not given."""
+    if flag not in sys.argv:
+        return list(default)
+    rest = sys.argv[sys.argv.index(flag) + 1:]
+    return rest[:next((i for i, v in enumerate(rest) if v.startswith("--")), len(rest))]
 
 
 def header() -> str:

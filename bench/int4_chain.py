@@ -39,7 +39,7 @@ import torch
 import triton.language as tl
 import triton.testing
 
-from bench.common import copy_bandwidth_gbs, header, table
+from bench.common import copy_bandwidth_gbs, header, table, values_after
 from bench.read_floor import FLAT_WORDS, read_as_int4_programs, read_flat, read_then_sum_as_int4_programs
 from fxquant.kernels.cast import float_cast_mode
 from fxquant.kernels.code_tiles import tile_codes
@@ -171,14 +171,6 @@ def bf16_chain_ms(xs) -> float:
     weights = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for n, k in LAYER] for _ in range(LAYERS)]
     return triton.testing.do_bench_cudagraph(lambda: [xs[w.shape[1]] @ w.T for layer in weights for w in layer],
                                              rep=200, return_mode="median")
-
-
-def values_after(flag: str, default) -> list[str]:
-    """The arguments after `flag` up to the next flag, or `default` where it is not given."""
-    if flag not in sys.argv:
-        return list(default)
-    rest = sys.argv[sys.argv.index(flag) + 1:]
-    return rest[:next((i for i, v in enumerate(rest) if v.startswith("--")), len(rest))]
 
 
 def random_int4_gemm(words: torch.Tensor, n: int, k: int):

@@ -2,7 +2,8 @@
 
 import sys
 
-from bench.int4_chain import DEFAULT_STAGES, LAYER, split_toward, values_after
+from bench.common import values_after
+from bench.int4_chain import DEFAULT_STAGES, LAYER, split_toward
 
 
 def test_k_is_cut_toward_the_program_count_and_keeps_two_steps_a_slice():
