@@ -85,13 +85,19 @@ def int4_operands(n: int, k: int):
     return tiles, *pack_lanes(scale, q.zero_point), tile_bytes, q.scale, q.zero_point
 
 
+def chain_operands() -> tuple[list, int]:
+    """Every layer's four GEMMs as (K, *`int4_operands`), and the bytes the mma.sync kernel reads of them (codes, lane
+    scales, zero points)."""
+    layers = [[(k, *int4_operands(n, k)) for n, k in LAYER] for _ in range(LAYERS)]
+    return layers, sum(t.nbytes for layer in layers for _, tiles, lane_scale, lane_zero, *_ in layer
+                       for t in (tiles, lane_scale, lane_zero))
+
+
 def rows_chain(ms: list[int], ceiling: float) -> list[dict]:
     """--rows: the chain at M <= 8 activation rows on the mma.sync kernel and on the in-register kernel, which the
     backend gives every int4 GEMM of more than one row, against bf16 at the same M. First, on the merged gate/up,
     the two kernels' largest difference over the largest output."""
-    layers = [[(k, *int4_operands(n, k)) for n, k in LAYER] for _ in range(LAYERS)]
-    nbytes = sum(t.nbytes for layer in layers for _, tiles, lane_scale, lane_zero, *_ in layer
-                 for t in (tiles, lane_scale, lane_zero))
+    layers, nbytes = chain_operands()
     rows = []
     for m in ms:
         xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k in sorted({k for _, k in LAYER})}
@@ -129,9 +135,7 @@ SWEEP = [(4, 3, 1), (4, 4, 1), (4, 3, 2), (4, 3, 0.5), (8, 3, 1), (8, 4, 2), (2,
 def in_register_sweep(ms: list[int], ceiling: float) -> list[dict]:
     """--rows with --sweep: the in-register kernel's chain at M rows under other decode tiles' settings (warps,
     pipeline depth, and the split-K target times a factor), the backend's first: (4 warps, 3 stages, x1)."""
-    layers = [[(k, *int4_operands(n, k)) for n, k in LAYER] for _ in range(LAYERS)]
-    nbytes = sum(t.nbytes for layer in layers for _, tiles, lane_scale, lane_zero, *_ in layer
-                 for t in (tiles, lane_scale, lane_zero))
+    layers, nbytes = chain_operands()
     rows = []
     for m in ms:
         xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k in sorted({k for _, k in LAYER})}
