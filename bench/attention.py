@@ -16,6 +16,8 @@ With --filled N the cache of each context holds N tokens and the decode mask hid
 allocated past what it holds (`filled_paths`); the percentages are then of the filled keys' bytes.
 
 Run: python -m bench.attention [--batches 1 16 64] [--contexts 1024 4096 16384] [--sweep [--codes]] [--filled N]
+     python -m bench.attention --splits 1 2 4 5 [--batches ..] [--contexts ..]   (the e4m3 cache's kernel at these
+                                                     split counts, beside the count it picks)
 """
 
 from __future__ import annotations
@@ -170,10 +172,12 @@ def filled_paths(batch: int, context: int, filled: int):
 # (more programs and one block a split: a cold cache at B1 wants bytes in flight, not few programs)
 CANDIDATES = [(2, 4, 4, 64), (2, 2, 4, 64), (2, 2, 4, 128), (2, 4, 8, 128), (4, 2, 4, 64), (2, 8, 4, 64),
               (1, 4, 8, 128), (2, 4, 2, 64), (4, 1, 4, 64), (8, 1, 4, 64), (8, 1, 4, 32), (8, 2, 4, 64)]
-# codes hold half the bytes a block: more programs and deeper pipelines keep as many bytes in flight
+# codes hold half the bytes a block: more programs and deeper pipelines keep as many bytes in flight. At 4 warps and
+# about 250 registers a thread an SM holds two programs: one or three programs an SM asked at 128 pairs make whole
+# waves of them (2 or 4 splits), where four (5 splits, 640 programs over 264 slots) leave the last wave 42% full.
 CODES_CANDIDATES = [(4, 4, 2, 64), (8, 4, 2, 64), (4, 4, 4, 64), (2, 4, 2, 64, 3), (4, 4, 2, 64, 3),
                     (2, 4, 2, 128), (4, 4, 4, 128, 3), (8, 2, 2, 64, 3), (8, 1, 4, 128), (8, 1, 4, 64),
-                    (8, 2, 4, 128)]
+                    (8, 2, 4, 128), (1, 4, 4, 128, 3), (3, 4, 4, 128, 3), (1, 4, 4, 128, 4), (3, 4, 4, 128, 4)]
 
 
 def sweep(batches, contexts, codes: bool) -> None:
@@ -199,18 +203,44 @@ def sweep(batches, contexts, codes: bool) -> None:
     print(table(rows))
 
 
+def split_sweep(batches, contexts, counts) -> None:
+    """The kernel over e4m3 codes (per-token scales, the mask on) at its default plan, with each split count of
+    `counts` in place of the one it picks; the row "picked" is the kernel as it runs, its count beside it."""
+    from fxquant.kernels.decode_attention import decode_attention, launch_plan
+
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            sets = cache_sets(batch, context)
+            row = {"B": batch, "context": context,
+                   "splits picked": launch_plan(batch * HEADS_KV, context, True, torch.device("cuda"))[1]}
+            for splits in [None, *counts]:
+                fn = lambda c, splits=splits: decode_attention(c["q"], c["kc"], c["vc"], c["mask"], DIM**-0.5, 0.0,
+                                                               None, c["ks"], c["vs"], None, splits=splits)
+                row[str(splits or "picked")] = f"{1e3 * graph_time_ms(fn, sets):.1f}"
+            rows.append(row)
+            print(row, flush=True)
+            del sets
+            torch.cuda.empty_cache()
+    print(table(rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--sweep", action="store_true", help="time the kernel's launch plans instead")
     parser.add_argument("--codes", action="store_true", help="sweep over an e4m3 cache")
+    parser.add_argument("--splits", type=int, nargs="+", help="time the e4m3 cache's kernel at these split counts")
     parser.add_argument("--filled", type=int, help="the cache holds this many tokens of its context; a mask hides "
                         "the rest")
     args = parser.parse_args()
     print(header())
     if args.sweep:
         sweep(args.batches, args.contexts, args.codes)
+        return
+    if args.splits:
+        split_sweep(args.batches, args.contexts, args.splits)
         return
     bandwidth = copy_bandwidth_gbs()
     print(f"copy bandwidth {bandwidth:.0f} GB/s")

@@ -96,6 +96,17 @@ def values_after(flag: str, default) -> list[str]:
     return rest[:next((i for i, v in enumerate(rest) if v.startswith("--")), len(rest))]
 
 
+def rows_against_bf16(runs: dict, **key) -> list[dict]:
+    """Each run's median us from CUDA-graph replay and its speed against runs["bf16"], as table rows led by `key`,
+    each printed as it is timed."""
+    times = {name: triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") for name, fn in runs.items()}
+    rows = []
+    for name, ms in times.items():
+        rows.append({**key, "GEMM": name, "us": f"{ms * 1e3:.1f}", "x bf16": f"{times['bf16'] / ms:.2f}"})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def header() -> str:
     props = torch.cuda.get_device_properties(0)
     return (f"commit {commit()}; GPU {props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs), "

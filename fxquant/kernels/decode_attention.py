@@ -39,15 +39,20 @@ DEFAULT_PLAN = (2, 4, 4, 64)  # keys per block: a [64, 128] bf16 tile of K and o
 # 7.1 / 7.4 / 9.0 at four blocks, at B16 within 0.3% (docs/decisions/0020-decode-attention-two-blocks-up-to-4k.md).
 SHORT_PLAN, SHORT_KEYS = (2, 2, 4, 64), 4096
 # e4m3 codes, a block half the bytes of bf16's, by (batch, KV head) pairs. Under 128, blocks of 128 keys, two a
-# split; from 128 (B16 at 8 KV heads), four programs an SM in three stages. H200 (bench.attention --sweep --codes):
-# B1 16k 16.2 us, 4k 8.2, against 22.8 and 11.0 at (2, 4, 4, 64); B16 16k 226.3, 4k 63.8, against 251.9 and 69.7 at
-# (2, 4, 2, 64). From 512 pairs (B64), 2 warps over 64 keys, as before: 200.5 us at 4k, 199.1 at the B16 plan
-# (docs/decisions/0024-decode-attention-plans-over-codes.md).
-CODES_PLANS = ((512, (2, 4, 2, 64)), (128, (4, 4, 4, 128, 3)), (0, (2, 2, 4, 128)))  # (from pairs, plan)
-# Under 128 pairs up to 4096 keys, eight programs an SM, one 128-key block a split: over caches read from HBM (the
-# plans above were timed on one cache, which the L2 held at B1), B1 1k 6.0 us and 4k 8.7 against 8.3 and 10.2; at 16k
-# 22.8 against 19.8, so the plan above stays there (docs/decisions/0026-decode-attention-timed-from-hbm.md).
-CODES_SHORT_PLAN = (8, 1, 4, 128)
+# split; from 128 (B16 at 8 KV heads), three stages. H200 (bench.attention --sweep --codes): B1 16k 16.2 us, 4k 8.2,
+# against 22.8 and 11.0 at (2, 4, 4, 64); B16 16k 226.3, 4k 63.8, against 251.9 and 69.7 at (2, 4, 2, 64). From 512
+# pairs (B64), 2 warps over 64 keys, as before: 200.5 us at 4k, 199.1 at the B16 plan
+# (docs/decisions/0024-decode-attention-plans-over-codes.md). Over codes a plan's first number is the programs an SM
+# holds at once (two at about 250 registers a thread), and the splits fill whole waves of them (`whole_wave_splits`):
+# at B16 2 splits in place of 5 took 195.5 against 239.5 us at 16k, at B8 16k 4 in place of 5 123.9 against 166.0,
+# on the H100 (docs/decisions/0034-decode-attention-over-codes-in-whole-waves.md).
+CODES_PLANS = ((512, (2, 4, 2, 64)), (128, (2, 4, 4, 128, 3)), (0, (2, 2, 4, 128)))  # (from pairs, plan)
+# Under 128 pairs up to 4096 keys, one 128-key block a split at most: over caches read from HBM (the plans above were
+# timed on one cache, which the L2 held at B1), B1 1k 6.0 us and 4k 8.7 against 8.3 and 10.2; at 16k 22.8 against
+# 19.8, so the plan above stays there (docs/decisions/0026-decode-attention-timed-from-hbm.md). In whole waves B1
+# keeps its counts (8 splits at 1k, 32 at 4k) and B4 and B8 at 4k take 8 and 4: 21.6 and 36.7 us against 28.4 and
+# 43.3 at the 32 and 17 that eight programs an SM asked for (decision 0034).
+CODES_SHORT_PLAN = (2, 1, 4, 128)
 MASK_SCAN = 1024  # at most this many keys of a boolean mask row read at once to find a slice's span: 1 KB
 LOG2_E = tl.constexpr(1.4426950408889634)
 PER_TOKEN, GROUPED = tl.constexpr(1), tl.constexpr(2)  # QUANT: a scale per token row, or per group of a head's row
@@ -286,12 +291,40 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
 
 
 def num_splits(batch_heads: int, keys: int, device: torch.device, programs_per_sm: int = DEFAULT_PLAN[0],
-               blocks_per_split: int = DEFAULT_PLAN[1], block_n: int = DEFAULT_PLAN[3]) -> int:
+               blocks_per_split: int = DEFAULT_PLAN[1], block_n: int = DEFAULT_PLAN[3],
+               whole_waves: bool = False) -> int:
     """Slices of the keys: about `programs_per_sm` programs per SM over the (batch, KV head) pairs, at least
-    `blocks_per_split` key blocks a slice. A function of the shapes only, so a CUDA graph replays the same grid."""
-    blocks = cdiv(keys, block_n)
-    want = cdiv(programs_per_sm * sm_count(device), batch_heads)
-    return max(1, min(want, cdiv(blocks, blocks_per_split), MAX_SPLITS))
+    `blocks_per_split` key blocks a slice; whole_waves: `whole_wave_splits` with programs_per_sm the programs an SM
+    holds. A function of the shapes only, so a CUDA graph replays the same grid."""
+    most = max(1, min(cdiv(cdiv(keys, block_n), blocks_per_split), MAX_SPLITS))
+    if whole_waves:
+        return whole_wave_splits(batch_heads, programs_per_sm * sm_count(device), most)
+    return min(cdiv(programs_per_sm * sm_count(device), batch_heads), most)
+
+
+def whole_wave_splits(batch_heads: int, slots: int, most: int) -> int:
+    """The fewest splits, up to `most`, whose programs fill their waves of `slots` programs at once to 95%, else the
+    count that fills them best. Rounding the programs wanted up to whole splits can start a wave that runs nearly
+    empty (B16 at 8 KV heads, two programs an SM on 132 SMs: 5 splits, 640 programs, the third wave 42% full); of
+    the counts that fill their waves, the fewest read the longest runs of keys and leave the fewest partials."""
+    fill = lambda s: batch_heads * s / (cdiv(batch_heads * s, slots) * slots)
+    counts = range(1, most + 1)
+    return next((s for s in counts if fill(s) >= 0.95), max(counts, key=fill))
+
+
+def launch_plan(batch_heads: int, keys: int, codes: bool, device: torch.device, plan=None) -> tuple[tuple, int]:
+    """The launch plan (programs per SM, key blocks per split, warps, keys per block[, stages]) for (batch, KV head)
+    pairs over `keys` of a high-precision cache or of e4m3 codes, and its split count; `plan` in place of the
+    default, split as plans were swept (without whole waves)."""
+    if codes:
+        default = next(plan for pairs, plan in CODES_PLANS if batch_heads >= pairs)
+        if batch_heads < 128 and keys <= SHORT_KEYS:
+            default = CODES_SHORT_PLAN
+    else:
+        default = SHORT_PLAN if keys <= SHORT_KEYS else DEFAULT_PLAN
+    programs_per_sm, blocks_per_split, _, block_n, *_ = plan or default
+    return plan or default, num_splits(batch_heads, keys, device, programs_per_sm, blocks_per_split, block_n,
+                                       whole_waves=codes and plan is None)
 
 
 def output_like(q: torch.Tensor) -> torch.Tensor:
@@ -329,25 +362,20 @@ def decode_attention_quantized(q, k, v, mask, scale, softcap, sinks, k_scale, v_
     return codes, scales
 
 
-def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens, *, plan=None,
+def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_lens, *, plan=None, splits=None,
                      quantized=None) -> torch.Tensor | None:
     """q [B, Hq, Q, D] over the cache k, v [B, Hkv, S, D]: reference_attention.decode_attention's result. plan:
-    (programs per SM, key blocks per split, warps, keys per block[, pipeline stages]) in place of the defaults, for
-    bench.attention's sweep. quantized: (codes, scales) that `decode_attention_quantized` made, which the kernel
-    fills instead of returning the output."""
+    (programs per SM, key blocks per split, warps, keys per block[, pipeline stages]) in place of the defaults, and
+    splits in place of `num_splits`' count, for bench.attention's sweeps. quantized: (codes, scales) that
+    `decode_attention_quantized` made, which the kernel fills instead of returning the output."""
     batch, heads_q, queries, dim = q.shape
     heads_kv, keys = k.shape[1], k.shape[2]
     groups = heads_q // heads_kv
     block_m = max(16, next_power_of_2(groups * queries))
     codes = k.dtype == torch.float8_e4m3fn
-    if codes:
-        default = next(plan for pairs, plan in CODES_PLANS if batch * heads_kv >= pairs)
-        if batch * heads_kv < 128 and keys <= SHORT_KEYS:
-            default = CODES_SHORT_PLAN
-    else:
-        default = SHORT_PLAN if keys <= SHORT_KEYS else DEFAULT_PLAN
-    programs_per_sm, blocks_per_split, warps, block_n, *stages = plan or default
-    splits = num_splits(batch * heads_kv, keys, q.device, programs_per_sm, blocks_per_split, block_n)
+    plan, picked = launch_plan(batch * heads_kv, keys, codes, q.device, plan)
+    programs_per_sm, blocks_per_split, warps, block_n, *stages = plan
+    splits = splits or picked
     split_len = cdiv(cdiv(keys, splits), block_n) * block_n
     splits = cdiv(keys, split_len)
     o_part = torch.empty((batch * heads_kv * splits, block_m, dim), device=q.device, dtype=torch.float32)

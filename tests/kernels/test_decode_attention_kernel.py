@@ -6,7 +6,15 @@ V (as flash attention does), about 2^-9 relative in bf16; in fp32 it is exact bu
 import pytest
 import torch
 
-from fxquant.kernels.decode_attention import SHORT_PLAN, decode_attention, num_splits, supports
+from fxquant.kernels.decode_attention import (
+    SHORT_PLAN,
+    decode_attention,
+    launch_plan,
+    num_splits,
+    supports,
+    whole_wave_splits,
+)
+from fxquant.kernels.launch import cdiv
 from fxquant.numerics import reference_attention as RA
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -193,7 +201,7 @@ def test_a_needle_far_back_in_a_long_fp8_cache_keeps_its_weight(keys, heads, dim
     attention over the same codes, and the needle keeps its half of head 0's attention as it does over bf16."""
     q, k, v, at = needle_in_noise(*heads, keys, dim, seed=11)
     (kc, ks), (vc, vs) = fp8_cache(k), fp8_cache(v)
-    assert num_splits(heads[1], keys, q.device) > 8
+    assert launch_plan(heads[1], keys, True, q.device)[1] > 8  # the codes' splits
     got, _ = check(q, kc, vc, torch.bfloat16, k_scale=ks, v_scale=vs)
     over_bf16 = RA.decode_attention(q, k, v)
     needle = got[0, 0, 0].float().mean() / 4.0  # the needle's share of head 0's output (the noise averages ~0)
@@ -211,6 +219,35 @@ def test_llama_3_8b_heads_at_4k_on_the_gpu(dtype):
 @pytest.mark.gpu
 def test_llama_3_8b_heads_at_4k_over_an_fp8_cache_on_the_gpu():
     q, k, v = operands(4, 32, 8, 1, 4096, 128, torch.bfloat16, seed=5)
+    (kc, ks), (vc, vs) = fp8_cache(k), fp8_cache(v)
+    check(q, kc, vc, torch.bfloat16, k_scale=ks, v_scale=vs)
+
+
+def test_splits_over_codes_fill_whole_waves_of_the_programs_an_sm_holds():
+    """B16 at 8 KV heads (128 pairs) on 132 SMs holding two programs each: 2 splits (256 programs, one wave 97%
+    full), where rounding up to 4 programs an SM gave 5 (640, a third wave 42% full). Each count fills its waves
+    to 95% or is the best any count up to the limit does, and is the fewest that does."""
+    assert whole_wave_splits(128, 264, 32) == 2
+    assert whole_wave_splits(192, 264, 32) == 4  # B24: 768 programs, three waves 97% full
+    assert whole_wave_splits(1, 264, 64) == 64  # one pair fills no wave: the most splits it may take
+    fill = lambda pairs, s: pairs * s / (cdiv(pairs * s, 264) * 264)
+    for pairs in range(1, 600, 7):
+        for most in (1, 2, 8, 33, 64):
+            picked = whole_wave_splits(pairs, 264, most)
+            fills = [fill(pairs, s) for s in range(1, most + 1)]
+            assert 1 <= picked <= most
+            assert fill(pairs, picked) >= 0.95 or fill(pairs, picked) == max(fills)
+            assert all(f < 0.95 for f in fills[:picked - 1])
+    # the kernel's own count off the GPU (132 SMs): Llama-3-8B's heads at B16 over 16k keys of codes
+    assert launch_plan(16 * 8, 16384, True, torch.device("cpu"))[1] == 2
+    assert launch_plan(16 * 8, 16384, False, torch.device("cpu"))[1] > 2  # a bf16 cache's plans as they were
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [16, 24])
+def test_llama_3_8b_heads_over_an_fp8_cache_in_whole_waves_on_the_gpu(batch):
+    """The codes' plan from 128 pairs, at the split counts whole waves give (2 and 4 on 132 SMs)."""
+    q, k, v = operands(batch, 32, 8, 1, 2048, 128, torch.bfloat16, seed=5)
     (kc, ks), (vc, vs) = fp8_cache(k), fp8_cache(v)
     check(q, kc, vc, torch.bfloat16, k_scale=ks, v_scale=vs)
 
