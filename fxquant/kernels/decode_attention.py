@@ -43,7 +43,8 @@ SHORT_PLAN, SHORT_KEYS = (2, 2, 4, 64), 4096
 # against 22.8 and 11.0 at (2, 4, 4, 64); B16 16k 226.3, 4k 63.8, against 251.9 and 69.7 at (2, 4, 2, 64). From 512
 # pairs (B64), 2 warps over 64 keys, as before: 200.5 us at 4k, 199.1 at the B16 plan
 # (docs/decisions/0024-decode-attention-plans-over-codes.md). Over codes a plan's first number is the programs an SM
-# holds at once (two at about 250 registers a thread), and the splits fill whole waves of them (`whole_wave_splits`):
+# holds at once (two at 4 warps and about 250 registers a thread; from 512 pairs one split fills a wave of two or of
+# the four the 2-warp plan may hold), and the splits fill whole waves of them (`whole_wave_splits`):
 # at B16 2 splits in place of 5 took 195.5 against 239.5 us at 16k, at B8 16k 4 in place of 5 123.9 against 166.0,
 # on the H100 (docs/decisions/0034-decode-attention-over-codes-in-whole-waves.md).
 CODES_PLANS = ((512, (2, 4, 2, 64)), (128, (2, 4, 4, 128, 3)), (0, (2, 2, 4, 128)))  # (from pairs, plan)
