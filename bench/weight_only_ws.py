@@ -21,9 +21,14 @@ The weight tile is the values `dequantize_weight` writes, (q - z) * s in fp32 ro
 multiplies the same operands as the product's route. The scales and zero points are read transposed, [K / 128, N],
 so that a step's are one copy of the copy engine's.
 
+On the H100 (Triton 3.6.0, 2026-12-06) the split runs only with its copy boxes mended (`_halve_split_boxes`), and
+then 64 of each 128 weight rows come out wrong at every tile; the loop unsplit is right and runs 0.38-0.51x of bf16
+cuBLAS, below the product's route (bench/HISTORY.md, "2026-12-06: decode attention over codes in whole waves; the
+warp-specialized weight-only GEMM wrong on the GPU; the dequantization on a side stream").
+
 Run: python -m bench.weight_only_ws [--ms 1024 4096] [--sweep]
-(correctness against the product's route first, then the times; the same loop without the split beside it; --sweep:
-other tiles.)
+(correctness against the product's route first: a row that disagrees is named, with where in the weight's tile, and
+not timed; then the times; the same loop without the split beside it; --sweep: other tiles.)
 """
 
 from __future__ import annotations
