@@ -9,7 +9,8 @@ about 9 us: 40 MB of HBM time during which nothing else reads. The variants put 
 asks the L2 for the o_proj weight (16.8 MB, read whole by the GEMM after attention), with the bulk prefetch
 (`cp.async.bulk.prefetch.L2`, one instruction a chunk) or one `prefetch.global.L2` a 128-byte line, launched
 dependent (it asks, lets attention launch, then waits for the q/k/v product, so attention still reads what that
-wrote). A prefetch is a hint: every variant's chain gives the same bits (checked first). The table gives
+wrote). Two more variants time the asking alone: the 4 KB kernel over as many bytes that no GEMM reads, and over
+one chunk. A prefetch is a hint: every variant's chain gives the same bits (checked first). The table gives
 microseconds a layer and the layer's weight bytes over that time as a share of the copy bandwidth.
 
 Run: python -m bench.l2_ahead [--layers 32] [--batches 1 16] [--context 1024] [--chunks 4096 16384 65536]
@@ -74,13 +75,15 @@ def caches(layers: int, batch: int, context: int) -> list[tuple[torch.Tensor, to
 
 
 def chain(h: torch.Tensor, layers, kv, ahead: tuple | None) -> torch.Tensor:
-    """The layers' chain; ahead: (chunk, bulk) to ask the L2 for o_proj's weight before attention, or None."""
+    """The layers' chain; ahead: (chunk, bulk[, what]) to ask the L2 for o_proj's weight before attention (or for
+    `what`, a tensor no kernel reads, to time the asking alone), or None."""
     gemm = lambda a, a_scale, w, w_scale: fp8_scaled_mm(a, a_scale, w, w_scale, None, torch.bfloat16)
     batch = h.shape[0]
     for ((w_qkv, s_qkv), (w_o, s_o), (w_gu, s_gu), (w_down, s_down)), (k, v) in zip(layers, kv, strict=True):
         qkv = gemm(*quantize_fp8_rows(h, HIDDEN), w_qkv, s_qkv)
         if ahead is not None:
-            ask_l2(w_o, *ahead)
+            chunk, bulk, *what = ahead
+            ask_l2(what[0] if what else w_o, chunk, bulk)
         q = qkv[:, :HIDDEN].reshape(batch, HEADS_Q, 1, DIM)
         codes, scales = decode_attention_quantized(q, k, v, None, DIM ** -0.5, 0.0, None, None, None, None, 0)
         o = gemm(codes.reshape(batch, HIDDEN), scales.reshape(batch, 1), w_o, s_o)
@@ -101,7 +104,10 @@ def main() -> None:
     layers = layer_weights(args.layers)
     layer_bytes = sum(n * k for n, k in SHAPES)  # one byte a code; the scales are 0.1% of it
     share = lambda us: f"{us:.1f} us, {100 * layer_bytes / (us * 1e-6) / (bandwidth * 1e9):.0f}%"
-    variants = {"none": None, **{f"bulk {c // 1024} KB": (c, True) for c in args.chunks}, "lines": (LINE, False)}
+    unread = torch.empty(HIDDEN, HIDDEN, device="cuda", dtype=torch.float8_e4m3fn)  # as large as o_proj's weight
+    variants = {"none": None, **{f"bulk {c // 1024} KB": (c, True) for c in args.chunks}, "lines": (LINE, False),
+                # the asking's own cost: the same kernel over bytes no GEMM reads, and over one chunk
+                "bulk 4 KB, unread": (4096, True, unread), "one chunk, unread": (4096, True, unread[:1])}
     rows = []
     for batch in args.batches:
         kv = caches(args.layers, batch, args.context)
