@@ -13,7 +13,12 @@ wrote). Two more variants time the asking alone: the 4 KB kernel over as many by
 one chunk. A prefetch is a hint: every variant's chain gives the same bits (checked first). The table gives
 microseconds a layer and the layer's weight bytes over that time as a share of the copy bandwidth.
 
+With --prefetch-steps N the GEMMs' own prefetch before their wait asks for N K steps of each program's weights in
+place of `dependent_launch.PREFETCH_STEPS` (set before any kernel compiles; Triton keys its cache on the value), and
+--variants names the variants to time.
+
 Run: python -m bench.l2_ahead [--layers 32] [--batches 1 16] [--context 1024] [--chunks 4096 16384 65536]
+     [--prefetch-steps 8] [--variants none ...]
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+import fxquant.kernels.dependent_launch as dependent_launch
 from bench.common import copy_bandwidth_gbs, graph_time_ms, header, table
 from fxquant.kernels.decode_attention import decode_attention_quantized
 from fxquant.kernels.dependent_launch import await_previous, launch_options, start_next
@@ -98,8 +104,13 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--chunks", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--prefetch-steps", type=int, help="K steps each GEMM program asks of the L2 (a power of 2)")
+    parser.add_argument("--variants", nargs="+", help="the variants to time, by name (default: all)")
     args = parser.parse_args()
+    if args.prefetch_steps:
+        dependent_launch.PREFETCH_STEPS = tl.constexpr(args.prefetch_steps)
     print(header())
+    print(f"the GEMMs' own prefetch: {dependent_launch.PREFETCH_STEPS.value} K steps")
     bandwidth = copy_bandwidth_gbs()
     layers = layer_weights(args.layers)
     layer_bytes = sum(n * k for n, k in SHAPES)  # one byte a code; the scales are 0.1% of it
@@ -108,6 +119,7 @@ def main() -> None:
     variants = {"none": None, **{f"bulk {c // 1024} KB": (c, True) for c in args.chunks}, "lines": (LINE, False),
                 # the asking's own cost: the same kernel over bytes no GEMM reads, and over one chunk
                 "bulk 4 KB, unread": (4096, True, unread), "one chunk, unread": (4096, True, unread[:1])}
+    variants = {name: ahead for name, ahead in variants.items() if not args.variants or name in args.variants}
     rows = []
     for batch in args.batches:
         kv = caches(args.layers, batch, args.context)
