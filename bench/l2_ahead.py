@@ -80,20 +80,22 @@ def caches(layers: int, batch: int, context: int) -> list[tuple[torch.Tensor, to
                   for _ in range(2)) for _ in range(layers)]
 
 
-def chain(h: torch.Tensor, layers, kv, ahead: tuple | None) -> torch.Tensor:
+def chain(h: torch.Tensor, layers, kv, ahead: tuple | None, quant_gemm=None) -> torch.Tensor:
     """The layers' chain; ahead: (chunk, bulk[, what]) to ask the L2 for o_proj's weight before attention (or for
-    `what`, a tensor no kernel reads, to time the asking alone), or None."""
+    `what`, a tensor no kernel reads, to time the asking alone), or None. quant_gemm(x, w, w_scale): the q/k/v and
+    gate/up products with their input's per-token quantizer, in place of quantize_fp8_rows then the GEMM."""
     gemm = lambda a, a_scale, w, w_scale: fp8_scaled_mm(a, a_scale, w, w_scale, None, torch.bfloat16)
+    quant_gemm = quant_gemm or (lambda x, w, w_scale: gemm(*quantize_fp8_rows(x, HIDDEN), w, w_scale))
     batch = h.shape[0]
     for ((w_qkv, s_qkv), (w_o, s_o), (w_gu, s_gu), (w_down, s_down)), (k, v) in zip(layers, kv, strict=True):
-        qkv = gemm(*quantize_fp8_rows(h, HIDDEN), w_qkv, s_qkv)
+        qkv = quant_gemm(h, w_qkv, s_qkv)
         if ahead is not None:
             chunk, bulk, *what = ahead
             ask_l2(what[0] if what else w_o, chunk, bulk)
         q = qkv[:, :HIDDEN].reshape(batch, HEADS_Q, 1, DIM)
         codes, scales = decode_attention_quantized(q, k, v, None, DIM ** -0.5, 0.0, None, None, None, None, 0)
         o = gemm(codes.reshape(batch, HIDDEN), scales.reshape(batch, 1), w_o, s_o)
-        gate, up = gemm(*quantize_fp8_rows(o, HIDDEN), w_gu, s_gu).chunk(2, dim=-1)
+        gate, up = quant_gemm(o, w_gu, s_gu).chunk(2, dim=-1)
         h = h + gemm(*silu_mul_quantize_fp8_rows(gate, up, INTER), w_down, s_down)
     return h
 
