@@ -80,11 +80,14 @@ def caches(layers: int, batch: int, context: int) -> list[tuple[torch.Tensor, to
                   for _ in range(2)) for _ in range(layers)]
 
 
-def chain(h: torch.Tensor, layers, kv, ahead: tuple | None, quant_gemm=None) -> torch.Tensor:
+def chain(h: torch.Tensor, layers, kv, ahead: tuple | None, quant_gemm=None, tiles: dict | None = None) -> torch.Tensor:
     """The layers' chain; ahead: (chunk, bulk[, what]) to ask the L2 for o_proj's weight before attention (or for
     `what`, a tensor no kernel reads, to time the asking alone), or None. quant_gemm(x, w, w_scale): the q/k/v and
-    gate/up products with their input's per-token quantizer, in place of quantize_fp8_rows then the GEMM."""
-    gemm = lambda a, a_scale, w, w_scale: fp8_scaled_mm(a, a_scale, w, w_scale, None, torch.bfloat16)
+    gate/up products with their input's per-token quantizer, in place of quantize_fp8_rows then the GEMM. tiles:
+    {(N, K): config} in place of the fp8 GEMM's tiles for the weights of that shape."""
+    tiles = tiles or {}
+    gemm = lambda a, a_scale, w, w_scale: fp8_scaled_mm(a, a_scale, w, w_scale, None, torch.bfloat16,
+                                                        tiles.get(tuple(w.shape)))
     quant_gemm = quant_gemm or (lambda x, w, w_scale: gemm(*quantize_fp8_rows(x, HIDDEN), w, w_scale))
     batch = h.shape[0]
     for ((w_qkv, s_qkv), (w_o, s_o), (w_gu, s_gu), (w_down, s_down)), (k, v) in zip(layers, kv, strict=True):

@@ -1,0 +1,82 @@
+"""The fp8 decode GEMMs' tiles in the layer chain of `bench.l2_ahead` (fp8_row decode layers of Llama-3-8B with
+decode attention, replayed from a CUDA graph): the split-K tiles the sweep of single GEMMs chose (`gemm_configs`)
+against narrow tiles over the whole K (no partials, no last-slice sum) and fewer slices, on q/k/v (6144 x 4096),
+o_proj (4096 x 4096) and down_proj (4096 x 14336); gate/up (28672 x 4096) is not split either way. A single GEMM
+timed alone ends when its slowest program does; in the chain the next kernel launches after each program's K loop,
+so the tail that split-K adds may weigh differently there.
+
+Each variant's GEMMs are checked alone against the fp64 product of their codes first (split-K sums in another order,
+so the chains are not compared bit for bit). The table gives microseconds a layer and the layer's weight bytes over
+that time as a share of the copy bandwidth.
+
+Run: python -m bench.chain_tiles [--layers 32] [--batches 1 16] [--variants NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.common import copy_bandwidth_gbs, graph_time_ms, header, table
+from bench.l2_ahead import HIDDEN, SHAPES, caches, chain, layer_weights
+from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
+from fxquant.kernels.quant_fp8 import quantize_fp8_rows
+
+SPLIT = ((6144, 4096), (4096, 4096), (4096, 14336))  # the GEMMs of a layer that split K by default
+narrow = lambda n, stages: dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=stages)
+VARIANTS = {
+    "split-K (default)": {},
+    "16 wide, whole K, 8 stages": {shape: {**narrow(16, 8), "SPLIT_K": 1} for shape in SPLIT},
+    "16 wide, whole K, 12 stages": {shape: {**narrow(16, 12), "SPLIT_K": 1} for shape in SPLIT},
+    "32 wide, 2 slices, 6 stages": {shape: {**narrow(32, 6), "SPLIT_K": 2} for shape in SPLIT},
+    "64 wide, 2 slices, 6 stages": {shape: {**narrow(64, 6), "SPLIT_K": 2} for shape in SPLIT},
+}
+
+
+def check(tiles: dict, batch: int) -> None:
+    """Each GEMM of a layer under `tiles` against the fp64 product of its codes."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for n, k in SHAPES:
+        a, a_scale = quantize_fp8_rows(torch.randn(batch, k, device="cuda", dtype=torch.bfloat16, generator=gen), k)
+        w = torch.randn(n, k, device="cuda", generator=gen).to(torch.float8_e4m3fn)
+        w_scale = torch.full((n, 1), k ** -0.5, device="cuda")
+        exact = (a.double() @ w.double().t()) * a_scale.double() * w_scale.double().t()
+        got = fp8_scaled_mm(a, a_scale, w, w_scale, None, torch.bfloat16, tiles.get((n, k)))
+        err = float((got.double() - exact).norm() / exact.norm())
+        assert err < 1e-2, f"B{batch} {n}x{k} {tiles.get((n, k))}: relative error {err:.2e}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--variants", nargs="+", help="the variants to time, by name (default: all)")
+    args = parser.parse_args()
+    print(header())
+    bandwidth = copy_bandwidth_gbs()
+    layers = layer_weights(args.layers)
+    layer_bytes = sum(n * k for n, k in SHAPES)
+    share = lambda us: f"{us:.1f} us, {100 * layer_bytes / (us * 1e-6) / (bandwidth * 1e9):.0f}%"
+    variants = {name: tiles for name, tiles in VARIANTS.items() if not args.variants or name in args.variants}
+    rows = []
+    for batch in args.batches:
+        kv = caches(args.layers, batch, args.context)
+        h = torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        row = {"B": batch}
+        for name, tiles in variants.items():
+            check(tiles, batch)
+            out = chain(h, layers, kv, None, tiles=tiles)
+            assert torch.isfinite(out).all() and out.abs().max() > 0
+            row[name] = share(1e3 * graph_time_ms(lambda t=tiles: chain(h, layers, kv, None, tiles=t), [()])
+                              / args.layers)
+            print(batch, name, row[name], flush=True)
+        rows.append(row)
+    print(f"copy bandwidth {bandwidth:.0f} GB/s; {args.layers} layers over {args.context} cached tokens; "
+          "us a layer, the weights' bytes over that time")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
