@@ -1,7 +1,9 @@
 """The fp8 decode GEMMs' tiles in the layer chain of `bench.l2_ahead` (fp8_row decode layers of Llama-3-8B with
 decode attention, replayed from a CUDA graph): the split-K tiles the sweep of single GEMMs chose (`gemm_configs`)
 against narrow tiles over the whole K (no partials, no last-slice sum) and fewer slices, on q/k/v (6144 x 4096),
-o_proj (4096 x 4096) and down_proj (4096 x 14336); gate/up (28672 x 4096) is not split either way. A single GEMM
+o_proj (4096 x 4096) and down_proj (4096 x 14336); gate/up (28672 x 4096) is not split either way. Three more
+variants take K steps of 256 or 512 columns in place of 128 on every GEMM of the layer (the sweep of single GEMMs
+tried 128 only): half or a quarter of the steps, and their loop overhead, for the same bytes. A single GEMM
 timed alone ends when its slowest program does; in the chain the next kernel launches after each program's K loop,
 so the tail that split-K adds may weigh differently there.
 
@@ -31,6 +33,10 @@ VARIANTS = {
     "16 wide, whole K, 12 stages": {shape: {**narrow(16, 12), "SPLIT_K": 1} for shape in SPLIT},
     "32 wide, 2 slices, 6 stages": {shape: {**narrow(32, 6), "SPLIT_K": 2} for shape in SPLIT},
     "64 wide, 2 slices, 6 stages": {shape: {**narrow(64, 6), "SPLIT_K": 2} for shape in SPLIT},
+    # longer K steps on every GEMM, the default's tiles and split target otherwise (fewer steps for the same bytes)
+    "K steps of 256, 3 stages": {shape: {"BLOCK_K": 256, "num_stages": 3} for shape in SHAPES},
+    "K steps of 256, 4 stages": {shape: {"BLOCK_K": 256, "num_stages": 4} for shape in SHAPES},
+    "K steps of 512, 2 stages": {shape: {"BLOCK_K": 512, "num_stages": 2} for shape in SHAPES},
 }
 
 
