@@ -32,6 +32,9 @@ VARIANTS = {
     "16 wide, whole K, 8 stages": {shape: {**narrow(16, 8), "SPLIT_K": 1} for shape in SPLIT},
     "16 wide, whole K, 12 stages": {shape: {**narrow(16, 12), "SPLIT_K": 1} for shape in SPLIT},
     "32 wide, 2 slices, 6 stages": {shape: {**narrow(32, 6), "SPLIT_K": 2} for shape in SPLIT},
+    "32 wide, 2 slices, 4 stages": {shape: {**narrow(32, 4), "SPLIT_K": 2} for shape in SPLIT},
+    "32 wide, 2 slices, 8 stages": {shape: {**narrow(32, 8), "SPLIT_K": 2} for shape in SPLIT},
+    "32 wide, split as the default, 6 stages": {shape: {**narrow(32, 6)} for shape in SPLIT},
     "64 wide, 2 slices, 6 stages": {shape: {**narrow(64, 6), "SPLIT_K": 2} for shape in SPLIT},
     # longer K steps on every GEMM, the default's tiles and split target otherwise (fewer steps for the same bytes)
     "K steps of 256, 3 stages": {shape: {"BLOCK_K": 256, "num_stages": 3} for shape in SHAPES},
