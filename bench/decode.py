@@ -39,7 +39,8 @@ fxquant:<recipe>+inplace (a copy of the model quantize_'d under the recipe, then
 fxquant:<recipe>+nopdl (every fxquant kernel launched without programmatic dependent launch), +reducekernel (split
 GEMMs summed by the reduce kernel, not by their last slice), +prefetch (the fp8 and 4-bit decode GEMMs ask the L2 for
 their first weights before they wait for the previous kernel; by default the fp8 GEMM alone), +noprefetch (none
-does), +mma8 (int4 GEMMs of up to 8 rows on the mma.sync kernel, not one),
+does), +mma8 (int4 GEMMs of up to 8 rows on the mma.sync kernel, not one), +tiles64 (the fp8 decode GEMMs of 9-16
+rows in the tiles of 8 rows, as before decision 0035),
 torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head, +without, +inductor,
 +rows, +fp4inregisters, +inplace and the launch settings).
 
@@ -74,6 +75,7 @@ import fxquant
 from bench import peers, timeline, workers
 from bench.common import LLAMA_3_VOCAB, header, llama, llama_config, table
 from fxquant.compile.backend import fxquant as fxquant_backend
+from fxquant.kernels import gemm_fp8
 from fxquant.kernels.dependent_launch import dependent_launches, weights_prefetched
 from fxquant.kernels.gemm_int4_mma import MAX_M, serving_up_to
 from fxquant.kernels.splitk import reduce_in_gemm
@@ -229,7 +231,8 @@ REDUCE_KERNEL = "+reducekernel"  # split-K GEMMs summed by the reduce kernel, no
 PREFETCH = "+prefetch"  # every decode GEMM asks the L2 for its first weights before waiting on the previous kernel
 NO_PREFETCH = "+noprefetch"  # none does (by default the fp8 GEMM does: decision 0030)
 MMA_ROWS = "+mma8"  # int4 GEMMs of up to 8 rows on the mma.sync kernel (one row otherwise)
-LAUNCH_SETTINGS = (NO_PDL, REDUCE_KERNEL, PREFETCH, NO_PREFETCH, MMA_ROWS)
+TILES_64 = "+tiles64"  # the fp8 decode GEMMs of 9-16 rows in the 64-wide tiles of 8 rows (before decision 0035)
+LAUNCH_SETTINGS = (NO_PDL, REDUCE_KERNEL, PREFETCH, NO_PREFETCH, MMA_ROWS, TILES_64)
 
 
 def prefetch_setting(path: str) -> bool | None:
@@ -245,8 +248,26 @@ def launch_settings(path: str, profiled: bool = False):
     without PDL: a kernel launched dependent is resident while it waits for the one before, and the profile would
     count the wait as its time."""
     with (dependent_launches(NO_PDL not in path and not profiled), reduce_in_gemm(REDUCE_KERNEL not in path),
-          weights_prefetched(prefetch_setting(path)), serving_up_to(MAX_M if MMA_ROWS in path else 1)):
+          weights_prefetched(prefetch_setting(path)), serving_up_to(MAX_M if MMA_ROWS in path else 1),
+          tiles_of_eight_rows(TILES_64 in path)):
         yield
+
+
+@contextlib.contextmanager
+def tiles_of_eight_rows(enabled: bool):
+    """Inside the block (where enabled), the fp8 GEMM plans 9-16 rows in the tiles it gives 8 (the decode tiles
+    before docs/decisions/0035-decode-tiles-past-eight-rows.md); its cached plans are dropped on the way in and out."""
+    if not enabled:
+        yield
+        return
+    shipped = gemm_fp8.fp8_gemm_config
+    gemm_fp8.fp8_gemm_config = lambda M, *args, **kwargs: shipped(8 if 8 < M <= 16 else M, *args, **kwargs)
+    gemm_fp8._launch_plan.cache_clear()
+    try:
+        yield
+    finally:
+        gemm_fp8.fp8_gemm_config = shipped
+        gemm_fp8._launch_plan.cache_clear()
 
 
 @contextlib.contextmanager

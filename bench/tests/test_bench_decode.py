@@ -103,7 +103,7 @@ def test_an_inplace_path_compiles_a_quantize_d_copy_and_leaves_the_model_as_it_w
 
 
 def test_launch_settings_turn_off_what_the_path_names_and_only_inside_the_block():
-    from fxquant.kernels import dependent_launch, gemm_int4_mma, splitk
+    from fxquant.kernels import dependent_launch, gemm_fp8, gemm_int4_mma, splitk
 
     with launch_settings("fxquant:fp8_row+reducekernel"):  # each kernel's own prefetch default: None
         assert dependent_launch._enabled[0] and not splitk._in_gemm[0] and dependent_launch._prefetch[0] is None
@@ -115,8 +115,11 @@ def test_launch_settings_turn_off_what_the_path_names_and_only_inside_the_block(
         assert gemm_int4_mma.serves_rows() == 8
     with launch_settings("fxquant:fp8_row", profiled=True):  # a profile launches without PDL
         assert not dependent_launch._enabled[0] and splitk._in_gemm[0]
+    plan_16 = lambda: gemm_fp8._launch_plan(16, 4096, 4096, False, False, ())[3]["BLOCK_N"]
+    with launch_settings("fxquant:fp8_row+tiles64"):  # 16 rows in the tiles of 8, as before decision 0035
+        assert plan_16() == 64
     assert dependent_launch._enabled[0] and splitk._in_gemm[0] and dependent_launch._prefetch[0] is None
-    assert gemm_int4_mma.serves_rows() == 1
+    assert gemm_int4_mma.serves_rows() == 1 and plan_16() == 32
 
 
 def test_too_few_steps_to_time_are_refused_by_name(monkeypatch, capsys):

@@ -80,6 +80,29 @@ def test_decode_splits_k_and_stays_exact(scheme, config):
     assert torch.equal(out, again)  # slices add in a fixed order: the same bits every run
 
 
+@pytest.mark.parametrize(("M", "N", "K", "block", "tiles"), [
+    (16, 4096, 4096, False, (32, 2)), (9, 6144, 4096, False, (32, 2)), (16, 4096, 14336, False, (32, 2)),
+    (8, 4096, 4096, False, (64, 4)), (16, 4096, 4096, True, (64, 4)), (16, 28672, 4096, False, (64, 1))], ids=str)
+def test_past_eight_rows_the_row_scaled_weights_that_split_take_32_wide_tiles(M, N, K, block, tiles):
+    """docs/decisions/0035: 9-16 rows over q/k/v, o and down (row scales) run 32-wide tiles, two slices each; 8 rows,
+    block scales and the gate/up weight keep the sweep's 64-wide tiles."""
+    _, split, _, meta = _launch_plan(M, N, K, block, False, ())
+    assert (meta["BLOCK_N"], split) == tiles
+    if tiles[0] == 32:
+        assert meta["num_stages"] == 6
+
+
+@pytest.mark.parametrize("scheme", ["row", "tensor"])
+def test_the_32_wide_decode_tiles_split_k_with_tails_and_stay_exact(scheme):
+    M, N, K = 12, 200, 2048  # 7 tiles of 16 x 32, the last 8 columns wide, over 16 K steps: 4 slices
+    _, split, _, meta = _launch_plan(M, N, K, False, False, ())
+    assert (split, meta["BLOCK_N"]) == (4, 32)
+    qa, qw = operands(M, N, K, scheme, seed=3)
+    bias = torch.randn(N, device=DEVICE)
+    out = fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, bias, torch.float32)
+    assert rel_err(out, qa, qw, bias) < FP32_BOUND
+
+
 @pytest.mark.parametrize("M, N, K", [(1, 256, 2048), (16, 200, 384), (5, 128, 176)], ids=str)
 def test_decode_with_the_operands_swapped_matches_the_product(M, N, K):
     """SWAP_AB (row scales; the sweep's candidate): the weight's rows as the MMA's M, with N and K tails and split-K.
