@@ -8,7 +8,7 @@ Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pai
                                                      (the tiles for M rows, 16 unless given; --pair-order: operands
                                                      in codes.pair_order; --code-rows: int4 codes in rows, not the
                                                      GPU's tiles; --prefetch: the first codes asked of the L2)
-     python -m bench.sass fp8 [--stages N] [--swap] [--prefetch]   (row scales, M <= 16, 14336x4096: the decode
+     python -m bench.sass fp8 [--stages N] [--swap] [--prefetch]   (row scales, M <= 8, 14336x4096: the decode
                                                      tiles of gemm_configs; --swap: the operands swapped, SWAP_AB)
      python -m bench.sass w4a8 [--stages N]   (int4_fp8's GEMM at decode, 4096 rows, split in 8)
      python -m bench.sass mma [--stages N] [--code-rows] [--prefetch]   (int4 at M = 1 on mma.sync, 14336x4096,
@@ -75,10 +75,10 @@ def decode_kernel_sass(fmt: str, stages: int | None = None, rows: int = 16,
 
 
 def fp8_kernel_sass(stages: int | None = None, swap: bool = False, prefetch: bool = False) -> tuple[str, int]:
-    """SASS and registers per thread of the fp8 GEMM with row scales at decode (M <= 16) on the 14336x4096 weight,
+    """SASS and registers per thread of the fp8 GEMM with row scales at decode (M <= 8) on the 14336x4096 weight,
     in the tiles `gemm_configs` gives it, unsplit; swap: with the operands swapped (the weight's rows as the MMA's
     M); prefetch: its first weights asked of the L2 before the wait."""
-    cfg = fp8_gemm_config(16, 14336, 4096, block_scales=False)
+    cfg = fp8_gemm_config(8, 14336, 4096, block_scales=False)
     constexprs = dict(BLOCK_SCALES=False, SCALE_BLOCK=128, HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, SPLIT_K=1,
                       LAST_SLICE_SUMS=False, COMPILER_PROMOTES=True, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                       BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PDL=True, SWAP_AB=swap, PREFETCH=prefetch,
