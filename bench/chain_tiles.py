@@ -1,7 +1,8 @@
 """The fp8 decode GEMMs' tiles in the layer chain of `bench.l2_ahead` (fp8_row decode layers of Llama-3-8B with
 decode attention, replayed from a CUDA graph): the split-K tiles the sweep of single GEMMs chose (`gemm_configs`)
 against narrow tiles over the whole K (no partials, no last-slice sum) and fewer slices, on q/k/v (6144 x 4096),
-o_proj (4096 x 4096) and down_proj (4096 x 14336); gate/up (28672 x 4096) is not split either way. Three more
+o_proj (4096 x 4096) and down_proj (4096 x 14336); gate/up (28672 x 4096) is not split either way, and four
+variants change its tiles alone (wider, narrower, deeper, or two slices). Three more
 variants take K steps of 256 or 512 columns in place of 128 on every GEMM of the layer (the sweep of single GEMMs
 tried 128 only): half or a quarter of the steps, and their loop overhead, for the same bytes. A single GEMM
 timed alone ends when its slowest program does; in the chain the next kernel launches after each program's K loop,
@@ -36,6 +37,11 @@ VARIANTS = {
     "32 wide, 2 slices, 8 stages": {shape: {**narrow(32, 8), "SPLIT_K": 2} for shape in SPLIT},
     "32 wide, split as the default, 6 stages": {shape: {**narrow(32, 6)} for shape in SPLIT},
     "64 wide, 2 slices, 6 stages": {shape: {**narrow(64, 6), "SPLIT_K": 2} for shape in SPLIT},
+    # the merged gate/up (28672 x 4096, 448 tiles of 64 rows, unsplit), the rest as the default plans it
+    "gate/up 128 wide, 4 stages": {(2 * 14336, 4096): narrow(128, 4)},
+    "gate/up 32 wide, 6 stages": {(2 * 14336, 4096): narrow(32, 6)},
+    "gate/up 64 wide, 6 stages": {(2 * 14336, 4096): narrow(64, 6)},
+    "gate/up 64 wide, 2 slices": {(2 * 14336, 4096): {**narrow(64, 4), "SPLIT_K": 2}},
     # longer K steps on every GEMM, the default's tiles and split target otherwise (fewer steps for the same bytes)
     "K steps of 256, 3 stages": {shape: {"BLOCK_K": 256, "num_stages": 3} for shape in SHAPES},
     "K steps of 256, 4 stages": {shape: {"BLOCK_K": 256, "num_stages": 4} for shape in SHAPES},
