@@ -4,7 +4,9 @@ against narrow tiles over the whole K (no partials, no last-slice sum) and fewer
 o_proj (4096 x 4096) and down_proj (4096 x 14336); gate/up (28672 x 4096) is not split either way, and four
 variants change its tiles alone (wider, narrower, deeper, or two slices). Three more
 variants take K steps of 256 or 512 columns in place of 128 on every GEMM of the layer (the sweep of single GEMMs
-tried 128 only): half or a quarter of the steps, and their loop overhead, for the same bytes. A single GEMM
+tried 128 only): half or a quarter of the steps, and their loop overhead, for the same bytes. The attention
+variants split decode attention's keys 1, 2 or 4 ways in place of the count it plans (8 at B1, 3 at B16 over 1024
+keys, chosen by timing the kernel alone). A single GEMM
 timed alone ends when its slowest program does; in the chain the next kernel launches after each program's K loop,
 so the tail that split-K adds may weigh differently there.
 
@@ -18,11 +20,13 @@ Run: python -m bench.chain_tiles [--layers 32] [--batches 1 16] [--variants NAME
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 
 from bench.common import copy_bandwidth_gbs, graph_time_ms, header, table
 from bench.l2_ahead import HIDDEN, SHAPES, caches, chain, layer_weights
+from fxquant.kernels import decode_attention
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
 from fxquant.kernels.quant_fp8 import quantize_fp8_rows
 
@@ -47,6 +51,22 @@ VARIANTS = {
     "K steps of 256, 4 stages": {shape: {"BLOCK_K": 256, "num_stages": 4} for shape in SHAPES},
     "K steps of 512, 2 stages": {shape: {"BLOCK_K": 512, "num_stages": 2} for shape in SHAPES},
 }
+
+
+# decode attention's split count over the bf16 cache in place of its own (8 at B1 and 3 at B16 over 1024 keys)
+ATTENTION_SPLITS = {"attention in 1 split": 1, "attention in 2 splits": 2, "attention in 4 splits": 4}
+
+
+@contextlib.contextmanager
+def attention_splits(splits: int | None):
+    """Inside the block, decode attention splits its keys `splits` ways (None: as it plans)."""
+    planned = decode_attention.launch_plan
+    if splits:
+        decode_attention.launch_plan = lambda *args, **kwargs: (planned(*args, **kwargs)[0], splits)
+    try:
+        yield
+    finally:
+        decode_attention.launch_plan = planned
 
 
 def check(tiles: dict, batch: int) -> None:
@@ -74,18 +94,21 @@ def main() -> None:
     layers = layer_weights(args.layers)
     layer_bytes = sum(n * k for n, k in SHAPES)
     share = lambda us: f"{us:.1f} us, {100 * layer_bytes / (us * 1e-6) / (bandwidth * 1e9):.0f}%"
-    variants = {name: tiles for name, tiles in VARIANTS.items() if not args.variants or name in args.variants}
+    variants = {name: (tiles, None) for name, tiles in VARIANTS.items()}
+    variants.update({name: ({}, splits) for name, splits in ATTENTION_SPLITS.items()})
+    variants = {name: v for name, v in variants.items() if not args.variants or name in args.variants}
     rows = []
     for batch in args.batches:
         kv = caches(args.layers, batch, args.context)
         h = torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16)
         row = {"B": batch}
-        for name, tiles in variants.items():
+        for name, (tiles, splits) in variants.items():
             check(tiles, batch)
-            out = chain(h, layers, kv, None, tiles=tiles)
-            assert torch.isfinite(out).all() and out.abs().max() > 0
-            row[name] = share(1e3 * graph_time_ms(lambda t=tiles: chain(h, layers, kv, None, tiles=t), [()])
-                              / args.layers)
+            with attention_splits(splits):
+                out = chain(h, layers, kv, None, tiles=tiles)
+                assert torch.isfinite(out).all() and out.abs().max() > 0
+                row[name] = share(1e3 * graph_time_ms(lambda t=tiles: chain(h, layers, kv, None, tiles=t), [()])
+                                  / args.layers)
             print(batch, name, row[name], flush=True)
         rows.append(row)
     print(f"copy bandwidth {bandwidth:.0f} GB/s; {args.layers} layers over {args.context} cached tokens; "
