@@ -46,6 +46,9 @@ VARIANTS = {
     "gate/up 32 wide, 6 stages": {(2 * 14336, 4096): narrow(32, 6)},
     "gate/up 64 wide, 6 stages": {(2 * 14336, 4096): narrow(64, 6)},
     "gate/up 64 wide, 2 slices": {(2 * 14336, 4096): {**narrow(64, 4), "SPLIT_K": 2}},
+    # warps a program on every GEMM (the sweep of single GEMMs ran 4)
+    "2 warps": {shape: {"num_warps": 2} for shape in SHAPES},
+    "8 warps": {shape: {"num_warps": 8} for shape in SHAPES},
     # longer K steps on every GEMM, the default's tiles and split target otherwise (fewer steps for the same bytes)
     "K steps of 256, 3 stages": {shape: {"BLOCK_K": 256, "num_stages": 3} for shape in SHAPES},
     "K steps of 256, 4 stages": {shape: {"BLOCK_K": 256, "num_stages": 4} for shape in SHAPES},
