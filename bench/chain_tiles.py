@@ -6,8 +6,7 @@ variants change its tiles alone (wider, narrower, deeper, or two slices). Three 
 variants take K steps of 256 or 512 columns in place of 128 on every GEMM of the layer (the sweep of single GEMMs
 tried 128 only): half or a quarter of the steps, and their loop overhead, for the same bytes. The attention
 variants split decode attention's keys 1, 2 or 4 ways in place of the count it plans (8 at B1, 3 at B16 over 1024
-keys, chosen by timing the kernel alone); one more asks the L2 for each split's first keys of K and V before
-attention waits for q/k/v (`decode_attention.cache_prefetched`). A single GEMM
+keys, chosen by timing the kernel alone). A single GEMM
 timed alone ends when its slowest program does; in the chain the next kernel launches after each program's K loop,
 so the tail that split-K adds may weigh differently there.
 
@@ -28,7 +27,6 @@ import torch
 from bench.common import copy_bandwidth_gbs, graph_time_ms, header, table
 from bench.l2_ahead import HIDDEN, SHAPES, caches, chain, layer_weights
 from fxquant.kernels import decode_attention
-from fxquant.kernels.decode_attention import cache_prefetched
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
 from fxquant.kernels.quant_fp8 import quantize_fp8_rows
 
@@ -99,18 +97,17 @@ def main() -> None:
     layers = layer_weights(args.layers)
     layer_bytes = sum(n * k for n, k in SHAPES)
     share = lambda us: f"{us:.1f} us, {100 * layer_bytes / (us * 1e-6) / (bandwidth * 1e9):.0f}%"
-    variants = {name: (tiles, None, False) for name, tiles in VARIANTS.items()}
-    variants.update({name: ({}, splits, False) for name, splits in ATTENTION_SPLITS.items()})
-    variants["attention's first keys asked of the L2"] = ({}, None, True)
+    variants = {name: (tiles, None) for name, tiles in VARIANTS.items()}
+    variants.update({name: ({}, splits) for name, splits in ATTENTION_SPLITS.items()})
     variants = {name: v for name, v in variants.items() if not args.variants or name in args.variants}
     rows = []
     for batch in args.batches:
         kv = caches(args.layers, batch, args.context)
         h = torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16)
         row = {"B": batch}
-        for name, (tiles, splits, ahead) in variants.items():
+        for name, (tiles, splits) in variants.items():
             check(tiles, batch)
-            with attention_splits(splits), cache_prefetched(ahead):
+            with attention_splits(splits):
                 out = chain(h, layers, kv, None, tiles=tiles)
                 assert torch.isfinite(out).all() and out.abs().max() > 0
                 row[name] = share(1e3 * graph_time_ms(lambda t=tiles: chain(h, layers, kv, None, tiles=t), [()])

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import cast_float, cast_mode, float_cast_mode, interpreting
-from fxquant.kernels.dependent_launch import await_previous, launch_options, prefetch_l2, start_next, wait_for_previous
-from fxquant.kernels.launch import cdiv, next_power_of_2, set_inside, sm_count, visible
+from fxquant.kernels.dependent_launch import await_previous, launch_options, start_next, wait_for_previous
+from fxquant.kernels.launch import cdiv, next_power_of_2, sm_count, visible
 from fxquant.kernels.quant_fp8 import MAX_ROW_LEN, quant_rows, quantize_fp8_rows
 from fxquant.kernels.splitk import counters
 from fxquant.numerics.formats import AMAX_FLOOR, E4M3
@@ -55,14 +55,6 @@ CODES_PLANS = ((512, (2, 4, 2, 64)), (128, (2, 4, 4, 128, 3)), (0, (2, 2, 4, 128
 # 43.3 at the 32 and 17 that eight programs an SM asked for (decision 0034).
 CODES_SHORT_PLAN = (2, 1, 4, 128)
 MASK_SCAN = 1024  # at most this many keys of a boolean mask row read at once to find a slice's span: 1 KB
-PREFETCH_KEYS = 128  # a slice's first keys of K and V asked of the L2 before the dependent-launch wait
-_cache_prefetched = [False]
-
-
-def cache_prefetched(enabled: bool):
-    """Inside the block, each split of decode attention asks the L2 for its first PREFETCH_KEYS keys of K and V
-    before it waits for the previous kernel (launched dependent only), or none does."""
-    return set_inside(_cache_prefetched, enabled)
 LOG2_E = tl.constexpr(1.4426950408889634)
 PER_TOKEN, GROUPED = tl.constexpr(1), tl.constexpr(2)  # QUANT: a scale per token row, or per group of a head's row
 E4M3_MAX = E4M3.max
@@ -174,16 +166,10 @@ def _decode_attention_split_kernel(
     LAST_SPLIT_MERGES: tl.constexpr, ROWS: tl.constexpr, HAS_SINKS: tl.constexpr, OUT: tl.constexpr,
     CAST: tl.constexpr, QUANT: tl.constexpr, QGROUP: tl.constexpr, FMAX: tl.constexpr, FP8: tl.constexpr,
     AMAX_FLOOR: tl.constexpr, BLOCK_W: tl.constexpr, SCAN: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_KEYS: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64,
 ):
+    await_previous(PDL)
     bh, split = tl.program_id(0), tl.program_id(1)
     b, h = bh // HKV, bh % HKV
-    if PREFETCH_KEYS:  # the slice's first keys asked of the L2 before the wait: a hint (the L2 holds the last writes)
-        ahead = tl.minimum(split * SPLIT_LEN + tl.arange(0, PREFETCH_KEYS), S - 1).to(tl.int64)
-        lines = (tl.arange(0, D // LINE_ELEMS) * LINE_ELEMS)[None, :]
-        prefetch_l2(k_ptr + b * skb + h * skh + ahead[:, None] * sks + lines)
-        prefetch_l2(v_ptr + b * svb + h * svh + ahead[:, None] * svs + lines)
-    await_previous(PDL)
     rows = tl.arange(0, BLOCK_M)  # row r: query head h * GROUPS + r // Q, position r % Q
     row_ok = rows < GROUPS * Q
     head, pos = h * GROUPS + rows // Q, rows % Q
@@ -435,8 +421,6 @@ def decode_attention(q, k, v, mask, scale, softcap, sinks, k_scale, v_scale, kv_
         PRECISION="ieee" if dot == tl.float32 else "tf32", LAST_SPLIT_MERGES=count is not None,
         SCAN=min(MASK_SCAN, next_power_of_2(split_len)),  # a slice's keys in one load, no wider
         num_stages=stages[0] if stages else 2, **merge, **quantize,
-        PREFETCH_KEYS=min(PREFETCH_KEYS, next_power_of_2(split_len)) if _cache_prefetched[0] and merge["PDL"] else 0,
-        LINE_ELEMS=128 // k.element_size(),
     )
     if quantized is not None:
         return None
