@@ -74,8 +74,8 @@ def main() -> None:
         for name, run in parts.items():
             out = run()
             # without attention's normalization the residual grows past bf16's range within 32 layers (as in
-            # bench.split_sums): only the layer's output is checked finite; the others time the same kernels
-            assert out.abs().max() > 0 and (name != "the layer" or torch.isfinite(out).all()), name
+            # bench.split_sums), to inf and NaN: only the layer's output is checked; the others time the same kernels
+            assert name != "the layer" or (torch.isfinite(out).all() and out.abs().max() > 0), name
             us[name] = 1e3 * graph_time_ms(run, [()]) / args.layers
             print(batch, name, f"{us[name]:.1f} us", flush=True)
         row = {"B": batch}
