@@ -1,31 +1,29 @@
-"""The fp8 decode GEMMs' tiles in the layer chain of `bench.l2_ahead` (fp8_row decode layers of Llama-3-8B with
-decode attention, replayed from a CUDA graph): the split-K tiles the sweep of single GEMMs chose (`gemm_configs`)
-against narrow tiles over the whole K (no partials, no last-slice sum) and fewer slices, on q/k/v (6144 x 4096),
-o_proj (4096 x 4096) and down_proj (4096 x 14336); gate/up (28672 x 4096) is not split either way, and four
-variants change its tiles alone (wider, narrower, deeper, or two slices). Three more
-variants take K steps of 256 or 512 columns in place of 128 on every GEMM of the layer (the sweep of single GEMMs
-tried 128 only): half or a quarter of the steps, and their loop overhead, for the same bytes. The attention
-variants split decode attention's keys 1, 2 or 4 ways in place of the count it plans (8 at B1, 3 at B16 over 1024
-keys, chosen by timing the kernel alone). A single GEMM
-timed alone ends when its slowest program does; in the chain the next kernel launches after each program's K loop,
-so the tail that split-K adds may weigh differently there.
+"""The fp8 decode GEMMs' tiles, and decode attention's split count, in the chain of fp8_row decode layers of
+`bench.layer_chain`. A single GEMM timed alone ends when its slowest program does; in the chain the next kernel
+launches after each program's K loop, so the tail that split-K adds may weigh differently there.
 
-Each variant's GEMMs are checked alone against the fp64 product of their codes first (split-K sums in another order,
-so the chains are not compared bit for bit). The table gives microseconds a layer and the layer's weight bytes over
-that time as a share of the copy bandwidth.
+- The split-K tiles the sweep of single GEMMs chose (`gemm_configs`) against narrow tiles over the whole K (no
+  partials, no last-slice sum) and fewer slices, on q/k/v (6144 x 4096), o_proj (4096 x 4096) and down_proj
+  (4096 x 14336); gate/up (28672 x 4096) is not split either way, and four variants change its tiles alone (wider,
+  narrower, deeper, or two slices).
+- 2 or 8 warps a program on every GEMM, and K steps of 256 or 512 columns in place of 128 (the sweep of single GEMMs
+  tried 4 warps and 128 only): half or a quarter of the steps, and their loop overhead, for the same bytes.
+- Decode attention's keys split 1, 2 or 4 ways in place of the count it plans (8 at B1, 3 at B16 over 1024 keys,
+  chosen by timing the kernel alone).
+
+Each variant's GEMMs are checked alone against the fp64 product of their codes (split-K sums in another order, so
+the chains are not compared bit for bit).
 
 Run: python -m bench.chain_tiles [--layers 32] [--batches 1 16] [--variants NAME ...]
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 
 import torch
 
-from bench.common import copy_bandwidth_gbs, graph_time_ms, header, table
-from bench.l2_ahead import HIDDEN, SHAPES, caches, chain, layer_weights
+from bench.layer_chain import SHAPES, arguments, chain, time_variants
 from fxquant.kernels import decode_attention
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
 from fxquant.kernels.quant_fp8 import quantize_fp8_rows
@@ -86,37 +84,19 @@ def check(tiles: dict, batch: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--variants", nargs="+", help="the variants to time, by name (default: all)")
-    args = parser.parse_args()
-    print(header())
-    bandwidth = copy_bandwidth_gbs()
-    layers = layer_weights(args.layers)
-    layer_bytes = sum(n * k for n, k in SHAPES)
-    share = lambda us: f"{us:.1f} us, {100 * layer_bytes / (us * 1e-6) / (bandwidth * 1e9):.0f}%"
-    variants = {name: (tiles, None) for name, tiles in VARIANTS.items()}
-    variants.update({name: ({}, splits) for name, splits in ATTENTION_SPLITS.items()})
-    variants = {name: v for name, v in variants.items() if not args.variants or name in args.variants}
-    rows = []
-    for batch in args.batches:
-        kv = caches(args.layers, batch, args.context)
-        h = torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16)
-        row = {"B": batch}
-        for name, (tiles, splits) in variants.items():
-            check(tiles, batch)
-            with attention_splits(splits):
-                out = chain(h, layers, kv, None, tiles=tiles)
-                assert torch.isfinite(out).all() and out.abs().max() > 0
-                row[name] = share(1e3 * graph_time_ms(lambda t=tiles: chain(h, layers, kv, None, tiles=t), [()])
-                                  / args.layers)
-            print(batch, name, row[name], flush=True)
-        rows.append(row)
-    print(f"copy bandwidth {bandwidth:.0f} GB/s; {args.layers} layers over {args.context} cached tokens; "
-          "us a layer, the weights' bytes over that time")
-    print(table(rows))
+    args = arguments(__doc__).parse_args()
+    plans = {name: (tiles, None) for name, tiles in VARIANTS.items()}
+    plans.update({name: ({}, splits) for name, splits in ATTENTION_SPLITS.items()})
+
+    def run(state: dict, tiles: dict, splits: int | None) -> torch.Tensor:
+        with attention_splits(splits):
+            return chain(state["h"], state["layers"], state["kv"], tiles=tiles)
+
+    def checked(name: str, out: torch.Tensor, first, state: dict) -> None:
+        check(plans[name][0], state["batch"])
+        assert torch.isfinite(out).all() and out.abs().max() > 0, f"B{state['batch']} {name}"
+
+    time_variants(args, {name: lambda state, p=plan: run(state, *p) for name, plan in plans.items()}, checked)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,7 @@
 """The per-token quantizer in the fp8 decode GEMM's prologue, a probe of what a layer's row kernels cost at small
-batch: in the chain of `bench.l2_ahead` (the fp8_row decode layers of Llama-3-8B with decode attention, replayed
-from a CUDA graph), the q/k/v and gate/up products quantize their bf16 input themselves, in place of the quantize
-kernel before each: two kernels fewer a layer (attention quantizes its own output already; SiLU x up and its
-quantizer stay a kernel).
+batch: in the chain of fp8_row decode layers of `bench.layer_chain`, the q/k/v and gate/up products quantize their
+bf16 input themselves, in place of the quantize kernel before each: two kernels fewer a layer (attention quantizes
+its own output already; SiLU x up and its quantizer stay a kernel).
 
 Every program of the GEMM reads the whole rows it multiplies (8 KB a token at 4096 columns, from the L2) for their
 amax, in chunks whose maximum is exact in any order, then quantizes its own K slice in registers before each MMA:
@@ -16,14 +15,11 @@ Run: python -m bench.quant_prologue [--layers 32] [--batches 1 4 16] [--context 
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import triton
 import triton.language as tl
 
-from bench.common import copy_bandwidth_gbs, graph_time_ms, header, table
-from bench.l2_ahead import HIDDEN, SHAPES, caches, chain, layer_weights
+from bench.layer_chain import arguments, chain, same_bits, time_variants
 from fxquant.kernels.cast import CAST_NATIVE, cast_fp8, cast_mode, float_cast_mode
 from fxquant.kernels.dependent_launch import (
     await_previous,
@@ -120,31 +116,12 @@ def quant_prologue_mm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--context", type=int, default=1024)
+    parser = arguments(__doc__)
+    parser.set_defaults(batches=[1, 4, 16])
     args = parser.parse_args()
-    print(header())
-    bandwidth = copy_bandwidth_gbs()
-    layers = layer_weights(args.layers)
-    layer_bytes = sum(n * k for n, k in SHAPES)
-    share = lambda us: f"{us:.1f} us, {100 * layer_bytes / (us * 1e-6) / (bandwidth * 1e9):.0f}%"
-    rows = []
-    for batch in args.batches:
-        kv = caches(args.layers, batch, args.context)
-        h = torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16)
-        want = chain(h, layers, kv, None)
-        assert torch.isfinite(want).all() and want.abs().max() > 0
-        assert torch.equal(chain(h, layers, kv, None, quant_prologue_mm), want), f"B{batch}: the bits moved"
-        row = {"B": batch}
-        for name, fused in (("quantize kernels", None), ("quantizer in the GEMM", quant_prologue_mm)):
-            row[name] = share(1e3 * graph_time_ms(lambda f=fused: chain(h, layers, kv, None, f), [()]) / args.layers)
-            print(batch, name, row[name], flush=True)
-        rows.append(row)
-    print(f"copy bandwidth {bandwidth:.0f} GB/s; {args.layers} layers over {args.context} cached tokens; "
-          "us a layer, the weights' bytes over that time")
-    print(table(rows))
+    time_variants(args, {"quantize kernels": lambda s: chain(s["h"], s["layers"], s["kv"]),
+                         "quantizer in the GEMM": lambda s: chain(s["h"], s["layers"], s["kv"],
+                                                                  quant_gemm=quant_prologue_mm)}, same_bits)
 
 
 if __name__ == "__main__":
