@@ -9,7 +9,7 @@ launches after each program's K loop, so the tail that split-K adds may weigh di
 - 2 or 8 warps a program on every GEMM, and K steps of 256 or 512 columns in place of 128 (the sweep of single GEMMs
   tried 4 warps and 128 only): half or a quarter of the steps, and their loop overhead, for the same bytes.
 - Decode attention's keys split 1, 2 or 4 ways in place of the count it plans (8 at B1, 3 at B16 over 1024 keys,
-  chosen by timing the kernel alone).
+  chosen by timing the kernel alone), and its other plans: 128- or 32-key blocks, 8 warps, 3 stages.
 
 Each variant's GEMMs are checked alone against the fp64 product of their codes (split-K sums in another order, so
 the chains are not compared bit for bit).
@@ -55,15 +55,27 @@ VARIANTS = {
 
 
 # decode attention's split count over the bf16 cache in place of its own (8 at B1 and 3 at B16 over 1024 keys)
-ATTENTION_SPLITS = {"attention in 1 split": 1, "attention in 2 splits": 2, "attention in 4 splits": 4}
+# decode attention over the bf16 cache: (split count, plan) in place of its own (8 splits at B1 and 3 at B16 over 1024
+# keys, in the plan (2, 2, 4, 64): programs an SM wanted, key blocks a split, warps, keys a block[, stages])
+ATTENTION = {"attention in 1 split": (1, None), "attention in 2 splits": (2, None),
+             "attention in 4 splits": (4, None),
+             "attention in 128-key blocks, 3 stages": (None, (2, 1, 4, 128, 3)),
+             "attention in 32-key blocks": (None, (2, 4, 4, 32)),
+             "attention at 8 warps": (None, (2, 2, 8, 64)),
+             "attention at 3 stages": (None, (2, 2, 4, 64, 3))}
 
 
 @contextlib.contextmanager
-def attention_splits(splits: int | None):
-    """Inside the block, decode attention splits its keys `splits` ways (None: as it plans)."""
+def attention_launch(splits: int | None, plan: tuple | None):
+    """Inside the block, decode attention launches in `plan` (split as `launch_plan` splits a given plan) and
+    `splits` ways where given; None: as it plans."""
     planned = decode_attention.launch_plan
-    if splits:
-        decode_attention.launch_plan = lambda *args, **kwargs: (planned(*args, **kwargs)[0], splits)
+
+    def launch(batch_heads, keys, codes, device, given=None):
+        chosen, count = planned(batch_heads, keys, codes, device, plan or given)
+        return chosen, splits or count
+
+    decode_attention.launch_plan = launch
     try:
         yield
     finally:
@@ -85,11 +97,11 @@ def check(tiles: dict, batch: int) -> None:
 
 def main() -> None:
     args = arguments(__doc__).parse_args()
-    plans = {name: (tiles, None) for name, tiles in VARIANTS.items()}
-    plans.update({name: ({}, splits) for name, splits in ATTENTION_SPLITS.items()})
+    plans = {name: (tiles, None, None) for name, tiles in VARIANTS.items()}
+    plans.update({name: ({}, *launch) for name, launch in ATTENTION.items()})
 
-    def run(state: dict, tiles: dict, splits: int | None) -> torch.Tensor:
-        with attention_splits(splits):
+    def run(state: dict, tiles: dict, splits: int | None, plan: tuple | None) -> torch.Tensor:
+        with attention_launch(splits, plan):
             return chain(state["h"], state["layers"], state["kv"], tiles=tiles)
 
     def checked(name: str, out: torch.Tensor, first, state: dict) -> None:

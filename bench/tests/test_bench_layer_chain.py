@@ -49,3 +49,16 @@ def test_the_fixed_codes_are_made_once_a_batch(monkeypatch):
     assert fixed_codes(state) is first
     assert [tuple(codes.shape) for codes, _ in first.values()] == [(2, LC.HIDDEN), (2, INTER)]
     assert all(codes.dtype == torch.float8_e4m3fn and scales.shape == (2, 1) for codes, scales in first.values())
+
+
+def test_the_chain_s_attention_launches_in_the_plan_and_count_given_and_as_it_plans_after():
+    from bench.chain_tiles import attention_launch
+    from fxquant.kernels import decode_attention as DA
+
+    cpu = torch.device("cpu")
+    shipped = DA.launch_plan(128, 1024, False, cpu)
+    with attention_launch(None, (2, 1, 4, 128, 3)):
+        assert DA.launch_plan(128, 1024, False, cpu)[0] == (2, 1, 4, 128, 3)
+    with attention_launch(2, None):
+        assert DA.launch_plan(128, 1024, False, cpu) == (shipped[0], 2)
+    assert DA.launch_plan(128, 1024, False, cpu) == shipped
