@@ -1,6 +1,8 @@
 """bench.layer_chain's harness on the CPU, with the GPU's parts (weights, caches, the copy bandwidth, graph timing)
 stood in for: the variants named run, each is checked against the first, and the times come back by batch."""
 
+import re
+
 import torch
 
 import bench.layer_chain as LC
@@ -15,16 +17,22 @@ def test_time_variants_checks_each_variant_against_the_first_and_keeps_the_named
     monkeypatch.setattr(LC, "header", lambda: "header")
     timed = []
     monkeypatch.setattr(LC, "graph_time_ms", lambda fn, sets: timed.append(fn()) or 3.2)
-    args = LC.arguments(__doc__).parse_args(["--layers", "32", "--batches", "1", "4", "--variants", "b", "a"])
+    args = LC.arguments(__doc__).parse_args(["--layers", "32", "--batches", "1", "4", "--variants", "b", "a", "d"])
+
+    def refused(state):
+        raise RuntimeError("out of resource: shared memory")
+
     seen = []
-    variants = {"a": lambda s: s["h"] * 2, "b": lambda s: s["h"] * 3, "c": lambda s: s["h"] * 0}
+    variants = {"a": lambda s: s["h"] * 2, "b": lambda s: s["h"] * 3, "c": lambda s: s["h"] * 0, "d": refused}
     results = LC.time_variants(args, variants, lambda name, out, first, state: seen.append(
         (name, state["batch"], first is None or torch.equal(first, state["h"] * 2))))
-    assert [list(r) for r in results] == [["a", "b"], ["a", "b"]]  # "c" not named: not run
+    assert [list(r) for r in results] == [["a", "b"], ["a", "b"]]  # "c" not named; "d" refused, reported
     assert results[0]["a"] == 100.0  # 3.2 ms over 32 layers
     assert seen == [("a", 1, True), ("b", 1, True), ("a", 4, True), ("b", 4, True)]
     assert len(timed) == 4 and timed[-1].shape == (4, LC.HIDDEN)
-    assert "| 1 | 100.0 us" in capsys.readouterr().out.replace("  ", " ").replace("  ", " ")
+    printed = capsys.readouterr().out
+    assert "| 1 | 100.0 us" in re.sub(" +", " ", printed)
+    assert "1 d not run: RuntimeError: out of resource" in printed
 
 
 def test_the_same_bits_check_refuses_a_moved_bit():
