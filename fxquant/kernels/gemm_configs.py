@@ -35,8 +35,7 @@ def fp8_gemm_config(M: int, N: int, K: int, block_scales: bool, tma: bool = Fals
         if M > 8 and not block_scales and N * K <= 2**26:
             # Past 8 rows, the weights that split (q/k/v, o, down) take 32-wide tiles at 6 stages: two slices each.
             # In the 32-layer chain of a Llama-3-8B layer's kernels with decode attention, B16 ran 125.4-126.4 us a
-            # layer against 128.4-129.0 (H100, three runs), and the 32-layer fp8_row step at B16 4.635 ms less host
-            # against 4.717; B1-B8 tied, so they keep the sweep's tiles
+            # layer against 128.4-129.0 (H100, three runs); B1-B8 tied, so they keep the sweep's tiles
             # (docs/decisions/0035-decode-tiles-past-eight-rows.md).
             decode.update(BLOCK_N=32, num_stages=6)
         return decode
