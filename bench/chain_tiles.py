@@ -54,7 +54,6 @@ VARIANTS = {
 }
 
 
-# decode attention's split count over the bf16 cache in place of its own (8 at B1 and 3 at B16 over 1024 keys)
 # decode attention over the bf16 cache: (split count, plan) in place of its own (8 splits at B1 and 3 at B16 over 1024
 # keys, in the plan (2, 2, 4, 64): programs an SM wanted, key blocks a split, warps, keys a block[, stages])
 ATTENTION = {"attention in 1 split": (1, None), "attention in 2 splits": (2, None),
