@@ -41,7 +41,8 @@ def alone(fmt: str, n: int, k: int, splits: list[int], stages: list[int]) -> lis
     bf16_ms = graph_time_ms(lambda w: x @ w.T, [(w,) for w in bf16])
     del bf16
     first = fp4_weight(n, k, fmt)
-    sets = [(first,)] + [(fp4_weight(n, k, fmt),) for _ in range(len(rotating(lambda: None, first["tiles"].nbytes)) - 1)]
+    copies = len(rotating(lambda: None, first["tiles"].nbytes))  # how many weights rotate past the L2
+    sets = [(first,)] + [(fp4_weight(n, k, fmt),) for _ in range(copies - 1)]
     product_split = int4_mma_split(n, k)
     rows = []
     for split in dict.fromkeys([product_split, *splits]):
@@ -74,7 +75,7 @@ def chain(fmt: str, xs: dict, bf16_ms: float, chain_splits: list[int]) -> list[d
         rows.append({"format": fmt, "q/k/v and o split": small or "product", "ms": f"{ms:.3f}",
                      "x bf16": f"{bf16_ms / ms:.2f}"})
         print(rows[-1], flush=True)
-    del layers
+    layers.clear()  # 32 layers' weights go before the next format's
     torch.cuda.empty_cache()
     return rows
 
