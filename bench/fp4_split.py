@@ -1,6 +1,6 @@
 """The MXFP4 and NVFP4 mma.sync decode GEMM at M = 1 by its K split and pipeline depth: each Llama-3-8B shape alone,
 read from HBM (rotating weights), against bf16 torch.mm; then the 32-layer chain of `bench.fp4_chain` with the small
-weights (q/k/v and o, N <= 6144) at the splits given, the others at the product's (`int4_mma_split`).
+weights (q/k/v and o) at the splits given, the others at the product's (`int4_mma_split`).
 
 Alone, 4096x4096 is the shape that misses 1.8x bf16 (BENCHMARKS.md): the FP4 kernel spends more instructions a K step
 than int4's, whose split rule it shares, so more, shorter programs may hide more of them. A split wins only where the
@@ -22,7 +22,8 @@ from fxquant.kernels.gemm_fp4_mma import BLOCKS, fp4_mma_mm
 from fxquant.kernels.gemm_int4_mma import int4_mma_split
 from fxquant.numerics import reference as R
 
-SMALL_N = 6144  # q/k/v and o: the weights whose split the chain varies
+SMALL = {(6144, 4096), (4096, 4096)}  # q/k/v and o: the weights whose split is varied
+DEVICE = "cuda"
 
 
 def relative_error(x, weight: dict, fmt: str, split: int, stages: int) -> float:
@@ -36,8 +37,8 @@ def relative_error(x, weight: dict, fmt: str, split: int, stages: int) -> float:
 def alone(fmt: str, n: int, k: int, splits: list[int], stages: list[int]) -> list[dict]:
     """One shape's bf16 time and the FP4 kernel's at each (split, stages), each timed over weights that rotate
     through more than the L2 holds; the product's split first."""
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    bf16 = rotating(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16), n * k * 2)
+    x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+    bf16 = rotating(lambda: torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16), n * k * 2)
     bf16_ms = graph_time_ms(lambda w: x @ w.T, [(w,) for w in bf16])
     del bf16
     first = fp4_weight(n, k, fmt)
@@ -68,7 +69,7 @@ def chain(fmt: str, xs: dict, bf16_ms: float, chain_splits: list[int]) -> list[d
             for layer in layers:
                 for (n, k), w in zip(LAYER, layer, strict=True):
                     fp4_mma_mm(xs[k], w["tiles"], w["lanes"], fmt, w["q"].global_scale,
-                               split=small if small and n <= SMALL_N else None)
+                               split=small if small and (n, k) in SMALL else None)
 
         with dependent_launches(True):
             ms = triton.testing.do_bench_cudagraph(run, rep=200, return_mode="median")
@@ -88,10 +89,10 @@ def main():
     rows = []
     for fmt in BLOCKS:
         for n, k in LAYER:
-            rows += alone(fmt, n, k, splits if n <= SMALL_N else [], stages)
+            rows += alone(fmt, n, k, splits if (n, k) in SMALL else [], stages)
             torch.cuda.empty_cache()
     print(table(rows), flush=True)
-    xs = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for k in sorted({k for _, k in LAYER})}
+    xs = {k: torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16) for k in sorted({k for _, k in LAYER})}
     bf16_ms = bf16_chain_ms(xs)
     torch.cuda.empty_cache()
     chained = [{"format": "bf16 torch.mm", "ms": f"{bf16_ms:.3f}", "x bf16": "1.00"}]
