@@ -1,6 +1,6 @@
 """bench.fp4_split's harness on the CPU, the GPU's parts stood in for: each shape times the product's split first and
-once, every split is checked before it is timed, a wrong product stops the run, and the chain gives its splits to
-the small weights only."""
+once, every split is checked before it is timed, a wrong product is reported, left untimed and fails the run once
+its tables are printed, and the chain gives its splits to the small weights only."""
 
 import pytest
 import torch
@@ -33,11 +33,20 @@ def test_each_shape_times_the_products_split_first_and_once(on_cpu, monkeypatch)
     assert rows[0]["us"] == "4.0" and rows[0]["x bf16"] == "1.00"
 
 
-def test_a_wrong_product_stops_the_run_before_it_is_timed(on_cpu, monkeypatch):
+def test_a_wrong_product_is_reported_untimed_and_fails_the_run_at_its_end(on_cpu, monkeypatch, capsys):
     monkeypatch.setattr(FS, "relative_error", lambda x, weight, fmt, split, stages: 0.5 if split == 16 else 1e-3)
-    with pytest.raises(SystemExit, match="split 16 stages 3: error 5.00e-01"):
-        FS.alone("nvfp4", 4096, 4096, [8, 16], [3])
-    assert [s for _, s, _ in on_cpu] == [10, 10, 8, 8]
+    rows = FS.alone("nvfp4", 4096, 4096, [16, 8], [3])
+    assert [(r["split"], r["us"], r["rel err"]) for r in rows] == [
+        ("10 (product)", "4.0", "1.0e-03"), (16, "WRONG", "5.0e-01"), (8, "4.0", "1.0e-03")]
+    assert [s for _, s, _ in on_cpu] == [10, 10, 8, 8]  # split 16 never timed
+    monkeypatch.setattr(FS, "alone", lambda fmt, n, k, splits, stages: rows if (n, k) == (4096, 4096) else [])
+    monkeypatch.setattr(FS, "bf16_chain_ms", lambda xs: 4.0)
+    monkeypatch.setattr(FS, "chain", lambda fmt, xs, bf16_ms, splits: [])
+    monkeypatch.setattr(FS, "header", lambda: "header")
+    monkeypatch.setattr("sys.argv", ["fp4_split"])
+    with pytest.raises(SystemExit, match="2 products past the error bound"):  # one wrong row a format
+        FS.main()
+    assert "WRONG" in capsys.readouterr().out  # the tables were printed first
 
 
 def test_the_chain_splits_only_the_small_weights(on_cpu, monkeypatch):
