@@ -7,7 +7,11 @@ Paths: transformers' experts in bf16 as `grouped_mm` (torch._grouped_mm) and as 
 before anything is timed. The graph-capturable paths are timed replaying a CUDA graph (GPU time, as decode runs
 under reduce-overhead); the eager loop syncs with the host on its routing and is timed as it runs.
 
-    python -m bench.moe [--tokens 1 16 64 512 4096] [--recipes fp8_block int4_wo ...]
+    python -m bench.moe [--tokens 1 16 64 512 4096] [--recipes fp8_block int4_wo ...] [--profile 4096]
+
+--profile T: at T tokens, each quantized path's kernels as it runs outside a CUDA graph (where W4A8 past 128 rows an
+expert reads the offsets on the host and takes cuBLAS expert by expert, and a graph's capture takes the grouped
+Triton kernel): GPU ms a call and the kernels that take most of it, from the profiler over three calls.
 """
 
 from __future__ import annotations
@@ -54,10 +58,38 @@ def rel_error(got, want) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
+def profile_kernels(module, args, calls: int = 3, top: int = 6) -> tuple[float, list[dict]]:
+    """(GPU ms a call, the `top` kernels by GPU time with their us a call and count a call), module(*args) run
+    `calls` times eagerly under the profiler after one warm call."""
+    module(*args)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            module(*args)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    kernels.sort(key=lambda e: e.device_time_total, reverse=True)
+    total_ms = sum(e.device_time_total for e in kernels) / calls / 1e3
+    return total_ms, [{"kernel": e.key[:90], "us a call": f"{e.device_time_total / calls:.1f}",
+                       "launches a call": f"{e.count / calls:g}"} for e in kernels[:top]]
+
+
+def print_profiles(paths: dict, tokens: int):
+    """Each quantized path's GPU time and heaviest kernels at `tokens`, outside a CUDA graph."""
+    args = routed(tokens, seed=0)
+    for name, module in paths.items():
+        if name.startswith("fxquant"):
+            total_ms, rows = profile_kernels(module, args)
+            print(f"\n{name} at {tokens} tokens, outside a CUDA graph: {total_ms:.3f} GPU ms a call")
+            print(table(rows), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 512, 4096])
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES))
+    parser.add_argument("--profile", type=int, nargs="*", default=[], metavar="TOKENS",
+                        help="at these token counts, each quantized path's kernels outside a CUDA graph")
     args = parser.parse_args()
     print(header())
     baseline = experts_module("grouped_mm")
@@ -93,6 +125,8 @@ def main():
                              f"{base_ms / ms:.2f}x", "rel err vs bf16": f"{error:.4f}",
                              "expert GB": f"{weight_bytes[name] / 1e9:.2f}"})
             print(table(rows[-len(paths):]), flush=True)
+        for tokens in args.profile:
+            print_profiles(paths, tokens)
     print("\nMoE layer, Mixtral-8x7B experts (8 x [28672, 4096] + 8 x [4096, 14336]), top-2")
     print(table(rows))
 
