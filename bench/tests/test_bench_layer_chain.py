@@ -51,7 +51,8 @@ def test_the_same_bits_check_refuses_a_moved_bit():
 
 
 def test_the_fixed_codes_are_made_once_a_batch(monkeypatch):
-    monkeypatch.setattr(LC, "DEVICE", "cpu")
+    # made where the quantizer's kernel runs: the GPU where there is one (the CPU's needs Triton's interpreter)
+    monkeypatch.setattr(LC, "DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
     state = {"batch": 2}
     first = fixed_codes(state)
     assert fixed_codes(state) is first

@@ -53,9 +53,11 @@ TORCH_TO_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.flo
 def fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n, M, N, K, first_k, last_k,
                    stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn, stride_bsk,
                    BLOCK_SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   CHANNEL_GROUPS: tl.constexpr = False):
     """The fp32 tile A[offs_m] @ B[offs_n].T over K steps [first_k, last_k), block scales folded in at each step;
-    row scales are left to `fp8_scale_tile`."""
+    row scales are left to `fp8_scale_tile`. CHANNEL_GROUPS (with BLOCK_SCALES): the weight's scales are per row and
+    1x128 group [N, K/128], as W4A8's codes made e4m3 carry them, and the activations' per token, at stride_ask 0."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
@@ -69,10 +71,16 @@ def fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n
         a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)  # [BM, BK]
         b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < k_left), other=0.0)  # [BK, BN]
         if BLOCK_SCALES:
-            # BLOCK_K == SCALE_BLOCK: one activation scale per row and one weight scale per tile at this K step.
+            # BLOCK_K == SCALE_BLOCK: one activation scale per row and one weight scale per tile (per column with
+            # CHANNEL_GROUPS) at this K step; each step's fp32 partial is scaled before it joins the accumulator,
+            # since the fp8 MMA's own accumulator keeps fewer bits (docs/decisions/0002).
             a_s = tl.load(a_scale_ptr + offs_m * stride_asm + k * stride_ask, mask=mask_m, other=0.0)
-            b_s = tl.load(b_scale_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn + k * stride_bsk)
-            acc += tl.dot(a, b) * (a_s[:, None] * b_s)
+            if CHANNEL_GROUPS:
+                b_s = tl.load(b_scale_ptr + offs_n * stride_bsn + k * stride_bsk, mask=mask_n, other=0.0)
+                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+            else:
+                b_s = tl.load(b_scale_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn + k * stride_bsk)
+                acc += tl.dot(a, b) * (a_s[:, None] * b_s)
         elif COMPILER_PROMOTES:
             # The compiler adds the MMA's partial into an fp32 accumulator every BLOCK_K, keeping wgmma async.
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)

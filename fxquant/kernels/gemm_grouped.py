@@ -13,8 +13,9 @@ widened e4m3 activations, each group's partial scaled. Tiles are the dense table
 expert; where the active tiles are too few for the SMs, K is split (`splitk.py`). Past DEQUANTIZE_ABOVE_M rows per
 active expert, weight-only experts are dequantized to bf16 and multiplied by `torch._grouped_mm`, as the dense
 weight-only product hands such rows to cuBLAS, and W4A8 experts take the dense W4A8 product expert by expert (cuBLAS's
-block-scaled GEMM, decision 0017), the offsets read on the host once; the crossovers are the dense ones', not yet timed
-for experts."""
+block-scaled GEMM, decision 0017), the offsets read on the host once; in a CUDA graph, which cannot read them, every
+expert's codes are made e4m3 integers and the grouped fp8 kernel multiplies them with the group scales folded in each
+K step. The crossovers are the dense ones', not yet timed for experts."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from fxquant.kernels.gemm_int4_fp8 import (
     CUBLAS_ABOVE_M,
     as_words,
     dot_type,
+    int4_as_e4m3,
     int4_fp8_accumulate,
     int4_fp8_config,
     int4_fp8_mm,
@@ -69,8 +71,8 @@ def _grouped_fp8_kernel(
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     # meta-parameters
-    BLOCK_SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
-    SPLIT_K: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr, CHANNEL_GROUPS: tl.constexpr, SCALE_BLOCK: tl.constexpr, OUT: tl.constexpr,
+    CAST: tl.constexpr, SPLIT_K: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     expert, pid_n, offs_m, offs_n = expert_tile_offsets(offs_ptr, E, M, N, BLOCK_M, BLOCK_N)
@@ -79,7 +81,7 @@ def _grouped_fp8_kernel(
     b_scale_ptr += e * stride_bse
     acc = fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n, M, N, K, first_k, last_k,
                          stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn, stride_bsk,
-                         BLOCK_SCALES, SCALE_BLOCK, COMPILER_PROMOTES, BLOCK_M, BLOCK_N, BLOCK_K)
+                         BLOCK_SCALES, SCALE_BLOCK, COMPILER_PROMOTES, BLOCK_M, BLOCK_N, BLOCK_K, CHANNEL_GROUPS)
     acc = fp8_scale_tile(acc, a_scale_ptr, b_scale_ptr, offs_m, offs_n, M, N, stride_asm, stride_bsn, BLOCK_SCALES)
     acc = tl.where(owned, acc, 0.0)  # a non-finite scale of the clamped expert must not reach the zero rows
     store_tile(acc, c_ptr, ws_ptr, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, tl.program_id(1),
@@ -161,9 +163,9 @@ def _finish(ws, out, split, out_dtype):
 
 
 @functools.lru_cache(maxsize=1024)
-def _fp8_plan(M: int, N: int, K: int, E: int, block_scales: bool, overrides: tuple):
+def _fp8_plan(M: int, N: int, K: int, E: int, block_scales: bool, channel_groups: bool, overrides: tuple):
     cfg = {**fp8_gemm_config(cdiv(M, min(M, E)), N, K, block_scales, tma=False), **dict(overrides)}
-    if block_scales and (cfg["BLOCK_K"] != SCALE_BLOCK or SCALE_BLOCK % cfg["BLOCK_N"]):
+    if block_scales and (cfg["BLOCK_K"] != SCALE_BLOCK or (SCALE_BLOCK % cfg["BLOCK_N"] and not channel_groups)):
         raise ValueError(f"fxquant: block-scaled fp8 GEMM needs BLOCK_K == {SCALE_BLOCK} and BLOCK_N dividing "
                          f"{SCALE_BLOCK}, got BLOCK_K={cfg['BLOCK_K']} BLOCK_N={cfg['BLOCK_N']}")
     grid, split = _grid_and_split(M, N, K, E, cfg)
@@ -173,20 +175,29 @@ def _fp8_plan(M: int, N: int, K: int, E: int, block_scales: bool, overrides: tup
     return grid, split, meta
 
 
-def grouped_fp8_mm(a, a_scale, offs, b, b_scale, out_dtype=torch.bfloat16, config=None):
+def grouped_fp8_mm(a, a_scale, offs, b, b_scale, out_dtype=torch.bfloat16, config=None, out=None):
     """a: [M, K] e4m3, rows sorted by expert; a_scale: [M, 1] per token, one element per tensor, or [M, K/128];
-    offs: int32 [E]; b: [E, N, K] e4m3; b_scale: [E] per expert tensor, [E, N, 1] per channel or
-    [E, N/128, K/128] blocks. Returns [M, N] in out_dtype."""
+    offs: int32 [E]; b: [E, N, K] e4m3; b_scale: [E] per expert tensor, [E, N, 1] per channel, [E, N/128, K/128]
+    blocks (with [M, K/128] activation scales) or [E, N, K/128] per channel and 1x128 group (with per-token or
+    per-tensor activation scales: W4A8's codes made e4m3). Returns [M, N] in out_dtype, written into `out` if given
+    (an [M, N] view, columns of a wider output)."""
     M, K = a.shape
     E, N = b.shape[:2]
     _check_offs(offs, E)
     if b.shape[2] != K or a.dtype != b.dtype:
         raise ValueError(f"fxquant: grouped fp8 GEMM needs a [M, K] and b [E, N, K] of one fp8 dtype; got "
                          f"{tuple(a.shape)} {a.dtype} and {tuple(b.shape)} {b.dtype}")
+    kb = cdiv(K, SCALE_BLOCK)
     per_tensor = b_scale.numel() == E
-    block_scales = not per_tensor and b_scale.shape[1] != N
-    if block_scales:
-        kb = cdiv(K, SCALE_BLOCK)
+    channel_groups = not per_tensor and kb > 1 and tuple(b_scale.shape) == (E, N, kb)
+    block_scales = channel_groups or (not per_tensor and b_scale.shape[1] != N)
+    if channel_groups:
+        if a_scale.numel() not in (1, M):
+            raise ValueError(f"fxquant: weight scales per channel and 1x128 group [E, N, {kb}] take per-token or "
+                             f"per-tensor activation scales, got {tuple(a_scale.shape)}")
+        asm, ask = (0 if a_scale.numel() == 1 else a_scale.reshape(-1).stride(0)), 0
+        bse, bsn, bsk = b_scale.stride()
+    elif block_scales:
         if a_scale.shape != (M, kb) or b_scale.shape != (E, cdiv(N, SCALE_BLOCK), kb):
             raise ValueError(f"fxquant: 128x128 weight blocks [E, {cdiv(N, 128)}, {cdiv(K, 128)}] take 1x128 "
                              f"activation scales [M, {cdiv(K, 128)}], got {tuple(b_scale.shape)} and "
@@ -197,18 +208,18 @@ def grouped_fp8_mm(a, a_scale, offs, b, b_scale, out_dtype=torch.bfloat16, confi
         asm, ask = (0 if a_scale.numel() == 1 else a_scale.reshape(-1).stride(0)), 0
         b_scale = b_scale.reshape(E, -1)
         bse, bsn, bsk = b_scale.stride(0), (0 if per_tensor else b_scale.stride(1)), 0
-    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    out = torch.empty((M, N), dtype=out_dtype, device=a.device) if out is None else out
     if M == 0 or N == 0:
         return out
-    grid, split, meta = _fp8_plan(M, N, K, E, block_scales, tuple(sorted((config or {}).items())))
+    grid, split, meta = _fp8_plan(M, N, K, E, block_scales, channel_groups, tuple(sorted((config or {}).items())))
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     visible(_grouped_fp8_kernel)[grid](
         a, offs, b, out, ws, a_scale, b_scale,
         M, N, K, E,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
         asm, ask, bse, bsn, bsk,
-        BLOCK_SCALES=block_scales, SCALE_BLOCK=SCALE_BLOCK, OUT=TORCH_TO_TL[out_dtype],
-        CAST=float_cast_mode(_grouped_fp8_kernel), SPLIT_K=split, **meta,
+        BLOCK_SCALES=block_scales, CHANNEL_GROUPS=channel_groups, SCALE_BLOCK=SCALE_BLOCK,
+        OUT=TORCH_TO_TL[out_dtype], CAST=float_cast_mode(_grouped_fp8_kernel), SPLIT_K=split, **meta,
     )
     return _finish(ws, out, split, out_dtype)
 
@@ -308,8 +319,9 @@ def grouped_int4_fp8_mm(a, a_scale, offs, w, w_scale, zero_point, out_dtype=torc
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
-    if config is None and cdiv(M, min(M, E)) > CUBLAS_ABOVE_M and not inlined() and not (
-            a.is_cuda and torch.cuda.is_current_stream_capturing()):  # a package's trace cannot read the offsets
+    if config is None and cdiv(M, min(M, E)) > CUBLAS_ABOVE_M and not inlined():
+        if a.is_cuda and torch.cuda.is_current_stream_capturing():  # a graph cannot read the offsets on the host
+            return grouped_int4_fp8_over_e4m3(out, a, a_scale, offs, w, w_scale, zero_point)
         return _int4_fp8_by_expert(out, a, a_scale, offs, w, w_scale, zero_point)
     a, scale = a.contiguous(), w_scale.contiguous()
     words = w.contiguous().view(torch.uint8).view(torch.int32)  # eight codes a word (K is a multiple of 128)
@@ -324,6 +336,20 @@ def grouped_int4_fp8_mm(a, a_scale, offs, w, w_scale, zero_point, out_dtype=torc
         DOT=dot_type(_grouped_int4_fp8_kernel), **meta,
     )
     return _finish(ws, out, split, out_dtype)
+
+
+def grouped_int4_fp8_over_e4m3(out, a, a_scale, offs, w, w_scale, zero_point):
+    """W4A8 experts on the fp8 tensor cores with no host read of the offsets: every expert's codes made e4m3
+    integers q - z (`int4_as_e4m3`, exact), a block of columns at a time (at most CHUNK_ELEMENTS codes, as the
+    weight-only experts are dequantized), each block through the grouped fp8 kernel with the group's scales and the
+    token's folded into each 128-wide K step's fp32 partial, written into its columns of `out` [M, N]."""
+    (M, K), (E, N) = a.shape, w.shape[:2]
+    columns = max(16, CHUNK_ELEMENTS // (E * K) // 16 * 16)  # whole 16-column blocks
+    for n0 in range(0, N, columns):
+        n1 = min(N, n0 + columns)
+        codes = int4_as_e4m3(w[:, n0:n1], None if zero_point is None else zero_point[:, n0:n1])
+        grouped_fp8_mm(a, a_scale.reshape(M, 1), offs, codes, w_scale[:, n0:n1], out.dtype, out=out[:, n0:n1])
+    return out
 
 
 def _int4_fp8_by_expert(out, a, a_scale, offs, w, w_scale, zero_point):

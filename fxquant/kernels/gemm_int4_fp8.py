@@ -159,11 +159,15 @@ def _int4_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, bias_pt
 
 
 @triton.jit
-def _int4_e4m3_kernel(w_ptr, w_zero_ptr, out_ptr, N, stride_wn, stride_sn, stride_on,
+def _int4_e4m3_kernel(w_ptr, w_zero_ptr, out_ptr, N, stride_we, stride_wn, stride_se, stride_sn, stride_oe, stride_on,
                       HAS_ZP: tl.constexpr, CAST: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One weight group's codes for BLOCK_N rows, written as their e4m3 integers."""
+    """One weight group's codes for BLOCK_N rows of one expert (axis 2), written as their e4m3 integers."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1)
+    e = tl.program_id(2).to(tl.int64)
+    w_ptr += e * stride_we
+    w_zero_ptr += e * stride_se
+    out_ptr += e * stride_oe
     mask_n = offs_n < N
     packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + g * (GROUP // 2) + tl.arange(0, GROUP // 2),
                      mask=mask_n[:, None], other=0)
@@ -173,16 +177,22 @@ def _int4_e4m3_kernel(w_ptr, w_zero_ptr, out_ptr, N, stride_wn, stride_sn, strid
 
 
 def int4_as_e4m3(w: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tensor:
-    """[N, K/2] packed int4 codes (zero points [N, K/128], or None: symmetric) as the [N, K] e4m3 integers q - z,
-    exactly: the weight cuBLAS multiplies with per-group scales."""
-    N, K = w.shape[0], w.shape[1] * 2
-    out = torch.empty((N, K), dtype=torch.float8_e4m3fn, device=w.device)
-    zero = zero_point.contiguous() if zero_point is not None else out
+    """[N, K/2] packed int4 codes (zero points [N, K/128], or None: symmetric), or [E, N, K/2] of experts (zero
+    points [E, N, K/128]; a slice of rows of each is fine), as the contiguous [N, K] ([E, N, K]) e4m3 integers
+    q - z, exactly: the weight cuBLAS or the grouped fp8 kernel multiplies with per-group scales."""
+    experts = w.dim() == 3
+    w3 = w if experts else w.unsqueeze(0)
+    zero3 = None if zero_point is None else zero_point if experts else zero_point.unsqueeze(0)
+    (E, N), K = w3.shape[:2], w3.shape[2] * 2
+    if w3.stride(2) != 1 or (zero3 is not None and zero3.stride(2) != 1):
+        raise ValueError("fxquant: int4 codes and zero points made e4m3 need their K contiguous")
+    out = torch.empty((E, N, K), dtype=torch.float8_e4m3fn, device=w.device)
+    zero = zero3 if zero3 is not None else out
     block_n = 64
-    visible(_int4_e4m3_kernel)[(cdiv(N, block_n), K // GROUP)](
-        w, zero, out, N, w.stride(0), zero.stride(0), out.stride(0),
+    visible(_int4_e4m3_kernel)[(cdiv(N, block_n), K // GROUP, E)](
+        w3, zero, out, N, w3.stride(0), w3.stride(1), zero.stride(0), zero.stride(1), out.stride(0), out.stride(1),
         HAS_ZP=zero_point is not None, CAST=cast_mode(_int4_e4m3_kernel, w.device), GROUP=GROUP, BLOCK_N=block_n)
-    return out
+    return out if experts else out[0]
 
 
 def cublas_int4_fp8(a, a_scale, w, w_scale, zero_point) -> torch.Tensor:

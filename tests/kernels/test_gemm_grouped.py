@@ -4,6 +4,7 @@ CPU): empty experts, one row, uneven groups, rows past the last expert, split K;
 import pytest
 import torch
 
+import fxquant.kernels.gemm_grouped as G
 from fxquant.kernels.gemm_grouped import grouped_fp8_mm, grouped_int4_fp8_mm, grouped_weight_only_mm
 from fxquant.numerics import reference as R
 from fxquant.ops import quantize_fp8
@@ -108,14 +109,17 @@ def test_grouped_fp8(scheme, name):
     check(got, R.grouped_linear(R.dequantize(qa, torch.float32), offs, q, torch.bfloat16), offs)
 
 
+@pytest.mark.parametrize("route", ["product", "codes made e4m3"])
 @pytest.mark.parametrize("k", [K, 2048], ids=["k256", "k2048_split"])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero_point"])
 @pytest.mark.parametrize("name", list(ROUTINGS) + list(MANY_ROWS))
-def test_grouped_int4_fp8_is_the_exact_product_rounded_at_the_store(name, symmetric, k):
+def test_grouped_int4_fp8_is_the_exact_product_rounded_at_the_store(name, symmetric, k, route, monkeypatch):
     """W4A8 experts (int4_fp8): every e4m3 code times an int4 code less its zero point is exact, so each row is its
     expert's fp64 product of the dequantized operands to the fp32 accumulation's error and one bf16 rounding, as
     the dense kernel's (tests/kernels/test_gemm_int4_fp8.py states the bound); K = 2048 over few rows splits K.
-    Past 128 rows an active expert, each expert's rows take the dense product (on a GPU cuBLAS's, past 128 rows)."""
+    Past 128 rows an active expert, each expert's rows take the dense product (on a GPU cuBLAS's, past 128 rows),
+    or, in a CUDA graph, the codes made e4m3 and the grouped fp8 kernel: here in blocks of 64 columns, so that
+    every block is written where it belongs."""
     gen = torch.Generator().manual_seed(len(name) + k)
     offs, m = routing(name)
     x = torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16)
@@ -123,7 +127,12 @@ def test_grouped_int4_fp8_is_the_exact_product_rounded_at_the_store(name, symmet
     w = (torch.randn(E, N, k, generator=gen) + 0.3).to(DEVICE)
     experts = [R.quantize(w[e], "int4", ("group", 128), symmetric=symmetric) for e in range(E)]
     qw = R.stack_experts(experts)
-    got = grouped_int4_fp8_mm(qa.data, qa.scale, offs, qw.data, qw.scale, qw.zero_point)
+    if route == "product":
+        got = grouped_int4_fp8_mm(qa.data, qa.scale, offs, qw.data, qw.scale, qw.zero_point)
+    else:
+        monkeypatch.setattr(G, "CHUNK_ELEMENTS", E * k * 64)
+        got = G.grouped_int4_fp8_over_e4m3(torch.full((m, N), float("nan"), dtype=torch.bfloat16, device=DEVICE),
+                                           qa.data, qa.scale, offs, qw.data, qw.scale, qw.zero_point)
     a_hp, end = R.dequantize(qa, torch.float64), int(offs[-1])
     exact, bound = torch.zeros(m, N, dtype=torch.float64, device=DEVICE), torch.zeros(m, N, dtype=torch.float64,
                                                                                     device=DEVICE)

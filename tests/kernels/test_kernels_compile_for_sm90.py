@@ -17,7 +17,12 @@ import fxquant.kernels
 from fxquant.kernels import splitk
 from fxquant.kernels.decode_attention import decode_attention, decode_attention_quantized
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
-from fxquant.kernels.gemm_grouped import grouped_fp8_mm, grouped_int4_fp8_mm, grouped_weight_only_mm
+from fxquant.kernels.gemm_grouped import (
+    grouped_fp8_mm,
+    grouped_int4_fp8_mm,
+    grouped_int4_fp8_over_e4m3,
+    grouped_weight_only_mm,
+)
 from fxquant.kernels.gemm_int4_fp8 import int4_as_e4m3, int4_fp8_mm
 from fxquant.kernels.gemm_weight_only import weight_only_mm
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8
@@ -69,7 +74,8 @@ def _gemms():
 
 
 def _experts():
-    """The grouped GEMMs of mixture-of-experts layers: fp8, weight-only int4 and W4A8."""
+    """The grouped GEMMs of mixture-of-experts layers: fp8, weight-only int4 and W4A8, the latter also with every
+    expert's codes made e4m3 for the grouped fp8 kernel (its route in a CUDA graph past 128 rows an expert)."""
     offs = torch.tensor([3, 3, 7], dtype=torch.int32)
     x = _randn(7, 256, dtype=BF16)
     qa = R.quantize(x, "fp8_e4m3", "token")
@@ -78,6 +84,8 @@ def _experts():
     q = R.quantize_experts(_randn(3, 64, 256), "int4", ("group", 128))
     grouped_weight_only_mm(x, offs, q.data, q.scale, "int4", 128, 64, zero_point=q.zero_point)
     grouped_int4_fp8_mm(qa.data, qa.scale, offs, q.data, q.scale, q.zero_point)
+    grouped_int4_fp8_over_e4m3(torch.empty(7, 64, dtype=BF16), qa.data, qa.scale, offs, q.data, q.scale,
+                               q.zero_point)
 
 
 def _row_kernels():
