@@ -54,7 +54,7 @@ def fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n
                    stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn, stride_bsk,
                    BLOCK_SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   CHANNEL_GROUPS: tl.constexpr = False):
+                   CHANNEL_GROUPS: tl.constexpr):
     """The fp32 tile A[offs_m] @ B[offs_n].T over K steps [first_k, last_k), block scales folded in at each step;
     row scales are left to `fp8_scale_tile`. CHANNEL_GROUPS (with BLOCK_SCALES): the weight's scales are per row and
     1x128 group [N, K/128], as W4A8's codes made e4m3 carry them, and the activations' per token, at stride_ask 0."""
@@ -159,7 +159,8 @@ def _fp8_gemm_kernel(
     else:
         acc = fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n, M, N, K, first_k, last_k,
                              stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn,
-                             stride_bsk, BLOCK_SCALES, SCALE_BLOCK, COMPILER_PROMOTES, BLOCK_M, BLOCK_N, BLOCK_K)
+                             stride_bsk, BLOCK_SCALES, SCALE_BLOCK, COMPILER_PROMOTES, BLOCK_M, BLOCK_N, BLOCK_K,
+                             False)
     # The next kernel launches after the K loop: resident earlier, its waiting programs took this one's slots
     # (the decode GEMM chain at B16: 88.4 -> 86.2 us a layer, bench.split_sums).
     start_next(PDL)
