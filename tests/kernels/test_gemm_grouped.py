@@ -109,31 +109,21 @@ def test_grouped_fp8(scheme, name):
     check(got, R.grouped_linear(R.dequantize(qa, torch.float32), offs, q, torch.bfloat16), offs)
 
 
-@pytest.mark.parametrize("route", ["product", "codes made e4m3"])
-@pytest.mark.parametrize("k", [K, 2048], ids=["k256", "k2048_split"])
-@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero_point"])
-@pytest.mark.parametrize("name", list(ROUTINGS) + list(MANY_ROWS))
-def test_grouped_int4_fp8_is_the_exact_product_rounded_at_the_store(name, symmetric, k, route, monkeypatch):
-    """W4A8 experts (int4_fp8): every e4m3 code times an int4 code less its zero point is exact, so each row is its
-    expert's fp64 product of the dequantized operands to the fp32 accumulation's error and one bf16 rounding, as
-    the dense kernel's (tests/kernels/test_gemm_int4_fp8.py states the bound); K = 2048 over few rows splits K.
-    Past 128 rows an active expert, each expert's rows take the dense product (on a GPU cuBLAS's, past 128 rows),
-    or, in a CUDA graph, the codes made e4m3 and the grouped fp8 kernel: here in blocks of 64 columns, so that
-    every block is written where it belongs."""
+def w4a8_experts(name, symmetric, k):
+    """(offs, rows, quantized activations, each expert's quantized weight, the experts stacked) for a routing."""
     gen = torch.Generator().manual_seed(len(name) + k)
     offs, m = routing(name)
     x = torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16)
-    qa = R.quantize(x, "fp8_e4m3", "token")
     w = (torch.randn(E, N, k, generator=gen) + 0.3).to(DEVICE)
     experts = [R.quantize(w[e], "int4", ("group", 128), symmetric=symmetric) for e in range(E)]
-    qw = R.stack_experts(experts)
-    if route == "product":
-        got = grouped_int4_fp8_mm(qa.data, qa.scale, offs, qw.data, qw.scale, qw.zero_point)
-    else:
-        monkeypatch.setattr(G, "CHUNK_ELEMENTS", E * k * 64)
-        got = G.grouped_int4_fp8_over_e4m3(torch.full((m, N), float("nan"), dtype=torch.bfloat16, device=DEVICE),
-                                           qa.data, qa.scale, offs, qw.data, qw.scale, qw.zero_point)
-    a_hp, end = R.dequantize(qa, torch.float64), int(offs[-1])
+    return offs, m, R.quantize(x, "fp8_e4m3", "token"), experts, R.stack_experts(experts)
+
+
+def assert_w4a8_product(got, offs, qa, experts):
+    """Each owned row is its expert's fp64 product of the dequantized operands, to the fp32 accumulation's error
+    and one bf16 rounding; rows no expert owns are zero."""
+    m, end = qa.data.shape[0], int(offs[-1])
+    a_hp = R.dequantize(qa, torch.float64)
     exact, bound = torch.zeros(m, N, dtype=torch.float64, device=DEVICE), torch.zeros(m, N, dtype=torch.float64,
                                                                                     device=DEVICE)
     for e, rows in R.expert_rows(offs):
@@ -145,6 +135,46 @@ def test_grouped_int4_fp8_is_the_exact_product_rounded_at_the_store(name, symmet
     assert torch.equal(got[end:], torch.zeros_like(got[end:]))  # rows no expert owns
     assert ((got.double() - exact).abs() <= tolerance).all()
     assert end == 0 or got[:end].abs().max() > 0
+
+
+@pytest.mark.parametrize("route", ["product", "codes made e4m3"])
+@pytest.mark.parametrize("k", [K, 2048], ids=["k256", "k2048_split"])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero_point"])
+@pytest.mark.parametrize("name", list(ROUTINGS) + list(MANY_ROWS))
+def test_grouped_int4_fp8_is_the_exact_product_rounded_at_the_store(name, symmetric, k, route, monkeypatch):
+    """W4A8 experts (int4_fp8): every e4m3 code times an int4 code less its zero point is exact, so each row is its
+    expert's fp64 product of the dequantized operands to the fp32 accumulation's error and one bf16 rounding, as
+    the dense kernel's (tests/kernels/test_gemm_int4_fp8.py states the bound); K = 2048 over few rows splits K.
+    Past 128 rows an active expert, each expert's rows take the dense product (on a GPU cuBLAS's, past 128 rows),
+    or, in a CUDA graph, the codes made e4m3 and the grouped fp8 kernel: here in blocks of 64 columns, so that
+    every block is written where it belongs."""
+    offs, m, qa, experts, qw = w4a8_experts(name, symmetric, k)
+    if route == "product":
+        got = grouped_int4_fp8_mm(qa.data, qa.scale, offs, qw.data, qw.scale, qw.zero_point)
+    else:
+        monkeypatch.setattr(G, "CHUNK_ELEMENTS", E * k * 64)
+        got = G.grouped_int4_fp8_over_e4m3(torch.full((m, N), float("nan"), dtype=torch.bfloat16, device=DEVICE),
+                                           qa.data, qa.scale, offs, qw.data, qw.scale, qw.zero_point)
+    assert_w4a8_product(got, offs, qa, experts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero_point"])
+def test_grouped_int4_fp8_in_a_cuda_graph_past_128_rows_an_expert(symmetric):
+    """A CUDA graph cannot read the expert offsets on the host: captured past 128 rows an expert, the product takes
+    the codes made e4m3 and the grouped fp8 kernel, and a replay after new activations is their exact product."""
+    offs, m, qa, experts, qw = w4a8_experts(next(iter(MANY_ROWS)), symmetric, 2048)
+    codes, scales = qa.data.clone(), qa.scale.clone()
+    grouped_int4_fp8_mm(codes, scales, offs, qw.data, qw.scale, qw.zero_point)  # warm: compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = grouped_int4_fp8_mm(codes, scales, offs, qw.data, qw.scale, qw.zero_point)
+    qa = R.quantize(torch.randn(m, 2048, device=DEVICE, dtype=torch.bfloat16), "fp8_e4m3", "token")
+    codes.copy_(qa.data)
+    scales.copy_(qa.scale)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_w4a8_product(got, offs, qa, experts)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
