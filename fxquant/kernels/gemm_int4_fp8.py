@@ -181,11 +181,9 @@ def int4_as_e4m3(w: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tens
     points [E, N, K/128]; a slice of rows of each is fine), as the contiguous [N, K] ([E, N, K]) e4m3 integers
     q - z, exactly: the weight cuBLAS or the grouped fp8 kernel multiplies with per-group scales."""
     experts = w.dim() == 3
-    w3 = w if experts else w.unsqueeze(0)
-    zero3 = None if zero_point is None else zero_point if experts else zero_point.unsqueeze(0)
+    w3 = _k_contiguous(w if experts else w.unsqueeze(0))
+    zero3 = None if zero_point is None else _k_contiguous(zero_point if experts else zero_point.unsqueeze(0))
     (E, N), K = w3.shape[:2], w3.shape[2] * 2
-    if w3.stride(2) != 1 or (zero3 is not None and zero3.stride(2) != 1):
-        raise ValueError("fxquant: int4 codes and zero points made e4m3 need their K contiguous")
     out = torch.empty((E, N, K), dtype=torch.float8_e4m3fn, device=w.device)
     zero = zero3 if zero3 is not None else out
     block_n = 64
@@ -193,6 +191,11 @@ def int4_as_e4m3(w: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tens
         w3, zero, out, N, w3.stride(0), w3.stride(1), zero.stride(0), zero.stride(1), out.stride(0), out.stride(1),
         HAS_ZP=zero_point is not None, CAST=cast_mode(_int4_e4m3_kernel, w.device), GROUP=GROUP, BLOCK_N=block_n)
     return out if experts else out[0]
+
+
+def _k_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t with its last (K) dimension contiguous, copied only where it is not: slices of rows stay views."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def cublas_int4_fp8(a, a_scale, w, w_scale, zero_point) -> torch.Tensor:
