@@ -73,9 +73,9 @@ def _grouped_fp8_kernel(
     # meta-parameters
     BLOCK_SCALES: tl.constexpr, CHANNEL_GROUPS: tl.constexpr, SCALE_BLOCK: tl.constexpr, OUT: tl.constexpr,
     CAST: tl.constexpr, SPLIT_K: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    expert, pid_n, offs_m, offs_n = expert_tile_offsets(offs_ptr, E, M, N, BLOCK_M, BLOCK_N)
+    expert, pid_n, offs_m, offs_n = expert_tile_offsets(offs_ptr, E, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     owned, e, first_k, last_k = _expert_k_steps(expert, E, K, BLOCK_K, SPLIT_K)
     b_ptr += e * stride_be
     b_scale_ptr += e * stride_bse
@@ -100,9 +100,10 @@ def _grouped_wo_kernel(
     # meta-parameters
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIR_ORDER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PAIR_ORDER: tl.constexpr,
 ):
-    expert, pid_n, offs_m, offs_n = expert_tile_offsets(offs_ptr, E, M, N, BLOCK_M, BLOCK_N)
+    expert, pid_n, offs_m, offs_n = expert_tile_offsets(offs_ptr, E, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     owned, e, first_k, last_k = _expert_k_steps(expert, E, K, BLOCK_K, SPLIT_K)
     w_ptr += e * stride_we
     s_ptr += e * stride_se
@@ -127,9 +128,10 @@ def _grouped_int4_fp8_kernel(
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
     # meta-parameters
     HAS_ZP: tl.constexpr, SPLIT_K: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, GROUP: tl.constexpr,
-    DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR_ORDER: tl.constexpr,
+    DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    PAIR_ORDER: tl.constexpr,
 ):
-    expert, pid_n, offs_m, offs_n = expert_tile_offsets(offs_ptr, E, M, N, BLOCK_M, BLOCK_N)
+    expert, pid_n, offs_m, offs_n = expert_tile_offsets(offs_ptr, E, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     owned, e, first, last = _expert_k_steps(expert, E, K, GROUP, SPLIT_K)
     w_ptr += e * stride_we
     w_scale_ptr += e * stride_se
@@ -170,8 +172,8 @@ def _fp8_plan(M: int, N: int, K: int, E: int, block_scales: bool, channel_groups
                          f"{SCALE_BLOCK}, got BLOCK_K={cfg['BLOCK_K']} BLOCK_N={cfg['BLOCK_N']}")
     grid, split = _grid_and_split(M, N, K, E, cfg)
     meta = dict(COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", not block_scales), BLOCK_M=cfg["BLOCK_M"],
-                BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"])
+                BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return grid, split, meta
 
 
@@ -231,8 +233,8 @@ def _wo_plan(M: int, N: int, K: int, E: int, fmt: str, group: int, overrides: tu
         cfg["BLOCK_K"] = group  # one int4 group per K step, at least
     grid, split = _grid_and_split(M, N, K, E, cfg)
     meta = dict(EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                PAIR_ORDER=cfg.get("PAIR_ORDER", False) and fmt in PACKED)
+                BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"], PAIR_ORDER=cfg.get("PAIR_ORDER", False) and fmt in PACKED)
     return grid, split, meta
 
 
@@ -297,7 +299,7 @@ def _int4_fp8_plan(M: int, N: int, K: int, E: int, overrides: tuple):
     best: the dense product hands those rows to cuBLAS, which has no grouped W4A8 form); one K step per group."""
     cfg = {**int4_fp8_config(cdiv(M, min(M, E)), N), **dict(overrides), "BLOCK_K": INT4_GROUP}
     grid, split = _grid_and_split(M, N, K, E, cfg)
-    meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+    meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"], PAIR_ORDER=cfg.get("PAIR_ORDER", False))
     return grid, split, meta
 

@@ -76,12 +76,15 @@ def expert_rows(offs_ptr, num_experts, M, tile_m, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def expert_tile_offsets(offs_ptr, num_experts, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def expert_tile_offsets(offs_ptr, num_experts, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        GROUP_M: tl.constexpr):
     """(expert, pid_n, rows, columns) of program 0-axis id's output tile over rows sorted by expert: rows outside
-    the tile's expert are M, which every row mask drops."""
-    pid = tl.program_id(0)
+    the tile's expert are M, which every row mask drops. The grid's row tiles (its 0 axis over the column tiles)
+    are taken in grouped order, as the dense GEMMs take theirs: GROUP_M row tiles, most of one expert's, share each
+    column tile of its weight while it is hot in L2."""
     num_n = tl.cdiv(N, BLOCK_N)
-    expert, first, end = expert_rows(offs_ptr, num_experts, M, pid // num_n, BLOCK_M)
+    grid_rows = tl.num_programs(0) // num_n * BLOCK_M
+    tile_m, pid_n = grouped_tile(tl.program_id(0), grid_rows, N, BLOCK_M, BLOCK_N, GROUP_M)
+    expert, first, end = expert_rows(offs_ptr, num_experts, M, tile_m, BLOCK_M)
     rows = first + tl.arange(0, BLOCK_M)
-    pid_n = pid % num_n
     return expert, pid_n, tl.where(rows < end, rows, M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -1,0 +1,117 @@
+"""The grouped fp8 GEMM of MoE prefill by its tiles and the order of its row tiles, on Mixtral-8x7B's experts
+(8 x [28672, 4096] gate/up, 8 x [4096, 14336] down) with the rows `bench.moe`'s routing gives them, against bf16
+`torch._grouped_mm` and cuBLAS's fp8 GEMM expert by expert (row scales, the experts' row counts known on the host).
+
+Two scalings: row scales (fp8_row's experts) and the weight's per-channel 1x128 group scales beside per-token ones
+(W4A8's codes made e4m3, the route a CUDA graph takes past 128 rows an expert). Each variant's output is checked
+against cuBLAS's (row scales) or the W4A8 product expert by expert (groups) before it is timed; then, for W4A8, the
+two whole routes: the codes made e4m3 and the grouped kernel (what a graph replays), and expert by expert on cuBLAS
+(what runs outside one, the offsets read on the host, timed as it runs).
+
+    python -m bench.grouped_tiles [--tokens 1024 4096] [--variants "the plan" "rows in plain order" ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.common import graph_time_ms, header, table, time_ms
+from bench.moe import EXPERTS, HIDDEN, INTERMEDIATE, TOP_K, graph_output, rel_error, routed
+from fxquant.kernels import gemm_grouped as G
+from fxquant.kernels.gemm_int4_fp8 import int4_as_e4m3
+from fxquant.numerics import reference as R
+from fxquant.ops import quantize_fp8
+
+SHAPES = {"gate/up": (2 * INTERMEDIATE, HIDDEN), "down": (HIDDEN, INTERMEDIATE)}
+VARIANTS = {
+    "the plan": {},
+    "rows in plain order": {"GROUP_M": 1},
+    "128x128, 4 warps, 4 stages": dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=4),
+    "128x128, 8 warps, 4 stages": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4),
+    "128x256, 8 warps, 3 stages": dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3),
+    "256x128, 8 warps, 3 stages": dict(BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3),
+    "64x256, 4 warps, 4 stages": dict(BLOCK_M=64, BLOCK_N=256, num_warps=4, num_stages=4),
+}
+# cuBLAS and the kernel multiply the same fp8 operands and accumulate in fp32 in other orders, then round to bf16
+AGREEMENT = 5e-3
+DEVICE = "cuda"
+
+
+def operands(tokens: int, n: int, k: int):
+    """(per-token e4m3 activations and scales, offsets, row counts) of `tokens` routed top-2, rows sorted by expert."""
+    _, ids, _ = routed(tokens, seed=0)
+    counts = torch.bincount(ids.flatten(), minlength=EXPERTS)
+    x = torch.randn(tokens * TOP_K, k, device=DEVICE, dtype=torch.bfloat16)
+    a, a_scale = quantize_fp8(x, 0)
+    return x, a, a_scale, counts.cumsum(0).to(torch.int32), counts.tolist()
+
+
+def cublas_by_expert(a, a_scale, counts, b, b_scale) -> list:
+    """torch._scaled_mm with row scales, expert by expert: the fp8 tensor cores' speed on these rows."""
+    outs, start = [], 0
+    for e, rows in enumerate(counts):
+        outs.append(torch._scaled_mm(a[start:start + rows], b[e].T, a_scale[start:start + rows],
+                                     b_scale[e].reshape(1, -1), out_dtype=torch.bfloat16))
+        start += rows
+    return outs
+
+
+def sweep(tokens: int, gemm: str, variants: list[str]) -> list[dict]:
+    n, k = SHAPES[gemm]
+    x, a, a_scale, offs, counts = operands(tokens, n, k)
+    w = torch.randn(EXPERTS, n, k, device=DEVICE, dtype=torch.bfloat16) * 0.02
+    key = {"tokens": tokens, "GEMM": f"{gemm} {n}x{k}"}
+    rows = []
+
+    def timed(label: str, ms: float, base: float, error: float | None = None):
+        rows.append({**key, "variant": label, "us": f"{ms * 1e3:.0f}", "x bf16": f"{base / ms:.2f}",
+                     "rel err": "-" if error is None else f"{error:.1e}"})
+        print(rows[-1], flush=True)
+
+    def checked(label: str, got, want) -> float:
+        error = rel_error(got, want)
+        if not torch.isfinite(got).all() or error > AGREEMENT:
+            raise SystemExit(f"{key} {label}: relative error {error:.3g} against the reference")
+        return error
+
+    bf16_ms = graph_time_ms(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs), [()])
+    timed("bf16 torch._grouped_mm", bf16_ms, bf16_ms)
+    fp8 = R.quantize_experts(w, "fp8_e4m3", "channel")
+    want = torch.cat(cublas_by_expert(a, a_scale, counts, fp8.data, fp8.scale))
+    timed("cuBLAS fp8 expert by expert", graph_time_ms(
+        lambda: cublas_by_expert(a, a_scale, counts, fp8.data, fp8.scale), [()]), bf16_ms)
+    int4 = R.stack_experts([R.quantize(w[e], "int4", ("group", 128), symmetric=False) for e in range(EXPERTS)])
+    w4a8 = lambda: G.grouped_int4_fp8_mm(a, a_scale, offs, int4.data, int4.scale, int4.zero_point)
+    by_expert = w4a8()  # outside a graph: expert by expert, the offsets read on the host
+    codes = int4_as_e4m3(int4.data, int4.zero_point)
+    for scales, b, b_scale, reference in (("row", fp8.data, fp8.scale, want),
+                                          ("channel groups", codes, int4.scale, by_expert)):
+        for name in variants:
+            product = lambda c=VARIANTS[name] or None: G.grouped_fp8_mm(a, a_scale, offs, b, b_scale, config=c)
+            error = checked(f"{scales}: {name}", product(), reference)
+            timed(f"{scales}: {name}", graph_time_ms(product, [()]), bf16_ms, error)
+    error = checked("W4A8 in a graph", graph_output(w4a8, ()), by_expert)
+    timed("W4A8 in a graph (codes made e4m3, grouped)", graph_time_ms(w4a8, [()]), bf16_ms, error)
+    timed("W4A8 as it runs (expert by expert, cuBLAS)", time_ms(w4a8, [()]), bf16_ms)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    args = parser.parse_args()
+    print(header())
+    rows = []
+    with torch.no_grad():
+        for tokens in args.tokens:
+            for gemm in SHAPES:
+                rows += sweep(tokens, gemm, args.variants)
+    print("\nMixtral-8x7B experts' GEMMs, top-2 rows sorted by expert, us (CUDA graph replay but the last route)")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
