@@ -1,12 +1,13 @@
 """The grouped fp8 GEMM of MoE prefill by its tiles and the order of its row tiles, on Mixtral-8x7B's experts
 (8 x [28672, 4096] gate/up, 8 x [4096, 14336] down) with the rows `bench.moe`'s routing gives them, against bf16
-`torch._grouped_mm` and cuBLAS's fp8 GEMM expert by expert (row scales, the experts' row counts known on the host).
+`torch._grouped_mm` and the dense fp8 GEMM expert by expert (row scales, the experts' row counts known on the host;
+cuBLAS's rowwise fp8 GEMM refused these experts' rows on the H100, CUBLAS_STATUS_NOT_SUPPORTED at 984 and 992 rows).
 
 Two scalings: row scales (fp8_row's experts) and the weight's per-channel 1x128 group scales beside per-token ones
 (W4A8's codes made e4m3, the route a CUDA graph takes past 128 rows an expert). Each variant's output is checked
-against cuBLAS's (row scales) or the W4A8 product expert by expert (groups) before it is timed; then, for W4A8, the
-two whole routes: the codes made e4m3 and the grouped kernel (what a graph replays), and expert by expert on cuBLAS
-(what runs outside one, the offsets read on the host, timed as it runs).
+against the dense kernel's (row scales) or the W4A8 product expert by expert (groups) before it is timed; then, for
+W4A8, the two whole routes: the codes made e4m3 and the grouped kernel (what a graph replays), and expert by expert
+on cuBLAS (what runs outside one, the offsets read on the host, timed as it runs).
 
     python -m bench.grouped_tiles [--tokens 1024 4096] [--variants "the plan" "rows in plain order" ...]
 """
@@ -20,6 +21,7 @@ import torch
 from bench.common import graph_time_ms, header, table, time_ms
 from bench.moe import EXPERTS, HIDDEN, INTERMEDIATE, TOP_K, graph_output, rel_error, routed
 from fxquant.kernels import gemm_grouped as G
+from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
 from fxquant.kernels.gemm_int4_fp8 import int4_as_e4m3
 from fxquant.numerics import reference as R
 from fxquant.ops import quantize_fp8
@@ -34,7 +36,7 @@ VARIANTS = {
     "256x128, 8 warps, 3 stages": dict(BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3),
     "64x256, 4 warps, 4 stages": dict(BLOCK_M=64, BLOCK_N=256, num_warps=4, num_stages=4),
 }
-# cuBLAS and the kernel multiply the same fp8 operands and accumulate in fp32 in other orders, then round to bf16
+# the kernels multiply the same fp8 operands and accumulate in fp32 in other orders, then round to bf16
 AGREEMENT = 5e-3
 DEVICE = "cuda"
 
@@ -48,15 +50,12 @@ def operands(tokens: int, n: int, k: int):
     return x, a, a_scale, counts.cumsum(0).to(torch.int32), counts.tolist()
 
 
-def cublas_by_expert(a, a_scale, counts, b, b_scale) -> list:
-    """torch._scaled_mm with row scales, expert by expert: the fp8 tensor cores' speed on these rows. cuBLAS takes
-    rows in multiples of 16: each expert's product runs on its rows and the next ones up to a multiple (`a` holds 16
-    rows more than the experts'), and keeps its own."""
+def dense_by_expert(a, a_scale, counts, b, b_scale) -> list:
+    """The dense fp8 GEMM with row scales (past 128 rows its persistent TMA kernel), expert by expert: what the
+    grouped kernel's tiles are against the dense ones' on the same rows."""
     outs, start = [], 0
     for e, rows in enumerate(counts):
-        padded = -(-rows // 16) * 16
-        outs.append(torch._scaled_mm(a[start:start + padded], b[e].T, a_scale[start:start + padded],
-                                     b_scale[e].reshape(1, -1), out_dtype=torch.bfloat16)[:rows])
+        outs.append(fp8_scaled_mm(a[start:start + rows], a_scale[start:start + rows], b[e], b_scale[e]))
         start += rows
     return outs
 
@@ -82,11 +81,9 @@ def sweep(tokens: int, gemm: str, variants: list[str]) -> list[dict]:
     bf16_ms = graph_time_ms(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs), [()])
     timed("bf16 torch._grouped_mm", bf16_ms, bf16_ms)
     fp8 = R.quantize_experts(w, "fp8_e4m3", "channel")
-    a16 = torch.cat([a.view(torch.uint8), a.new_zeros(16, k).view(torch.uint8)]).view(a.dtype)
-    a16_scale = torch.cat([a_scale, a_scale.new_ones(16, 1)])
-    want = torch.cat(cublas_by_expert(a16, a16_scale, counts, fp8.data, fp8.scale))
-    timed("cuBLAS fp8 expert by expert", graph_time_ms(
-        lambda: cublas_by_expert(a16, a16_scale, counts, fp8.data, fp8.scale), [()]), bf16_ms)
+    want = torch.cat(dense_by_expert(a, a_scale, counts, fp8.data, fp8.scale))
+    timed("dense fp8 kernel expert by expert", graph_time_ms(
+        lambda: dense_by_expert(a, a_scale, counts, fp8.data, fp8.scale), [()]), bf16_ms)
     int4 = R.stack_experts([R.quantize(w[e], "int4", ("group", 128), symmetric=False) for e in range(EXPERTS)])
     w4a8 = lambda: G.grouped_int4_fp8_mm(a, a_scale, offs, int4.data, int4.scale, int4.zero_point)
     by_expert = w4a8()  # outside a graph: expert by expert, the offsets read on the host
