@@ -9,7 +9,7 @@ under reduce-overhead); the eager loop syncs with the host on its routing and is
 
     python -m bench.moe [--tokens 1 16 64 512 4096] [--recipes fp8_block int4_wo ...] [--profile 4096]
 
---profile T: at T tokens, each quantized path's kernels as it runs outside a CUDA graph (where W4A8 past 128 rows an
+--profile T: at T tokens, each quantized path's kernels as it runs outside a CUDA graph (where W4A8 past 512 rows an
 expert reads the offsets on the host and takes cuBLAS expert by expert, where a graph's capture takes the grouped fp8
 kernel over the codes made e4m3): GPU ms a call and the kernels that take most of it, from the profiler over three
 calls.

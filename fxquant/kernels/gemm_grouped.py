@@ -13,9 +13,11 @@ widened e4m3 activations, each group's partial scaled. Tiles are the dense table
 expert; where the active tiles are too few for the SMs, K is split (`splitk.py`). Past DEQUANTIZE_ABOVE_M rows per
 active expert, weight-only experts are dequantized to bf16 and multiplied by `torch._grouped_mm`, as the dense
 weight-only product hands such rows to cuBLAS, and W4A8 experts take the dense W4A8 product expert by expert (cuBLAS's
-block-scaled GEMM, decision 0017), the offsets read on the host once; in a CUDA graph, which cannot read them, every
-expert's codes are made e4m3 integers and the grouped fp8 kernel multiplies them with the group scales folded in each
-K step. The crossovers are the dense ones', not yet timed for experts."""
+block-scaled GEMM, decision 0017), the offsets read on the host once, past BY_EXPERT_ABOVE_M rows an expert; from 128
+rows up to it, and in a CUDA graph, which cannot read them, every expert's codes are made e4m3 integers and the
+grouped fp8 kernel multiplies them with the group scales folded in each K step. Row tiles are taken in grouped order
+(GROUP_M at a time), as the dense GEMMs take theirs. The weight-only crossover is the dense one's, not yet timed for
+experts."""
 
 from __future__ import annotations
 
@@ -25,11 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
-from fxquant.kernels.cast import cast_mode, float_cast_mode, interpreting
+from fxquant.kernels.cast import capability, cast_mode, float_cast_mode, interpreting
 from fxquant.kernels.codes import FORMATS, PACKED
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_fp8 import SCALE_BLOCK, TORCH_TO_TL, fp8_accumulate, fp8_scale_tile
+from fxquant.kernels.gemm_grouped_tma import describable as tma_describable
+from fxquant.kernels.gemm_grouped_tma import launch_grouped_tma
 from fxquant.kernels.gemm_int4_fp8 import (
     CUBLAS_ABOVE_M,
     as_words,
@@ -166,7 +170,15 @@ def _finish(ws, out, split, out_dtype):
 
 @functools.lru_cache(maxsize=1024)
 def _fp8_plan(M: int, N: int, K: int, E: int, block_scales: bool, channel_groups: bool, overrides: tuple):
-    cfg = {**fp8_gemm_config(cdiv(M, min(M, E)), N, K, block_scales, tma=False), **dict(overrides)}
+    per_expert = cdiv(M, min(M, E))
+    cfg = fp8_gemm_config(per_expert, N, K, block_scales, tma=False)
+    if per_expert > 128 and not block_scales:
+        # Row scales past 128 rows an expert: the dense kernel's 128x128 tiles on 8 warps at 4 stages. On Mixtral's
+        # experts (H100, `python -m bench.grouped_tiles` at 855c0f1) down took 1269 / 391 us at 4096 / 1024 tokens
+        # against 1348 / 445 on 4 warps at 3 stages, gate/up 2611 / 862 against 2623 / 858; 256x128 won at 4096 tokens
+        # only (2503, 1250) and 128x256, 64x256 lost everywhere.
+        cfg.update(num_warps=8, num_stages=4)
+    cfg.update(dict(overrides))
     if block_scales and (cfg["BLOCK_K"] != SCALE_BLOCK or (SCALE_BLOCK % cfg["BLOCK_N"] and not channel_groups)):
         raise ValueError(f"fxquant: block-scaled fp8 GEMM needs BLOCK_K == {SCALE_BLOCK} and BLOCK_N dividing "
                          f"{SCALE_BLOCK}, got BLOCK_K={cfg['BLOCK_K']} BLOCK_N={cfg['BLOCK_N']}")
@@ -174,7 +186,8 @@ def _fp8_plan(M: int, N: int, K: int, E: int, block_scales: bool, channel_groups
     meta = dict(COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", not block_scales), BLOCK_M=cfg["BLOCK_M"],
                 BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return grid, split, meta
+    tma = cfg.get("TMA", False) and not block_scales and split == 1  # `gemm_grouped_tma`'s row-scale kernel
+    return grid, split, tma, meta
 
 
 def grouped_fp8_mm(a, a_scale, offs, b, b_scale, out_dtype=torch.bfloat16, config=None, out=None):
@@ -182,7 +195,8 @@ def grouped_fp8_mm(a, a_scale, offs, b, b_scale, out_dtype=torch.bfloat16, confi
     offs: int32 [E]; b: [E, N, K] e4m3; b_scale: [E] per expert tensor, [E, N, 1] per channel, [E, N/128, K/128]
     blocks (with [M, K/128] activation scales) or [E, N, K/128] per channel and 1x128 group (with per-token or
     per-tensor activation scales: W4A8's codes made e4m3). Returns [M, N] in out_dtype, written into `out` if given
-    (an [M, N] view, columns of a wider output)."""
+    (an [M, N] view, columns of a wider output). A `config` with TMA=True feeds row-scaled tiles through tensor
+    descriptors (`gemm_grouped_tma`) where the GPU and the operands allow, unsplit."""
     M, K = a.shape
     E, N = b.shape[:2]
     _check_offs(offs, E)
@@ -213,7 +227,13 @@ def grouped_fp8_mm(a, a_scale, offs, b, b_scale, out_dtype=torch.bfloat16, confi
     out = torch.empty((M, N), dtype=out_dtype, device=a.device) if out is None else out
     if M == 0 or N == 0:
         return out
-    grid, split, meta = _fp8_plan(M, N, K, E, block_scales, channel_groups, tuple(sorted((config or {}).items())))
+    grid, split, tma, meta = _fp8_plan(M, N, K, E, block_scales, channel_groups,
+                                       tuple(sorted((config or {}).items())))
+    hopper = interpreting(_grouped_fp8_kernel) or (a.is_cuda and capability(a.device) >= (9, 0))
+    if tma and hopper and not inlined() and tma_describable(a, b):
+        launch_grouped_tma(a, offs, b, out, a_scale, b_scale, grid, (asm, bse, bsn), out_tl=TORCH_TO_TL[out_dtype],
+                           cast=float_cast_mode(_grouped_fp8_kernel), meta=meta)
+        return out
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     visible(_grouped_fp8_kernel)[grid](
         a, offs, b, out, ws, a_scale, b_scale,
@@ -293,6 +313,15 @@ def _grouped_dequantized_mm(a, offs, codes, scale, fmt, group, zero_point, globa
 
 
 
+# W4A8 experts past this many rows an active expert go expert by expert through the dense product (cuBLAS), the
+# offsets read on the host; from CUBLAS_ABOVE_M up to it, through the codes made e4m3 and the grouped fp8 kernel, with
+# no host read. On Mixtral's experts (H100, `python -m bench.grouped_tiles` at 855c0f1), at 256 rows an expert (1024
+# tokens) the grouped route took gate/up 1760 and down 1032 us in a graph against 2079 and 2903 expert by expert as
+# it runs; at 1024 rows (4096 tokens) 4334 and 2194 against 3311 and 1995. Between the two it is not timed: 512
+# splits them.
+BY_EXPERT_ABOVE_M = 512
+
+
 @functools.lru_cache(maxsize=1024)
 def _int4_fp8_plan(M: int, N: int, K: int, E: int, overrides: tuple):
     """The dense W4A8 kernel's tiles at the average rows per active expert (past 128 rows, the tiles its sweep found
@@ -308,9 +337,10 @@ def grouped_int4_fp8_mm(a, a_scale, offs, w, w_scale, zero_point, out_dtype=torc
     """W4A8 over rows sorted by expert: a [M, K] e4m3 with per-token scales a_scale [M, 1]; offs: int32 [E];
     w: [E, N, K/2] packed int4 codes with scales [E, N, K/128] fp32 and zero points like them (or None: symmetric).
     Returns [M, N] in out_dtype, each group's fp32 partial scaled as `int4_fp8_mm` scales it. Past CUBLAS_ABOVE_M
-    rows per active expert, outside a CUDA graph capture and a package's trace and without an explicit `config`,
-    each expert's rows take the dense product (`int4_fp8_mm`, which hands them to cuBLAS's block-scaled GEMM past
-    that many rows): the one grouped GEMM that reads the expert offsets on the host."""
+    rows per active expert (outside a package's trace and without an explicit `config`) the codes are made e4m3 for
+    the grouped fp8 kernel; past BY_EXPERT_ABOVE_M, outside a CUDA graph capture, each expert's rows take the dense
+    product (`int4_fp8_mm`, cuBLAS's block-scaled GEMM past 128 rows): the one grouped route that reads the expert
+    offsets on the host, which a graph cannot."""
     M, K = a.shape
     E, N = w.shape[:2]
     _check_offs(offs, E)
@@ -321,10 +351,11 @@ def grouped_int4_fp8_mm(a, a_scale, offs, w, w_scale, zero_point, out_dtype=torc
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
-    if config is None and cdiv(M, min(M, E)) > CUBLAS_ABOVE_M and not inlined():
-        if a.is_cuda and torch.cuda.is_current_stream_capturing():  # a graph cannot read the offsets on the host
+    per_expert = cdiv(M, min(M, E))
+    if config is None and per_expert > CUBLAS_ABOVE_M and not inlined():
+        if per_expert <= BY_EXPERT_ABOVE_M or (a.is_cuda and torch.cuda.is_current_stream_capturing()):
             return grouped_int4_fp8_over_e4m3(out, a, a_scale, offs, w, w_scale, zero_point)
-        return _int4_fp8_by_expert(out, a, a_scale, offs, w, w_scale, zero_point)
+        return grouped_int4_fp8_by_expert(out, a, a_scale, offs, w, w_scale, zero_point)
     a, scale = a.contiguous(), w_scale.contiguous()
     words = w.contiguous().view(torch.uint8).view(torch.int32)  # eight codes a word (K is a multiple of 128)
     zero = zero_point.contiguous() if zero_point is not None else scale
@@ -354,7 +385,7 @@ def grouped_int4_fp8_over_e4m3(out, a, a_scale, offs, w, w_scale, zero_point):
     return out
 
 
-def _int4_fp8_by_expert(out, a, a_scale, offs, w, w_scale, zero_point):
+def grouped_int4_fp8_by_expert(out, a, a_scale, offs, w, w_scale, zero_point):
     """Each expert's rows through the dense W4A8 product, written into out; rows no expert owns are zero. The
     offsets come to the host once (the experts' row counts pick each product's route)."""
     start = 0

@@ -6,6 +6,7 @@ import torch
 
 import fxquant.kernels.gemm_grouped as G
 from fxquant.kernels.gemm_grouped import grouped_fp8_mm, grouped_int4_fp8_mm, grouped_weight_only_mm
+from fxquant.kernels.gemm_grouped_tma import launch_grouped_tma
 from fxquant.numerics import reference as R
 from fxquant.ops import quantize_fp8
 
@@ -127,6 +128,25 @@ def test_grouped_order_of_row_tiles_changes_no_bit(name):
     check(got[8], R.grouped_linear(R.dequantize(qa, torch.float32), offs, q, torch.bfloat16), offs)
 
 
+@pytest.mark.parametrize("n", [N, 200], ids=["N 256", "N 200 (tiles reach the next expert's rows)"])
+@pytest.mark.parametrize("name", list(ROUTINGS) + list(MANY_ROWS))
+def test_grouped_fp8_through_tensor_descriptors(name, n, monkeypatch):
+    """Row scales through TMA (`gemm_grouped_tma`): a tile's rows run on past its expert's last, and its weight
+    rows past N into the next expert's, and neither is stored; every owned row is the reference's, the others zero."""
+    launches = []
+    monkeypatch.setattr(G, "launch_grouped_tma", lambda *a, **k: launches.append(1) or launch_grouped_tma(*a, **k))
+    torch.manual_seed(0)
+    offs, m = routing(name)
+    x = torch.randn(m, K, device=DEVICE, dtype=torch.bfloat16)
+    a, a_scale = quantize_fp8(x, 0)
+    q = R.quantize_experts(torch.randn(E, n, K, device=DEVICE), "fp8_e4m3", "channel")
+    tiles = dict(TMA=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=2, num_warps=4, num_stages=3)
+    got = grouped_fp8_mm(a, a_scale, offs, q.data, q.scale, torch.bfloat16, config=tiles)
+    assert launches == [1]
+    qa = R.quantize(x, "fp8_e4m3", "token")
+    check(got, R.grouped_linear(R.dequantize(qa, torch.float32), offs, q, torch.bfloat16), offs)
+
+
 def w4a8_experts(name, symmetric, k):
     """(offs, rows, quantized activations, each expert's quantized weight, the experts stacked) for a routing."""
     gen = torch.Generator().manual_seed(len(name) + k)
@@ -155,7 +175,7 @@ def assert_w4a8_product(got, offs, qa, experts):
     assert end == 0 or got[:end].abs().max() > 0
 
 
-@pytest.mark.parametrize("route", ["product", "codes made e4m3"])
+@pytest.mark.parametrize("route", ["product", "codes made e4m3", "expert by expert"])
 @pytest.mark.parametrize("k", [K, 2048], ids=["k256", "k2048_split"])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero_point"])
 @pytest.mark.parametrize("name", list(ROUTINGS) + list(MANY_ROWS))
@@ -163,12 +183,15 @@ def test_grouped_int4_fp8_is_the_exact_product_rounded_at_the_store(name, symmet
     """W4A8 experts (int4_fp8): every e4m3 code times an int4 code less its zero point is exact, so each row is its
     expert's fp64 product of the dequantized operands to the fp32 accumulation's error and one bf16 rounding, as
     the dense kernel's (tests/kernels/test_gemm_int4_fp8.py states the bound); K = 2048 over few rows splits K.
-    Past 128 rows an active expert, each expert's rows take the dense product (on a GPU cuBLAS's, past 128 rows),
-    or, in a CUDA graph, the codes made e4m3 and the grouped fp8 kernel: here in blocks of 64 columns, so that
-    every block is written where it belongs."""
+    Past 128 rows an active expert the product takes the codes made e4m3 and the grouped fp8 kernel (here also in
+    blocks of 64 columns, so that every block is written where it belongs), and past 512 each expert's rows through
+    the dense product (on a GPU cuBLAS's, past 128 rows), both also run here on every routing."""
     offs, m, qa, experts, qw = w4a8_experts(name, symmetric, k)
     if route == "product":
         got = grouped_int4_fp8_mm(qa.data, qa.scale, offs, qw.data, qw.scale, qw.zero_point)
+    elif route == "expert by expert":
+        got = G.grouped_int4_fp8_by_expert(torch.full((m, N), float("nan"), dtype=torch.bfloat16, device=DEVICE),
+                                           qa.data, qa.scale, offs, qw.data, qw.scale, qw.zero_point)
     else:
         monkeypatch.setattr(G, "CHUNK_ELEMENTS", E * k * 64)
         got = G.grouped_int4_fp8_over_e4m3(torch.full((m, N), float("nan"), dtype=torch.bfloat16, device=DEVICE),

@@ -74,13 +74,16 @@ def _gemms():
 
 
 def _experts():
-    """The grouped GEMMs of mixture-of-experts layers: fp8, weight-only int4 and W4A8, the latter also with every
-    expert's codes made e4m3 for the grouped fp8 kernel (its route in a CUDA graph past 128 rows an expert)."""
+    """The grouped GEMMs of mixture-of-experts layers: fp8 (also through tensor descriptors, at many rows' tiles),
+    weight-only int4 and W4A8, the latter also with every expert's codes made e4m3 for the grouped fp8 kernel (its
+    route from 128 rows an expert)."""
     offs = torch.tensor([3, 3, 7], dtype=torch.int32)
     x = _randn(7, 256, dtype=BF16)
     qa = R.quantize(x, "fp8_e4m3", "token")
     q = R.quantize_experts(_randn(3, 64, 256), "fp8_e4m3", "channel")
     grouped_fp8_mm(qa.data, qa.scale, offs, q.data, q.scale, BF16)
+    grouped_fp8_mm(qa.data, qa.scale, offs, q.data, q.scale, BF16, config=dict(TMA=True, BLOCK_M=128, BLOCK_N=128,
+                                                                                num_warps=8, num_stages=4))
     q = R.quantize_experts(_randn(3, 64, 256), "int4", ("group", 128))
     grouped_weight_only_mm(x, offs, q.data, q.scale, "int4", 128, 64, zero_point=q.zero_point)
     grouped_int4_fp8_mm(qa.data, qa.scale, offs, q.data, q.scale, q.zero_point)
