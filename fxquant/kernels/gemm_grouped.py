@@ -176,7 +176,8 @@ def _fp8_plan(M: int, N: int, K: int, E: int, block_scales: bool, channel_groups
         # Row scales past 128 rows an expert: the dense kernel's 128x128 tiles on 8 warps at 4 stages. On Mixtral's
         # experts (H100, `python -m bench.grouped_tiles` at 855c0f1) down took 1269 / 391 us at 4096 / 1024 tokens
         # against 1348 / 445 on 4 warps at 3 stages, gate/up 2611 / 862 against 2623 / 858; 256x128 won at 4096 tokens
-        # only (2503, 1250) and 128x256, 64x256 lost everywhere.
+        # only (2503, 1250) and 128x256, 64x256 lost everywhere
+        # (docs/decisions/0036-moe-prefill-grouped-gemm-order-and-routes.md).
         cfg.update(num_warps=8, num_stages=4)
     cfg.update(dict(overrides))
     if block_scales and (cfg["BLOCK_K"] != SCALE_BLOCK or (SCALE_BLOCK % cfg["BLOCK_N"] and not channel_groups)):
@@ -318,7 +319,7 @@ def _grouped_dequantized_mm(a, offs, codes, scale, fmt, group, zero_point, globa
 # no host read. On Mixtral's experts (H100, `python -m bench.grouped_tiles` at 855c0f1), at 256 rows an expert (1024
 # tokens) the grouped route took gate/up 1760 and down 1032 us in a graph against 2079 and 2903 expert by expert as
 # it runs; at 1024 rows (4096 tokens) 4334 and 2194 against 3311 and 1995. Between the two it is not timed: 512
-# splits them.
+# splits them (docs/decisions/0036-moe-prefill-grouped-gemm-order-and-routes.md).
 BY_EXPERT_ABOVE_M = 512
 
 

@@ -81,7 +81,8 @@ def expert_tile_offsets(offs_ptr, num_experts, M, N, BLOCK_M: tl.constexpr, BLOC
     """(expert, pid_n, rows, columns) of program 0-axis id's output tile over rows sorted by expert: rows outside
     the tile's expert are M, which every row mask drops. The grid's row tiles (its 0 axis over the column tiles)
     are taken in grouped order, as the dense GEMMs take theirs: GROUP_M row tiles, most of one expert's, share each
-    column tile of its weight while it is hot in L2."""
+    column tile of its weight while it is hot in L2
+    (docs/decisions/0036-moe-prefill-grouped-gemm-order-and-routes.md)."""
     num_n = tl.cdiv(N, BLOCK_N)
     grid_rows = tl.num_programs(0) // num_n * BLOCK_M
     tile_m, pid_n = grouped_tile(tl.program_id(0), grid_rows, N, BLOCK_M, BLOCK_N, GROUP_M)
