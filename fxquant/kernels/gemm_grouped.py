@@ -54,15 +54,7 @@ from fxquant.kernels.gemm_weight_only import (
 )
 from fxquant.kernels.launch import cdiv, inlined, visible
 from fxquant.kernels.splitk import reduce_partials, split_k
-from fxquant.kernels.tiles import expert_tile_offsets, k_steps_of, store_tile
-
-
-@triton.jit
-def _expert_k_steps(expert, E, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """(owned, clamped expert, K steps): tiles of the ownerless tail rows run no K step and store zeros."""
-    first_k, last_k = k_steps_of(tl.program_id(1), K, BLOCK_K, SPLIT_K)
-    owned = (expert >= 0) & (expert < E)
-    return owned, tl.minimum(tl.maximum(expert, 0), E - 1).to(tl.int64), first_k, tl.where(owned, last_k, first_k)
+from fxquant.kernels.tiles import expert_k_steps, expert_tile_offsets, store_tile
 
 
 @triton.jit
@@ -80,7 +72,7 @@ def _grouped_fp8_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     expert, pid_n, offs_m, offs_n = expert_tile_offsets(offs_ptr, E, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    owned, e, first_k, last_k = _expert_k_steps(expert, E, K, BLOCK_K, SPLIT_K)
+    owned, e, first_k, last_k = expert_k_steps(expert, E, K, BLOCK_K, SPLIT_K)
     b_ptr += e * stride_be
     b_scale_ptr += e * stride_bse
     acc = fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n, M, N, K, first_k, last_k,
@@ -108,7 +100,7 @@ def _grouped_wo_kernel(
     PAIR_ORDER: tl.constexpr,
 ):
     expert, pid_n, offs_m, offs_n = expert_tile_offsets(offs_ptr, E, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    owned, e, first_k, last_k = _expert_k_steps(expert, E, K, BLOCK_K, SPLIT_K)
+    owned, e, first_k, last_k = expert_k_steps(expert, E, K, BLOCK_K, SPLIT_K)
     w_ptr += e * stride_we
     s_ptr += e * stride_se
     z_ptr += e * stride_se
@@ -136,7 +128,7 @@ def _grouped_int4_fp8_kernel(
     PAIR_ORDER: tl.constexpr,
 ):
     expert, pid_n, offs_m, offs_n = expert_tile_offsets(offs_ptr, E, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    owned, e, first, last = _expert_k_steps(expert, E, K, GROUP, SPLIT_K)
+    owned, e, first, last = expert_k_steps(expert, E, K, GROUP, SPLIT_K)
     w_ptr += e * stride_we
     w_scale_ptr += e * stride_se
     w_zero_ptr += e * stride_se

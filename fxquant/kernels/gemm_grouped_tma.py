@@ -18,7 +18,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fxquant.kernels.gemm_fp8 import fp8_scale_tile
 from fxquant.kernels.launch import visible
-from fxquant.kernels.tiles import expert_tile_offsets, store_tile
+from fxquant.kernels.tiles import expert_k_steps, expert_tile_offsets, store_tile
 
 
 @triton.jit
@@ -34,18 +34,16 @@ def _grouped_fp8_tma_kernel(
     GROUP_M: tl.constexpr,
 ):
     expert, pid_n, offs_m, offs_n = expert_tile_offsets(offs_ptr, E, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    owned = (expert >= 0) & (expert < E)
-    e = tl.minimum(tl.maximum(expert, 0), E - 1)
+    owned, e, first_k, last_k = expert_k_steps(expert, E, K, BLOCK_K, 1)
     first_row = tl.min(offs_m, axis=0)  # the tile's first row of its expert; M where it owns none
-    weight_row = e * N + pid_n * BLOCK_N
-    k_steps = tl.where(owned, tl.cdiv(K, BLOCK_K), 0)  # a tile past every expert's rows runs no K step
+    weight_row = (e * N + pid_n * BLOCK_N).to(tl.int32)  # a descriptor's coordinates are int32
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, k_steps):
+    for k in range(first_k, last_k):
         a = a_desc.load([first_row, k * BLOCK_K])  # [BM, BK]; rows past M and the K tail read as zeros
         b = b_desc.load([weight_row, k * BLOCK_K])  # [BN, BK]
         # The compiler adds the MMA's partial into fp32 every BLOCK_K, keeping wgmma asynchronous.
         acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
-    acc = fp8_scale_tile(acc, a_scale_ptr, b_scale_ptr + e.to(tl.int64) * stride_bse, offs_m, offs_n, M, N,
+    acc = fp8_scale_tile(acc, a_scale_ptr, b_scale_ptr + e * stride_bse, offs_m, offs_n, M, N,
                          stride_asm, stride_bsn, False)
     acc = tl.where(owned, acc, 0.0)  # a non-finite scale of the clamped expert must not reach the zero rows
     store_tile(acc, c_ptr, c_ptr, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, 0, False, 1, OUT, CAST)

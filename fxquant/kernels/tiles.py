@@ -89,3 +89,12 @@ def expert_tile_offsets(offs_ptr, num_experts, M, N, BLOCK_M: tl.constexpr, BLOC
     expert, first, end = expert_rows(offs_ptr, num_experts, M, tile_m, BLOCK_M)
     rows = first + tl.arange(0, BLOCK_M)
     return expert, pid_n, tl.where(rows < end, rows, M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
+def expert_k_steps(expert, E, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """(owned, clamped expert, K steps) of a grouped GEMM's tile and K slice: tiles of the ownerless tail rows run no
+    K step and store zeros."""
+    first_k, last_k = k_steps_of(tl.program_id(1), K, BLOCK_K, SPLIT_K)
+    owned = (expert >= 0) & (expert < E)
+    return owned, tl.minimum(tl.maximum(expert, 0), E - 1).to(tl.int64), first_k, tl.where(owned, last_k, first_k)
