@@ -1,13 +1,15 @@
 """The grouped fp8 GEMM of MoE prefill by its tiles and the order of its row tiles, on Mixtral-8x7B's experts
 (8 x [28672, 4096] gate/up, 8 x [4096, 14336] down) with the rows `bench.moe`'s routing gives them, against bf16
 `torch._grouped_mm` and the dense fp8 GEMM expert by expert (row scales, the experts' row counts known on the host;
-cuBLAS's rowwise fp8 GEMM refused these experts' rows on the H100, CUBLAS_STATUS_NOT_SUPPORTED at 984 and 992 rows).
+cuBLAS's rowwise fp8 GEMM, given slices of the experts' activations, refused 984 and 992 rows on the H100, where
+`bench.cublas_rows` found fresh operands of those sizes taken).
 
 Two scalings: row scales (fp8_row's experts) and the weight's per-channel 1x128 group scales beside per-token ones
-(W4A8's codes made e4m3, the route a CUDA graph takes past 128 rows an expert). Each variant's output is checked
-against the dense kernel's (row scales) or the W4A8 product expert by expert (groups) before it is timed; then, for
-W4A8, the two whole routes: the codes made e4m3 and the grouped kernel (what a graph replays), and expert by expert
-on cuBLAS (what runs outside one, the offsets read on the host, timed as it runs).
+(W4A8's codes made e4m3: the route from 128 rows an expert up to BY_EXPERT_ABOVE_M, and in a CUDA graph past it).
+Each variant's output is checked against the dense kernel's (row scales) or the W4A8 product expert by expert
+(groups) before it is timed; then, for W4A8, the two whole routes: the codes made e4m3 and the grouped kernel (what
+a graph replays), and expert by expert on cuBLAS (what runs outside one, the offsets read on the host, timed as it
+runs).
 
     python -m bench.grouped_tiles [--tokens 1024 4096] [--variants "the plan" "rows in plain order" ...]
 """
