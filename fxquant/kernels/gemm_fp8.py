@@ -57,7 +57,7 @@ def fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n
                    CHANNEL_GROUPS: tl.constexpr):
     """The fp32 tile A[offs_m] @ B[offs_n].T over K steps [first_k, last_k), block scales folded in at each step;
     row scales are left to `fp8_scale_tile`. CHANNEL_GROUPS (with BLOCK_SCALES): the weight's scales are per row and
-    1x128 group [N, K/128], as W4A8's codes made e4m3 carry them, and the activations' per token, at stride_ask 0."""
+    1x128 group [N, K/128], as W4A8's codes made e4m3 carry them, and the activations' per token (stride_ask unread)."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
@@ -74,11 +74,12 @@ def fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n
             # BLOCK_K == SCALE_BLOCK: one activation scale per row and one weight scale per tile (per column with
             # CHANNEL_GROUPS) at this K step; each step's fp32 partial is scaled before it joins the accumulator,
             # since the fp8 MMA's own accumulator keeps fewer bits (docs/decisions/0002).
-            a_s = tl.load(a_scale_ptr + offs_m * stride_asm + k * stride_ask, mask=mask_m, other=0.0)
             if CHANNEL_GROUPS:
+                # the token's scale is constant along K: applied once, after the loop, as the W4A8 kernel does
                 b_s = tl.load(b_scale_ptr + offs_n * stride_bsn + k * stride_bsk, mask=mask_n, other=0.0)
-                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+                acc += tl.dot(a, b) * b_s[None, :]
             else:
+                a_s = tl.load(a_scale_ptr + offs_m * stride_asm + k * stride_ask, mask=mask_m, other=0.0)
                 b_s = tl.load(b_scale_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn + k * stride_bsk)
                 acc += tl.dot(a, b) * (a_s[:, None] * b_s)
         elif COMPILER_PROMOTES:
@@ -91,6 +92,8 @@ def fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n
             acc += tl.dot(a, b)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if CHANNEL_GROUPS:
+        acc *= tl.load(a_scale_ptr + offs_m * stride_asm, mask=mask_m, other=0.0)[:, None]
     return acc
 
 
