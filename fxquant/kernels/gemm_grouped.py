@@ -16,7 +16,8 @@ weight-only product hands such rows to cuBLAS, and W4A8 experts take the dense W
 block-scaled GEMM, decision 0017), the offsets read on the host once, past BY_EXPERT_ABOVE_M rows an expert; from 128
 rows up to it, and in a CUDA graph, which cannot read them, every expert's codes are made e4m3 integers and the
 grouped fp8 kernel multiplies them with the group scales folded in each K step. Row tiles are taken in grouped order
-(GROUP_M at a time), as the dense GEMMs take theirs. The weight-only crossover is the dense one's, not yet timed for
+(GROUP_M at a time), as the dense GEMMs take theirs; past 128 rows an expert, row-scaled fp8 tiles are fed by TMA
+(`gemm_grouped_tma`). The weight-only crossover is the dense one's, not yet timed for
 experts."""
 
 from __future__ import annotations
@@ -165,12 +166,15 @@ def _fp8_plan(M: int, N: int, K: int, E: int, block_scales: bool, channel_groups
     per_expert = cdiv(M, min(M, E))
     cfg = fp8_gemm_config(per_expert, N, K, block_scales, tma=False)
     if per_expert > 128 and not block_scales:
-        # Row scales past 128 rows an expert: the dense kernel's 128x128 tiles on 8 warps at 4 stages. On Mixtral's
-        # experts (H100, `python -m bench.grouped_tiles` at 855c0f1) down took 1269 / 391 us at 4096 / 1024 tokens
-        # against 1348 / 445 on 4 warps at 3 stages, gate/up 2611 / 862 against 2623 / 858; 256x128 won at 4096 tokens
-        # only (2503, 1250) and 128x256, 64x256 lost everywhere
-        # (docs/decisions/0036-moe-prefill-grouped-gemm-order-and-routes.md).
-        cfg.update(num_warps=8, num_stages=4)
+        # Row scales past 128 rows an expert: tiles fed through tensor descriptors (`gemm_grouped_tma`) on 8 warps,
+        # 256x128 at 3 stages past 512 rows an expert, else 128x128 at 4. On Mixtral's experts (H100, `python -m
+        # bench.grouped_tiles` at bde47e0) gate/up and down took 2246 and 1110 us at 4096 tokens (1024 rows an
+        # expert) against 2617 and 1276 on pointers, and 128x128 830 and 382 at 1024 tokens (256 rows) against 865
+        # and 390, where 256x128 took 861 and 395. Where descriptors cannot read the operands, the pointer kernel
+        # takes the same tiles: 256x128 on pointers also won at 4096 tokens, 128x128 at 4 stages at 1024
+        # (855c0f1; docs/decisions/0037-moe-prefill-grouped-fp8-through-tma.md).
+        many = per_expert > 512
+        cfg.update(TMA=True, BLOCK_M=256 if many else 128, BLOCK_N=128, num_warps=8, num_stages=3 if many else 4)
     cfg.update(dict(overrides))
     if block_scales and (cfg["BLOCK_K"] != SCALE_BLOCK or (SCALE_BLOCK % cfg["BLOCK_N"] and not channel_groups)):
         raise ValueError(f"fxquant: block-scaled fp8 GEMM needs BLOCK_K == {SCALE_BLOCK} and BLOCK_N dividing "
@@ -188,8 +192,9 @@ def grouped_fp8_mm(a, a_scale, offs, b, b_scale, out_dtype=torch.bfloat16, confi
     offs: int32 [E]; b: [E, N, K] e4m3; b_scale: [E] per expert tensor, [E, N, 1] per channel, [E, N/128, K/128]
     blocks (with [M, K/128] activation scales) or [E, N, K/128] per channel and 1x128 group (with per-token or
     per-tensor activation scales: W4A8's codes made e4m3). Returns [M, N] in out_dtype, written into `out` if given
-    (an [M, N] view, columns of a wider output). A `config` with TMA=True feeds row-scaled tiles through tensor
-    descriptors (`gemm_grouped_tma`) where the GPU and the operands allow, unsplit."""
+    (an [M, N] view, columns of a wider output). Row-scaled tiles past 128 rows an expert (or with a `config` of
+    TMA=True) go through tensor descriptors (`gemm_grouped_tma`) where the GPU and the operands allow, unsplit;
+    TMA=False keeps them on pointers."""
     M, K = a.shape
     E, N = b.shape[:2]
     _check_offs(offs, E)

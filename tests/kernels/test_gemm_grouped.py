@@ -147,6 +147,39 @@ def test_grouped_fp8_through_tensor_descriptors(name, n, monkeypatch):
     check(got, R.grouped_linear(R.dequantize(qa, torch.float32), offs, q, torch.bfloat16), offs)
 
 
+@pytest.mark.parametrize("rows, tma, tiles", [(1024, False, None), (2048, True, (128, 4)), (8192, True, (256, 3))],
+                         ids=["128 an expert: pointers", "256 an expert: TMA 128x128", "1024 an expert: TMA 256x128"])
+def test_the_plan_feeds_row_scales_through_tma_past_128_rows_an_expert(rows, tma, tiles):
+    """Mixtral's gate/up over 8 experts: row scales past 128 rows an expert take the TMA kernel, 256 rows a tile past
+    512 an expert; block scales and W4A8's channel groups keep pointers at every size."""
+    grid, split, got_tma, meta = G._fp8_plan(rows, 28672, 4096, 8, False, False, ())
+    assert (got_tma, split) == (tma, 1)
+    if tiles:
+        assert (meta["BLOCK_M"], meta["num_stages"], meta["BLOCK_N"], meta["num_warps"]) == (*tiles, 128, 8)
+    for block_scales, channel_groups in ((True, False), (True, True)):
+        assert not G._fp8_plan(rows, 28672, 4096, 8, block_scales, channel_groups, ())[2]
+    assert not G._fp8_plan(rows, 28672, 4096, 8, False, False, (("TMA", False),))[2]
+
+
+@pytest.mark.parametrize("name", list(MANY_ROWS))
+def test_grouped_fp8_past_128_rows_an_expert_as_planned(name, monkeypatch):
+    """No config: the row-scaled product past 128 rows an active expert runs the TMA kernel at the plan's tiles and
+    is the reference's, as the pointer kernel's is."""
+    launches = []
+    monkeypatch.setattr(G, "launch_grouped_tma", lambda *a, **k: launches.append(1) or launch_grouped_tma(*a, **k))
+    torch.manual_seed(0)
+    offs, m = routing(name)
+    x = torch.randn(m, K, device=DEVICE, dtype=torch.bfloat16)
+    a, a_scale = quantize_fp8(x, 0)
+    q = R.quantize_experts(torch.randn(E, N, K, device=DEVICE), "fp8_e4m3", "channel")
+    got = grouped_fp8_mm(a, a_scale, offs, q.data, q.scale, torch.bfloat16)
+    assert launches == [1]
+    qa = R.quantize(x, "fp8_e4m3", "token")
+    check(got, R.grouped_linear(R.dequantize(qa, torch.float32), offs, q, torch.bfloat16), offs)
+    on_pointers = grouped_fp8_mm(a, a_scale, offs, q.data, q.scale, torch.bfloat16, config=dict(TMA=False))
+    assert launches == [1] and rel_error(got, on_pointers) < REL_ERROR
+
+
 def w4a8_experts(name, symmetric, k):
     """(offs, rows, quantized activations, each expert's quantized weight, the experts stacked) for a routing."""
     gen = torch.Generator().manual_seed(len(name) + k)
