@@ -208,6 +208,21 @@ def assert_w4a8_product(got, offs, qa, experts):
     assert end == 0 or got[:end].abs().max() > 0
 
 
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero_point"])
+@pytest.mark.parametrize("name", list(ROUTINGS) + list(MANY_ROWS))
+def test_w4a8_codes_made_e4m3_through_tensor_descriptors(name, symmetric, monkeypatch):
+    """Channel-group scales through TMA (`config=dict(TMA=True)`): each group's partial scaled in the K loop, the
+    token's after it; every owned row the exact product to the fp32 accumulation's error, the others zero."""
+    launches = []
+    monkeypatch.setattr(G, "launch_grouped_tma", lambda *a, **k: launches.append(1) or launch_grouped_tma(*a, **k))
+    offs, m, qa, experts, qw = w4a8_experts(name, symmetric, K)
+    codes = G.int4_as_e4m3(qw.data, qw.zero_point)
+    tiles = dict(TMA=True, BLOCK_M=16, BLOCK_N=64, GROUP_M=2, num_warps=4, num_stages=3)
+    got = grouped_fp8_mm(qa.data, qa.scale, offs, codes, qw.scale, torch.bfloat16, config=tiles)
+    assert launches == [1]
+    assert_w4a8_product(got, offs, qa, experts)
+
+
 @pytest.mark.parametrize("route", ["product", "codes made e4m3", "expert by expert"])
 @pytest.mark.parametrize("k", [K, 2048], ids=["k256", "k2048_split"])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero_point"])
