@@ -44,12 +44,6 @@ VARIANTS = {
     "64x128, 4 warps, 3 stages": dict(TMA=False, BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
     "64x128, 4 warps, 2 stages": dict(TMA=False, BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
     "128x64, 4 warps, 3 stages": dict(TMA=False, BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
-    # channel groups two K steps at a time: one wait on the MMAs for two groups' scaling (row scales: the plan)
-    "group pairs: the plan": {"GROUP_PAIRS": True},
-    "group pairs, 64x128, 4 warps, 2 stages": dict(TMA=False, GROUP_PAIRS=True, BLOCK_M=64, BLOCK_N=128, num_warps=4,
-                                                   num_stages=2),
-    "group pairs, 128x128, 8 warps, 2 stages": dict(TMA=False, GROUP_PAIRS=True, BLOCK_M=128, BLOCK_N=128,
-                                                    num_warps=8, num_stages=2),
     # through tensor descriptors (`gemm_grouped_tma`)
     "TMA 128x128, 8 warps, 4 stages": dict(TMA=True, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4),
     "TMA 256x128, 8 warps, 3 stages": dict(TMA=True, BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3),

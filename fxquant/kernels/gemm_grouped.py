@@ -59,39 +59,6 @@ from fxquant.kernels.tiles import expert_k_steps, expert_tile_offsets, store_til
 
 
 @triton.jit
-def channel_group_pairs(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, M, N, K, first_k, last_k,
-                        stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_bsn, stride_bsk,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`fp8_accumulate`'s channel groups two K steps at a time: both steps' MMAs are issued before the one wait that
-    scaling their partials needs, where one step at a time waits once a step. The same products and sums: each
-    group's fp32 partial times its scales, added to the accumulator in K order, the token's scale after the loop."""
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + (first_k * BLOCK_K + offs_k[None, :]) * stride_ak
-    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + (first_k * BLOCK_K + offs_k[:, None]) * stride_bk
-    mask_m, mask_n = offs_m < M, offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(first_k, last_k, 2):
-        k_left = K - k * BLOCK_K
-        second = k + 1 < last_k  # an odd count of steps leaves the last pair one step
-        a0 = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        b0 = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < k_left), other=0.0)
-        a1 = tl.load(a_ptrs + BLOCK_K * stride_ak, mask=mask_m[:, None] & (offs_k[None, :] < k_left - BLOCK_K) & second,
-                     other=0.0)
-        b1 = tl.load(b_ptrs + BLOCK_K * stride_bk, mask=mask_n[None, :] & (offs_k[:, None] < k_left - BLOCK_K) & second,
-                     other=0.0)
-        s0 = tl.load(b_scale_ptr + offs_n * stride_bsn + k * stride_bsk, mask=mask_n, other=0.0)
-        s1 = tl.load(b_scale_ptr + offs_n * stride_bsn + (k + 1) * stride_bsk, mask=mask_n & second, other=0.0)
-        p0 = tl.dot(a0, b0)
-        p1 = tl.dot(a1, b1)
-        # each group's partial scaled in fp32 before it joins the accumulator (docs/decisions/0002), in K order
-        acc += p0 * s0[None, :]
-        acc += p1 * s1[None, :]
-        a_ptrs += 2 * BLOCK_K * stride_ak
-        b_ptrs += 2 * BLOCK_K * stride_bk
-    return acc * tl.load(a_scale_ptr + offs_m * stride_asm, mask=mask_m, other=0.0)[:, None]
-
-
-@triton.jit
 def _grouped_fp8_kernel(
     # pointers
     a_ptr, offs_ptr, b_ptr, c_ptr, ws_ptr, a_scale_ptr, b_scale_ptr,
@@ -104,21 +71,14 @@ def _grouped_fp8_kernel(
     BLOCK_SCALES: tl.constexpr, CHANNEL_GROUPS: tl.constexpr, SCALE_BLOCK: tl.constexpr, OUT: tl.constexpr,
     CAST: tl.constexpr, SPLIT_K: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    GROUP_PAIRS: tl.constexpr,
 ):
     expert, pid_n, offs_m, offs_n = expert_tile_offsets(offs_ptr, E, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     owned, e, first_k, last_k = expert_k_steps(expert, E, K, BLOCK_K, SPLIT_K)
     b_ptr += e * stride_be
     b_scale_ptr += e * stride_bse
-    if CHANNEL_GROUPS and GROUP_PAIRS:
-        acc = channel_group_pairs(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, M, N, K, first_k, last_k,
-                                  stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_bsn, stride_bsk,
-                                  BLOCK_M, BLOCK_N, BLOCK_K)
-    else:
-        acc = fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n, M, N, K, first_k, last_k,
-                             stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn,
-                             stride_bsk, BLOCK_SCALES, SCALE_BLOCK, COMPILER_PROMOTES, BLOCK_M, BLOCK_N, BLOCK_K,
-                             CHANNEL_GROUPS)
+    acc = fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n, M, N, K, first_k, last_k,
+                         stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn, stride_bsk,
+                         BLOCK_SCALES, SCALE_BLOCK, COMPILER_PROMOTES, BLOCK_M, BLOCK_N, BLOCK_K, CHANNEL_GROUPS)
     acc = fp8_scale_tile(acc, a_scale_ptr, b_scale_ptr, offs_m, offs_n, M, N, stride_asm, stride_bsn, BLOCK_SCALES)
     acc = tl.where(owned, acc, 0.0)  # a non-finite scale of the clamped expert must not reach the zero rows
     store_tile(acc, c_ptr, ws_ptr, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, tl.program_id(1),
@@ -222,7 +182,6 @@ def _fp8_plan(M: int, N: int, K: int, E: int, block_scales: bool, channel_groups
     grid, split = _grid_and_split(M, N, K, E, cfg)
     meta = dict(COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", not block_scales), BLOCK_M=cfg["BLOCK_M"],
                 BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-                GROUP_PAIRS=cfg.get("GROUP_PAIRS", False) and channel_groups,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     tma = cfg.get("TMA", False) and (channel_groups or not block_scales) and split == 1  # `gemm_grouped_tma`
     return grid, split, tma, meta

@@ -223,22 +223,6 @@ def test_w4a8_codes_made_e4m3_through_tensor_descriptors(name, symmetric, monkey
     assert_w4a8_product(got, offs, qa, experts)
 
 
-@pytest.mark.parametrize("k", [K, 384, 2048], ids=["k256", "k384_odd_groups", "k2048_split"])
-@pytest.mark.parametrize("name", list(ROUTINGS) + list(MANY_ROWS))
-def test_w4a8_codes_made_e4m3_two_groups_a_step(name, k):
-    """Channel-group scales two K steps at a time (`config=dict(GROUP_PAIRS=True)`): an odd count of groups leaves the
-    last pair one step, and split K gives slices odd counts; every owned row the exact product to the fp32
-    accumulation's error, the others zero, and the same bits as one group a step (the same sums in the same order)."""
-    offs, m, qa, experts, qw = w4a8_experts(name, False, k)
-    codes = G.int4_as_e4m3(qw.data, qw.zero_point)
-    tiles = dict(BLOCK_M=16, BLOCK_N=64)
-    got = grouped_fp8_mm(qa.data, qa.scale, offs, codes, qw.scale, torch.bfloat16, config=dict(GROUP_PAIRS=True,
-                                                                                                 **tiles))
-    assert_w4a8_product(got, offs, qa, experts)
-    one_a_step = grouped_fp8_mm(qa.data, qa.scale, offs, codes, qw.scale, torch.bfloat16, config=tiles)
-    assert torch.equal(got, one_a_step)
-
-
 @pytest.mark.parametrize("route", ["product", "codes made e4m3", "expert by expert"])
 @pytest.mark.parametrize("k", [K, 2048], ids=["k256", "k2048_split"])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero_point"])

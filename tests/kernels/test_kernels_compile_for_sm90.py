@@ -76,7 +76,7 @@ def _gemms():
 def _experts():
     """The grouped GEMMs of mixture-of-experts layers: fp8 (also through tensor descriptors, at many rows' tiles),
     weight-only int4 and W4A8, the latter also with every expert's codes made e4m3 for the grouped fp8 kernel (its
-    route from 128 rows an expert), on pointers (also two groups a K step) and through tensor descriptors."""
+    route from 128 rows an expert), on pointers and through tensor descriptors."""
     offs = torch.tensor([3, 3, 7], dtype=torch.int32)
     x = _randn(7, 256, dtype=BF16)
     qa = R.quantize(x, "fp8_e4m3", "token")
@@ -89,12 +89,9 @@ def _experts():
     grouped_int4_fp8_mm(qa.data, qa.scale, offs, q.data, q.scale, q.zero_point)
     grouped_int4_fp8_over_e4m3(torch.empty(7, 64, dtype=BF16), qa.data, qa.scale, offs, q.data, q.scale,
                                q.zero_point)
-    codes = int4_as_e4m3(q.data, q.zero_point)
     for tiles in ((128, 4), (256, 3)):  # the codes made e4m3 through tensor descriptors, at the row scales' tiles
-        grouped_fp8_mm(qa.data, qa.scale, offs, codes, q.scale, BF16,
+        grouped_fp8_mm(qa.data, qa.scale, offs, int4_as_e4m3(q.data, q.zero_point), q.scale, BF16,
                        config=dict(TMA=True, BLOCK_M=tiles[0], BLOCK_N=128, num_warps=8, num_stages=tiles[1]))
-    grouped_fp8_mm(qa.data, qa.scale, offs, codes, q.scale, BF16, config=dict(GROUP_PAIRS=True, BLOCK_M=64,
-                                                                                BLOCK_N=128, num_stages=2))
 
 
 def _row_kernels():
