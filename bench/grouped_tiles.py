@@ -1,6 +1,7 @@
 """The grouped fp8 GEMM of MoE prefill by its tiles and the order of its row tiles, on Mixtral-8x7B's experts
 (8 x [28672, 4096] gate/up, 8 x [4096, 14336] down) with the rows `bench.moe`'s routing gives them, against bf16
-`torch._grouped_mm` and the dense fp8 GEMM expert by expert (row scales, the experts' row counts known on the host;
+`torch._grouped_mm`, torch's rowwise fp8 grouped GEMM (`torch._scaled_grouped_mm`, on Hopper) and the dense fp8 GEMM
+expert by expert (row scales, the experts' row counts known on the host;
 cuBLAS's rowwise fp8 GEMM, given slices of the experts' activations, refused 984 and 992 rows on the H100, where
 `bench.cublas_rows` found fresh operands of those sizes taken).
 
@@ -73,6 +74,18 @@ def dense_by_expert(a, a_scale, counts, b, b_scale) -> list:
     return outs
 
 
+def peer_available() -> bool:
+    """torch's rowwise fp8 grouped GEMM (`torch._scaled_grouped_mm`, CUTLASS) runs on Hopper only."""
+    return DEVICE == "cuda" and torch.cuda.get_device_capability() >= (9, 0) and hasattr(torch, "_scaled_grouped_mm")
+
+
+def scaled_grouped_mm(a, b_t, a_scale, b_scale, offs):
+    """torch's rowwise fp8 grouped GEMM: a [M, K] row-major, b_t [E, K, N] column-major (the experts' [E, N, K] seen
+    transposed), a_scale [M], b_scale [E, N], fp32 accumulation promoted as cuBLAS's (no fast accumulation)."""
+    return torch._scaled_grouped_mm(a, b_t, a_scale, b_scale, offs=offs, out_dtype=torch.bfloat16,
+                                    use_fast_accum=False)
+
+
 def sweep(tokens: int, gemm: str, variants: list[str]) -> list[dict]:
     n, k = SHAPES[gemm]
     x, a, a_scale, offs, counts = operands(tokens, n, k)
@@ -97,6 +110,16 @@ def sweep(tokens: int, gemm: str, variants: list[str]) -> list[dict]:
     want = torch.cat(dense_by_expert(a, a_scale, counts, fp8.data, fp8.scale))
     timed("dense fp8 kernel expert by expert", graph_time_ms(
         lambda: dense_by_expert(a, a_scale, counts, fp8.data, fp8.scale), [()]), bf16_ms)
+    if peer_available():
+        row_scales, channel_scales = a_scale.reshape(-1).contiguous(), fp8.scale.reshape(EXPERTS, n).contiguous()
+        peer = lambda: scaled_grouped_mm(a, fp8.data.transpose(1, 2), row_scales, channel_scales, offs)
+        try:
+            got = peer()
+        except RuntimeError as refusal:  # a peer that refuses these operands is reported, not the sweep's end
+            print(f"{key} torch._scaled_grouped_mm refused: {str(refusal).splitlines()[0]}", flush=True)
+        else:
+            error = checked("torch._scaled_grouped_mm", got, want)
+            timed("torch._scaled_grouped_mm (rowwise, CUTLASS)", graph_time_ms(peer, [()]), bf16_ms, error)
     int4 = R.stack_experts([R.quantize(w[e], "int4", ("group", 128), symmetric=False) for e in range(EXPERTS)])
     w4a8 = lambda: G.grouped_int4_fp8_mm(a, a_scale, offs, int4.data, int4.scale, int4.zero_point)
     out = torch.empty(a.shape[0], n, device=DEVICE, dtype=torch.bfloat16)

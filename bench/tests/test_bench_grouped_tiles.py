@@ -11,6 +11,21 @@ SMALL = dict(BLOCK_M=16, BLOCK_N=64)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels need the interpreter on the CPU
 
 
+def stand_in_scaled_grouped_mm(a, b_t, a_scale, b_scale, offs):
+    """`torch._scaled_grouped_mm`'s contract as torch's checks state it (a row-major, b column-major, 1-D row scales,
+    [E, N] column scales, fp32 scales), then each expert's dequantized product: CUTLASS's op runs on Hopper only."""
+    E, K, N = b_t.shape
+    assert a.stride(-1) == 1 and b_t.stride(-2) == 1 and a.shape[1] == K
+    assert a_scale.shape == (a.shape[0],) and b_scale.shape == (E, N)
+    assert a_scale.dtype == b_scale.dtype == torch.float32
+    out = torch.zeros(a.shape[0], N, dtype=torch.float32, device=a.device)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = (a[start:end].float() * a_scale[start:end, None]) @ (b_t[e].float() * b_scale[e])
+        start = end
+    return out.to(torch.bfloat16)
+
+
 @pytest.fixture
 def on_cpu(monkeypatch):
     """Experts of 128 x 256 over 40 tokens routed top-2, small tiles, and a fixed time per call."""
@@ -24,6 +39,8 @@ def on_cpu(monkeypatch):
         return None, logits.topk(GT.TOP_K, dim=-1).indices.to(DEVICE), None
 
     monkeypatch.setattr(GT, "routed", routed)
+    monkeypatch.setattr(GT, "peer_available", lambda: True)
+    monkeypatch.setattr(GT, "scaled_grouped_mm", stand_in_scaled_grouped_mm)
     monkeypatch.setattr(GT, "graph_time_ms", lambda fn, sets: [fn(*s) for s in sets] and 0.5)
     monkeypatch.setattr(GT, "time_ms", GT.graph_time_ms)
     monkeypatch.setattr(GT, "graph_output", lambda fn, args: fn(*args))
@@ -32,12 +49,13 @@ def on_cpu(monkeypatch):
 def test_every_variant_is_checked_then_timed_for_both_scalings(on_cpu):
     rows = GT.sweep(40, "gate/up", list(GT.VARIANTS))
     assert [r["variant"] for r in rows] == [
-        "bf16 torch._grouped_mm", "dense fp8 kernel expert by expert", "row: the plan", "row: small tiles",
+        "bf16 torch._grouped_mm", "dense fp8 kernel expert by expert", "torch._scaled_grouped_mm (rowwise, CUTLASS)",
+        "row: the plan", "row: small tiles",
         "row: TMA small tiles", "channel groups: the plan", "channel groups: small tiles",
         "channel groups: TMA small tiles",
         "W4A8 in a graph (codes made e4m3, grouped)", "W4A8 as it runs (expert by expert, cuBLAS)"]
     checked = [r for r in rows if r["rel err"] != "-"]
-    assert len(checked) == 7 and all(float(r["rel err"]) <= GT.AGREEMENT for r in checked)
+    assert len(checked) == 8 and all(float(r["rel err"]) <= GT.AGREEMENT for r in checked)
     assert all(r["us"] == "500" and r["x bf16"] == "1.00" for r in rows)
 
 
@@ -47,3 +65,14 @@ def test_a_wrong_product_stops_the_run_naming_its_variant(on_cpu, monkeypatch):
         1.5 if config == SMALL else 1))
     with pytest.raises(SystemExit, match="row: small tiles: relative error 0.5"):
         GT.sweep(40, "gate/up", list(GT.VARIANTS))
+
+
+def test_a_peer_that_refuses_is_reported_and_the_sweep_goes_on(on_cpu, monkeypatch, capsys):
+    def refuses(*args):
+        raise RuntimeError("CUTLASS: unsupported layout\nsecond line")
+
+    monkeypatch.setattr(GT, "scaled_grouped_mm", refuses)
+    rows = GT.sweep(40, "gate/up", ["the plan"])
+    assert "torch._scaled_grouped_mm refused: CUTLASS: unsupported layout" in capsys.readouterr().out
+    assert "torch._scaled_grouped_mm (rowwise, CUTLASS)" not in [r["variant"] for r in rows]
+    assert [r["variant"] for r in rows][-1] == "W4A8 as it runs (expert by expert, cuBLAS)"
