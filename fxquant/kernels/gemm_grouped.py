@@ -17,8 +17,7 @@ block-scaled GEMM, decision 0017), the offsets read on the host once, past BY_EX
 rows up to it, and in a CUDA graph, which cannot read them, every expert's codes are made e4m3 integers and the
 grouped fp8 kernel multiplies them with the group scales folded in each K step. Row tiles are taken in grouped order
 (GROUP_M at a time), as the dense GEMMs take theirs; past 128 rows an expert, row-scaled fp8 tiles are fed by TMA
-(`gemm_grouped_tma`). The weight-only crossover is the dense one's, not yet timed for
-experts."""
+(`gemm_grouped_tma`, decision 0037). The weight-only crossover is the dense one's, not swept for experts."""
 
 from __future__ import annotations
 
