@@ -45,6 +45,9 @@ VARIANTS = {
     "64x128, 4 warps, 3 stages": dict(TMA=False, BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
     "64x128, 4 warps, 2 stages": dict(TMA=False, BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
     "128x64, 4 warps, 3 stages": dict(TMA=False, BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    # the weight's group scales stored N-contiguous ([E, K/128, N] seen as [E, N, K/128]): a K step's scales of a
+    # tile are one contiguous read, where stored as quantized (K-contiguous) they are BLOCK_N reads of 4 bytes
+    "channel scales N-contiguous": {"scales": "N-contiguous"},
     # through tensor descriptors (`gemm_grouped_tma`)
     "TMA 128x128, 8 warps, 4 stages": dict(TMA=True, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4),
     "TMA 256x128, 8 warps, 3 stages": dict(TMA=True, BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3),
@@ -130,7 +133,9 @@ def sweep(tokens: int, gemm: str, variants: list[str]) -> list[dict]:
     for scales, b, b_scale, reference in (("row", fp8.data, fp8.scale, want),
                                           ("channel groups", codes, int4.scale, by_expert)):
         for name in variants:
-            product = lambda c=VARIANTS[name] or None: G.grouped_fp8_mm(a, a_scale, offs, b, b_scale, config=c)
+            config = dict(VARIANTS[name])
+            stored = b_scale.transpose(1, 2).contiguous().transpose(1, 2) if config.pop("scales", None) else b_scale
+            product = lambda c=config or None, s=stored: G.grouped_fp8_mm(a, a_scale, offs, b, s, config=c)
             error = checked(f"{scales}: {name}", product(), reference)
             timed(f"{scales}: {name}", graph_time_ms(product, [()]), bf16_ms, error)
     error = checked("W4A8 in a graph", graph_output(w4a8, ()), by_expert)

@@ -11,6 +11,9 @@ Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pai
      python -m bench.sass fp8 [--stages N] [--swap] [--prefetch]   (row scales, M <= 8, 14336x4096: the decode
                                                      tiles of gemm_configs; --swap: the operands swapped, SWAP_AB)
      python -m bench.sass w4a8 [--stages N]   (int4_fp8's GEMM at decode, 4096 rows, split in 8)
+     python -m bench.sass grouped [--channel-groups] [--row-tiles] [--stages N]   (the grouped fp8 GEMM of MoE
+                                                     prefill on pointers, Mixtral's gate/up over 8192 rows, at its
+                                                     plan's tiles; --row-tiles: the row scales' tiles)
      python -m bench.sass mma [--stages N] [--code-rows] [--prefetch]   (int4 at M = 1 on mma.sync, 14336x4096,
                                                      split in 5)
      python -m bench.sass fp4mma [mxfp4|nvfp4] [--stages N] [--tiles]   (MXFP4 / NVFP4 at M = 1 on mma.sync,
@@ -38,7 +41,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fxquant.kernels import decode_attention as DA
-from fxquant.kernels import gemm_fp4_mma, gemm_fp8, gemm_int4_fp8, gemm_int4_mma, silu_mul_quant
+from fxquant.kernels import gemm_fp4_mma, gemm_fp8, gemm_grouped, gemm_int4_fp8, gemm_int4_mma, silu_mul_quant
 from fxquant.kernels.codes import FORMATS, PACKED
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_weight_only import _wo_gemm_kernel, wo_gemm_config
@@ -154,6 +157,23 @@ def attention_kernel_sass(codes: bool, warps: int | None = None, stages: int | N
                  "soh", "soq"]
     return compiled_by_name(DA._decode_attention_split_kernel, constexprs, pointers, divisible, warps or plan[2],
                             stages or (*plan[4:], 2)[0], floats=("scale", "softcap"))
+
+
+def grouped_kernel_sass(channel_groups: bool, overrides: dict | None = None) -> tuple[str, int]:
+    """SASS and registers per thread of the grouped fp8 GEMM on pointers as MoE prefill runs it: Mixtral's gate/up
+    (28672x4096, 8 experts) over 8192 rows, row scales or W4A8's channel groups (the codes made e4m3), at the plan's
+    tiles (the pointer kernel's, as where tensor descriptors cannot read the operands) unless overridden."""
+    block = channel_groups
+    _, split, _, planned = gemm_grouped._fp8_plan(8192, 28672, 4096, 8, block, channel_groups,
+                                                  tuple(sorted({"TMA": False, **(overrides or {})}.items())))
+    meta = dict(planned)  # the plan's own dict is cached
+    warps, stages = meta.pop("num_warps"), meta.pop("num_stages")
+    constexprs = dict(BLOCK_SCALES=block, CHANNEL_GROUPS=channel_groups, SCALE_BLOCK=128, OUT=tl.bfloat16, CAST=0,
+                      SPLIT_K=split, **meta, stride_ak=1, stride_bk=1, stride_cn=1, stride_bsk=1 if block else 0)
+    pointers = dict(a_ptr="*fp8e4nv", offs_ptr="*i32", b_ptr="*fp8e4nv", c_ptr="*bf16", ws_ptr="*fp32",
+                    a_scale_ptr="*fp32", b_scale_ptr="*fp32")
+    divisible = [*pointers, "N", "K", "stride_am", "stride_be", "stride_bn", "stride_cm", "stride_bse", "stride_bsn"]
+    return compiled_by_name(gemm_grouped._grouped_fp8_kernel, constexprs, pointers, divisible, warps, stages)
 
 
 def silu_kernel_sass() -> tuple[str, int]:
@@ -290,6 +310,14 @@ def main():
         sass, registers = int4_mma_kernel_sass(stages, code_rows, prefetch)
         what = (f"int4 on mma.sync, M = 1 (64 rows x 128 codes a warp), codes in {'rows' if code_rows else 'tiles'}"
                 f"{', first codes prefetched' if prefetch else ''}")
+        step = "K step"
+    elif "grouped" in sys.argv:
+        channel_groups = "--channel-groups" in sys.argv
+        tiles = {"num_stages": stages} if stages else {}
+        if "--row-tiles" in sys.argv:  # the row scales' pointer tiles, to compare at one tile
+            tiles = {**gemm_grouped._fp8_plan(8192, 28672, 4096, 8, False, False, (("TMA", False),))[3], **tiles}
+        sass, registers = grouped_kernel_sass(channel_groups, tiles)
+        what = f"grouped fp8 GEMM over {'channel groups (W4A8)' if channel_groups else 'row scales'}, MoE prefill"
         step = "K step"
     elif "w4a8" in sys.argv:
         sass, registers = w4a8_kernel_sass(stages)

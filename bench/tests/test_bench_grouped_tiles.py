@@ -32,7 +32,8 @@ def on_cpu(monkeypatch):
     monkeypatch.setattr(GT, "DEVICE", DEVICE)
     monkeypatch.setattr(GT, "SHAPES", {"gate/up": (128, 256)})
     monkeypatch.setattr(GT, "VARIANTS", {"the plan": {}, "small tiles": SMALL,
-                                         "TMA small tiles": dict(TMA=True, **SMALL)})
+                                         "TMA small tiles": dict(TMA=True, **SMALL),
+                                         "N-contiguous scales": {"scales": "N-contiguous", **SMALL}})
 
     def routed(tokens, seed):
         logits = torch.randn(tokens, GT.EXPERTS, generator=torch.Generator().manual_seed(seed))
@@ -51,11 +52,11 @@ def test_every_variant_is_checked_then_timed_for_both_scalings(on_cpu):
     assert [r["variant"] for r in rows] == [
         "bf16 torch._grouped_mm", "dense fp8 kernel expert by expert", "torch._scaled_grouped_mm (rowwise, CUTLASS)",
         "row: the plan", "row: small tiles",
-        "row: TMA small tiles", "channel groups: the plan", "channel groups: small tiles",
-        "channel groups: TMA small tiles",
+        "row: TMA small tiles", "row: N-contiguous scales", "channel groups: the plan", "channel groups: small tiles",
+        "channel groups: TMA small tiles", "channel groups: N-contiguous scales",
         "W4A8 in a graph (codes made e4m3, grouped)", "W4A8 as it runs (expert by expert, cuBLAS)"]
     checked = [r for r in rows if r["rel err"] != "-"]
-    assert len(checked) == 8 and all(float(r["rel err"]) <= GT.AGREEMENT for r in checked)
+    assert len(checked) == 10 and all(float(r["rel err"]) <= GT.AGREEMENT for r in checked)
     assert all(r["us"] == "500" and r["x bf16"] == "1.00" for r in rows)
 
 

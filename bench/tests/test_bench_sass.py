@@ -24,7 +24,8 @@ for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
                                  "fp8 swapped": sass.fp8_kernel_sass(swap=True),
                                  "attention": sass.attention_kernel_sass(codes=False),
                                  "attention codes": sass.attention_kernel_sass(codes=True),
-                                 "attention quantized": sass.attention_kernel_sass(codes=False, quantize=True)}.items():
+                                 "attention quantized": sass.attention_kernel_sass(codes=False, quantize=True),
+                                 "grouped channel groups": sass.grouped_kernel_sass(channel_groups=True)}.items():
     found[what] = dict(registers=registers, ops=sass.longest_loop(code), usual=sass.longest_loop(code, shortest=True))
 code, registers = sass.silu_kernel_sass()
 found["silu"] = dict(registers=registers, ops=sass.opcodes(code))
@@ -47,7 +48,8 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
                               ("fp8 swapped", "QGMMA.64x16x32.F32.E4M3.E4M3"),  # wgmma on the codes as stored
                               ("attention", "HMMA.16816.F32.BF16"),
                               ("attention codes", "HMMA.16816.F32"),
-                              ("attention quantized", "HMMA.16816.F32.BF16")]:  # the key loop, not the quantizer's
+                              ("attention quantized", "HMMA.16816.F32.BF16"),  # the key loop, not the quantizer's
+                              ("grouped channel groups", "QGMMA.64x128x32.F32.E4M3.E4M3")]:  # wgmma at prefill
         ops = found[what]["ops"]
         assert 0 < found[what]["registers"] <= 255, (what, found[what]["registers"])
         # the loop holds the products, not a prologue's backward jump
@@ -60,6 +62,9 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
     longest, usual = found["mxfp4 mma"]["ops"], found["mxfp4 mma"]["usual"]
     assert longest["HMUL2.BF16_V2"] == 2 * usual["HMUL2.BF16_V2"] == 256
     assert longest["HMMA.16816.F32.BF16"] == usual["HMMA.16816.F32.BF16"] == 32
+    # W4A8's channel groups at MoE prefill: each 128-wide K step's partial (64 x 128 over 4 warps) scaled into the
+    # accumulator, one FFMA an element of a thread's 64
+    assert found["grouped channel groups"]["ops"]["FFMA"] == 64
     # the int4 kernel's step written as four interleaved chains compiles to overlapped chains, not a run of one
     # block's 8 dependent MMAs
     assert found["int4 mma chain"] <= 4
