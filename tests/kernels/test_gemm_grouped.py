@@ -128,23 +128,35 @@ def test_grouped_order_of_row_tiles_changes_no_bit(name):
     check(got[8], R.grouped_linear(R.dequantize(qa, torch.float32), offs, q, torch.bfloat16), offs)
 
 
-@pytest.mark.parametrize("n", [N, 200], ids=["N 256", "N 200 (tiles reach the next expert's rows)"])
-@pytest.mark.parametrize("name", list(ROUTINGS) + list(MANY_ROWS))
-def test_grouped_fp8_through_tensor_descriptors(name, n, monkeypatch):
-    """Row scales through TMA (`gemm_grouped_tma`): a tile's rows run on past its expert's last, and its weight
-    rows past N into the next expert's, and neither is stored; every owned row is the reference's, the others zero."""
+@pytest.fixture
+def tma_launches(monkeypatch):
+    """The launches of the TMA grouped kernel (`gemm_grouped_tma`), which still run."""
     launches = []
     monkeypatch.setattr(G, "launch_grouped_tma", lambda *a, **k: launches.append(1) or launch_grouped_tma(*a, **k))
+    return launches
+
+
+def row_scaled_experts(name, n):
+    """(offs, per-token e4m3 activations, their scales, per-channel e4m3 experts [E, n, K], the reference product)."""
     torch.manual_seed(0)
     offs, m = routing(name)
     x = torch.randn(m, K, device=DEVICE, dtype=torch.bfloat16)
     a, a_scale = quantize_fp8(x, 0)
     q = R.quantize_experts(torch.randn(E, n, K, device=DEVICE), "fp8_e4m3", "channel")
+    qa = R.quantize(x, "fp8_e4m3", "token")
+    return offs, a, a_scale, q, R.grouped_linear(R.dequantize(qa, torch.float32), offs, q, torch.bfloat16)
+
+
+@pytest.mark.parametrize("n", [N, 200], ids=["N 256", "N 200 (tiles reach the next expert's rows)"])
+@pytest.mark.parametrize("name", list(ROUTINGS) + list(MANY_ROWS))
+def test_grouped_fp8_through_tensor_descriptors(name, n, tma_launches):
+    """Row scales through TMA (`gemm_grouped_tma`): a tile's rows run on past its expert's last, and its weight
+    rows past N into the next expert's, and neither is stored; every owned row is the reference's, the others zero."""
+    offs, a, a_scale, q, reference = row_scaled_experts(name, n)
     tiles = dict(TMA=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=2, num_warps=4, num_stages=3)
     got = grouped_fp8_mm(a, a_scale, offs, q.data, q.scale, torch.bfloat16, config=tiles)
-    assert launches == [1]
-    qa = R.quantize(x, "fp8_e4m3", "token")
-    check(got, R.grouped_linear(R.dequantize(qa, torch.float32), offs, q, torch.bfloat16), offs)
+    assert tma_launches == [1]
+    check(got, reference, offs)
 
 
 @pytest.mark.parametrize("rows, tma, tiles", [(1024, False, None), (2048, True, (128, 4)), (8192, True, (256, 3))],
@@ -162,22 +174,15 @@ def test_the_plan_feeds_row_scales_through_tma_past_128_rows_an_expert(rows, tma
 
 
 @pytest.mark.parametrize("name", list(MANY_ROWS))
-def test_grouped_fp8_past_128_rows_an_expert_as_planned(name, monkeypatch):
+def test_grouped_fp8_past_128_rows_an_expert_as_planned(name, tma_launches):
     """No config: the row-scaled product past 128 rows an active expert runs the TMA kernel at the plan's tiles and
     is the reference's, as the pointer kernel's is."""
-    launches = []
-    monkeypatch.setattr(G, "launch_grouped_tma", lambda *a, **k: launches.append(1) or launch_grouped_tma(*a, **k))
-    torch.manual_seed(0)
-    offs, m = routing(name)
-    x = torch.randn(m, K, device=DEVICE, dtype=torch.bfloat16)
-    a, a_scale = quantize_fp8(x, 0)
-    q = R.quantize_experts(torch.randn(E, N, K, device=DEVICE), "fp8_e4m3", "channel")
+    offs, a, a_scale, q, reference = row_scaled_experts(name, N)
     got = grouped_fp8_mm(a, a_scale, offs, q.data, q.scale, torch.bfloat16)
-    assert launches == [1]
-    qa = R.quantize(x, "fp8_e4m3", "token")
-    check(got, R.grouped_linear(R.dequantize(qa, torch.float32), offs, q, torch.bfloat16), offs)
+    assert tma_launches == [1]
+    check(got, reference, offs)
     on_pointers = grouped_fp8_mm(a, a_scale, offs, q.data, q.scale, torch.bfloat16, config=dict(TMA=False))
-    assert launches == [1] and rel_error(got, on_pointers) < REL_ERROR
+    assert tma_launches == [1] and rel_error(got, on_pointers) < REL_ERROR
 
 
 def w4a8_experts(name, symmetric, k):
@@ -210,16 +215,14 @@ def assert_w4a8_product(got, offs, qa, experts):
 
 @pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero_point"])
 @pytest.mark.parametrize("name", list(ROUTINGS) + list(MANY_ROWS))
-def test_w4a8_codes_made_e4m3_through_tensor_descriptors(name, symmetric, monkeypatch):
+def test_w4a8_codes_made_e4m3_through_tensor_descriptors(name, symmetric, tma_launches):
     """Channel-group scales through TMA (`config=dict(TMA=True)`): each group's partial scaled in the K loop, the
     token's after it; every owned row the exact product to the fp32 accumulation's error, the others zero."""
-    launches = []
-    monkeypatch.setattr(G, "launch_grouped_tma", lambda *a, **k: launches.append(1) or launch_grouped_tma(*a, **k))
     offs, m, qa, experts, qw = w4a8_experts(name, symmetric, K)
     codes = G.int4_as_e4m3(qw.data, qw.zero_point)
     tiles = dict(TMA=True, BLOCK_M=16, BLOCK_N=64, GROUP_M=2, num_warps=4, num_stages=3)
     got = grouped_fp8_mm(qa.data, qa.scale, offs, codes, qw.scale, torch.bfloat16, config=tiles)
-    assert launches == [1]
+    assert tma_launches == [1]
     assert_w4a8_product(got, offs, qa, experts)
 
 
