@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"<!-- README block: runs(?: with torchrun --nproc-per-node (\d+))? -->\n```python\n(.*?)```",
@@ -24,9 +25,12 @@ def test_the_readme_marks_its_runnable_blocks():
 
 
 def on_any_machine(block) -> list:
-    """A block that never names CUDA runs on the CPU wherever it runs, as CI runs it: on a GPU machine it goes to
-    the second command (`cpu_only`), not the suite's one call."""
-    return [] if "cuda" in block[1] else [pytest.mark.cpu_only]
+    """A block that runs on the CPU here, as CI runs it, goes on a GPU machine to the second command (`cpu_only`),
+    not the suite's one call: one that never names CUDA, and one under torchrun with more ranks than this machine
+    has GPUs (its ranks fall back to gloo on the CPU)."""
+    ranks, code = block
+    on_the_cpu = "cuda" not in code or (ranks and torch.cuda.device_count() < int(ranks))
+    return [pytest.mark.cpu_only] if on_the_cpu else []
 
 
 @pytest.mark.parametrize("block", [pytest.param(block, marks=on_any_machine(block)) for block in BLOCKS], ids=block_id)
