@@ -163,13 +163,14 @@ def grouped_kernel_sass(channel_groups: bool, overrides: dict | None = None) -> 
     """SASS and registers per thread of the grouped fp8 GEMM on pointers as MoE prefill runs it: Mixtral's gate/up
     (28672x4096, 8 experts) over 8192 rows, row scales or W4A8's channel groups (the codes made e4m3), at the plan's
     tiles (the pointer kernel's, as where tensor descriptors cannot read the operands) unless overridden."""
-    block = channel_groups
-    _, split, _, planned = gemm_grouped._fp8_plan(8192, 28672, 4096, 8, block, channel_groups,
+    _, split, _, planned = gemm_grouped._fp8_plan(8192, 28672, 4096, 8, channel_groups, channel_groups,
                                                   tuple(sorted({"TMA": False, **(overrides or {})}.items())))
     meta = dict(planned)  # the plan's own dict is cached
     warps, stages = meta.pop("num_warps"), meta.pop("num_stages")
-    constexprs = dict(BLOCK_SCALES=block, CHANNEL_GROUPS=channel_groups, SCALE_BLOCK=128, OUT=tl.bfloat16, CAST=0,
-                      SPLIT_K=split, **meta, stride_ak=1, stride_bk=1, stride_cn=1, stride_bsk=1 if block else 0)
+    # channel groups are block scales ([E, N, K/128]) with the token's scale per row
+    constexprs = dict(BLOCK_SCALES=channel_groups, CHANNEL_GROUPS=channel_groups, SCALE_BLOCK=128, OUT=tl.bfloat16,
+                      CAST=0, SPLIT_K=split, **meta, stride_ak=1, stride_bk=1, stride_cn=1,
+                      stride_bsk=1 if channel_groups else 0)
     pointers = dict(a_ptr="*fp8e4nv", offs_ptr="*i32", b_ptr="*fp8e4nv", c_ptr="*bf16", ws_ptr="*fp32",
                     a_scale_ptr="*fp32", b_scale_ptr="*fp32")
     divisible = [*pointers, "N", "K", "stride_am", "stride_be", "stride_bn", "stride_cm", "stride_bse", "stride_bsn"]

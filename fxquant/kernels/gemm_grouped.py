@@ -182,7 +182,7 @@ def _fp8_plan(M: int, N: int, K: int, E: int, block_scales: bool, channel_groups
     meta = dict(COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", not block_scales), BLOCK_M=cfg["BLOCK_M"],
                 BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    tma = cfg.get("TMA", False) and (channel_groups or not block_scales) and split == 1  # `gemm_grouped_tma`
+    tma = cfg.get("TMA", False) and not block_scales and split == 1  # `gemm_grouped_tma`'s row-scale kernel
     return grid, split, tma, meta
 
 
@@ -191,9 +191,9 @@ def grouped_fp8_mm(a, a_scale, offs, b, b_scale, out_dtype=torch.bfloat16, confi
     offs: int32 [E]; b: [E, N, K] e4m3; b_scale: [E] per expert tensor, [E, N, 1] per channel, [E, N/128, K/128]
     blocks (with [M, K/128] activation scales) or [E, N, K/128] per channel and 1x128 group (with per-token or
     per-tensor activation scales: W4A8's codes made e4m3). Returns [M, N] in out_dtype, written into `out` if given
-    (an [M, N] view, columns of a wider output). Row-scaled tiles past 128 rows an expert, and row or channel-group
-    scaled ones with a `config` of TMA=True, go through tensor descriptors (`gemm_grouped_tma`) where the GPU and the
-    operands allow, unsplit; TMA=False keeps them on pointers."""
+    (an [M, N] view, columns of a wider output). Row-scaled tiles past 128 rows an expert (or with a `config` of
+    TMA=True) go through tensor descriptors (`gemm_grouped_tma`) where the GPU and the operands allow, unsplit;
+    TMA=False keeps them on pointers."""
     M, K = a.shape
     E, N = b.shape[:2]
     _check_offs(offs, E)
@@ -228,8 +228,8 @@ def grouped_fp8_mm(a, a_scale, offs, b, b_scale, out_dtype=torch.bfloat16, confi
                                        tuple(sorted((config or {}).items())))
     hopper = interpreting(_grouped_fp8_kernel) or (a.is_cuda and capability(a.device) >= (9, 0))
     if tma and hopper and not inlined() and tma_describable(a, b):
-        launch_grouped_tma(a, offs, b, out, a_scale, b_scale, grid, (asm, bse, bsn, bsk), channel_groups=channel_groups,
-                           out_tl=TORCH_TO_TL[out_dtype], cast=float_cast_mode(_grouped_fp8_kernel), meta=meta)
+        launch_grouped_tma(a, offs, b, out, a_scale, b_scale, grid, (asm, bse, bsn), out_tl=TORCH_TO_TL[out_dtype],
+                           cast=float_cast_mode(_grouped_fp8_kernel), meta=meta)
         return out
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     visible(_grouped_fp8_kernel)[grid](

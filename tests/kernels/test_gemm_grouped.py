@@ -213,16 +213,15 @@ def assert_w4a8_product(got, offs, qa, experts):
     assert end == 0 or got[:end].abs().max() > 0
 
 
-@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero_point"])
-@pytest.mark.parametrize("name", list(ROUTINGS) + list(MANY_ROWS))
-def test_w4a8_codes_made_e4m3_through_tensor_descriptors(name, symmetric, tma_launches):
-    """Channel-group scales through TMA (`config=dict(TMA=True)`): each group's partial scaled in the K loop, the
-    token's after it; every owned row the exact product to the fp32 accumulation's error, the others zero."""
-    offs, m, qa, experts, qw = w4a8_experts(name, symmetric, K)
+@pytest.mark.parametrize("name", list(MANY_ROWS))
+def test_w4a8_codes_made_e4m3_stay_on_pointers_even_when_tma_is_asked(name, tma_launches):
+    """The TMA kernel reads row scales only (channel groups through it measured slower, decision 0037): W4A8's codes
+    made e4m3 with a `config` of TMA=True run the pointer kernel, the exact product to the fp32 accumulation's error."""
+    offs, m, qa, experts, qw = w4a8_experts(name, False, K)
     codes = G.int4_as_e4m3(qw.data, qw.zero_point)
     tiles = dict(TMA=True, BLOCK_M=16, BLOCK_N=64, GROUP_M=2, num_warps=4, num_stages=3)
     got = grouped_fp8_mm(qa.data, qa.scale, offs, codes, qw.scale, torch.bfloat16, config=tiles)
-    assert tma_launches == [1]
+    assert tma_launches == []
     assert_w4a8_product(got, offs, qa, experts)
 
 

@@ -76,22 +76,20 @@ def _gemms():
 def _experts():
     """The grouped GEMMs of mixture-of-experts layers: fp8 (also through tensor descriptors, at many rows' tiles),
     weight-only int4 and W4A8, the latter also with every expert's codes made e4m3 for the grouped fp8 kernel (its
-    route from 128 rows an expert), on pointers and through tensor descriptors."""
+    route from 128 rows an expert)."""
     offs = torch.tensor([3, 3, 7], dtype=torch.int32)
     x = _randn(7, 256, dtype=BF16)
     qa = R.quantize(x, "fp8_e4m3", "token")
     q = R.quantize_experts(_randn(3, 64, 256), "fp8_e4m3", "channel")
     grouped_fp8_mm(qa.data, qa.scale, offs, q.data, q.scale, BF16)
-    grouped_fp8_mm(qa.data, qa.scale, offs, q.data, q.scale, BF16, config=dict(TMA=True, BLOCK_M=128, BLOCK_N=128,
-                                                                                num_warps=8, num_stages=4))
+    for tiles in ((128, 4), (256, 3)):  # the plan's tiles through tensor descriptors, from 128 and 512 rows an expert
+        grouped_fp8_mm(qa.data, qa.scale, offs, q.data, q.scale, BF16,
+                       config=dict(TMA=True, BLOCK_M=tiles[0], BLOCK_N=128, num_warps=8, num_stages=tiles[1]))
     q = R.quantize_experts(_randn(3, 64, 256), "int4", ("group", 128))
     grouped_weight_only_mm(x, offs, q.data, q.scale, "int4", 128, 64, zero_point=q.zero_point)
     grouped_int4_fp8_mm(qa.data, qa.scale, offs, q.data, q.scale, q.zero_point)
     grouped_int4_fp8_over_e4m3(torch.empty(7, 64, dtype=BF16), qa.data, qa.scale, offs, q.data, q.scale,
                                q.zero_point)
-    for tiles in ((128, 4), (256, 3)):  # the codes made e4m3 through tensor descriptors, at the row scales' tiles
-        grouped_fp8_mm(qa.data, qa.scale, offs, int4_as_e4m3(q.data, q.zero_point), q.scale, BF16,
-                       config=dict(TMA=True, BLOCK_M=tiles[0], BLOCK_N=128, num_warps=8, num_stages=tiles[1]))
 
 
 def _row_kernels():
