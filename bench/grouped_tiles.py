@@ -48,7 +48,7 @@ VARIANTS = {
     # the weight's group scales stored N-contiguous ([E, K/128, N] seen as [E, N, K/128]): a K step's scales of a
     # tile are one contiguous read, where stored as quantized (K-contiguous) they are BLOCK_N reads of 4 bytes
     "channel scales N-contiguous": {"scales": "N-contiguous"},
-    # row scales only: through tensor descriptors (`gemm_grouped_tma`)
+    # through tensor descriptors (`gemm_grouped_tma`)
     "TMA 128x128, 8 warps, 4 stages": dict(TMA=True, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4),
     "TMA 256x128, 8 warps, 3 stages": dict(TMA=True, BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3),
     "TMA 128x256, 8 warps, 3 stages": dict(TMA=True, BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3),
@@ -132,8 +132,8 @@ def sweep(tokens: int, gemm: str, variants: list[str]) -> list[dict]:
     codes = int4_as_e4m3(int4.data, int4.zero_point)
     for scales, b, b_scale, reference in (("row", fp8.data, fp8.scale, want),
                                           ("channel groups", codes, int4.scale, by_expert)):
-        # tensor descriptors read row scales only; the scales' layout matters for channel groups only
-        for name in (v for v in variants if not VARIANTS[v].get("scales" if scales == "row" else "TMA")):
+        # the scales' layout matters for channel groups only
+        for name in (v for v in variants if scales != "row" or "scales" not in VARIANTS[v]):
             config = dict(VARIANTS[name])
             stored = b_scale.transpose(1, 2).contiguous().transpose(1, 2) if config.pop("scales", None) else b_scale
             product = lambda c=config or None, s=stored: G.grouped_fp8_mm(a, a_scale, offs, b, s, config=c)

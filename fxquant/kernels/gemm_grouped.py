@@ -182,7 +182,8 @@ def _fp8_plan(M: int, N: int, K: int, E: int, block_scales: bool, channel_groups
     meta = dict(COMPILER_PROMOTES=cfg.get("COMPILER_PROMOTES", not block_scales), BLOCK_M=cfg["BLOCK_M"],
                 BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    tma = cfg.get("TMA", False) and not block_scales and split == 1  # `gemm_grouped_tma`'s row-scale kernel
+    # `gemm_grouped_tma` reads row scales and channel groups, not 128x128 blocks
+    tma = cfg.get("TMA", False) and (channel_groups or not block_scales) and split == 1
     return grid, split, tma, meta
 
 
@@ -228,8 +229,8 @@ def grouped_fp8_mm(a, a_scale, offs, b, b_scale, out_dtype=torch.bfloat16, confi
                                        tuple(sorted((config or {}).items())))
     hopper = interpreting(_grouped_fp8_kernel) or (a.is_cuda and capability(a.device) >= (9, 0))
     if tma and hopper and not inlined() and tma_describable(a, b):
-        launch_grouped_tma(a, offs, b, out, a_scale, b_scale, grid, (asm, bse, bsn), out_tl=TORCH_TO_TL[out_dtype],
-                           cast=float_cast_mode(_grouped_fp8_kernel), meta=meta)
+        launch_grouped_tma(a, offs, b, out, a_scale, b_scale, grid, (asm, bse, bsn, bsk), channel_groups=channel_groups,
+                           out_tl=TORCH_TO_TL[out_dtype], cast=float_cast_mode(_grouped_fp8_kernel), meta=meta)
         return out
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     visible(_grouped_fp8_kernel)[grid](
