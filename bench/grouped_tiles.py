@@ -42,6 +42,7 @@ VARIANTS = {
     # fewer stages: two or three programs an SM, so one's scaling of its fp32 partials overlaps another's MMAs (the
     # channel groups' K loop waits on each step's MMA before it scales it)
     "128x128, 8 warps, 3 stages": dict(TMA=False, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+    "64x128, 4 warps, 4 stages": dict(TMA=False, BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4),
     "64x128, 4 warps, 3 stages": dict(TMA=False, BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
     "64x128, 4 warps, 2 stages": dict(TMA=False, BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
     "128x64, 4 warps, 3 stages": dict(TMA=False, BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),

@@ -174,6 +174,10 @@ def _fp8_plan(M: int, N: int, K: int, E: int, block_scales: bool, channel_groups
         # (855c0f1; docs/decisions/0037-moe-prefill-grouped-fp8-through-tma.md).
         many = per_expert > 512
         cfg.update(TMA=True, BLOCK_M=256 if many else 128, BLOCK_N=128, num_warps=8, num_stages=3 if many else 4)
+    elif per_expert > 128 and channel_groups:
+        # W4A8's channel groups past 128 rows an expert: 128x128 tiles through tensor descriptors on 8 warps, once
+        # their scales were read one a thread (`gemm_fp8.channel_scales`); 256-row tiles spill (two accumulators).
+        cfg.update(TMA=True, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4)
     cfg.update(dict(overrides))
     if block_scales and (cfg["BLOCK_K"] != SCALE_BLOCK or (SCALE_BLOCK % cfg["BLOCK_N"] and not channel_groups)):
         raise ValueError(f"fxquant: block-scaled fp8 GEMM needs BLOCK_K == {SCALE_BLOCK} and BLOCK_N dividing "

@@ -163,13 +163,17 @@ def test_grouped_fp8_through_tensor_descriptors(name, n, tma_launches):
                          ids=["128 an expert: pointers", "256 an expert: TMA 128x128", "1024 an expert: TMA 256x128"])
 def test_the_plan_feeds_row_scales_through_tma_past_128_rows_an_expert(rows, tma, tiles):
     """Mixtral's gate/up over 8 experts: row scales past 128 rows an expert take the TMA kernel, 256 rows a tile past
-    512 an expert; block scales and W4A8's channel groups keep pointers at every size."""
+    512 an expert; W4A8's channel groups take it at 128x128 past 128 rows an expert; block scales keep pointers at
+    every size."""
     grid, split, got_tma, meta = G._fp8_plan(rows, 28672, 4096, 8, False, False, ())
     assert (got_tma, split) == (tma, 1)
     if tiles:
         assert (meta["BLOCK_M"], meta["num_stages"], meta["BLOCK_N"], meta["num_warps"]) == (*tiles, 128, 8)
-    for block_scales, channel_groups in ((True, False), (True, True)):
-        assert not G._fp8_plan(rows, 28672, 4096, 8, block_scales, channel_groups, ())[2]
+    _, split, got_tma, meta = G._fp8_plan(rows, 28672, 4096, 8, True, True, ())
+    assert (got_tma, split) == (tma, 1)
+    if tiles:
+        assert (meta["BLOCK_M"], meta["BLOCK_N"], meta["num_warps"], meta["num_stages"]) == (128, 128, 8, 4)
+    assert not G._fp8_plan(rows, 28672, 4096, 8, True, False, ())[2]
     assert not G._fp8_plan(rows, 28672, 4096, 8, False, False, (("TMA", False),))[2]
 
 
