@@ -110,6 +110,9 @@ def _rank_that_dies() -> dict:
 
     import torch.distributed as dist
 
+    # both ranks past their group's setup first: a rank 0 that returned at once and tore its group down could end
+    # rank 1's setup with gloo's "connection closed by peer" before it reached its exit (under the GPU suite's load)
+    dist.barrier()
     if dist.get_rank() == 1:
         os._exit(3)  # as a rank the OOM killer ends, or one that crashes in the interpreter: no result, no traceback
     return {}

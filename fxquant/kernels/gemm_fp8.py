@@ -56,7 +56,7 @@ def channel_scales(scale_ptr, offs_n, mask_n, k, stride_sn, stride_sk):
     deems a load of fewer elements than the program has threads cheap and reloads it in each consumer's layout, which
     for a column vector of a wgmma accumulator on 8 warps is 32 scalar loads a thread every K step, 300 instructions
     a step and 254 registers at 128x128 against 209 and 218 this way (sm_90, `python -m bench.sass grouped
-    --channel-groups`)."""
+    --channel-groups`; docs/decisions/0038-w4a8-experts-channel-groups-through-tma.md)."""
     pair = tl.arange(0, 2)
     scales = tl.load(scale_ptr + offs_n[:, None] * stride_sn + (k * stride_sk + pair[None, :]),
                      mask=mask_n[:, None] & (pair[None, :] == 0), other=0.0)

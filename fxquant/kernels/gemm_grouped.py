@@ -16,8 +16,9 @@ weight-only product hands such rows to cuBLAS, and W4A8 experts take the dense W
 block-scaled GEMM, decision 0017), the offsets read on the host once, past BY_EXPERT_ABOVE_M rows an expert; from 128
 rows up to it, and in a CUDA graph, which cannot read them, every expert's codes are made e4m3 integers and the
 grouped fp8 kernel multiplies them with the group scales folded in each K step. Row tiles are taken in grouped order
-(GROUP_M at a time), as the dense GEMMs take theirs; past 128 rows an expert, row-scaled fp8 tiles are fed by TMA
-(`gemm_grouped_tma`, decision 0037). The weight-only crossover is the dense one's, not swept for experts."""
+(GROUP_M at a time), as the dense GEMMs take theirs; past 128 rows an expert, row-scaled fp8 tiles and W4A8's channel
+groups are fed by TMA (`gemm_grouped_tma`, decisions 0037 and 0038). The weight-only crossover is the dense one's, not
+swept for experts."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ import triton.language as tl
 
 from fxquant.kernels.cast import capability, cast_mode, float_cast_mode, interpreting
 from fxquant.kernels.codes import FORMATS, PACKED
+from fxquant.kernels.cutlass_grouped import cutlass_grouped_fp8
+from fxquant.kernels.cutlass_grouped import supports as cutlass_supports
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_fp8 import SCALE_BLOCK, TORCH_TO_TL, fp8_accumulate, fp8_scale_tile
@@ -175,8 +178,12 @@ def _fp8_plan(M: int, N: int, K: int, E: int, block_scales: bool, channel_groups
         many = per_expert > 512
         cfg.update(TMA=True, BLOCK_M=256 if many else 128, BLOCK_N=128, num_warps=8, num_stages=3 if many else 4)
     elif per_expert > 128 and channel_groups:
-        # W4A8's channel groups past 128 rows an expert: 128x128 tiles through tensor descriptors on 8 warps, once
-        # their scales were read one a thread (`gemm_fp8.channel_scales`); 256-row tiles spill (two accumulators).
+        # W4A8's channel groups past 128 rows an expert: 128x128 tiles through tensor descriptors on 8 warps, since
+        # their scales are read one a thread (`gemm_fp8.channel_scales`). On Mixtral's experts (H100, `python -m
+        # bench.grouped_tiles` at 3293a8d) gate/up and down took 2826 and 1371 us at 4096 tokens against 3814 and
+        # 1872 on the 64x128 pointer tiles before, 3204 and 1655 at 128x128 on pointers; at 1024 tokens 930 and 426
+        # against 1164 and 581. 256-row tiles spill (the partial beside the accumulator); decision record
+        # 0038-w4a8-experts-channel-groups-through-tma.md.
         cfg.update(TMA=True, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4)
     cfg.update(dict(overrides))
     if block_scales and (cfg["BLOCK_K"] != SCALE_BLOCK or (SCALE_BLOCK % cfg["BLOCK_N"] and not channel_groups)):
@@ -196,9 +203,11 @@ def grouped_fp8_mm(a, a_scale, offs, b, b_scale, out_dtype=torch.bfloat16, confi
     offs: int32 [E]; b: [E, N, K] e4m3; b_scale: [E] per expert tensor, [E, N, 1] per channel, [E, N/128, K/128]
     blocks (with [M, K/128] activation scales) or [E, N, K/128] per channel and 1x128 group (with per-token or
     per-tensor activation scales: W4A8's codes made e4m3). Returns [M, N] in out_dtype, written into `out` if given
-    (an [M, N] view, columns of a wider output). Row-scaled tiles past 128 rows an expert (or with a `config` of
-    TMA=True) go through tensor descriptors (`gemm_grouped_tma`) where the GPU and the operands allow, unsplit;
-    TMA=False keeps them on pointers."""
+    (an [M, N] view, columns of a wider output). Past 128 rows an expert, row-scaled products on sm_90 go through
+    torch's CUTLASS grouped GEMM where it takes them (`cutlass_grouped`, without a `config` or `out`); otherwise
+    row-scaled tiles and channel groups past 128 rows an expert (or with a `config` of TMA=True) go through tensor
+    descriptors (`gemm_grouped_tma`) where the GPU and the operands allow, unsplit; TMA=False keeps them on
+    pointers."""
     M, K = a.shape
     E, N = b.shape[:2]
     _check_offs(offs, E)
@@ -226,6 +235,9 @@ def grouped_fp8_mm(a, a_scale, offs, b, b_scale, out_dtype=torch.bfloat16, confi
         asm, ask = (0 if a_scale.numel() == 1 else a_scale.reshape(-1).stride(0)), 0
         b_scale = b_scale.reshape(E, -1)
         bse, bsn, bsk = b_scale.stride(0), (0 if per_tensor else b_scale.stride(1)), 0
+    if config is None and out is None and not block_scales and not inlined() and \
+            cutlass_supports(a, a_scale, b, b_scale, out_dtype) is None:
+        return cutlass_grouped_fp8(a, a_scale, offs, b, b_scale)
     out = torch.empty((M, N), dtype=out_dtype, device=a.device) if out is None else out
     if M == 0 or N == 0:
         return out
@@ -317,10 +329,10 @@ def _grouped_dequantized_mm(a, offs, codes, scale, fmt, group, zero_point, globa
 
 # W4A8 experts past this many rows an active expert go expert by expert through the dense product (cuBLAS), the
 # offsets read on the host; from CUBLAS_ABOVE_M up to it, through the codes made e4m3 and the grouped fp8 kernel, with
-# no host read. On Mixtral's experts (H100, `python -m bench.grouped_tiles` at 855c0f1), at 256 rows an expert (1024
-# tokens) the grouped route took gate/up 1760 and down 1032 us in a graph against 2079 and 2903 expert by expert as
-# it runs; at 1024 rows (4096 tokens) 4334 and 2194 against 3311 and 1995. Between the two it is not timed: 512
-# splits them (docs/decisions/0036-moe-prefill-grouped-gemm-order-and-routes.md).
+# no host read. On Mixtral's experts (H100, `python -m bench.grouped_tiles` at 3293a8d, the channel groups through
+# TMA), at 256 rows an expert (1024 tokens) the grouped route took gate/up 1426 and down 788 us in a graph against
+# 1617 and 1430 expert by expert as it runs; at 1024 rows (4096 tokens) 3425 and 1813 against 3315 and 1733. Between
+# the two it is not timed: 512 splits them (docs/decisions/0036-moe-prefill-grouped-gemm-order-and-routes.md).
 BY_EXPERT_ABOVE_M = 512
 
 

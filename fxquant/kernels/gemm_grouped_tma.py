@@ -1,5 +1,6 @@
 """The grouped fp8 GEMM fed by TMA: tensor descriptors over the activations [M, K] and the experts' weights stacked
-[E * N, K], for many rows an expert on Hopper (docs/decisions/0037-moe-prefill-grouped-fp8-through-tma.md).
+[E * N, K], for many rows an expert on Hopper (docs/decisions/0037-moe-prefill-grouped-fp8-through-tma.md; channel
+groups: 0038-w4a8-experts-channel-groups-through-tma.md).
 
 The same tiles, expert lookup (`tiles.expert_tile_offsets`, no host sync) and numerics as `_grouped_fp8_kernel`'s
 row-scale path (fp32 accumulation promoted by the compiler every BLOCK_K, row scales in the epilogue) and its channel
