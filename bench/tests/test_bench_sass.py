@@ -62,9 +62,11 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
     longest, usual = found["mxfp4 mma"]["ops"], found["mxfp4 mma"]["usual"]
     assert longest["HMUL2.BF16_V2"] == 2 * usual["HMUL2.BF16_V2"] == 256
     assert longest["HMMA.16816.F32.BF16"] == usual["HMMA.16816.F32.BF16"] == 32
-    # W4A8's channel groups at MoE prefill: each 128-wide K step's partial (64 x 128 over 4 warps) scaled into the
-    # accumulator, one FFMA an element of a thread's 64
+    # W4A8's channel groups at MoE prefill: each 128-wide K step's partial (128 x 128 over 8 warps) scaled into the
+    # accumulator, one FFMA an element of a thread's 64; the step's group scales read one a thread
+    # (`gemm_fp8.channel_scales`), not reloaded as 32 scalar loads a thread in the accumulator's layout
     assert found["grouped channel groups"]["ops"]["FFMA"] == 64
+    assert found["grouped channel groups"]["ops"].get("LDG.E", 0) <= 1
     # the int4 kernel's step written as four interleaved chains compiles to overlapped chains, not a run of one
     # block's 8 dependent MMAs
     assert found["int4 mma chain"] <= 4
