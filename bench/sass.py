@@ -5,15 +5,16 @@ ships, and the longest loop's instructions are counted by opcode. The registers 
 an SM holds) come from the same cubin.
 
 Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pair-order] [--code-rows] [--prefetch]
-                                                     (the tiles for M rows, 16 unless given; --pair-order: operands
+                         [--tile BMxBNxWARPS]        (the tiles for M rows, 16 unless given; --pair-order: operands
                                                      in codes.pair_order; --code-rows: int4 codes in rows, not the
                                                      GPU's tiles; --prefetch: the first codes asked of the L2)
      python -m bench.sass fp8 [--stages N] [--swap] [--prefetch]   (row scales, M <= 8, 14336x4096: the decode
                                                      tiles of gemm_configs; --swap: the operands swapped, SWAP_AB)
      python -m bench.sass w4a8 [--stages N]   (int4_fp8's GEMM at decode, 4096 rows, split in 8)
-     python -m bench.sass grouped [--channel-groups] [--row-tiles] [--stages N]   (the grouped fp8 GEMM of MoE
-                                                     prefill on pointers, Mixtral's gate/up over 8192 rows, at its
-                                                     plan's tiles; --row-tiles: the row scales' tiles)
+     python -m bench.sass grouped [--channel-groups] [--row-tiles] [--stages N] [--tile BMxBNxWARPS]   (the grouped
+                                                     fp8 GEMM of MoE prefill on pointers, Mixtral's gate/up over 8192
+                                                     rows, at its plan's tiles; --row-tiles: the row scales' tiles)
+     --tile BMxBNxWARPS (weight-only and grouped): another tile's BLOCK_M, BLOCK_N and warps than the plan's
      python -m bench.sass mma [--stages N] [--code-rows] [--prefetch]   (int4 at M = 1 on mma.sync, 14336x4096,
                                                      split in 5)
      python -m bench.sass fp4mma [mxfp4|nvfp4] [--stages N] [--tiles]   (MXFP4 / NVFP4 at M = 1 on mma.sync,
@@ -57,12 +58,13 @@ MMA_DIVISIBLE = ("N", "K", "stride_am", "stride_wn", "stride_ws")  # besides the
 
 
 def decode_kernel_sass(fmt: str, stages: int | None = None, rows: int = 16,
-                       pair_order: bool = False, code_rows: bool = False, prefetch: bool = False) -> tuple[str, int]:
+                       pair_order: bool = False, code_rows: bool = False, prefetch: bool = False,
+                       tile: dict | None = None) -> tuple[str, int]:
     """SASS and registers per thread of the configuration for `rows` activation rows (decode: up to 16), split-K
     on and summed by the last slice, with zero points for int4; pair_order: operands in codes.pair_order; int4 codes
     in tiles, as the backend holds them on the GPU, unless code_rows; prefetch: packed codes' first steps asked of
-    the L2 before the wait."""
-    cfg = wo_gemm_config(rows, 4096, fmt)
+    the L2 before the wait; tile: BLOCK_M, BLOCK_N and num_warps replacing the configuration's."""
+    cfg = {**wo_gemm_config(rows, 4096, fmt), **(tile or {})}
     types = ["*bf16", "*i8" if fmt == "int8" else "*i32", "*fp32" if fmt in ("int8", "int4") else "*u8", "*u8",
              "*fp32", "*bf16", "*fp32", "*bf16", "*i32"] + ["i32"] * 11
     signature = dict(zip(ARGS, types, strict=True))
@@ -281,6 +283,14 @@ def _path(body: list[str], address, opcode, shortest: bool) -> list[str]:
     raise ValueError("bench.sass: no path reaches the loop's back branch")
 
 
+def tile_option() -> dict:
+    """--tile BMxBNxWARPS as the BLOCK_M, BLOCK_N and num_warps it names (none where not given)."""
+    if "--tile" not in sys.argv:
+        return {}
+    block_m, block_n, warps = map(int, sys.argv[sys.argv.index("--tile") + 1].split("x"))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+
+
 def main():
     stages = int(sys.argv[sys.argv.index("--stages") + 1]) if "--stages" in sys.argv else None
     code_rows = "--code-rows" in sys.argv
@@ -317,7 +327,7 @@ def main():
         tiles = {"num_stages": stages} if stages else {}
         if "--row-tiles" in sys.argv:  # the row scales' pointer tiles, to compare at one tile
             tiles = {**gemm_grouped._fp8_plan(8192, 28672, 4096, 8, False, False, (("TMA", False),))[3], **tiles}
-        sass, registers = grouped_kernel_sass(channel_groups, tiles)
+        sass, registers = grouped_kernel_sass(channel_groups, {**tiles, **tile_option()})
         what = f"grouped fp8 GEMM over {'channel groups (W4A8)' if channel_groups else 'row scales'}, MoE prefill"
         step = "K step"
     elif "w4a8" in sys.argv:
@@ -333,7 +343,8 @@ def main():
         fmt = next((a for a in sys.argv[1:] if a in FORMATS), "int4")
         rows = int(sys.argv[sys.argv.index("--rows") + 1]) if "--rows" in sys.argv else 16
         pairs = "--pair-order" in sys.argv
-        sass, registers = decode_kernel_sass(fmt, stages, rows, pairs, code_rows, "--prefetch" in sys.argv)
+        sass, registers = decode_kernel_sass(fmt, stages, rows, pairs, code_rows, "--prefetch" in sys.argv,
+                                             tile_option())
         tiles = ", codes in tiles" if fmt == "int4" and not code_rows else ""
         what, step = f"{fmt}, {rows} rows{', pair order' if pairs else ''}{tiles}", "K step"
     ops = longest_loop(sass, shortest="fp4mma" in sys.argv)
