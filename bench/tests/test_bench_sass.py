@@ -70,3 +70,12 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
     # the int4 kernel's step written as four interleaved chains compiles to overlapped chains, not a run of one
     # block's 8 dependent MMAs
     assert found["int4 mma chain"] <= 4
+
+
+def test_a_tile_named_on_the_command_line_replaces_the_plans(monkeypatch):
+    from bench import sass
+
+    monkeypatch.setattr(sys, "argv", ["sass", "grouped", "--tile", "128x64x8", "--stages", "3"])
+    assert sass.tile_option() == dict(BLOCK_M=128, BLOCK_N=64, num_warps=8)
+    monkeypatch.setattr(sys, "argv", ["sass", "grouped"])
+    assert sass.tile_option() == {}
