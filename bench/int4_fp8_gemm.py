@@ -1,8 +1,7 @@
 """The W4A8 GEMM (int4 weights in groups of 128, e4m3 activations per token) on the GPU: correctness of the kernel and
 of the routes past M = 128 (cuBLAS's, the default, and the codes decoded in the TMA kernel's K loop) against the fp64
-product, a sweep of the kernel's tiles (past M = 128, the decoding TMA kernel's, against cuBLAS's route), and time
-against bf16 cuBLAS (torch.mm) and fp8 cuBLAS (torch._scaled_mm with row scales, the fp8_row recipe's GEMM) in the
-same process.
+product, a sweep of the kernel's tiles (past M = 128, the decoding TMA kernel's, against cuBLAS's route), and time against bf16 cuBLAS (torch.mm) and fp8 cuBLAS (torch._scaled_mm with row scales, the fp8_row
+recipe's GEMM) in the same process.
 
 Run: python -m bench.int4_fp8_gemm [--sweep | --pair-order] [--ms 1 16 128 1024 4096]
      (--pair-order: the kernel's default tiles at M <= 16 with K in codes.pair_order, as shipped, and in K order)

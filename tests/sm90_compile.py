@@ -32,8 +32,8 @@ OPTIONS = ("num_warps", "num_stages", "maxnreg")  # launch keywords that are com
 
 def _gpu_value(name: str, value, kernel: str, constexprs: dict):
     """A constexpr as the GPU's launcher sets it where the interpreter's differs: the casts in hardware, dependent
-    launch on (sm_90), inline PTX on, and the tensor-core operand type rather than the interpreter's fp32 (fp16 for
-    e4m3 codes and the W4A8 kernels, whose codes are exact in it; bf16 otherwise)."""
+    launch on (sm_90), inline PTX on, and the tensor-core operand type rather than the interpreter's fp32 (fp16 for e4m3 codes and
+    the W4A8 kernels, whose codes are exact in it; bf16 otherwise)."""
     if name == "CAST" and value == CAST_EMULATED:
         return CAST_NATIVE
     if name in ("PDL", "PTX"):

@@ -11,8 +11,8 @@ two's-complement code c), the product wanted is
 
 so each 128-wide K step's fp32 partial is scaled by its group's scales as the channel-group kernels scale theirs, and
 the zero point's share, z * s * (the group's sum of activation codes), is taken off once after the loop in one small
-product (`group_sums`, in bf16 heads and tails on the tensor cores). Tiles, expert lookup and masking are
-`gemm_grouped_tma`'s; a dense product is one expert owning every row.
+product (`group_sums`, in bf16 heads and tails on the tensor cores). Tiles, expert lookup and masking are `gemm_grouped_tma`'s; a
+dense product is one expert owning every row.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def _int4_fp8_tma_kernel(
     # strides (zero points share the scales' layout)
     stride_cm, stride_asm, stride_sums, stride_se, stride_sn,
     # meta-parameters
-    HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, PTX: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, CORRECTION_GROUPS: tl.constexpr,
+    HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, PTX: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, CORRECTION_GROUPS: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = 128
     expert, pid_n, offs_m, offs_n = expert_tile_offsets(offs_ptr, E, M, N, BLOCK_M, BLOCK_N, GROUP_M)
