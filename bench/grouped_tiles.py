@@ -8,9 +8,9 @@ cuBLAS's rowwise fp8 GEMM, given slices of the experts' activations, refused 984
 Two scalings: row scales (fp8_row's experts) and the weight's per-channel 1x128 group scales beside per-token ones
 (W4A8's codes made e4m3: the route from 128 rows an expert up to BY_EXPERT_ABOVE_M, and in a CUDA graph past it).
 Each variant's output is checked against the dense kernel's (row scales) or the W4A8 product expert by expert
-(groups) before it is timed; then, for W4A8, the whole routes: the codes decoded in the K loop (the plan, in and out
-of a graph, and at other tiles), the codes made e4m3 and the grouped kernel, and expert by expert on cuBLAS (the
-offsets read on the host, timed as it runs).
+(groups) before it is timed; then, for W4A8, the two whole routes: the codes made e4m3 and the grouped kernel (what
+a graph replays), and expert by expert on cuBLAS (what runs outside one, the offsets read on the host, timed as it
+runs).
 
     python -m bench.grouped_tiles [--tokens 1024 4096] [--variants "the plan" "rows in plain order" ...]
 """
@@ -53,12 +53,6 @@ VARIANTS = {
     "TMA 128x128, 8 warps, 4 stages": dict(TMA=True, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4),
     "TMA 256x128, 8 warps, 3 stages": dict(TMA=True, BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3),
     "TMA 128x256, 8 warps, 3 stages": dict(TMA=True, BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3),
-}
-# W4A8 with the codes decoded in the K loop (`gemm_int4_fp8_tma`) at tiles other than its plan's
-DECODED_VARIANTS = {
-    "128x128, 8 warps, 3 stages": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
-    "128x256, 8 warps, 3 stages": dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3),
-    "256x128, 8 warps, 3 stages": dict(BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3),
 }
 # the kernels multiply the same fp8 operands and accumulate in fp32 in other orders, then round to bf16
 AGREEMENT = 5e-3
@@ -147,15 +141,7 @@ def sweep(tokens: int, gemm: str, variants: list[str]) -> list[dict]:
             error = checked(f"{scales}: {name}", product(), reference)
             timed(f"{scales}: {name}", graph_time_ms(product, [()]), bf16_ms, error)
     error = checked("W4A8 in a graph", graph_output(w4a8, ()), by_expert)
-    timed("W4A8 as planned, in a graph (codes decoded in the K loop)", graph_time_ms(w4a8, [()]), bf16_ms, error)
-    for name, tiles in DECODED_VARIANTS.items():
-        product = lambda t=tiles: G.grouped_int4_fp8_mm(a, a_scale, offs, int4.data, int4.scale, int4.zero_point,
-                                                        config=dict(TMA=True, **t))
-        error = checked(f"W4A8 decoded: {name}", product(), by_expert)
-        timed(f"W4A8 decoded: {name}", graph_time_ms(product, [()]), bf16_ms, error)
-    over_e4m3 = lambda: G.grouped_int4_fp8_over_e4m3(out, a, a_scale, offs, int4.data, int4.scale, int4.zero_point)
-    error = checked("W4A8 codes made e4m3", graph_output(over_e4m3, ()), by_expert)
-    timed("W4A8 in a graph (codes made e4m3, grouped)", graph_time_ms(over_e4m3, [()]), bf16_ms, error)
+    timed("W4A8 in a graph (codes made e4m3, grouped)", graph_time_ms(w4a8, [()]), bf16_ms, error)
     timed("W4A8 as it runs (expert by expert, cuBLAS)", time_ms(by_expert_route, [()]), bf16_ms)
     return rows
 

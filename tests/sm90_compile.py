@@ -32,11 +32,11 @@ OPTIONS = ("num_warps", "num_stages", "maxnreg")  # launch keywords that are com
 
 def _gpu_value(name: str, value, kernel: str, constexprs: dict):
     """A constexpr as the GPU's launcher sets it where the interpreter's differs: the casts in hardware, dependent
-    launch on (sm_90), inline PTX on, and the tensor-core operand type rather than the interpreter's fp32 (fp16 for e4m3 codes and
+    launch on (sm_90), and the tensor-core operand type rather than the interpreter's fp32 (fp16 for e4m3 codes and
     the W4A8 kernels, whose codes are exact in it; bf16 otherwise)."""
     if name == "CAST" and value == CAST_EMULATED:
         return CAST_NATIVE
-    if name in ("PDL", "PTX"):
+    if name == "PDL":
         return True
     if name == "DOT" and value == "fp32":
         return "fp16" if constexprs.get("KV_CODES") or "int4_fp8" in kernel or "e4m3" in kernel else "bf16"

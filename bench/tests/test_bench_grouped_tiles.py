@@ -35,8 +35,6 @@ def on_cpu(monkeypatch):
     monkeypatch.setattr(GT, "VARIANTS", {"the plan": {}, "small tiles": SMALL,
                                          "TMA small tiles": dict(TMA=True, **SMALL),
                                          "N-contiguous scales": {"scales": "N-contiguous", **SMALL}})
-    monkeypatch.setattr(GT, "DECODED_VARIANTS", {"small tiles": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4,
-                                                                     num_stages=2)})
 
     def routed(tokens, seed):
         logits = torch.randn(tokens, GT.EXPERTS, generator=torch.Generator().manual_seed(seed))
@@ -57,10 +55,9 @@ def test_every_variant_is_checked_then_timed_and_scale_layouts_only_for_channel_
         "row: the plan", "row: small tiles",
         "row: TMA small tiles", "channel groups: the plan", "channel groups: small tiles",
         "channel groups: TMA small tiles", "channel groups: N-contiguous scales",
-        "W4A8 as planned, in a graph (codes decoded in the K loop)", "W4A8 decoded: small tiles",
         "W4A8 in a graph (codes made e4m3, grouped)", "W4A8 as it runs (expert by expert, cuBLAS)"]
     checked = [r for r in rows if r["rel err"] != "-"]
-    assert len(checked) == 11 and all(float(r["rel err"]) <= GT.AGREEMENT for r in checked)
+    assert len(checked) == 9 and all(float(r["rel err"]) <= GT.AGREEMENT for r in checked)
     assert all(r["us"] == "500" and r["x bf16"] == "1.00" for r in rows)
 
 

@@ -45,9 +45,6 @@ from fxquant.kernels.gemm_int4_fp8 import (
     int4_fp8_mm,
 )
 from fxquant.kernels.gemm_int4_fp8 import GROUP as INT4_GROUP
-from fxquant.kernels.gemm_int4_fp8_tma import TILES as DECODED_TILES
-from fxquant.kernels.gemm_int4_fp8_tma import int4_fp8_tma
-from fxquant.kernels.gemm_int4_fp8_tma import supports as decoded_supports
 from fxquant.kernels.gemm_weight_only import (
     CHUNK_ELEMENTS,
     DEQUANTIZE_ABOVE_M,
@@ -362,10 +359,6 @@ def grouped_int4_fp8_mm(a, a_scale, offs, w, w_scale, zero_point, out_dtype=torc
     if M == 0 or N == 0:
         return out
     per_expert = cdiv(M, min(M, E))
-    decoded = (config is None and per_expert > CUBLAS_ABOVE_M) or (config or {}).get("TMA", False)
-    if decoded and not inlined() and decoded_supports(a, w):
-        tiles = {**DECODED_TILES, **{key: v for key, v in (config or {}).items() if key != "TMA"}}
-        return int4_fp8_tma(out, a, a_scale, offs, w, w_scale, zero_point, cdiv(M, tiles["BLOCK_M"]) + E + 1, tiles)
     if config is None and per_expert > CUBLAS_ABOVE_M and not inlined():
         if per_expert <= BY_EXPERT_ABOVE_M or (a.is_cuda and torch.cuda.is_current_stream_capturing()):
             return grouped_int4_fp8_over_e4m3(out, a, a_scale, offs, w, w_scale, zero_point)

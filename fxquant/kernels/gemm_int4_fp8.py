@@ -25,10 +25,7 @@ from fxquant.kernels.codes import biased, dot_operands, e4m3_words, int4_integer
 from fxquant.kernels.cublas_fp8 import block_scaled_rows
 from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
-from fxquant.kernels.gemm_int4_fp8_tma import TILES as DECODED_TILES
-from fxquant.kernels.gemm_int4_fp8_tma import int4_fp8_tma
-from fxquant.kernels.gemm_int4_fp8_tma import supports as decoded_supports
-from fxquant.kernels.launch import cdiv, inlined, visible
+from fxquant.kernels.launch import cdiv, visible
 from fxquant.kernels.splitk import TARGET_PROGRAMS, counters, reduce_partials, split_k, sum_if_last_slice
 from fxquant.kernels.tiles import k_steps_of, store_tile, tile_offsets
 
@@ -228,8 +225,7 @@ def int4_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
                 config: dict | None = None) -> torch.Tensor:
     """a: [M, K] e4m3 codes with a_scale [M, 1] (per token); w: [N, K/2] packed int4 codes with w_scale [N, K/128]
     fp32 and zero_point [N, K/128] uint8 (or None: symmetric codes). Returns [M, N] in out_dtype. config: tiles (and
-    CUBLAS) replacing `int4_fp8_config`'s (a sweep's); TMA=True: the codes decoded in the K loop of the TMA kernel
-    (`gemm_int4_fp8_tma`, on Hopper), at its tiles but those the config names."""
+    CUBLAS) replacing `int4_fp8_config`'s (a sweep's)."""
     M, K = a.shape
     N = w.shape[0]
     if w.shape != (N, K // 2) or w_scale.shape != (N, K // GROUP):
@@ -239,12 +235,6 @@ def int4_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     if M == 0 or N == 0:
         return out
     a, w, scale = a.contiguous(), w.contiguous().view(torch.uint8), w_scale.contiguous()
-    if (config or {}).get("TMA") and not inlined() and decoded_supports(a, w[None]):
-        tiles = {**DECODED_TILES, **config}
-        offs = torch.full((1,), M, dtype=torch.int32, device=a.device)  # one expert owns every row
-        return int4_fp8_tma(out, a, a_scale, offs, w[None], scale[None],
-                            None if zero_point is None else zero_point[None], cdiv(M, tiles["BLOCK_M"]) + 2, tiles,
-                            bias)
     cfg = {**int4_fp8_config(M, N), **(config or {})}
     if cfg.get("CUBLAS") and cublas_supports(a, N, bias, out_dtype) is None:
         return cublas_int4_fp8(a, a_scale, w, scale, zero_point)

@@ -24,7 +24,6 @@ from fxquant.kernels.gemm_grouped import (
     grouped_weight_only_mm,
 )
 from fxquant.kernels.gemm_int4_fp8 import int4_as_e4m3, int4_fp8_mm
-from fxquant.kernels.gemm_int4_fp8_tma import int4_fp8_tma
 from fxquant.kernels.gemm_weight_only import weight_only_mm
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8
 from fxquant.kernels.quant_fp8 import quantize_fp8_rows, quantize_fp8_static, quantize_fp8_tensor
@@ -91,9 +90,6 @@ def _experts():
     grouped_int4_fp8_mm(qa.data, qa.scale, offs, q.data, q.scale, q.zero_point)
     grouped_int4_fp8_over_e4m3(torch.empty(7, 64, dtype=BF16), qa.data, qa.scale, offs, q.data, q.scale,
                                q.zero_point)
-    tiles = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)
-    for zero_point in (q.zero_point, None):  # the codes decoded in the K loop, zero points and symmetric
-        int4_fp8_tma(torch.empty(7, 64, dtype=BF16), qa.data, qa.scale, offs, q.data, q.scale, zero_point, 4, tiles)
 
 
 def _row_kernels():
