@@ -32,6 +32,8 @@ from fxquant.ops import quantize_fp8
 SHAPES = {"gate/up": (2 * INTERMEDIATE, HIDDEN), "down": (HIDDEN, INTERMEDIATE)}
 VARIANTS = {
     "the plan": {},
+    # the Triton kernels' plan where the plan is torch's CUTLASS route (row scales past 128 rows an expert, sm_90)
+    "the Triton plan": {"TMA": True},
     "rows in plain order": {"GROUP_M": 1},
     "the plan on pointers": {"TMA": False},
     "128x128, 4 warps, 4 stages": dict(TMA=False, BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=4),

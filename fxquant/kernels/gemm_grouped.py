@@ -30,6 +30,8 @@ import triton.language as tl
 
 from fxquant.kernels.cast import capability, cast_mode, float_cast_mode, interpreting
 from fxquant.kernels.codes import FORMATS, PACKED
+from fxquant.kernels.cutlass_grouped import cutlass_grouped_fp8
+from fxquant.kernels.cutlass_grouped import supports as cutlass_supports
 from fxquant.kernels.dequantize_weight import dequantize_weight
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_fp8 import SCALE_BLOCK, TORCH_TO_TL, fp8_accumulate, fp8_scale_tile
@@ -201,9 +203,11 @@ def grouped_fp8_mm(a, a_scale, offs, b, b_scale, out_dtype=torch.bfloat16, confi
     offs: int32 [E]; b: [E, N, K] e4m3; b_scale: [E] per expert tensor, [E, N, 1] per channel, [E, N/128, K/128]
     blocks (with [M, K/128] activation scales) or [E, N, K/128] per channel and 1x128 group (with per-token or
     per-tensor activation scales: W4A8's codes made e4m3). Returns [M, N] in out_dtype, written into `out` if given
-    (an [M, N] view, columns of a wider output). Row-scaled tiles and channel groups past 128 rows an expert (or with
-    a `config` of TMA=True) go through tensor descriptors (`gemm_grouped_tma`) where the GPU and the operands allow,
-    unsplit; TMA=False keeps them on pointers."""
+    (an [M, N] view, columns of a wider output). Past 128 rows an expert, row-scaled products on sm_90 go through
+    torch's CUTLASS grouped GEMM where it takes them (`cutlass_grouped`, without a `config` or `out`); otherwise
+    row-scaled tiles and channel groups past 128 rows an expert (or with a `config` of TMA=True) go through tensor
+    descriptors (`gemm_grouped_tma`) where the GPU and the operands allow, unsplit; TMA=False keeps them on
+    pointers."""
     M, K = a.shape
     E, N = b.shape[:2]
     _check_offs(offs, E)
@@ -231,6 +235,11 @@ def grouped_fp8_mm(a, a_scale, offs, b, b_scale, out_dtype=torch.bfloat16, confi
         asm, ask = (0 if a_scale.numel() == 1 else a_scale.reshape(-1).stride(0)), 0
         b_scale = b_scale.reshape(E, -1)
         bse, bsn, bsk = b_scale.stride(0), (0 if per_tensor else b_scale.stride(1)), 0
+    # row scales past 128 rows an expert on sm_90: CUTLASS's grouped GEMM, measured faster than the plan below
+    # (docs/decisions/0039-moe-row-scaled-experts-on-cutlass.md)
+    if config is None and out is None and not block_scales and not inlined() and \
+            cutlass_supports(a, a_scale, b, b_scale, out_dtype) is None:
+        return cutlass_grouped_fp8(a, a_scale, offs, b, b_scale)
     out = torch.empty((M, N), dtype=out_dtype, device=a.device) if out is None else out
     if M == 0 or N == 0:
         return out

@@ -15,6 +15,7 @@ import torch
 
 import fxquant.kernels
 from fxquant.kernels import splitk
+from fxquant.kernels.cutlass_grouped import zero_unowned_rows
 from fxquant.kernels.decode_attention import decode_attention, decode_attention_quantized
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
 from fxquant.kernels.gemm_grouped import (
@@ -74,9 +75,9 @@ def _gemms():
 
 
 def _experts():
-    """The grouped GEMMs of mixture-of-experts layers: fp8 (also through tensor descriptors, at many rows' tiles),
-    weight-only int4 and W4A8, the latter also with every expert's codes made e4m3 for the grouped fp8 kernel (its
-    route from 128 rows an expert)."""
+    """The grouped GEMMs of mixture-of-experts layers: fp8 (also through tensor descriptors, at many rows' tiles, and
+    the zeroing of the rows CUTLASS's route leaves unwritten), weight-only int4 and W4A8, the latter also with every
+    expert's codes made e4m3 for the grouped fp8 kernel (its route from 128 rows an expert)."""
     offs = torch.tensor([3, 3, 7], dtype=torch.int32)
     x = _randn(7, 256, dtype=BF16)
     qa = R.quantize(x, "fp8_e4m3", "token")
@@ -85,6 +86,7 @@ def _experts():
     for tiles in ((128, 4), (256, 3)):  # the plan's tiles through tensor descriptors, from 128 and 512 rows an expert
         grouped_fp8_mm(qa.data, qa.scale, offs, q.data, q.scale, BF16,
                        config=dict(TMA=True, BLOCK_M=tiles[0], BLOCK_N=128, num_warps=8, num_stages=tiles[1]))
+    zero_unowned_rows(torch.empty(7, 64, dtype=BF16), offs)
     q = R.quantize_experts(_randn(3, 64, 256), "int4", ("group", 128))
     grouped_weight_only_mm(x, offs, q.data, q.scale, "int4", 128, 64, zero_point=q.zero_point)
     grouped_int4_fp8_mm(qa.data, qa.scale, offs, q.data, q.scale, q.zero_point)
