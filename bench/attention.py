@@ -16,8 +16,8 @@ With --filled N the cache of each context holds N tokens and the decode mask hid
 allocated past what it holds (`filled_paths`); the percentages are then of the filled keys' bytes.
 
 Run: python -m bench.attention [--batches 1 16 64] [--contexts 1024 4096 16384] [--sweep [--codes]] [--filled N]
-     python -m bench.attention --splits 1 2 4 5 [--batches ..] [--contexts ..]   (the e4m3 cache's kernel at these
-                                                     split counts, beside the count it picks)
+     python -m bench.attention --splits 1 2 4 5 [--bf16] [--batches ..] [--contexts ..]   (the e4m3 cache's kernel,
+         or with --bf16 the bf16 cache's, at these split counts, beside the count it picks)
 """
 
 from __future__ import annotations
@@ -203,9 +203,10 @@ def sweep(batches, contexts, codes: bool) -> None:
     print(table(rows))
 
 
-def split_sweep(batches, contexts, counts) -> None:
-    """The kernel over e4m3 codes (per-token scales, the mask on) at its default plan, with each split count of
-    `counts` in place of the one it picks; the row "picked" is the kernel as it runs, its count beside it."""
+def split_sweep(batches, contexts, counts, codes: bool) -> None:
+    """The kernel over e4m3 codes (per-token scales; `codes` false: over the bf16 cache), the mask on, at its default
+    plan, with each split count of `counts` in place of the one it picks; the row "picked" is the kernel as it runs,
+    its count beside it."""
     from fxquant.kernels.decode_attention import decode_attention, launch_plan
 
     rows = []
@@ -213,10 +214,12 @@ def split_sweep(batches, contexts, counts) -> None:
         for context in contexts:
             sets = cache_sets(batch, context)
             row = {"B": batch, "context": context,
-                   "splits picked": launch_plan(batch * HEADS_KV, context, True, torch.device("cuda"))[1]}
+                   "splits picked": launch_plan(batch * HEADS_KV, context, codes, torch.device("cuda"))[1]}
+            k, v, k_scale, v_scale = ("kc", "vc", "ks", "vs") if codes else ("k", "v", None, None)
             for splits in [None, *counts]:
-                fn = lambda c, splits=splits: decode_attention(c["q"], c["kc"], c["vc"], c["mask"], DIM**-0.5, 0.0,
-                                                               None, c["ks"], c["vs"], None, splits=splits)
+                fn = lambda c, splits=splits: decode_attention(
+                    c["q"], c[k], c[v], c["mask"], DIM**-0.5, 0.0, None, c.get(k_scale), c.get(v_scale), None,
+                    splits=splits)
                 row[str(splits or "picked")] = f"{1e3 * graph_time_ms(fn, sets):.1f}"
             rows.append(row)
             print(row, flush=True)
@@ -231,7 +234,9 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--sweep", action="store_true", help="time the kernel's launch plans instead")
     parser.add_argument("--codes", action="store_true", help="sweep over an e4m3 cache")
-    parser.add_argument("--splits", type=int, nargs="+", help="time the e4m3 cache's kernel at these split counts")
+    parser.add_argument("--splits", type=int, nargs="+", help="time the e4m3 cache's kernel at these split counts "
+                        "(with --bf16, the bf16 cache's)")
+    parser.add_argument("--bf16", action="store_true", help="--splits over the bf16 cache")
     parser.add_argument("--filled", type=int, help="the cache holds this many tokens of its context; a mask hides "
                         "the rest")
     args = parser.parse_args()
@@ -240,7 +245,7 @@ def main() -> None:
         sweep(args.batches, args.contexts, args.codes)
         return
     if args.splits:
-        split_sweep(args.batches, args.contexts, args.splits)
+        split_sweep(args.batches, args.contexts, args.splits, codes=not args.bf16)
         return
     bandwidth = copy_bandwidth_gbs()
     print(f"copy bandwidth {bandwidth:.0f} GB/s")
