@@ -40,7 +40,8 @@ fxquant:<recipe>+nopdl (every fxquant kernel launched without programmatic depen
 GEMMs summed by the reduce kernel, not by their last slice), +prefetch (the fp8 and 4-bit decode GEMMs ask the L2 for
 their first weights before they wait for the previous kernel; by default the fp8 GEMM alone), +noprefetch (none
 does), +mma8 (int4 GEMMs of up to 8 rows on the mma.sync kernel, not one), +tiles64 (the fp8 decode GEMMs of 9-16
-rows in the tiles of 8 rows, as before decision 0035),
+rows in the tiles of 8 rows, as before decision 0035), +chunk=<n> (the weight-only prefill's weight dequantized 2**n
+elements at a time, not CHUNK_ELEMENTS),
 torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head, +without, +inductor,
 +rows, +fp4inregisters, +inplace and the launch settings).
 
@@ -67,6 +68,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from unittest.mock import patch
 
 import torch
 import transformers as T
@@ -75,7 +77,7 @@ import fxquant
 from bench import peers, timeline, workers
 from bench.common import LLAMA_3_VOCAB, header, llama, llama_config, table
 from fxquant.compile.backend import fxquant as fxquant_backend
-from fxquant.kernels import gemm_fp8
+from fxquant.kernels import gemm_fp8, gemm_weight_only
 from fxquant.kernels.dependent_launch import dependent_launches, weights_prefetched
 from fxquant.kernels.gemm_int4_mma import MAX_M, serving_up_to
 from fxquant.kernels.splitk import reduce_in_gemm
@@ -233,6 +235,13 @@ NO_PREFETCH = "+noprefetch"  # none does (by default the fp8 GEMM does: decision
 MMA_ROWS = "+mma8"  # int4 GEMMs of up to 8 rows on the mma.sync kernel (one row otherwise)
 TILES_64 = "+tiles64"  # the fp8 decode GEMMs of 9-16 rows in the 64-wide tiles of 8 rows (before decision 0035)
 LAUNCH_SETTINGS = (NO_PDL, REDUCE_KERNEL, PREFETCH, NO_PREFETCH, MMA_ROWS, TILES_64)
+CHUNK = "+chunk="  # +chunk=<n>: the weight-only prefill dequantizes its weight 2**n elements at a time
+
+
+def chunk_elements(path: str) -> int | None:
+    """The dequantized weight's chunk a path names with +chunk=<n> (2**n elements), else None (the product's)."""
+    return next((2 ** int(extra.partition("=")[2]) for extra in path.split("+")[1:] if extra.startswith("chunk=")),
+                None)
 
 
 def prefetch_setting(path: str) -> bool | None:
@@ -249,7 +258,18 @@ def launch_settings(path: str, profiled: bool = False):
     count the wait as its time."""
     with (dependent_launches(NO_PDL not in path and not profiled), reduce_in_gemm(REDUCE_KERNEL not in path),
           weights_prefetched(prefetch_setting(path)), serving_up_to(MAX_M if MMA_ROWS in path else 1),
-          tiles_of_eight_rows(TILES_64 in path)):
+          tiles_of_eight_rows(TILES_64 in path), dequantized_chunks(chunk_elements(path))):
+        yield
+
+
+@contextlib.contextmanager
+def dequantized_chunks(elements: int | None):
+    """Inside the block (where given), the weight-only GEMMs past DEQUANTIZE_ABOVE_M rows dequantize their weight
+    `elements` at a time (CHUNK_ELEMENTS), each chunk multiplied by cuBLAS."""
+    if elements is None:
+        yield
+        return
+    with patch.object(gemm_weight_only, "CHUNK_ELEMENTS", elements):
         yield
 
 
@@ -316,11 +336,11 @@ def recipe_options(path: str) -> dict:
             options["int4_code_tiles"] = False
         elif key == IN_REGISTERS:
             options["fp4_lanes"] = False
-        elif key in LAUNCH_SETTINGS or key == IN_PLACE:
+        elif key in LAUNCH_SETTINGS or key == IN_PLACE or key + "=" == CHUNK:
             continue  # a launch setting or the model's preparation, not a backend option: work() applies it
         else:
             raise ValueError(f"bench.decode: path {path!r}: {key!r} is none of +head=, +without=, +inductor=, "
-                             f"+rows, +fp4inregisters, +inplace, +fp8kv, {', '.join(LAUNCH_SETTINGS)}")
+                             f"+rows, +fp4inregisters, +inplace, +fp8kv, +chunk=, {', '.join(LAUNCH_SETTINGS)}")
     return options
 
 

@@ -103,7 +103,7 @@ def test_an_inplace_path_compiles_a_quantize_d_copy_and_leaves_the_model_as_it_w
 
 
 def test_launch_settings_turn_off_what_the_path_names_and_only_inside_the_block():
-    from fxquant.kernels import dependent_launch, gemm_fp8, gemm_int4_mma, splitk
+    from fxquant.kernels import dependent_launch, gemm_fp8, gemm_int4_mma, gemm_weight_only, splitk
 
     with launch_settings("fxquant:fp8_row+reducekernel"):  # each kernel's own prefetch default: None
         assert dependent_launch._enabled[0] and not splitk._in_gemm[0] and dependent_launch._prefetch[0] is None
@@ -120,6 +120,11 @@ def test_launch_settings_turn_off_what_the_path_names_and_only_inside_the_block(
         assert plan_16() == 64
     assert dependent_launch._enabled[0] and splitk._in_gemm[0] and dependent_launch._prefetch[0] is None
     assert gemm_int4_mma.serves_rows() == 1 and plan_16() == 32
+    shipped = gemm_weight_only.CHUNK_ELEMENTS
+    with launch_settings("fxquant:int4_wo+chunk=23+nopdl"):  # the weight-only prefill's chunks: 2**23 elements
+        assert gemm_weight_only.CHUNK_ELEMENTS == 2**23 and not dependent_launch._enabled[0]
+    assert gemm_weight_only.CHUNK_ELEMENTS == shipped
+    assert recipe_options("fxquant:int4_wo+chunk=23") == {"recipe": "int4_wo"}
 
 
 def test_too_few_steps_to_time_are_refused_by_name(monkeypatch, capsys):
