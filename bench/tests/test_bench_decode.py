@@ -123,7 +123,7 @@ def test_launch_settings_turn_off_what_the_path_names_and_only_inside_the_block(
     shipped = gemm_weight_only.CHUNK_ELEMENTS
     with launch_settings("fxquant:int4_wo+chunk=23+nopdl"):  # the weight-only prefill's chunks: 2**23 elements
         assert gemm_weight_only.CHUNK_ELEMENTS == 2**23 and not dependent_launch._enabled[0]
-    assert gemm_weight_only.CHUNK_ELEMENTS == shipped
+    assert shipped == gemm_weight_only.CHUNK_ELEMENTS
     assert recipe_options("fxquant:int4_wo+chunk=23") == {"recipe": "int4_wo"}
 
 
