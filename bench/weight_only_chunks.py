@@ -3,10 +3,12 @@ for the L2 to hold, against bf16 cuBLAS in the same process.
 
 Past DEQUANTIZE_ABOVE_M rows, `weight_only_mm` dequantizes the int4 weight to bf16 at most CHUNK_ELEMENTS at a time
 and cuBLAS multiplies each chunk into its output columns. At the product's 2**27 elements a Llama weight is one chunk:
-its bf16 copy is written to HBM and read back by the GEMM. A chunk of 2**23-2**24 elements (16-32 MB) reuses one
-block of the allocator, which the L2 may hold from the dequantizer's writes to the GEMM's reads; each chunk's GEMM,
-though, has fewer output tiles to spread over the SMs. Each route's product is checked against the one-chunk route's
-(relative difference) before it is timed; codes as the backend holds them on the GPU (`code_tiles`).
+its bf16 copy is written to HBM and read back by the GEMM. A chunk of 2**23-2**24 elements (16-32 MB) is freed
+before the next is dequantized, so the caching allocator may hand each chunk the same block (inside a CUDA graph's
+capture too: a block freed there is reused by the capture's later requests), which the L2 may hold from the
+dequantizer's writes to the GEMM's reads; each chunk's GEMM, though, has fewer output tiles to spread over the SMs.
+Each route's product is checked against the one-chunk route's (relative difference) before it is timed; codes as the
+backend holds them on the GPU (`code_tiles`).
 
 Run: python -m bench.weight_only_chunks [--ms 1024 4096] [--chunks 27 25 24 23 22]   (chunk sizes as powers of two)
 """
