@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, fields
 
+from fxquant.numerics.row_powers_of_two import SCALE_MODE as ROW_POWERS_OF_TWO
+
 INNERS = ("inductor", "eager")
 # torch.compile refuses mode= together with options=, so the inner Inductor's mode also travels as an option.
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -31,6 +33,7 @@ class LinearScheme:
     k_multiple: int = 16  # the weight's K must divide by this (group or block size; 16 for tensor cores)
     n_multiple: int = 16
     symmetric: bool = False  # int4: codes -7..7 with no zero point, rather than 0..15 with one per group
+    scale_mode: str | None = None  # how the weight's scales are chosen, as `fxquant.quantize` takes it
 
     def __str__(self) -> str:
         if self.kind == "weight_only":
@@ -52,7 +55,10 @@ RECIPES = {
     "int4_sym_wo": LinearScheme("weight_only", "int4", ("group", 128), k_multiple=128, symmetric=True),
     # W4A8: symmetric int4 weights (codes -7..7, exact in e4m3) and e4m3 activations per token, on the fp8 tensor
     # cores; symmetric as the W4A8 scheme vLLM loads from compressed-tensors checkpoints.
-    "int4_fp8": LinearScheme("int4_fp8", "int4", ("group", 128), 0, k_multiple=128, symmetric=True),
+    # Group scales a power of two times their row's: past 128 rows the fp8 tensor cores multiply the codes
+    # row-scaled, and the MiniLM set kept more than under the groups' amax scales (numerics/row_powers_of_two.py).
+    "int4_fp8": LinearScheme("int4_fp8", "int4", ("group", 128), 0, k_multiple=128, symmetric=True,
+                             scale_mode=ROW_POWERS_OF_TWO),
 }
 AUTO = "auto"
 KEEP = "none"  # in layer_recipes: keep this layer in high precision

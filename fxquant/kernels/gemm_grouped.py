@@ -349,14 +349,17 @@ def _int4_fp8_plan(M: int, N: int, K: int, E: int, overrides: tuple):
     return grid, split, meta
 
 
-def grouped_int4_fp8_mm(a, a_scale, offs, w, w_scale, zero_point, out_dtype=torch.bfloat16, config=None):
+def grouped_int4_fp8_mm(a, a_scale, offs, w, w_scale, zero_point, out_dtype=torch.bfloat16, config=None,
+                        row_scale=None):
     """W4A8 over rows sorted by expert: a [M, K] e4m3 with per-token scales a_scale [M, 1]; offs: int32 [E];
     w: [E, N, K/2] packed int4 codes with scales [E, N, K/128] fp32 and zero points like them (or None: symmetric).
     Returns [M, N] in out_dtype, each group's fp32 partial scaled as `int4_fp8_mm` scales it. Past CUBLAS_ABOVE_M
     rows per active expert (outside a package's trace and without an explicit `config`) the codes are made e4m3 for
     the grouped fp8 kernel; past BY_EXPERT_ABOVE_M, outside a CUDA graph capture, each expert's rows take the dense
-    product (`int4_fp8_mm`, cuBLAS's block-scaled GEMM past 128 rows): the one grouped route that reads the expert
-    offsets on the host, which a graph cannot."""
+    product (`int4_fp8_mm`, cuBLAS's GEMM past 128 rows): the one grouped route that reads the expert offsets on the
+    host, which a graph cannot. row_scale: [E, N, 1] where w_scale is in the row-scaled form
+    (numerics/row_powers_of_two.py): those routes multiply the codes row-scaled (CUTLASS's grouped GEMM, cuBLAS's
+    rowwise one) rather than scaling each group's partial."""
     M, K = a.shape
     E, N = w.shape[:2]
     _check_offs(offs, E)
@@ -370,8 +373,8 @@ def grouped_int4_fp8_mm(a, a_scale, offs, w, w_scale, zero_point, out_dtype=torc
     per_expert = cdiv(M, min(M, E))
     if config is None and per_expert > CUBLAS_ABOVE_M and not inlined():
         if per_expert <= BY_EXPERT_ABOVE_M or (a.is_cuda and torch.cuda.is_current_stream_capturing()):
-            return grouped_int4_fp8_over_e4m3(out, a, a_scale, offs, w, w_scale, zero_point)
-        return grouped_int4_fp8_by_expert(out, a, a_scale, offs, w, w_scale, zero_point)
+            return grouped_int4_fp8_over_e4m3(out, a, a_scale, offs, w, w_scale, zero_point, row_scale)
+        return grouped_int4_fp8_by_expert(out, a, a_scale, offs, w, w_scale, zero_point, row_scale)
     a, scale = a.contiguous(), w_scale.contiguous()
     words = w.contiguous().view(torch.uint8).view(torch.int32)  # eight codes a word (K is a multiple of 128)
     zero = zero_point.contiguous() if zero_point is not None else scale
@@ -387,28 +390,39 @@ def grouped_int4_fp8_mm(a, a_scale, offs, w, w_scale, zero_point, out_dtype=torc
     return _finish(ws, out, split, out_dtype)
 
 
-def grouped_int4_fp8_over_e4m3(out, a, a_scale, offs, w, w_scale, zero_point):
+def grouped_int4_fp8_over_e4m3(out, a, a_scale, offs, w, w_scale, zero_point, row_scale=None):
     """W4A8 experts on the fp8 tensor cores with no host read of the offsets: every expert's codes made e4m3
     integers q - z (`int4_as_e4m3`, exact), a block of columns at a time (at most CHUNK_ELEMENTS codes, as the
     weight-only experts are dequantized), each block through the grouped fp8 kernel with the group's scales and the
-    token's folded into each 128-wide K step's fp32 partial, written into its columns of `out` [M, N]."""
+    token's folded into each 128-wide K step's fp32 partial, written into its columns of `out` [M, N]. With row
+    scales [E, N, 1] the codes take their groups' powers of two and each block is a row-scaled grouped product
+    (CUTLASS's on sm_90, docs/decisions/0040-w4a8-row-scaled-past-m128.md)."""
     (M, K), (E, N) = a.shape, w.shape[:2]
     columns = max(16, CHUNK_ELEMENTS // (E * K) // 16 * 16)  # whole 16-column blocks
     for n0 in range(0, N, columns):
         n1 = min(N, n0 + columns)
-        codes = int4_as_e4m3(w[:, n0:n1], None if zero_point is None else zero_point[:, n0:n1])
-        grouped_fp8_mm(a, a_scale.reshape(M, 1), offs, codes, w_scale[:, n0:n1], out.dtype, out=out[:, n0:n1])
+        zero = None if zero_point is None else zero_point[:, n0:n1]
+        if row_scale is None:
+            codes = int4_as_e4m3(w[:, n0:n1], zero)
+            grouped_fp8_mm(a, a_scale.reshape(M, 1), offs, codes, w_scale[:, n0:n1], out.dtype, out=out[:, n0:n1])
+            continue
+        codes = int4_as_e4m3(w[:, n0:n1], zero, w_scale[:, n0:n1], row_scale[:, n0:n1])
+        product = grouped_fp8_mm(a, a_scale.reshape(M, 1), offs, codes, row_scale[:, n0:n1], out.dtype)
+        if n1 - n0 == N:
+            return product
+        out[:, n0:n1] = product
     return out
 
 
-def grouped_int4_fp8_by_expert(out, a, a_scale, offs, w, w_scale, zero_point):
+def grouped_int4_fp8_by_expert(out, a, a_scale, offs, w, w_scale, zero_point, row_scale=None):
     """Each expert's rows through the dense W4A8 product, written into out; rows no expert owns are zero. The
     offsets come to the host once (the experts' row counts pick each product's route)."""
     start = 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
             out[start:end] = int4_fp8_mm(a[start:end], a_scale.reshape(-1, 1)[start:end], w[e], w_scale[e],
-                                         None if zero_point is None else zero_point[e], None, out.dtype)
+                                         None if zero_point is None else zero_point[e], None, out.dtype,
+                                         row_scale=None if row_scale is None else row_scale[e])
         start = max(start, end)
     out[start:] = 0
     return out

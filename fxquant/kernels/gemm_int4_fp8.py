@@ -22,7 +22,7 @@ import triton.language as tl
 
 from fxquant.kernels.cast import cast_fp8, cast_mode, interpreting
 from fxquant.kernels.codes import biased, dot_operands, e4m3_words, int4_integers, packed_words
-from fxquant.kernels.cublas_fp8 import block_scaled_rows
+from fxquant.kernels.cublas_fp8 import block_scaled_rows, cublas_scaled_mm
 from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
 from fxquant.kernels.gemm_fp8 import TORCH_TO_TL
 from fxquant.kernels.launch import cdiv, visible
@@ -87,16 +87,19 @@ def shape_refusal(K: int, group: int, out_dtype: torch.dtype) -> str | None:
 
 
 @triton.jit
-def e4m3_codes(packed, zero, HAS_ZP: tl.constexpr, CAST: tl.constexpr):
+def e4m3_codes(packed, zero, HAS_ZP: tl.constexpr, CAST: tl.constexpr, shift):
     """[BLOCK_N, GROUP / 2] bytes of packed codes (code 2j in byte j's low nibble, 2j + 1 in its high one) as the
-    [BLOCK_N, GROUP] e4m3 integers q - z (or the sign-extended q), in K order. Each difference is made exactly in
-    fp32 from biased integers, with no int -> float conversion, and is small enough that the cast is exact."""
+    [BLOCK_N, GROUP] e4m3 integers q - z (or the sign-extended q), in K order, times shift [BLOCK_N] (powers of two)
+    where it is not None. Each difference is made exactly in fp32 from biased integers, with no int -> float
+    conversion, and is small enough that the cast is exact."""
     b = packed.to(tl.int32)
     codes = tl.reshape(tl.join(b & 15, b >> 4), (b.shape[0], b.shape[1] * 2))
     if HAS_ZP:
         values = biased(codes) - biased(zero)[:, None]
     else:
         values = biased(codes ^ 8) - SYMMETRIC_BIAS
+    if shift is not None:
+        values = values * shift[:, None]
     return cast_fp8(values, tl.float8e4nv, CAST)
 
 
@@ -159,9 +162,19 @@ def _int4_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, bias_pt
 
 
 @triton.jit
-def _int4_e4m3_kernel(w_ptr, w_zero_ptr, out_ptr, N, stride_we, stride_wn, stride_se, stride_sn, stride_oe, stride_on,
-                      HAS_ZP: tl.constexpr, CAST: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One weight group's codes for BLOCK_N rows of one expert (axis 2), written as their e4m3 integers."""
+def power_of_two_ratio(scale, row):
+    """scale / row where both are normal fp32 with one mantissa (the row-scaled form), exactly, from their exponent
+    bits (a division could round); NaN where scale is NaN (a poisoned group stays poisoned)."""
+    bits = scale.to(tl.int32, bitcast=True) - row.to(tl.int32, bitcast=True) + (127 << 23)
+    return tl.where(scale == scale, bits.to(tl.float32, bitcast=True), float("nan"))
+
+
+@triton.jit
+def _int4_e4m3_kernel(w_ptr, w_zero_ptr, scale_ptr, row_ptr, out_ptr, N, stride_we, stride_wn, stride_se, stride_sn,
+                      stride_re, stride_rn, stride_oe, stride_on, HAS_ZP: tl.constexpr, ROWS: tl.constexpr,
+                      CAST: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One weight group's codes for BLOCK_N rows of one expert (axis 2), written as their e4m3 integers; ROWS: each
+    times its group's scale over its row's, a power of two that keeps it exact (numerics/row_powers_of_two.py)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1)
     e = tl.program_id(2).to(tl.int64)
@@ -171,25 +184,40 @@ def _int4_e4m3_kernel(w_ptr, w_zero_ptr, out_ptr, N, stride_we, stride_wn, strid
     mask_n = offs_n < N
     packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + g * (GROUP // 2) + tl.arange(0, GROUP // 2),
                      mask=mask_n[:, None], other=0)
-    w8 = e4m3_codes(packed, group_zeros(w_zero_ptr, offs_n, mask_n, g, stride_sn, HAS_ZP), HAS_ZP, CAST)
+    zeros = group_zeros(w_zero_ptr, offs_n, mask_n, g, stride_sn, HAS_ZP)
+    if ROWS:
+        group_scale = tl.load(scale_ptr + e * stride_se + offs_n * stride_sn + g, mask=mask_n, other=1.0)
+        row_scale = tl.load(row_ptr + e * stride_re + offs_n * stride_rn, mask=mask_n, other=1.0)
+        w8 = e4m3_codes(packed, zeros, HAS_ZP, CAST, power_of_two_ratio(group_scale, row_scale))
+    else:
+        w8 = e4m3_codes(packed, zeros, HAS_ZP, CAST, None)
     tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + g * GROUP + tl.arange(0, GROUP)[None, :], w8,
              mask=mask_n[:, None])
 
 
-def int4_as_e4m3(w: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tensor:
+def int4_as_e4m3(w: torch.Tensor, zero_point: torch.Tensor | None, scale: torch.Tensor | None = None,
+                 row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """[N, K/2] packed int4 codes (zero points [N, K/128], or None: symmetric), or [E, N, K/2] of experts (zero
     points [E, N, K/128]; a slice of rows of each is fine), as the contiguous [N, K] ([E, N, K]) e4m3 integers
-    q - z, exactly: the weight cuBLAS or the grouped fp8 kernel multiplies with per-group scales."""
+    q - z, exactly: the weight cuBLAS or the grouped fp8 kernel multiplies with per-group scales. Given the group
+    scales [(E,) N, K/128] and row scales [(E,) N, 1] of the row-scaled form (numerics/row_powers_of_two.py), each
+    is times its group's power of two instead, exactly: the weight a row-scaled GEMM multiplies with row_scale."""
     experts = w.dim() == 3
-    w3 = _k_contiguous(w if experts else w.unsqueeze(0))
-    zero3 = None if zero_point is None else _k_contiguous(zero_point if experts else zero_point.unsqueeze(0))
+    lift = lambda t: None if t is None else _k_contiguous(t if experts else t.unsqueeze(0))
+    w3, zero3, scale3, row3 = lift(w), lift(zero_point), lift(scale), lift(row_scale)
     (E, N), K = w3.shape[:2], w3.shape[2] * 2
     out = torch.empty((E, N, K), dtype=torch.float8_e4m3fn, device=w.device)
-    zero = zero3 if zero3 is not None else out
+    groups = next((t for t in (zero3, scale3) if t is not None), out)  # the group grids share their strides
+    if zero3 is not None and scale3 is not None and zero3.stride() != scale3.stride():
+        raise ValueError("fxquant: int4 zero points and group scales must share one layout")
+    rows = row3 if row3 is not None else out
     block_n = 64
     visible(_int4_e4m3_kernel)[(cdiv(N, block_n), K // GROUP, E)](
-        w3, zero, out, N, w3.stride(0), w3.stride(1), zero.stride(0), zero.stride(1), out.stride(0), out.stride(1),
-        HAS_ZP=zero_point is not None, CAST=cast_mode(_int4_e4m3_kernel, w.device), GROUP=GROUP, BLOCK_N=block_n)
+        w3, zero3 if zero3 is not None else groups, scale3 if scale3 is not None else groups, rows, out, N,
+        w3.stride(0), w3.stride(1), groups.stride(0), groups.stride(1), rows.stride(0), rows.stride(1), out.stride(0),
+        out.stride(1),
+        HAS_ZP=zero_point is not None, ROWS=row_scale is not None, CAST=cast_mode(_int4_e4m3_kernel, w.device),
+        GROUP=GROUP, BLOCK_N=block_n)
     return out if experts else out[0]
 
 
@@ -198,11 +226,17 @@ def _k_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def cublas_int4_fp8(a, a_scale, w, w_scale, zero_point) -> torch.Tensor:
-    """The product through cuBLAS's 1x128-by-1x128 block-scaled fp8 GEMM: the codes made e4m3 integers, each
-    group's partial scaled by the token's scale and the group's, in fp32 (the same sum as the kernel's), bf16 out.
-    The e4m3 copy of the weight lives for the call: twice the int4 codes' bytes, read once by cuBLAS."""
-    (M, K), w8 = a.shape, int4_as_e4m3(w, zero_point)
+def cublas_int4_fp8(a, a_scale, w, w_scale, zero_point, row_scale=None) -> torch.Tensor:
+    """The product through cuBLAS's fp8 GEMM, bf16 out, the codes made e4m3 for the call (twice the int4 codes'
+    bytes, read once by cuBLAS). Given row scales [N, 1] of the row-scaled form (numerics/row_powers_of_two.py), the
+    codes take their groups' powers of two and cuBLAS's rowwise GEMM scales the fp32 sum by the token's scale and the
+    row's (docs/decisions/0040-w4a8-row-scaled-past-m128.md); otherwise its 1x128-by-1x128 block-scaled GEMM scales
+    each group's partial by the token's scale and the group's, in fp32 (the same sum as the kernel's)."""
+    (M, K), N = a.shape, w.shape[0]
+    if row_scale is not None:
+        w8 = int4_as_e4m3(w, zero_point, w_scale, row_scale)
+        return cublas_scaled_mm(a, a_scale.reshape(M, 1), w8, row_scale.reshape(N), block_scales=False)
+    w8 = int4_as_e4m3(w, zero_point)
     a, sa = block_scaled_rows(a, a_scale.reshape(M, 1).expand(M, K // GROUP))  # the token's scale in each group
     sw = w_scale.t().contiguous()  # [K/128, N], N-major: cuBLAS wants both scale grids outer-dimension-major
     return torch._scaled_mm(a, w8.t(), sa, sw, out_dtype=torch.bfloat16)[:M]
@@ -222,10 +256,11 @@ def dot_type(kernel):
 
 def int4_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                 zero_point: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype,
-                config: dict | None = None) -> torch.Tensor:
+                config: dict | None = None, row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """a: [M, K] e4m3 codes with a_scale [M, 1] (per token); w: [N, K/2] packed int4 codes with w_scale [N, K/128]
     fp32 and zero_point [N, K/128] uint8 (or None: symmetric codes). Returns [M, N] in out_dtype. config: tiles (and
-    CUBLAS) replacing `int4_fp8_config`'s (a sweep's)."""
+    CUBLAS) replacing `int4_fp8_config`'s (a sweep's). row_scale: [N, 1] where w_scale is in the row-scaled form
+    (numerics/row_powers_of_two.py), which the cuBLAS route multiplies row-scaled; the kernel reads w_scale."""
     M, K = a.shape
     N = w.shape[0]
     if w.shape != (N, K // 2) or w_scale.shape != (N, K // GROUP):
@@ -237,7 +272,7 @@ def int4_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     a, w, scale = a.contiguous(), w.contiguous().view(torch.uint8), w_scale.contiguous()
     cfg = {**int4_fp8_config(M, N), **(config or {})}
     if cfg.get("CUBLAS") and cublas_supports(a, N, bias, out_dtype) is None:
-        return cublas_int4_fp8(a, a_scale, w, scale, zero_point)
+        return cublas_int4_fp8(a, a_scale, w, scale, zero_point, row_scale)
     words, a_words = w.view(torch.int32), as_words(a)  # eight codes, four codes a word (K is a multiple of 128)
     zero = zero_point.contiguous() if zero_point is not None else scale
     tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])

@@ -19,6 +19,9 @@ class Quantized:
                   scales for NVFP4
     global_scale: NVFP4's fp32 per-tensor scale, else None
     zero_point:   asymmetric int4's uint8 zero points (scale's shape), else None
+    scale_mode:   how MX's exponents were rounded; for int4, "row_powers_of_two" where each group scale is a power
+                  of two times its row's (numerics/row_powers_of_two.py)
+    row_scale:    that row scale, fp32 [..., N, 1], else None: W4A8's row-scaled GEMMs read it
     """
 
     data: torch.Tensor
@@ -30,8 +33,9 @@ class Quantized:
     global_scale: torch.Tensor | None = None
     zero_point: torch.Tensor | None = None
     scale_mode: str | None = None
+    row_scale: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        extra = [t for t in (self.global_scale, self.zero_point) if t is not None]
+        extra = [t for t in (self.global_scale, self.zero_point, self.row_scale) if t is not None]
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, *extra))

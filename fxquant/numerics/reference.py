@@ -16,6 +16,8 @@ from fxquant.numerics.formats import AMAX_FLOOR, E2M1, E4M3, E5M2, E8M0, INT8, F
 from fxquant.numerics.granularity import Granularity, as_granularity
 from fxquant.numerics.minifloat import decode, encode, pack_nibbles, round_to_format, unpack_nibbles
 from fxquant.numerics.quantized import Quantized
+from fxquant.numerics.row_powers_of_two import SCALE_MODE as ROW_POWERS_OF_TWO
+from fxquant.numerics.row_powers_of_two import group_scales as row_power_of_two_scales
 
 FP8 = {"fp8_e4m3": E4M3, "fp8_e5m2": E5M2}
 MX = {"mxfp8": E4M3, "mxfp4": E2M1}
@@ -66,8 +68,9 @@ def quantize(x, fmt, granularity=None, *, scale=None, scale_mode=None, symmetric
     if scale is not None and fmt not in ("fp8_e4m3", "fp8_e5m2", "int8", "nvfp4"):
         raise ValueError(f"fxquant: a static scale is supported for fp8_e4m3, fp8_e5m2, int8 and nvfp4 (its global "
                          f"scale), not {fmt}")
-    if scale_mode is not None and fmt not in MX:
-        raise ValueError(f"fxquant: scale_mode applies to mxfp8 / mxfp4 only, not {fmt}")
+    if scale_mode is not None and fmt not in MX and (fmt, scale_mode, symmetric) != ("int4", ROW_POWERS_OF_TWO, True):
+        raise ValueError(f"fxquant: scale_mode applies to mxfp8 / mxfp4, and {ROW_POWERS_OF_TWO!r} to symmetric int4; "
+                         f"not {scale_mode!r} to {fmt}{' symmetric' if symmetric else ''}")
     if symmetric and fmt != "int4":
         raise ValueError("fxquant: symmetric= selects between int4's two schemes; other formats are symmetric")
     xb = gran.to_blocks(x.float())  # quantization math is fp32 whatever the input dtype
@@ -78,6 +81,11 @@ def quantize(x, fmt, granularity=None, *, scale=None, scale_mode=None, symmetric
     if fmt == "int8":
         data, s = _quantize_scaled(xb, INT8, gran, scale)
         return Quantized(gran.from_blocks(data, x.shape), s, **meta)
+    if fmt == "int4" and scale_mode == ROW_POWERS_OF_TWO:
+        s, row = row_power_of_two_scales(xb)
+        codes = _int4_codes(xb, s)
+        return Quantized(pack_nibbles(gran.from_blocks(codes, x.shape)), s, scale_mode=scale_mode, row_scale=row,
+                         **meta)
     if fmt == "int4":
         codes, s, zp = _quantize_int4(xb, symmetric)
         return Quantized(pack_nibbles(gran.from_blocks(codes, x.shape)), s, zero_point=zp, **meta)
@@ -133,14 +141,15 @@ def stack_experts(parts: list[Quantized]) -> Quantized:
     stacked = lambda field: None if getattr(first, field) is None else torch.stack([getattr(p, field) for p in parts])
     return Quantized(stacked("data"), stacked("scale"), first.fmt, first.granularity,
                      torch.Size((len(parts), *first.shape)), first.dtype, global_scale=stacked("global_scale"),
-                     zero_point=stacked("zero_point"), scale_mode=first.scale_mode)
+                     zero_point=stacked("zero_point"), scale_mode=first.scale_mode, row_scale=stacked("row_scale"))
 
 
 def expert(q: Quantized, e: int) -> Quantized:
     """Expert e's 2-D Quantized weight from stacked experts."""
     pick = lambda t: None if t is None else t[e]
     return Quantized(q.data[e], q.scale[e], q.fmt, q.granularity, q.shape[1:], q.dtype,
-                     global_scale=pick(q.global_scale), zero_point=pick(q.zero_point), scale_mode=q.scale_mode)
+                     global_scale=pick(q.global_scale), zero_point=pick(q.zero_point), scale_mode=q.scale_mode,
+                     row_scale=pick(q.row_scale))
 
 
 def dequantize_experts(q: Quantized, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -214,11 +223,17 @@ def _quantize_scaled(xb, fmt, gran, static_scale):
     return q.to(fmt.torch_dtype), scale
 
 
+def _int4_codes(xb, scale):
+    """Symmetric int4 codes -7..7 of blocks under their scales, as two's complement nibbles; +-7 keeps negation
+    exact."""
+    q = torch.round(saturate(apply_scale(xb, scale), xb, 7.0)).nan_to_num(0.0)
+    return q.to(torch.int32) & 0xF
+
+
 def _quantize_int4(xb, symmetric):
-    if symmetric:  # codes -7..7, two's complement nibbles; +-7 keeps negation exact
+    if symmetric:
         scale = scale_from_amax(block_amax(xb), 7.0)
-        q = torch.round(saturate(apply_scale(xb, scale), xb, 7.0)).nan_to_num(0.0)
-        return q.to(torch.int32) & 0xF, scale, None
+        return _int4_codes(xb, scale), scale, None
     # Asymmetric: the range [min(x, 0), max(x, 0)] maps onto 0..15; including 0 makes zero exact.
     lo = xb.amin(-1).clamp_max(0) if xb.shape[-1] else xb.new_zeros(xb.shape[:-1])
     hi = xb.amax(-1).clamp_min(0) if xb.shape[-1] else xb.new_zeros(xb.shape[:-1])

@@ -55,7 +55,7 @@ def quantize_weight(w: torch.Tensor, recipe: str):
     scheme = RECIPES[recipe]
     # contiguous: a [K, N]-stored weight arrives as a transposed view, and the kernels read row-major codes.
     whole = lambda t, scale=None: R.quantize(t.detach().contiguous(), scheme.weight_fmt, scheme.weight_granularity,
-                                             scale=scale, symmetric=scheme.symmetric)
+                                             scale=scale, symmetric=scheme.symmetric, scale_mode=scheme.scale_mode)
     if w.shape[0] <= QUANTIZE_ROWS:
         return whole(w)
     starts = range(0, w.shape[0], QUANTIZE_ROWS)
@@ -77,7 +77,7 @@ def quantize_weight(w: torch.Tensor, recipe: str):
         return torch.cat([getattr(chunk, field) for chunk in chunks])
 
     return replace(chunks[0], shape=w.shape, data=joined("data"), scale=joined("scale"),
-                   zero_point=joined("zero_point"))
+                   zero_point=joined("zero_point"), row_scale=joined("row_scale"))
 
 
 def quantize_and_measure(w: torch.Tensor, recipe: str):

@@ -191,13 +191,14 @@ def test_grouped_fp8_past_128_rows_an_expert_as_planned(name, tma_launches, monk
     assert tma_launches == [1] and rel_error(got, on_pointers) < REL_ERROR
 
 
-def w4a8_experts(name, symmetric, k):
+def w4a8_experts(name, symmetric, k, scale_mode=None):
     """(offs, rows, quantized activations, each expert's quantized weight, the experts stacked) for a routing."""
     gen = torch.Generator().manual_seed(len(name) + k)
     offs, m = routing(name)
     x = torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16)
     w = (torch.randn(E, N, k, generator=gen) + 0.3).to(DEVICE)
-    experts = [R.quantize(w[e], "int4", ("group", 128), symmetric=symmetric) for e in range(E)]
+    experts = [R.quantize(w[e], "int4", ("group", 128), symmetric=symmetric, scale_mode=scale_mode)
+               for e in range(E)]
     return offs, m, R.quantize(x, "fp8_e4m3", "token"), experts, R.stack_experts(experts)
 
 
@@ -252,6 +253,27 @@ def test_grouped_int4_fp8_is_the_exact_product_rounded_at_the_store(name, symmet
         monkeypatch.setattr(G, "CHUNK_ELEMENTS", E * k * 64)
         got = G.grouped_int4_fp8_over_e4m3(torch.full((m, N), float("nan"), dtype=torch.bfloat16, device=DEVICE),
                                            qa.data, qa.scale, offs, qw.data, qw.scale, qw.zero_point)
+    assert_w4a8_product(got, offs, qa, experts)
+
+
+@pytest.mark.parametrize("route", ["product", "codes made e4m3", "expert by expert"])
+def test_grouped_int4_fp8_row_scaled_is_the_exact_product_rounded_at_the_store(route, monkeypatch):
+    """Group scales in the row-scaled form (numerics/row_powers_of_two.py), given with their row scales: past 128
+    rows an active expert the codes take their groups' powers of two and the product is row-scaled (CUTLASS's grouped
+    GEMM on sm_90, else the grouped fp8 kernel), here also in blocks of 64 columns; past 512 each expert's rows take
+    the dense route (cuBLAS's rowwise GEMM on a GPU). Every product is exact and summed in fp32 over K, not a group
+    at a time: the same bound as the channel groups'."""
+    offs, m, qa, experts, qw = w4a8_experts(next(iter(MANY_ROWS)), True, K, "row_powers_of_two")
+    args = (qa.data, qa.scale, offs, qw.data, qw.scale, None)
+    if route == "product":
+        got = grouped_int4_fp8_mm(*args, row_scale=qw.row_scale)
+    elif route == "expert by expert":
+        got = G.grouped_int4_fp8_by_expert(torch.full((m, N), float("nan"), dtype=torch.bfloat16, device=DEVICE),
+                                           *args, qw.row_scale)
+    else:
+        monkeypatch.setattr(G, "CHUNK_ELEMENTS", E * K * 64)
+        got = G.grouped_int4_fp8_over_e4m3(torch.full((m, N), float("nan"), dtype=torch.bfloat16, device=DEVICE),
+                                           *args, qw.row_scale)
     assert_w4a8_product(got, offs, qa, experts)
 
 

@@ -15,6 +15,7 @@ from fxquant.kernels import gemm_int4_fp8
 from fxquant.kernels.gemm_int4_fp8 import GROUP, cublas_int4_fp8, cublas_supports, int4_as_e4m3, int4_fp8_mm, supports
 from fxquant.kernels.splitk import reduce_in_gemm, reduce_partials
 from fxquant.numerics import reference as R
+from fxquant.numerics.minifloat import unpack_nibbles
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(1, 64, 256), (16, 96, 384), (37, 128, 256), (5, 80, 128), (200, 136, 256), (3, 64, 1024)]  # decode, N
@@ -133,6 +134,56 @@ def test_the_codes_become_their_e4m3_integers_bit_for_bit(symmetric):
     ints = R.dequantize(dataclasses.replace(qw, scale=torch.ones_like(qw.scale)), torch.float32)  # q - z
     assert bool((ints < 0).any() and (ints > 0).any())  # random weights: codes of both signs
     assert torch.equal(int4_as_e4m3(qw.data, qw.zero_point).float(), ints)
+
+
+def row_scaled_weight(n: int, k: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * torch.exp(torch.randn(1, k, generator=gen))  # groups' scales spread
+    return R.quantize(w.to(DEVICE, torch.bfloat16), "int4", ("group", GROUP), symmetric=True,
+                      scale_mode="row_powers_of_two")
+
+
+def test_codes_in_the_row_scaled_form_become_q_times_their_power_of_two_bit_for_bit():
+    """Each code times its group scale over its row scale, an exact e4m3 value; a poisoned group's codes NaN; a
+    slice of experts' rows reads its own scales."""
+    qw = row_scaled_weight(72, 512, 10)
+    qw.scale[3, 1] = float("nan")
+    codes = ((unpack_nibbles(qw.data).to(torch.int32) ^ 8) - 8).float()
+    want = codes * (qw.scale / qw.row_scale).repeat_interleave(GROUP, -1)
+    got = int4_as_e4m3(qw.data, None, qw.scale, qw.row_scale).float()
+    assert len((qw.scale / qw.row_scale).unique()) > 3  # several powers of two
+    assert torch.equal(got.nan_to_num(1e9), want.nan_to_num(1e9)) and int(got.isnan().sum()) == GROUP
+    experts = R.stack_experts([row_scaled_weight(72, 256, 11), row_scaled_weight(72, 256, 12)])
+    sliced = int4_as_e4m3(experts.data[:, 8:], None, experts.scale[:, 8:], experts.row_scale[:, 8:]).float()
+    for e in range(2):
+        codes = ((unpack_nibbles(experts.data[e, 8:]).to(torch.int32) ^ 8) - 8).float()
+        ratio = (experts.scale[e, 8:] / experts.row_scale[e, 8:]).repeat_interleave(GROUP, -1)
+        assert torch.equal(sliced[e], codes * ratio)
+
+
+def test_past_m_128_row_scaled_codes_go_through_the_rowwise_gemm(monkeypatch):
+    """With row scales the cuBLAS route hands torch._scaled_mm the shifted codes with the tokens' scales [M, 1] and
+    the rows' [1, N]: one fp32 sum over K, scaled once. On the CPU an fp64 emulation of the rowwise product stands
+    in for cuBLAS and asserts what it is handed; on the GPU cuBLAS runs, within the GPU bound."""
+    handed = []
+    if DEVICE == "cpu":
+        def rowwise(a, b, scale_a, scale_b, out_dtype):
+            assert scale_a.shape == (a.shape[0], 1) and scale_b.shape == (1, b.shape[1])
+            handed.append(b.dtype)
+            return ((a.double() @ b.double()) * scale_a.double() * scale_b.double()).to(out_dtype)
+        monkeypatch.setattr(gemm_int4_fp8.torch, "_scaled_mm", rowwise)
+        monkeypatch.setattr(gemm_int4_fp8, "cublas_supports", lambda *a: None)
+    M, N, K = 200, 256, 512
+    qw = row_scaled_weight(N, K, 13)
+    gen = torch.Generator().manual_seed(14)
+    qa = R.quantize(torch.randn(M, K, generator=gen).to(DEVICE, torch.bfloat16), "fp8_e4m3", "token")
+    out = int4_fp8_mm(qa.data, qa.scale, qw.data, qw.scale, None, None, torch.bfloat16, row_scale=qw.row_scale)
+    a_hp, w_hp = R.dequantize(qa, torch.float64), R.dequantize(qw, torch.float64)
+    exact = a_hp @ w_hp.T
+    ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30)))) * torch.finfo(torch.bfloat16).eps
+    bound = (2**-10 if DEVICE == "cuda" else 2**-20) * (a_hp.abs() @ w_hp.abs().T)
+    assert handed == ([torch.float8_e4m3fn] if DEVICE == "cpu" else [])
+    assert bool(((out.double() - exact).abs() <= ulp + bound).all())
 
 
 def test_it_refuses_what_it_cannot_compute_and_says_why():
