@@ -109,11 +109,11 @@ def quantized_linear(q, bias: torch.Tensor | None, recipe: str, out_dtype) -> to
     x = graph.placeholder("x")
     consts = []
     for name, tensor in (("data", q.data), ("scale", q.scale), ("global_scale", q.global_scale),
-                         ("zero_point", q.zero_point), ("bias", bias)):
+                         ("zero_point", q.zero_point), ("row_scale", q.row_scale), ("bias", bias)):
         if tensor is not None:
             root.register_buffer(name, tensor)
         consts.append(graph.get_attr(name) if tensor is not None else None)
-    out = emit_linear(graph.call_function, RECIPES[recipe], x, consts[:4], consts[4], q.shape[0], out_dtype)
+    out = emit_linear(graph.call_function, RECIPES[recipe], x, consts[:5], consts[5], q.shape[0], out_dtype)
     graph.output(out)
     return torch.fx.GraphModule(root, graph)
 
@@ -142,7 +142,7 @@ def measure(fqn: str, x: torch.Tensor, w: torch.Tensor, bias, recipe: str, out_d
     shadow = x.new_zeros((x.shape[0], w.shape[1]), dtype=torch.float32)
     for e, rows in routing.groups():
         shadow[rows] = x[rows].float() @ w[e].float().T
-    consts, scheme = (q.data, q.scale, q.global_scale, q.zero_point), RECIPES[recipe]
+    consts, scheme = (q.data, q.scale, q.global_scale, q.zero_point, q.row_scale), RECIPES[recipe]
     if routing.offs is not None:
         out = emit_linear(run_now, scheme, x, consts, None, w.shape[1], out_dtype, routing.offs)
     else:

@@ -263,9 +263,9 @@ def load_quantized(model: nn.Module, path, device=None, dtype: torch.dtype | str
         rows, cols = sharded[name].shape if name in sharded else (module.out_features, module.in_features)
         parts = _conformed(from_checkpoint(tensors, recipes[name], rows, name), name, recipes[name], rows, cols)
         params = (sharded[name].parameters(parts) if name in sharded
-                  else {key: nn.Parameter(t, requires_grad=False) for key, t in parts.items()})
-        for key, param in params.items():
-            setattr(module, key, param)
+                  else {key: nn.Parameter(t, requires_grad=False) for key, t in parts.items() if t is not None})
+        for key in parts:
+            setattr(module, key, params.get(key))  # None: a part this checkpoint's layer has not (a row scale)
     for name in mxfp4:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, from_mxfp4(name, model.get_submodule(name), pending[name]))
@@ -335,7 +335,7 @@ def _part_layouts(recipe: str, rows: int, cols: int) -> dict[str, tuple[torch.Si
 
 def _conformed(parts: dict[str, torch.Tensor], name: str, recipe: str, rows: int, cols: int) -> dict:
     """`parts`, once each has the shape and dtype the model's layer holds; else an error naming the tensor."""
-    for key, t in parts.items():
+    for key, t in ((key, t) for key, t in parts.items() if t is not None):
         shape, dtype = _part_layouts(recipe, rows, cols).get(key, (t.shape, t.dtype))
         if t.shape != shape or t.dtype != dtype:
             raise ValueError(f"fxquant: {name}'s {key} from the checkpoint is {tuple(t.shape)} {t.dtype}, where the "

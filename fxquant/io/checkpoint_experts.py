@@ -16,8 +16,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from fxquant.config import RECIPES
 from fxquant.modules.quantized_experts import PROJECTIONS, QuantizedExperts
 from fxquant.modules.quantized_linear import PARTS
+from fxquant.numerics.row_powers_of_two import SCALE_MODE as ROW_POWERS_OF_TWO
+from fxquant.numerics.row_powers_of_two import row_scale_of
+
+ROW_SCALE = "weight_row_scale"
 
 # (the experts module's path in the checkpoint, from its path in the model; the gate, up and down linears' names)
 MIXTRAL = ((".mlp.experts", ".block_sparse_moe.experts"), ("w1", "w3", "w2"))
@@ -35,6 +40,7 @@ class ExpertLinear:
     weight_scale: torch.Tensor
     weight_global_scale: torch.Tensor | None
     weight_zero_point: torch.Tensor | None
+    weight_row_scale: torch.Tensor | None
 
 
 def expert_linear_names(model: nn.Module, name: str, num_experts: int) -> list[tuple[str, str, str]]:
@@ -86,8 +92,10 @@ def stack_experts(model: nn.Module, name: str, module: nn.Module, recipe: str, p
     num_experts, two_inter, hidden = module.gate_up_proj.shape
     stacked = {}
     for gate, up, down in expert_linear_names(model, name, num_experts):
-        g, u = parts_of(gate, two_inter // 2, hidden), parts_of(up, two_inter // 2, hidden)
-        d = parts_of(down, hidden, two_inter // 2)
+        # a row scale holds for a linear's rows alone: found again below for the joined and stacked scales
+        g, u, d = ({part: t for part, t in parts.items() if part != ROW_SCALE} for parts in (
+            parts_of(gate, two_inter // 2, hidden), parts_of(up, two_inter // 2, hidden),
+            parts_of(down, hidden, two_inter // 2)))
         for part in g:
             if g[part].dim() == 0 and not torch.equal(g[part], u[part]):
                 raise ValueError(f"fxquant: {gate} and {up} have different {part} values; fxquant's experts keep "
@@ -98,4 +106,7 @@ def stack_experts(model: nn.Module, name: str, module: nn.Module, recipe: str, p
             for part, t in tensors.items():
                 stacked.setdefault(projection + part.removeprefix("weight"), []).append(t)
     parts = {key: torch.stack(ts) for key, ts in stacked.items()}
+    if RECIPES[recipe].scale_mode == ROW_POWERS_OF_TWO:
+        for projection in PROJECTIONS:
+            parts[projection + ROW_SCALE.removeprefix("weight")] = row_scale_of(parts[projection + "_scale"])
     return QuantizedExperts(num_experts, hidden, two_inter // 2, recipe, parts, module.act_fn)

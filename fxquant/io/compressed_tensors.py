@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 
 from fxquant.config import RECIPES
+from fxquant.numerics.row_powers_of_two import SCALE_MODE as ROW_POWERS_OF_TWO
+from fxquant.numerics.row_powers_of_two import row_scale_of
 
 FLOAT_QUANTIZED, PACK_QUANTIZED = "float-quantized", "pack-quantized"
 SIGN_BIT = 0x80
@@ -220,7 +222,10 @@ def from_checkpoint(tensors: dict[str, torch.Tensor], recipe: str, out_features:
     if linear.weight_fmt == "int8":  # in place: the layer's codes are the stored bytes, never a second copy
         return {"weight": packed.bitwise_xor_(SIGN_BIT).view(torch.int8), "weight_scale": scale}
     if linear.symmetric:
-        return {"weight": packed.bitwise_xor_(NIBBLE_SIGN_BITS), "weight_scale": scale}
+        codes = {"weight": packed.bitwise_xor_(NIBBLE_SIGN_BITS), "weight_scale": scale}
+        if linear.scale_mode == ROW_POWERS_OF_TWO:  # the row-scaled GEMMs take scales of that form, wherever made
+            codes["weight_row_scale"] = row_scale_of(scale)
+        return codes
     zero_point = tensors.get("weight_zero_point")
     zero_point = (_unnibble_down(zero_point, out_features) if zero_point is not None
                   else torch.full(scale.shape, 8, dtype=torch.uint8, device=scale.device))  # none stored: q - 8

@@ -24,7 +24,7 @@ from fxquant.quantization.weight_quantization import quantize_weight
 
 # (name of the parameter, field of Quantized); None fields are registered as None parameters
 PARTS = (("weight", "data"), ("weight_scale", "scale"), ("weight_global_scale", "global_scale"),
-         ("weight_zero_point", "zero_point"))
+         ("weight_zero_point", "zero_point"), ("weight_row_scale", "row_scale"))
 PACKED_FORMATS = ("int4", "mxfp4", "nvfp4")
 SHAPE_ROWS = 128  # rows quantized to learn each part's shape: a multiple of every block's rows (16, 32, 128)
 
@@ -107,13 +107,14 @@ class QuantizedLinear(FrozenParts):
         granularity = (default_granularity(scheme.weight_fmt) if scheme.weight_granularity is None
                        else as_granularity(scheme.weight_granularity))
         dtype = self.bias.dtype if self.bias is not None else torch.float32
+        scale_mode = scheme.scale_mode if parts["row_scale"] is not None else DEFAULT_SCALE_MODE.get(scheme.weight_fmt)
         return Quantized(fmt=scheme.weight_fmt, granularity=granularity, shape=shape, dtype=dtype,
-                         scale_mode=DEFAULT_SCALE_MODE.get(scheme.weight_fmt), **parts)
+                         scale_mode=scale_mode, **parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features]
         if isinstance(self.weight, DTensor):
             return sharded_forward(self, x)
-        consts = (self.weight, self.weight_scale, self.weight_global_scale, self.weight_zero_point)
+        consts = tuple(getattr(self, name) for name, _ in PARTS)
         return emit_linear(run_now, RECIPES[self.recipe], x, consts, self.bias, self.out_features, x.dtype)
 
     def extra_repr(self) -> str:

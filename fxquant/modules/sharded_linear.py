@@ -66,8 +66,7 @@ def local(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def sharded_forward(layer, x: torch.Tensor) -> DTensor:
     """The layer's product on local shards, as the DTensor linear(x, W, b) would give it."""
-    consts = tuple(local(t) for t in (layer.weight, layer.weight_scale, layer.weight_global_scale,
-                                      layer.weight_zero_point))
+    consts = tuple(local(getattr(layer, name)) for name in layer.part_names())
     x_local = local(x)
     out = emit_linear(run_now, RECIPES[layer.recipe], x_local, consts, local(layer.bias), consts[0].shape[0],
                       x_local.dtype)

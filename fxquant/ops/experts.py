@@ -56,13 +56,15 @@ def _(a, a_scale, offs, w, w_scale, out_dtype):
 
 def _grouped_scaled_mm_int4_fp8(a: Tensor, a_scale: Tensor, offs: Tensor, w: Tensor, w_scale: Tensor,
                                 w_zero_point: Tensor | None, group_size: int, out_features: int,
-                                out_dtype: torch.dtype) -> Tensor:
+                                out_dtype: torch.dtype, w_row_scale: Tensor | None = None) -> Tensor:
     """The experts' W4A8 products over rows sorted by expert: e4m3 activations a [M, K] with per-token scales
     [M, 1], int4 experts w [E, N, K/2] with scales (and zero points, or None: symmetric) [E, N, K/group_size]; each
-    group's partial scaled in fp32, one cast."""
+    group's partial scaled in fp32, one cast. w_row_scale [E, N, 1]: the scales are in the row-scaled form
+    (numerics/row_powers_of_two.py), which the GPU's large-M routes multiply row-scaled."""
     _check_grouped(a, offs, w)
     if gemm_int4_fp8.supports(a, group_size, out_dtype) is None:
-        return grouped_int4_fp8_mm(a, a_scale, offs.int(), w, w_scale, w_zero_point, out_dtype)
+        return grouped_int4_fp8_mm(a, a_scale, offs.int(), w, w_scale, w_zero_point, out_dtype,
+                                   row_scale=w_row_scale)
     pick = lambda t, e: None if t is None else t[e]
     return _per_expert(a, offs, out_features, out_dtype, lambda e, rows: _scaled_mm_int4_fp8(
         a[rows], a_scale[rows], w[e], w_scale[e], pick(w_zero_point, e), None, group_size, out_features, out_dtype))
@@ -70,11 +72,12 @@ def _grouped_scaled_mm_int4_fp8(a: Tensor, a_scale: Tensor, offs: Tensor, w: Ten
 
 grouped_scaled_mm_int4_fp8 = define(
     "grouped_scaled_mm_int4_fp8(Tensor a, Tensor a_scale, Tensor offs, Tensor w, Tensor w_scale, Tensor? w_zero_point, "
-    "int group_size, int out_features, ScalarType out_dtype) -> Tensor", _grouped_scaled_mm_int4_fp8)
+    "int group_size, int out_features, ScalarType out_dtype, Tensor? w_row_scale=None) -> Tensor",
+    _grouped_scaled_mm_int4_fp8)
 
 
 @fake("grouped_scaled_mm_int4_fp8")
-def _(a, a_scale, offs, w, w_scale, w_zero_point, group_size, out_features, out_dtype):
+def _(a, a_scale, offs, w, w_scale, w_zero_point, group_size, out_features, out_dtype, w_row_scale=None):
     return a.new_empty((a.shape[0], out_features), dtype=out_dtype)
 
 

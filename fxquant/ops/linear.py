@@ -145,13 +145,16 @@ def _(x, w, w_scale, bias, group_size):
 
 
 def _scaled_mm_int4_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, w_zero_point: Tensor | None,
-                        bias: Tensor | None, group_size: int, out_features: int, out_dtype: torch.dtype) -> Tensor:
+                        bias: Tensor | None, group_size: int, out_features: int, out_dtype: torch.dtype,
+                        w_row_scale: Tensor | None = None) -> Tensor:
     """(a [..., K] * a_scale [..., 1]) @ (int4 w [N, K/2], scales and zero points per group_size).T + bias, fp32
-    accumulation, one cast to out_dtype: W4A8 on the fp8 tensor cores where the kernel serves, else the reference."""
+    accumulation, one cast to out_dtype: W4A8 on the fp8 tensor cores where the kernel serves, else the reference.
+    w_row_scale [N, 1]: the scales are in the row-scaled form (numerics/row_powers_of_two.py), which the GPU's
+    large-M route multiplies row-scaled."""
     lead, K = a.shape[:-1], a.shape[-1]
     a2, s2 = a.reshape(-1, K), a_scale.reshape(-1, 1)
     if gemm_int4_fp8.supports(a2, group_size, out_dtype) is None:
-        out = gemm_int4_fp8.int4_fp8_mm(a2, s2, w, w_scale, w_zero_point, bias, out_dtype)
+        out = gemm_int4_fp8.int4_fp8_mm(a2, s2, w, w_scale, w_zero_point, bias, out_dtype, row_scale=w_row_scale)
     else:
         qa = Quantized(a2, s2, "fp8_e4m3", activation_granularity(0), a2.shape, out_dtype)
         qw = Quantized(w, w_scale, "int4", Granularity("group", (group_size,)), torch.Size((out_features, K)),
@@ -162,11 +165,11 @@ def _scaled_mm_int4_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, 
 
 scaled_mm_int4_fp8 = define("scaled_mm_int4_fp8(Tensor a, Tensor a_scale, Tensor w, Tensor w_scale, "
                             "Tensor? w_zero_point, Tensor? bias, int group_size, int out_features, "
-                            "ScalarType out_dtype) -> Tensor", _scaled_mm_int4_fp8)
+                            "ScalarType out_dtype, Tensor? w_row_scale=None) -> Tensor", _scaled_mm_int4_fp8)
 
 
 @fake("scaled_mm_int4_fp8")
-def _(a, a_scale, w, w_scale, w_zero_point, bias, group_size, out_features, out_dtype):
+def _(a, a_scale, w, w_scale, w_zero_point, bias, group_size, out_features, out_dtype, w_row_scale=None):
     return a.new_empty((*a.shape[:-1], out_features), dtype=out_dtype)
 
 

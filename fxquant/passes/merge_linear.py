@@ -35,7 +35,7 @@ WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default
 # Per op, by its schema's names: the weight's (codes, scale, zero point), and the output width where one is passed.
 W4A8 = torch.ops.fxquant.scaled_mm_int4_fp8.default
 WEIGHT_ARGS = {SCALED_MM: ("w", "w_scale", None), WEIGHT_ONLY: ("w", "w_scale", "w_zero_point"),
-               W4A8: ("w", "w_scale", "w_zero_point")}
+               W4A8: ("w", "w_scale", "w_zero_point", "w_row_scale")}
 WIDTH_ARG = {WEIGHT_ONLY: "out_features", W4A8: "out_features"}
 
 

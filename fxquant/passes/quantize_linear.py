@@ -172,7 +172,7 @@ def _register(gm, fqn, q) -> QuantizedBuffers:
     base = "_fxq_" + re.sub(r"\W", "_", fqn)
     names = []
     for suffix, tensor in (("qdata", q.data), ("scale", q.scale), ("global_scale", q.global_scale),
-                           ("zero_point", q.zero_point)):
+                           ("zero_point", q.zero_point), ("row_scale", q.row_scale)):
         if tensor is None:
             names.append(None)
             continue

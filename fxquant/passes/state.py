@@ -17,6 +17,7 @@ class QuantizedBuffers(NamedTuple):
     scale: str
     global_scale: str | None
     zero_point: str | None
+    row_scale: str | None
 
 
 @dataclass

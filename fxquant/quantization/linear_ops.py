@@ -25,10 +25,10 @@ def weight_group(s: LinearScheme) -> int:
 
 
 def emit_linear(call, s: LinearScheme, x, consts, bias, out_features: int, out_dtype, offs=None):
-    """linear(x, w, bias) from the quantized weight's (data, scale, global scale, zero point); given offs, the
-    experts' grouped product instead: out[r] = x[r] @ w[e].T for rows x [S, K] sorted by expert (offs: cumulative
-    ends) and quantized experts w [E, N, K], with no bias."""
-    data, scale, global_scale, zero_point = consts
+    """linear(x, w, bias) from the quantized weight's (data, scale, global scale, zero point, row scale); given
+    offs, the experts' grouped product instead: out[r] = x[r] @ w[e].T for rows x [S, K] sorted by expert (offs:
+    cumulative ends) and quantized experts w [E, N, K], with no bias."""
+    data, scale, global_scale, zero_point, row_scale = consts
     ops, grouped = torch.ops.fxquant, offs is not None
     if s.kind in ("fp8", "int4_fp8"):
         # Quantizer and GEMM stay two ops: fuse_norm folds the quantizer into a norm before it, fuse_linear fuses
@@ -36,11 +36,11 @@ def emit_linear(call, s: LinearScheme, x, consts, bias, out_features: int, out_d
         q = call(ops.quantize_fp8.default, (x, s.act_group))
         a, a_scale = call(operator.getitem, (q, 0)), call(operator.getitem, (q, 1))
         if s.kind == "int4_fp8" and grouped:
-            return call(ops.grouped_scaled_mm_int4_fp8.default,
-                        (a, a_scale, offs, data, scale, zero_point, weight_group(s), out_features, out_dtype))
+            return call(ops.grouped_scaled_mm_int4_fp8.default, (a, a_scale, offs, data, scale, zero_point,
+                                                                 weight_group(s), out_features, out_dtype, row_scale))
         if s.kind == "int4_fp8":
-            return call(ops.scaled_mm_int4_fp8.default,
-                        (a, a_scale, data, scale, zero_point, bias, weight_group(s), out_features, out_dtype))
+            return call(ops.scaled_mm_int4_fp8.default, (a, a_scale, data, scale, zero_point, bias, weight_group(s),
+                                                         out_features, out_dtype, row_scale))
         if grouped:
             return call(ops.grouped_scaled_mm_fp8.default, (a, a_scale, offs, data, scale, out_dtype))
         return call(ops.scaled_mm_fp8.default, (a, a_scale, data, scale, bias, out_dtype))

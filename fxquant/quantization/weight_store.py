@@ -78,7 +78,7 @@ def stored_layout(q: Quantized, tiled: bool) -> Quantized:
 
 
 def _tensors(q: Quantized) -> list[torch.Tensor]:
-    return [t for t in (q.data, q.scale, q.global_scale, q.zero_point) if t is not None]
+    return [t for t in (q.data, q.scale, q.global_scale, q.zero_point, q.row_scale) if t is not None]
 
 
 # The per-lane copy of each scale or zero point tensor, by where its values live: graphs of one model read the same
