@@ -182,7 +182,7 @@ class FakeQuantizedLinear(torch.nn.Module):
         super().__init__()
         self.scheme, self.exact, self.width = RECIPES[recipe], exact, weight.shape[1] // k_shards
         quantized = lambda w: R.quantize(w.float(), self.scheme.weight_fmt, self.scheme.weight_granularity,
-                                         symmetric=self.scheme.symmetric)
+                                         symmetric=self.scheme.symmetric, scale_mode=self.scheme.scale_mode)
         self.dequantized = torch.cat([R.dequantize(quantized(w), torch.float32)  # [N, K]
                                       for w in weight.detach().split(self.width, dim=1)], dim=1)
         self.weight = self.dequantized.to(weight.dtype)  # the model's dtype: T5 casts its input to wo.weight's

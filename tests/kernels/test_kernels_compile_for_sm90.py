@@ -52,7 +52,8 @@ def _randn(*shape, dtype=torch.float32):
 def _gemms():
     """The fp8 GEMM at decode (split K, summed by the last slice and by the reduce kernel) and past 128 rows (the
     persistent TMA kernel), row and block scales; the W4A8 GEMM and its codes made e4m3; the weight-only GEMMs over
-    every 4-bit and 8-bit format, and the dequantizer past 128 rows."""
+    every 4-bit and 8-bit format, and the dequantizer past 128 rows (W4A8's codes made e4m3 also shifted by their
+    groups' powers of two)."""
     for activations, weights in (("token", "channel"), (("group", 128), ("block", 128, 128))):
         qa = R.quantize(_randn(2, 1024), "fp8_e4m3", activations)
         qw = R.quantize(_randn(256, 1024), "fp8_e4m3", weights)
@@ -66,6 +67,8 @@ def _gemms():
     qw = R.quantize(_randn(64, 256), "int4", ("group", 128))
     int4_fp8_mm(qa.data, qa.scale, qw.data, qw.scale, qw.zero_point, None, BF16)
     int4_as_e4m3(qw.data, qw.zero_point)  # past 128 rows, the codes made e4m3 for cuBLAS
+    rows = R.quantize(_randn(64, 256), "int4", ("group", 128), symmetric=True, scale_mode="row_powers_of_two")
+    int4_as_e4m3(rows.data, None, rows.scale, rows.row_scale)  # and shifted for its rowwise GEMM
     for fmt, granularity, group in (("int4", ("group", 128), 128), ("mxfp4", None, 32), ("nvfp4", None, 16),
                                     ("int8", "channel", 0), ("mxfp8", None, 32)):
         q = R.quantize(_randn(64, 256), fmt, *([granularity] if granularity else []))

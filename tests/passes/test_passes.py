@@ -279,8 +279,9 @@ def test_weights_quantized_in_row_chunks_equal_the_whole(monkeypatch, recipe, po
         w[300, 17] = float("nan")  # in the second chunk: a per-tensor scale is poisoned whole, a block one locally
     got = weight_quantization.quantize_weight(w, recipe)
     scheme = RECIPES[recipe]
-    want = R.quantize(w, scheme.weight_fmt, scheme.weight_granularity, symmetric=scheme.symmetric)
-    for field in ("data", "scale", "global_scale", "zero_point"):
+    want = R.quantize(w, scheme.weight_fmt, scheme.weight_granularity, symmetric=scheme.symmetric,
+                      scale_mode=scheme.scale_mode)
+    for field in ("data", "scale", "global_scale", "zero_point", "row_scale"):
         a, b = getattr(got, field), getattr(want, field)
         same_bits = a is not None and b is not None and torch.equal(a.reshape(-1).view(torch.uint8),
                                                                     b.reshape(-1).view(torch.uint8))
