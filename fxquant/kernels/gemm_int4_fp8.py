@@ -10,8 +10,10 @@ along K.
 
 The kernel decodes each K step's 16 words of codes per weight row in registers; at decode its K is split across
 programs (`splitk.py`). Tiles come from `int4_fp8_config`, from `bench/int4_fp8_gemm.py --sweep` on an H200. Past
-M = 128 a second route makes the codes e4m3 integers once per call and multiplies them on the fp8 tensor cores,
-through cuBLAS's 1x128-by-1x128 block-scaled fp8 GEMM (`cublas_int4_fp8`).
+M = 128 a second route makes the codes e4m3 integers once per call and multiplies them on the fp8 tensor cores
+(`cublas_int4_fp8`): where the group scales are each a power of two times a row scale (int4_fp8's quantizer makes
+them so, numerics/row_powers_of_two.py), the codes take their groups' powers of two and cuBLAS's rowwise GEMM scales
+each fp32 sum once; otherwise cuBLAS's 1x128-by-1x128 block-scaled GEMM scales each group's partial.
 """
 
 from __future__ import annotations
