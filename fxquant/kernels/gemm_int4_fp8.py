@@ -237,7 +237,8 @@ def cublas_int4_fp8(a, a_scale, w, w_scale, zero_point, row_scale=None) -> torch
     (M, K), N = a.shape, w.shape[0]
     if row_scale is not None:
         w8 = int4_as_e4m3(w, zero_point, w_scale, row_scale)
-        return cublas_scaled_mm(a, a_scale.reshape(M, 1), w8, row_scale.reshape(N), block_scales=False)
+        # a fresh copy of the tokens' scales: cuBLAS refused a slice's (an expert's rows, H100: 984 rows at offset)
+        return cublas_scaled_mm(a, a_scale.reshape(M, 1).clone(), w8, row_scale.reshape(N), block_scales=False)
     w8 = int4_as_e4m3(w, zero_point)
     a, sa = block_scaled_rows(a, a_scale.reshape(M, 1).expand(M, K // GROUP))  # the token's scale in each group
     sw = w_scale.t().contiguous()  # [K/128, N], N-major: cuBLAS wants both scale grids outer-dimension-major
