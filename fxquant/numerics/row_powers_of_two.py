@@ -28,6 +28,10 @@ OFFSETS = 8  # channel scales tried a row, 2^(1/8) apart
 QMAX = 7.0  # symmetric codes -7..7: +-7 keeps negation exact
 
 
+def fdiv(a: torch.Tensor, b: float) -> torch.Tensor:
+    return a / torch.full_like(a, b)
+
+
 def _pow2(k: torch.Tensor) -> torch.Tensor:
     """2^k for integer k in fp32's normal range, built from its exponent bits: exact on every device."""
     return ((k.to(torch.int32) + 127) << 23).view(torch.float32)
@@ -56,7 +60,8 @@ def group_scales(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dims): s_g = r * 2^k, k in [LOWEST, HIGHEST]. A group holding NaN or inf keeps a NaN scale (its own poison only);
     an all-zero group takes the floor's scale, or the lowest binade of its row."""
     finite = torch.isfinite(xb).all(-1)
-    ideal = torch.where(finite, xb.abs().amax(-1).clamp_min(AMAX_FLOOR) / QMAX, 0.0)  # amax scales; 0 where poisoned
+    # amax scales (0 where poisoned), divided as IEEE on every device: CUDA turns a scalar divisor into a multiply
+    ideal = torch.where(finite, fdiv(xb.abs().amax(-1).clamp_min(AMAX_FLOOR), QMAX), 0.0)
     top = ideal.amax(-1, keepdim=True).clamp_min(AMAX_FLOOR / QMAX)
     clean = torch.where(finite[..., None], xb, 0.0)  # poisoned groups choose nothing: their error is theirs
     span = HIGHEST - LOWEST
