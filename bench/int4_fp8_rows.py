@@ -14,7 +14,6 @@ Run: python -m bench.int4_fp8_rows [--ms 1024 4096] [--tokens 4096]
 from __future__ import annotations
 
 import argparse
-from unittest.mock import patch
 
 import torch
 
@@ -22,7 +21,6 @@ from bench.common import graph_time_ms, header, rotating, table
 from bench.grouped_tiles import EXPERTS, operands
 from bench.grouped_tiles import SHAPES as EXPERT_SHAPES
 from bench.moe import graph_output
-from fxquant.kernels import gemm_grouped
 from fxquant.kernels.gemm_grouped import grouped_fp8_mm, grouped_int4_fp8_mm
 from fxquant.kernels.gemm_int4_fp8 import GROUP, int4_as_e4m3, int4_fp8_mm
 from fxquant.numerics import reference as R
@@ -95,26 +93,24 @@ def expert_rows(tokens_list: list[int]) -> list[dict]:
         fp8 = R.quantize_experts(w, "fp8_e4m3", "channel")
         rowed_mm = lambda: grouped_int4_fp8_mm(a, a_scale, offs, rowed.data, rowed.scale, None,
                                                row_scale=rowed.row_scale)
-        routes = {  # name: (product, the codes made e4m3 at most this many at a time: None, the product's)
-            "bf16 grouped_mm": (lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs), None),
-            "fp8_row (e4m3 experts)": (lambda: grouped_fp8_mm(a, a_scale, offs, fp8.data, fp8.scale), None),
-            "W4A8 channel groups": (lambda: grouped_int4_fp8_mm(a, a_scale, offs, amax.data, amax.scale, None), None),
-            "W4A8 row-scaled": (rowed_mm, None),
-            "W4A8 row-scaled, all columns at once": (rowed_mm, EXPERTS * n * k),
+        routes = {
+            "bf16 grouped_mm": lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs),
+            "fp8_row (e4m3 experts)": lambda: grouped_fp8_mm(a, a_scale, offs, fp8.data, fp8.scale),
+            "W4A8 channel groups": lambda: grouped_int4_fp8_mm(a, a_scale, offs, amax.data, amax.scale, None),
+            "W4A8 row-scaled": rowed_mm,
         }
         exact = a.double() * a_scale.double()
         row = {"tokens": tokens, "GEMM": f"{name} {n}x{k}"}
         base = None
-        for route, (fn, chunk) in routes.items():
-            with patch.object(gemm_grouped, "CHUNK_ELEMENTS", chunk or gemm_grouped.CHUNK_ELEMENTS):
-                qw = {"W4A8 channel groups": amax}.get(route, rowed if route.startswith("W4A8") else None)
-                if qw is not None:
-                    weights = R.dequantize_experts(qw, torch.float64)
-                    want = torch.cat([exact[s] @ weights[e].T for e, s in R.expert_rows(offs)])
-                    error = rel_error(graph_output(fn, ())[:want.shape[0]], want)
-                    if error > CEILING:
-                        raise SystemExit(f"{tokens} tokens {name}: {route} is off the fp64 product by {error:.3g}")
-                us = 1e3 * graph_time_ms(fn, [()])
+        for route, fn in routes.items():
+            qw = {"W4A8 channel groups": amax, "W4A8 row-scaled": rowed}.get(route)
+            if qw is not None:
+                weights = R.dequantize_experts(qw, torch.float64)
+                want = torch.cat([exact[s] @ weights[e].T for e, s in R.expert_rows(offs)])
+                error = rel_error(graph_output(fn, ())[:want.shape[0]], want)
+                if error > CEILING:
+                    raise SystemExit(f"{tokens} tokens {name}: {route} is off the fp64 product by {error:.3g}")
+            us = 1e3 * graph_time_ms(fn, [()])
             base = base or us
             row[route] = f"{us:.0f} us, {base / us:.2f}x"
         rows.append(row)

@@ -395,8 +395,9 @@ def grouped_int4_fp8_over_e4m3(out, a, a_scale, offs, w, w_scale, zero_point, ro
     integers q - z (`int4_as_e4m3`, exact), a block of columns at a time (at most CHUNK_ELEMENTS codes, as the
     weight-only experts are dequantized), each block through the grouped fp8 kernel with the group's scales and the
     token's folded into each 128-wide K step's fp32 partial, written into its columns of `out` [M, N]. With row
-    scales [E, N, 1] the codes take their groups' powers of two and each block is a row-scaled grouped product
-    (CUTLASS's on sm_90, docs/decisions/0040-w4a8-row-scaled-past-m128.md)."""
+    scales [E, N, 1] every expert's codes take their groups' powers of two at once (E * N * K bytes for the call)
+    and one row-scaled grouped product takes them (CUTLASS's on sm_90; docs/decisions/0040-w4a8-row-scaled-past-m128.md)
+    returns a new output."""
     (M, K), (E, N) = a.shape, w.shape[:2]
     if row_scale is not None:  # one product over every column: in blocks, CUTLASS's ran 0.36x on Mixtral's down
         codes = int4_as_e4m3(w, zero_point, w_scale, row_scale)
