@@ -313,6 +313,26 @@ def test_quantized_experts_fxquant_wrote_decompress_in_compressed_tensors(tmp_pa
         assert torch.equal(reloaded(PROMPT, use_cache=False).logits, model(PROMPT, use_cache=False).logits)
 
 
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_w4a8_row_scales_are_found_again_on_loading_where_the_scales_hold_them(tmp_path, arch):
+    """int4_fp8's row scales are not stored (compressed-tensors' W4AFP8 holds the group scales): loading finds them
+    again from the group scales, so fxquant's own checkpoint keeps the row-scaled GEMMs (decision 0040), while a W4A8
+    checkpoint quantized otherwise (compressed-tensors' amax scales) has none and keeps the block-scaled ones."""
+    model = fxquant.quantize_(decoder(arch), {"recipe": "int4_fp8"})
+    fxquant.save_quantized(model, tmp_path)
+    reloaded = fxquant.load_quantized(skeleton(model), tmp_path)
+    rows = lambda m: {n: t for n, t in m.named_parameters() if n.endswith("row_scale")}
+    assert rows(model) and rows(reloaded).keys() == rows(model).keys()
+    assert all(torch.equal(rows(reloaded)[n], t) for n, t in rows(model).items())
+    if arch == "llama":
+        other = tmp_path / "compressed_tensors"
+        other.mkdir()
+        write_with_compressed_tensors(decoder(arch), "W4AFP8", other)
+        loaded = fxquant.load_quantized(skeleton(decoder(arch)), other)
+        layers = [m for m in loaded.modules() if isinstance(m, fxquant.QuantizedLinear)]
+        assert layers and all(layer.weight_row_scale is None for layer in layers)
+
+
 def rewrite(path, change) -> None:
     """Apply change(tensors) to the checkpoint's one safetensors file."""
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
