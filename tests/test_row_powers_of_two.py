@@ -102,10 +102,8 @@ def test_the_scales_are_the_same_on_every_device_and_chunking():
         assert torch.equal(gpu.cpu(), whole)
 
 
-@pytest.mark.parametrize("kwargs", [dict(symmetric=False), dict(symmetric=True, fmt="int8")], ids=str)
-def test_it_refuses_other_formats_and_zero_points(kwargs):
-    fmt = kwargs.pop("fmt", "int4")
-    granularity = ("group", GROUP) if fmt == "int4" else "channel"
+@pytest.mark.parametrize(("fmt", "granularity", "symmetric"), [("int4", ("group", GROUP), False),
+                                                             ("int8", "channel", False)], ids=["zero_point", "int8"])
+def test_it_refuses_other_formats_and_zero_points(fmt, granularity, symmetric):
     with pytest.raises(ValueError, match="row_powers_of_two"):
-        R.quantize(torch.randn(4, 256), fmt, granularity, scale_mode=SCALE_MODE,
-                   **({} if fmt != "int4" else kwargs))
+        R.quantize(torch.randn(4, 256), fmt, granularity, scale_mode=SCALE_MODE, symmetric=symmetric)

@@ -118,3 +118,9 @@ FORMATS: dict[str, FloatFormat | IntFormat] = {
 # Every scale's amax is floored here (a minimum fp8 scale of 1/(448*512), as vLLM uses): an all-zero
 # row or block then quantizes to exact zeros, never 0/0 = NaN.
 AMAX_FLOOR = 2.0**-9
+
+
+def fdiv(a: torch.Tensor, b: float) -> torch.Tensor:
+    """a / b with IEEE division on every device: CUDA would turn a Python-scalar divisor into a multiply by
+    its rounded reciprocal, and the reference must round the same on the CPU, on CUDA and in the kernels."""
+    return a / torch.full_like(a, b)

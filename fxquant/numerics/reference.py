@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fxquant.numerics.formats import AMAX_FLOOR, E2M1, E4M3, E5M2, E8M0, INT8, FloatFormat
+from fxquant.numerics.formats import AMAX_FLOOR, E2M1, E4M3, E5M2, E8M0, INT8, FloatFormat, fdiv
 from fxquant.numerics.granularity import Granularity, as_granularity
 from fxquant.numerics.minifloat import decode, encode, pack_nibbles, round_to_format, unpack_nibbles
 from fxquant.numerics.quantized import Quantized
@@ -38,12 +38,6 @@ def block_amax(xb: torch.Tensor) -> torch.Tensor:
         return xb.new_zeros(xb.shape[:-1])
     amax = xb.abs().amax(-1)
     return torch.where(torch.isfinite(amax), amax, torch.nan)
-
-
-def fdiv(a: torch.Tensor, b: float) -> torch.Tensor:
-    """a / b with IEEE division on every device: CUDA would turn a Python-scalar divisor into a multiply by
-    its rounded reciprocal, and the reference must round the same on the CPU, on CUDA and in the kernels."""
-    return a / torch.full_like(a, b)
 
 
 def scale_from_amax(amax: torch.Tensor, fmax: float) -> torch.Tensor:

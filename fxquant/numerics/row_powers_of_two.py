@@ -20,16 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from fxquant.numerics.formats import AMAX_FLOOR
+from fxquant.numerics.formats import AMAX_FLOOR, fdiv
 
 SCALE_MODE = "row_powers_of_two"  # int4's scale_mode for this form
 LOWEST, HIGHEST = -9, 4  # a group's power of two relative to its row's scale: see above
 OFFSETS = 8  # channel scales tried a row, 2^(1/8) apart
 QMAX = 7.0  # symmetric codes -7..7: +-7 keeps negation exact
-
-
-def fdiv(a: torch.Tensor, b: float) -> torch.Tensor:
-    return a / torch.full_like(a, b)
 
 
 def _pow2(k: torch.Tensor) -> torch.Tensor:
@@ -60,7 +56,7 @@ def group_scales(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dims): s_g = r * 2^k, k in [LOWEST, HIGHEST]. A group holding NaN or inf keeps a NaN scale (its own poison only);
     an all-zero group takes the floor's scale, or the lowest binade of its row."""
     finite = torch.isfinite(xb).all(-1)
-    # amax scales (0 where poisoned), divided as IEEE on every device: CUDA turns a scalar divisor into a multiply
+    # amax scales (0 where poisoned), divided as IEEE on every device, as the reference's
     ideal = torch.where(finite, fdiv(xb.abs().amax(-1).clamp_min(AMAX_FLOOR), QMAX), 0.0)
     top = ideal.amax(-1, keepdim=True).clamp_min(AMAX_FLOOR / QMAX)
     clean = torch.where(finite[..., None], xb, 0.0)  # poisoned groups choose nothing: their error is theirs
