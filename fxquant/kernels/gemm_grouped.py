@@ -336,6 +336,10 @@ def _grouped_dequantized_mm(a, offs, codes, scale, fmt, group, zero_point, globa
 # 1617 and 1430 expert by expert as it runs; at 1024 rows (4096 tokens) 3425 and 1813 against 3315 and 1733. Between
 # the two it is not timed: 512 splits them (docs/decisions/0036-moe-prefill-grouped-gemm-order-and-routes.md).
 BY_EXPERT_ABOVE_M = 512
+# W4A8's row-scaled experts take their e4m3 codes in one product up to this many (1 GiB for the call; Mixtral's
+# gate/up are 0.94 G): in blocks of 2**27 CUTLASS's ran 0.36x bf16 on Mixtral's down against 1.29x whole (decision
+# 0040). Larger expert sets (DeepSeek-V3's 7.5 G) go in blocks of columns, so the transient copy stays bounded.
+ROW_SCALED_CHUNK_ELEMENTS = 2**30
 
 
 @functools.lru_cache(maxsize=1024)
@@ -395,13 +399,21 @@ def grouped_int4_fp8_over_e4m3(out, a, a_scale, offs, w, w_scale, zero_point, ro
     integers q - z (`int4_as_e4m3`, exact), a block of columns at a time (at most CHUNK_ELEMENTS codes, as the
     weight-only experts are dequantized), each block through the grouped fp8 kernel with the group's scales and the
     token's folded into each 128-wide K step's fp32 partial, written into its columns of `out` [M, N]. With row
-    scales [E, N, 1] every expert's codes take their groups' powers of two at once (E * N * K bytes for the call)
-    and one row-scaled grouped product takes them (CUTLASS's on sm_90; docs/decisions/0040-w4a8-row-scaled-past-m128.md)
-    returns a new output."""
+    scales [E, N, 1] the codes take their groups' powers of two, every column at once up to ROW_SCALED_CHUNK_ELEMENTS
+    (one row-scaled grouped product, CUTLASS's on sm_90, returning a new output;
+    docs/decisions/0040-w4a8-row-scaled-past-m128.md), past it in blocks of columns written into `out`."""
     (M, K), (E, N) = a.shape, w.shape[:2]
-    if row_scale is not None:  # one product over every column: in blocks, CUTLASS's ran 0.36x on Mixtral's down
-        codes = int4_as_e4m3(w, zero_point, w_scale, row_scale)
-        return grouped_fp8_mm(a, a_scale.reshape(M, 1), offs, codes, row_scale, out.dtype)
+    if row_scale is not None:
+        columns = max(16, ROW_SCALED_CHUNK_ELEMENTS // (E * K) // 16 * 16)
+        if columns >= N:
+            return grouped_fp8_mm(a, a_scale.reshape(M, 1), offs, int4_as_e4m3(w, zero_point, w_scale, row_scale),
+                                  row_scale, out.dtype)
+        for n0 in range(0, N, columns):
+            n1 = min(N, n0 + columns)
+            codes = int4_as_e4m3(w[:, n0:n1], None if zero_point is None else zero_point[:, n0:n1],
+                                 w_scale[:, n0:n1], row_scale[:, n0:n1])
+            out[:, n0:n1] = grouped_fp8_mm(a, a_scale.reshape(M, 1), offs, codes, row_scale[:, n0:n1], out.dtype)
+        return out
     columns = max(16, CHUNK_ELEMENTS // (E * K) // 16 * 16)  # whole 16-column blocks
     for n0 in range(0, N, columns):
         n1 = min(N, n0 + columns)

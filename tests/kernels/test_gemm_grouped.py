@@ -256,13 +256,14 @@ def test_grouped_int4_fp8_is_the_exact_product_rounded_at_the_store(name, symmet
     assert_w4a8_product(got, offs, qa, experts)
 
 
-@pytest.mark.parametrize("route", ["product", "codes made e4m3", "expert by expert"])
+@pytest.mark.parametrize("route", ["product", "codes made e4m3", "codes in blocks of 64 columns", "expert by expert"])
 def test_grouped_int4_fp8_row_scaled_is_the_exact_product_rounded_at_the_store(route, monkeypatch):
     """Group scales in the row-scaled form (numerics/row_powers_of_two.py), given with their row scales: past 128
     rows an active expert the codes take their groups' powers of two and the product is row-scaled (CUTLASS's grouped
-    GEMM on sm_90, else the grouped fp8 kernel), over every column at once whatever CHUNK_ELEMENTS says; past 512
-    each expert's rows take the dense route (cuBLAS's rowwise GEMM on a GPU). Every product is exact and summed in
-    fp32 over K, not a group at a time: the same bound as the channel groups'."""
+    GEMM on sm_90, else the grouped fp8 kernel), over every column at once up to ROW_SCALED_CHUNK_ELEMENTS codes and
+    in blocks of columns past it (each written where it belongs); past 512 each expert's rows take the dense route
+    (cuBLAS's rowwise GEMM on a GPU). Every product is exact and summed in fp32 over K, not a group at a time: the
+    same bound as the channel groups'."""
     offs, m, qa, experts, qw = w4a8_experts(next(iter(MANY_ROWS)), True, K, "row_powers_of_two")
     args = (qa.data, qa.scale, offs, qw.data, qw.scale, None)
     if route == "product":
@@ -271,7 +272,8 @@ def test_grouped_int4_fp8_row_scaled_is_the_exact_product_rounded_at_the_store(r
         got = G.grouped_int4_fp8_by_expert(torch.full((m, N), float("nan"), dtype=torch.bfloat16, device=DEVICE),
                                            *args, qw.row_scale)
     else:
-        monkeypatch.setattr(G, "CHUNK_ELEMENTS", E * K * 64)
+        if route == "codes in blocks of 64 columns":
+            monkeypatch.setattr(G, "ROW_SCALED_CHUNK_ELEMENTS", E * K * 64)
         got = G.grouped_int4_fp8_over_e4m3(torch.full((m, N), float("nan"), dtype=torch.bfloat16, device=DEVICE),
                                            *args, qw.row_scale)
     assert_w4a8_product(got, offs, qa, experts)
