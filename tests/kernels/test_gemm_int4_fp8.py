@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fxquant.kernels import gemm_int4_fp8
+from fxquant.kernels.cublas_fp8 import cublas_scaled_mm
 from fxquant.kernels.gemm_int4_fp8 import GROUP, cublas_int4_fp8, cublas_supports, int4_as_e4m3, int4_fp8_mm, supports
 from fxquant.kernels.splitk import reduce_in_gemm, reduce_partials
 from fxquant.numerics import reference as R
@@ -162,16 +163,19 @@ def test_codes_in_the_row_scaled_form_become_q_times_their_power_of_two_bit_for_
 
 
 def test_past_m_128_row_scaled_codes_go_through_the_rowwise_gemm(monkeypatch):
-    """With row scales the cuBLAS route hands torch._scaled_mm the shifted codes with the tokens' scales [M, 1] and
-    the rows' [1, N]: one fp32 sum over K, scaled once. On the CPU an fp64 emulation of the rowwise product stands
-    in for cuBLAS and asserts what it is handed; on the GPU cuBLAS runs, within the GPU bound."""
+    """With row scales the cuBLAS route hands the rowwise GEMM the shifted codes with the tokens' scales [M, 1] and
+    the rows' [N]: one fp32 sum over K, scaled once, within the bound on both devices. On the CPU an fp64 emulation
+    of the rowwise product stands in for cuBLAS; on the GPU cuBLAS runs."""
     handed = []
+
+    def rowwise(a, a_scale, w, w_scale, block_scales):
+        handed.append((w.dtype, tuple(a_scale.shape), tuple(w_scale.shape), block_scales))
+        if DEVICE == "cpu":
+            return ((a.double() @ w.double().T) * a_scale.double() * w_scale.double()).to(torch.bfloat16)
+        return cublas_scaled_mm(a, a_scale, w, w_scale, block_scales)
+
+    monkeypatch.setattr(gemm_int4_fp8, "cublas_scaled_mm", rowwise)
     if DEVICE == "cpu":
-        def rowwise(a, b, scale_a, scale_b, out_dtype):
-            assert scale_a.shape == (a.shape[0], 1) and scale_b.shape == (1, b.shape[1])
-            handed.append(b.dtype)
-            return ((a.double() @ b.double()) * scale_a.double() * scale_b.double()).to(out_dtype)
-        monkeypatch.setattr(gemm_int4_fp8.torch, "_scaled_mm", rowwise)
         monkeypatch.setattr(gemm_int4_fp8, "cublas_supports", lambda *a: None)
     M, N, K = 200, 256, 512
     qw = row_scaled_weight(N, K, 13)
@@ -182,7 +186,7 @@ def test_past_m_128_row_scaled_codes_go_through_the_rowwise_gemm(monkeypatch):
     exact = a_hp @ w_hp.T
     ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30)))) * torch.finfo(torch.bfloat16).eps
     bound = (2**-10 if DEVICE == "cuda" else 2**-20) * (a_hp.abs() @ w_hp.abs().T)
-    assert handed == ([torch.float8_e4m3fn] if DEVICE == "cpu" else [])
+    assert handed == [(torch.float8_e4m3fn, (M, 1), (N,), False)]
     assert bool(((out.double() - exact).abs() <= ulp + bound).all())
 
 
