@@ -14,6 +14,7 @@ import torch
 
 from fxquant.numerics.formats import AMAX_FLOOR, E2M1, E4M3, E5M2, E8M0, INT8, FloatFormat, fdiv
 from fxquant.numerics.granularity import Granularity, as_granularity
+from fxquant.numerics.int4 import SEARCHED, quantize_groups, symmetric_codes
 from fxquant.numerics.minifloat import decode, encode, pack_nibbles, round_to_format, unpack_nibbles
 from fxquant.numerics.quantized import Quantized
 from fxquant.numerics.row_powers_of_two import SCALE_MODE as ROW_POWERS_OF_TWO
@@ -62,9 +63,11 @@ def quantize(x, fmt, granularity=None, *, scale=None, scale_mode=None, symmetric
     if scale is not None and fmt not in ("fp8_e4m3", "fp8_e5m2", "int8", "nvfp4"):
         raise ValueError(f"fxquant: a static scale is supported for fp8_e4m3, fp8_e5m2, int8 and nvfp4 (its global "
                          f"scale), not {fmt}")
-    if scale_mode is not None and fmt not in MX and (fmt, scale_mode, symmetric) != ("int4", ROW_POWERS_OF_TWO, True):
-        raise ValueError(f"fxquant: scale_mode applies to mxfp8 / mxfp4, and {ROW_POWERS_OF_TWO!r} to symmetric int4; "
-                         f"not {scale_mode!r} to {fmt}{' symmetric' if symmetric else ''}")
+    if scale_mode is not None and fmt not in MX and (fmt, scale_mode) != ("int4", SEARCHED) and (
+            (fmt, scale_mode, symmetric) != ("int4", ROW_POWERS_OF_TWO, True)):
+        raise ValueError(f"fxquant: scale_mode applies to mxfp8 / mxfp4, {SEARCHED!r} to int4 and "
+                         f"{ROW_POWERS_OF_TWO!r} to symmetric int4; not {scale_mode!r} to "
+                         f"{fmt}{' symmetric' if symmetric else ''}")
     if symmetric and fmt != "int4":
         raise ValueError("fxquant: symmetric= selects between int4's two schemes; other formats are symmetric")
     xb = gran.to_blocks(x.float())  # quantization math is fp32 whatever the input dtype
@@ -77,12 +80,14 @@ def quantize(x, fmt, granularity=None, *, scale=None, scale_mode=None, symmetric
         return Quantized(gran.from_blocks(data, x.shape), s, **meta)
     if fmt == "int4" and scale_mode == ROW_POWERS_OF_TWO:
         s, row = row_power_of_two_scales(xb)
-        codes = _int4_codes(xb, s)
+        codes = symmetric_codes(xb, s) & 0xF  # two's complement nibbles
         return Quantized(pack_nibbles(gran.from_blocks(codes, x.shape)), s, scale_mode=scale_mode, row_scale=row,
                          **meta)
     if fmt == "int4":
-        codes, s, zp = _quantize_int4(xb, symmetric)
-        return Quantized(pack_nibbles(gran.from_blocks(codes, x.shape)), s, zero_point=zp, **meta)
+        codes, s, zp = quantize_groups(xb, symmetric, searched=scale_mode == SEARCHED)
+        zp = None if zp is None else zp.to(torch.uint8)
+        # how the scales were searched is not kept: every reader takes the codes and scales as they are
+        return Quantized(pack_nibbles(gran.from_blocks(codes & 0xF, x.shape)), s, zero_point=zp, **meta)
     if fmt in MX:
         mode = scale_mode or DEFAULT_SCALE_MODE[fmt]
         if mode not in SCALE_MODES:
@@ -215,28 +220,6 @@ def _quantize_scaled(xb, fmt, gran, static_scale):
         # Round half to even; a NaN element stores 0 (int8 has no NaN): its NaN scale carries the poison.
         q = torch.round(q).nan_to_num(0.0)
     return q.to(fmt.torch_dtype), scale
-
-
-def _int4_codes(xb, scale):
-    """Symmetric int4 codes -7..7 of blocks under their scales, as two's complement nibbles; +-7 keeps negation
-    exact."""
-    q = torch.round(saturate(apply_scale(xb, scale), xb, 7.0)).nan_to_num(0.0)
-    return q.to(torch.int32) & 0xF
-
-
-def _quantize_int4(xb, symmetric):
-    if symmetric:
-        scale = scale_from_amax(block_amax(xb), 7.0)
-        return _int4_codes(xb, scale), scale, None
-    # Asymmetric: the range [min(x, 0), max(x, 0)] maps onto 0..15; including 0 makes zero exact.
-    lo = xb.amin(-1).clamp_max(0) if xb.shape[-1] else xb.new_zeros(xb.shape[:-1])
-    hi = xb.amax(-1).clamp_min(0) if xb.shape[-1] else xb.new_zeros(xb.shape[:-1])
-    span = hi - lo
-    span = torch.where(torch.isfinite(span), span, torch.nan)  # inf - inf and friends poison the group
-    scale = scale_from_amax(span, 15.0)
-    zp = torch.round(-lo / scale).clamp(0, 15).nan_to_num(0.0)
-    q = (torch.round(apply_scale(xb, scale)) + zp[..., None]).clamp(0, 15).nan_to_num(0.0)
-    return q.to(torch.int32), scale, zp.to(torch.uint8)
 
 
 def _quantize_mx(xb, elem, mode):
