@@ -51,8 +51,8 @@ RECIPES = {
     "mxfp4_wo": LinearScheme("weight_only", "mxfp4", None, k_multiple=32),
     "nvfp4_wo": LinearScheme("weight_only", "nvfp4", None, k_multiple=16),
     "int8_wo": LinearScheme("weight_only", "int8", "channel"),
-    # int4's group scales searched for each group's least squared error (numerics/int4.py): the MiniLM set kept more
-    # than under the amax scales, and the kernels read the same layout
+    # int4's group scales searched for each group's least squared error: the MiniLM set kept more than under the amax
+    # scales, and the kernels read the same layout (docs/decisions/0041-int4-weight-only-scales-searched.md)
     "int4_wo": LinearScheme("weight_only", "int4", ("group", 128), k_multiple=128, scale_mode=SEARCHED),
     # GPTQ's layout, which vLLM's Marlin kernels serve: no zero points, so 4.25 bits a weight against int4_wo's 4.31.
     "int4_sym_wo": LinearScheme("weight_only", "int4", ("group", 128), k_multiple=128, symmetric=True,

@@ -10,7 +10,8 @@ Two ways to pick a group's scale:
   19.45 to 19.74 with zero points, and the MiniLM set's cosine from 0.9305 to 0.9446 and from 0.9500 to 0.9539
   (`python -m bench.int4_scales`, bench/results/2026-12-07/int4_scales_c54959b.txt). Its candidates are exact fp32
   products and every division is IEEE, so the CPU and the GPU round the same codes; their errors are summed in
-  another order on each, so a pick could differ only where two candidates' errors agree to about 1e-15.
+  another order on each, so a pick could differ only where two candidates' errors agree to about 1e-15
+  (docs/decisions/0041-int4-weight-only-scales-searched.md).
 Either way a group holding NaN or inf gets a NaN scale (its own poison only) and codes 0.
 """
 
