@@ -24,6 +24,8 @@ from fxquant.ops import linear as linear_ops
 from fxquant.passes import pack_lanes as lanes_pass
 from fxquant.quantization.weight_store import LANES_KEY, tiles_chosen
 
+INT4_WO_SCALES = RECIPES["int4_wo"].scale_mode  # how the recipe picks its group scales, to quantize as it does
+
 LANES = torch.ops.fxquant.linear_int4_lanes.default
 FP4_LANES = torch.ops.fxquant.linear_fp4_lanes.default
 WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default
@@ -135,7 +137,7 @@ def test_a_second_graph_shares_the_lanes_and_a_changed_weight_repacks_them(serve
     for scale, zero, lane_scale, lane_zero in lanes_buffers(callables[0].result.gm):
         packed = pack_lanes(scale, zero)
         assert torch.equal(lane_scale, packed[0]) and torch.equal(lane_zero, packed[1])
-    fresh = fxquant.quantize(saved.mul(-3.0), "int4", ("group", 128))  # the qkv rows 256..384 now hold k_proj's
+    fresh = fxquant.quantize(saved.mul(-3.0), "int4", ("group", 128), scale_mode=INT4_WO_SCALES)  # rows 256..384
     qkv_scale = lanes_buffers(callables[1].result.gm)[0][0]
     assert torch.equal(qkv_scale[256:384], fresh.scale)
 
@@ -162,10 +164,11 @@ def test_int4_codes_in_tiles_are_the_graphs_one_copy_give_the_same_numbers_and_t
     finally:
         with torch.no_grad():
             k_proj.copy_(saved)
-    fresh = fxquant.quantize(saved.mul(-3.0), "int4", ("group", 128))  # the qkv rows 256..384 hold k_proj's
+    fresh = fxquant.quantize(saved.mul(-3.0), "int4", ("group", 128), scale_mode=INT4_WO_SCALES)  # k_proj's rows
     assert torch.equal(untile_codes(codes[0])[256:384], fresh.data)
-    assert torch.equal(untile_codes(codes[0])[:256], fxquant.quantize(model.model.layers[0].self_attn.q_proj.weight,
-                                                                      "int4", ("group", 128)).data)
+    q_proj = fxquant.quantize(model.model.layers[0].self_attn.q_proj.weight, "int4", ("group", 128),
+                              scale_mode=INT4_WO_SCALES)
+    assert torch.equal(untile_codes(codes[0])[:256], q_proj.data)
 
 
 @pytest.mark.parametrize(("option", "recipe", "shape", "expected"), [
