@@ -120,6 +120,11 @@ FORMATS: dict[str, FloatFormat | IntFormat] = {
 AMAX_FLOOR = 2.0**-9
 
 
+def apply_scale(xb: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """xb / scale, per block, as kernels compute it: one IEEE reciprocal per block, then exact multiplies."""
+    return xb * (torch.ones_like(scale) / scale)[..., None]
+
+
 def fdiv(a: torch.Tensor, b: float) -> torch.Tensor:
     """a / b with IEEE division on every device: CUDA would turn a Python-scalar divisor into a multiply by
     its rounded reciprocal, and the reference must round the same on the CPU, on CUDA and in the kernels."""

@@ -20,22 +20,17 @@ from __future__ import annotations
 
 import torch
 
-from fxquant.numerics.formats import AMAX_FLOOR, fdiv
+from fxquant.numerics.formats import AMAX_FLOOR, apply_scale, fdiv
 
 SEARCHED = "searched"  # int4's scale_mode for the searched scales
 SEARCH_FACTORS = tuple(1 - 0.05 * i for i in range(8))  # the amax scale stepped down 5% at a time, to 0.65
 SYMMETRIC_MAX, ZERO_POINT_MAX = 7.0, 15.0  # +-7 keeps negation exact; 0..15 with a zero point
 
 
-def _reciprocal_times(xb: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """xb / scale per group, as the kernels compute it: one IEEE reciprocal a group, then exact multiplies."""
-    return xb * (torch.ones_like(scale) / scale)[..., None]
-
-
 def symmetric_codes(xb: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Codes -7..7 (int32) of groups xb [..., G, B] under scale [..., G], rounded half to even; a non-finite
     element stores 0 (its group's NaN scale carries the poison)."""
-    q = _reciprocal_times(xb, scale).clamp(-SYMMETRIC_MAX, SYMMETRIC_MAX)
+    q = apply_scale(xb, scale).clamp(-SYMMETRIC_MAX, SYMMETRIC_MAX)
     return torch.round(torch.where(torch.isfinite(xb), q, torch.nan)).nan_to_num(0.0).to(torch.int32)
 
 
@@ -43,7 +38,7 @@ def zero_point_codes(xb: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) ->
     """(codes 0..15 (int32), zero points [..., G] (fp32)) of groups xb under scale, their range starting at lo
     (<= 0): the zero point is -lo / scale rounded half to even, so zero stays exact."""
     zp = torch.round(-lo / scale).clamp(0, ZERO_POINT_MAX).nan_to_num(0.0)
-    q = (torch.round(_reciprocal_times(xb, scale)) + zp[..., None]).clamp(0, ZERO_POINT_MAX).nan_to_num(0.0)
+    q = (torch.round(apply_scale(xb, scale)) + zp[..., None]).clamp(0, ZERO_POINT_MAX).nan_to_num(0.0)
     return q.to(torch.int32), zp
 
 
@@ -75,10 +70,11 @@ def quantize_groups(xb: torch.Tensor, symmetric: bool, searched: bool = False):
     return codes, scale, zp
 
 
-def _squared_error(xb: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None) -> torch.Tensor:
-    """Each group's squared error [..., G] under scale, summed in fp64 (NaN for a poisoned group): the values
-    dequantized as the codes above give them, in place, so that the search costs a few passes a candidate."""
-    values = _reciprocal_times(xb, scale)
+def squared_error(xb: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None) -> torch.Tensor:
+    """Each group's squared error [..., G] under scale (lo: the zero-point range's start, None for symmetric codes),
+    summed in fp64 (NaN for a poisoned group): the values dequantized as the codes above give them, in place, so that
+    a search costs a few passes a candidate."""
+    values = apply_scale(xb, scale)
     if lo is None:
         values.clamp_(-SYMMETRIC_MAX, SYMMETRIC_MAX).round_()
     else:
@@ -89,10 +85,10 @@ def _squared_error(xb: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | Non
 
 def _searched(xb: torch.Tensor, amax_scale: torch.Tensor, lo: torch.Tensor | None) -> torch.Tensor:
     """Of the amax scale times each search factor, each group's least-error one (the first at a tie)."""
-    best_scale, best_error = amax_scale, _squared_error(xb, amax_scale, lo)
+    best_scale, best_error = amax_scale, squared_error(xb, amax_scale, lo)
     for factor in SEARCH_FACTORS[1:]:
         scale = amax_scale * torch.full_like(amax_scale, factor)  # an exact fp32 product on every device
-        error = _squared_error(xb, scale, lo)
+        error = squared_error(xb, scale, lo)
         better = error < best_error  # NaN (a poisoned group) is never better: it keeps its NaN scale
         best_scale, best_error = torch.where(better, scale, best_scale), torch.where(better, error, best_error)
     return best_scale

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fxquant.numerics.formats import AMAX_FLOOR, E2M1, E4M3, E5M2, E8M0, INT8, FloatFormat, fdiv
+from fxquant.numerics.formats import AMAX_FLOOR, E2M1, E4M3, E5M2, E8M0, INT8, FloatFormat, apply_scale, fdiv
 from fxquant.numerics.granularity import Granularity, as_granularity
 from fxquant.numerics.int4 import SEARCHED, quantize_groups, symmetric_codes
 from fxquant.numerics.minifloat import decode, encode, pack_nibbles, round_to_format, unpack_nibbles
@@ -44,11 +44,6 @@ def block_amax(xb: torch.Tensor) -> torch.Tensor:
 def scale_from_amax(amax: torch.Tensor, fmax: float) -> torch.Tensor:
     # The floor keeps all-zero blocks at scale > 0 (zeros out, not 0/0); clamp_min keeps NaN.
     return fdiv(amax.clamp_min(AMAX_FLOOR), fmax)
-
-
-def apply_scale(xb: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """xb / scale, per block, as kernels compute it: one IEEE reciprocal per block, then exact multiplies."""
-    return xb * (torch.ones_like(scale) / scale)[..., None]
 
 
 def saturate(q: torch.Tensor, x: torch.Tensor, fmax: float) -> torch.Tensor:

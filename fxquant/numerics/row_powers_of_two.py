@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 
 from fxquant.numerics.formats import AMAX_FLOOR, fdiv
+from fxquant.numerics.int4 import SYMMETRIC_MAX, squared_error
 
 SCALE_MODE = "row_powers_of_two"  # int4's scale_mode for this form
 LOWEST, HIGHEST = -9, 4  # a group's power of two relative to its row's scale: see above
 OFFSETS = 8  # channel scales tried a row, 2^(1/8) apart
-QMAX = 7.0  # symmetric codes -7..7: +-7 keeps negation exact
 
 
 def _pow2(k: torch.Tensor) -> torch.Tensor:
@@ -40,25 +40,14 @@ def _binade_at_or_above(ideal: torch.Tensor, channel: torch.Tensor) -> torch.Ten
     return e_i - e_c + (m_i > m_c).to(e_i.dtype)
 
 
-def _fake_quantized(xb: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """xb [..., G, B] rounded to scale [..., G]'s symmetric codes (half to even) and back, as `quantize` codes."""
-    q = torch.round(xb * (torch.ones_like(scale) / scale)[..., None]).clamp(-QMAX, QMAX)
-    return q * scale[..., None]
-
-
-def _group_error(xb: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Each group's squared error under scale [..., G], summed in fp64."""
-    return ((_fake_quantized(xb, scale) - xb) ** 2).double().sum(-1)
-
-
 def group_scales(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(group scales [..., G], row scales [..., 1]) for finite-or-poisoned blocks xb [..., G, B] (rows: the leading
     dims): s_g = r * 2^k, k in [LOWEST, HIGHEST]. A group holding NaN or inf keeps a NaN scale (its own poison only);
     an all-zero group takes the floor's scale, or the lowest binade of its row."""
     finite = torch.isfinite(xb).all(-1)
     # amax scales (0 where poisoned), divided as IEEE on every device, as the reference's
-    ideal = torch.where(finite, fdiv(xb.abs().amax(-1).clamp_min(AMAX_FLOOR), QMAX), 0.0)
-    top = ideal.amax(-1, keepdim=True).clamp_min(AMAX_FLOOR / QMAX)
+    ideal = torch.where(finite, fdiv(xb.abs().amax(-1).clamp_min(AMAX_FLOOR), SYMMETRIC_MAX), 0.0)
+    top = ideal.amax(-1, keepdim=True).clamp_min(AMAX_FLOOR / SYMMETRIC_MAX)
     clean = torch.where(finite[..., None], xb, 0.0)  # poisoned groups choose nothing: their error is theirs
     span = HIGHEST - LOWEST
     best_scale = best_error = None
@@ -67,7 +56,7 @@ def group_scales(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         up = _binade_at_or_above(torch.where(finite, ideal, channel), channel).clamp(1 - span, 1)  # <= 1: ideal <= 2c
         below = (up - 1).clamp_min(1 - span)
         s_up, s_below = channel * _pow2(up), channel * _pow2(below)
-        e_up, e_below = _group_error(clean, s_up), _group_error(clean, s_below)
+        e_up, e_below = squared_error(clean, s_up, None), squared_error(clean, s_below, None)
         take_below = e_below < e_up
         scale = torch.where(take_below, s_below, s_up)
         error = torch.where(take_below, e_below, e_up).sum(-1, keepdim=True)
@@ -85,7 +74,7 @@ def _row_of(scale: torch.Tensor) -> torch.Tensor:
     """The row scale of group scales [..., G] in this form: the largest finite one over 2^HIGHEST (the floor's scale
     where a row has none: its groups are all poisoned, and any positive row scale keeps them NaN)."""
     largest = torch.where(torch.isfinite(scale), scale, 0.0).amax(-1, keepdim=True)
-    return torch.where(largest > 0, largest, AMAX_FLOOR / QMAX) * 2.0**-HIGHEST
+    return torch.where(largest > 0, largest, AMAX_FLOOR / SYMMETRIC_MAX) * 2.0**-HIGHEST
 
 
 def row_scale_of(scale: torch.Tensor) -> torch.Tensor | None:
