@@ -8,6 +8,10 @@ before anything is timed. The graph-capturable paths are timed replaying a CUDA 
 under reduce-overhead); the eager loop syncs with the host on its routing and is timed as it runs.
 
     python -m bench.moe [--tokens 1 16 64 512 4096] [--recipes fp8_block int4_wo ...] [--profile 4096]
+                        [--chunks 27 30]
+
+--chunks N ...: each weight-only recipe also as a path whose experts, past 128 rows an expert, are dequantized for
+grouped_mm 2**N weight elements at a time (`gemm_grouped.CHUNK_ELEMENTS`) instead of the product's.
 
 --profile T: at T tokens, each quantized path's kernels as it runs outside a CUDA graph (where W4A8 past 512 rows an
 expert reads the offsets on the host and takes cuBLAS expert by expert, where a graph's capture takes the grouped fp8
@@ -18,12 +22,14 @@ calls.
 from __future__ import annotations
 
 import argparse
+from unittest.mock import patch
 
 import torch
 import transformers as T
 
 from bench.common import graph_time_ms, header, table, time_ms
 from fxquant.config import RECIPES
+from fxquant.kernels import gemm_grouped
 from fxquant.modules.quantized_experts import QuantizedExperts
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 4096, 14336, 8, 2
@@ -53,6 +59,18 @@ def routed(tokens: int, seed: int):
     logits = torch.randn(tokens, EXPERTS, device="cuda", generator=g)
     weights, ids = torch.softmax(logits, dim=-1).topk(TOP_K, dim=-1)
     return x, ids, (weights / weights.sum(-1, keepdim=True)).to(torch.bfloat16)
+
+
+class Chunked(torch.nn.Module):
+    """Experts whose weight-only route dequantizes `elements` weight elements at a time."""
+
+    def __init__(self, experts: torch.nn.Module, elements: int):
+        super().__init__()
+        self.experts, self.elements = experts, elements
+
+    def forward(self, *args):
+        with patch.object(gemm_grouped, "CHUNK_ELEMENTS", self.elements):
+            return self.experts(*args)
 
 
 def rel_error(got, want) -> float:
@@ -106,6 +124,8 @@ def main():
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES))
     parser.add_argument("--profile", type=int, nargs="*", default=[], metavar="TOKENS",
                         help="at these token counts, each quantized path's kernels outside a CUDA graph")
+    parser.add_argument("--chunks", type=int, nargs="*", default=[], metavar="LOG2",
+                        help="each weight-only recipe also dequantized for grouped_mm 2**LOG2 elements at a time")
     args = parser.parse_args()
     print(header())
     baseline = experts_module("grouped_mm")
@@ -113,6 +133,9 @@ def main():
     for recipe in args.recipes:
         with torch.no_grad():
             paths[f"fxquant {recipe}"] = QuantizedExperts.from_module(baseline, recipe)
+        if RECIPES[recipe].kind == "weight_only":
+            for log2 in args.chunks:
+                paths[f"fxquant {recipe} chunk=2**{log2}"] = Chunked(paths[f"fxquant {recipe}"], 2**log2)
     eager = experts_module("eager")
     eager.load_state_dict(baseline.state_dict())
     paths["bf16 eager loop"] = eager
@@ -126,7 +149,7 @@ def main():
             want = baseline(*sets[0])
             base_ms = None
             for name, module in paths.items():
-                scheme = RECIPES[name.split()[-1]] if name.startswith("fxquant") else None
+                scheme = RECIPES[name.split()[1]] if name.startswith("fxquant") else None
                 # W4A8 adds its fp8 activations' rounding to the int4 weights' (0.207 at 16 tokens on the H200)
                 ceiling = scheme and ERROR_CEILING[scheme.weight_fmt] + (
                     ERROR_CEILING["fp8_e4m3"] if scheme.kind == "int4_fp8" else 0)

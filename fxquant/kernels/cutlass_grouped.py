@@ -5,7 +5,7 @@ measured faster than the grouped Triton kernel: on Mixtral's experts (H100, `pyt
 (docs/decisions/0039-moe-row-scaled-experts-on-cutlass.md).
 
 Its output is allocated empty and rows past the last expert's end are never written; fxquant's grouped GEMMs make
-them zero, so a small kernel zeroes them here, reading offs[-1] on the device (no host sync: a CUDA graph replays it).
+them zero, so `unowned_rows.zero_unowned_rows` zeroes them on the device (no host sync: a CUDA graph replays it).
 Only the layout measured is sent: e4m3 operands, rows and weights contiguous with K and N multiples of 16, scales per
 token or tensor and per channel or tensor, bf16 out, past 128 rows an active expert.
 """
@@ -13,14 +13,12 @@ token or tensor and per channel or tensor, bf16 out, past 128 rows an active exp
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from fxquant.kernels.cast import capability
-from fxquant.kernels.launch import cdiv, visible
+from fxquant.kernels.launch import cdiv
+from fxquant.kernels.unowned_rows import zero_unowned_rows
 
 CUTLASS_ABOVE_M = 128  # rows an active expert: what `bench.grouped_tiles` timed (256 and 1024)
-ZERO_ROWS, ZERO_COLUMNS = 32, 256  # a program's block of the rows it may zero, and its column step
 
 
 def supports(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
@@ -47,28 +45,6 @@ def layout_refusal(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
     if a_scale.numel() not in (1, M) or b_scale.numel() not in (E, E * N):
         return f"scales {tuple(a_scale.shape)}, {tuple(b_scale.shape)}: not per token and channel (or tensor)"
     return None
-
-
-@triton.jit
-def _zero_unowned_rows_kernel(out_ptr, offs_ptr, M, N, stride_om, E: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                              BLOCK_COLUMNS: tl.constexpr):
-    """Zeroes out's rows from offs[E - 1] (the last expert's end) to M; a program whose rows all belong to experts
-    stores nothing."""
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    unowned = (rows >= tl.load(offs_ptr + E - 1)) & (rows < M)
-    columns = tl.arange(0, BLOCK_COLUMNS)
-    zeros = tl.zeros((BLOCK_ROWS, BLOCK_COLUMNS), dtype=out_ptr.dtype.element_ty)
-    for start in range(0, N, BLOCK_COLUMNS):
-        mask = unowned[:, None] & (start + columns[None, :] < N)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + start + columns[None, :], zeros, mask=mask)
-
-
-def zero_unowned_rows(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """out [M, N] (unit column stride) with its rows past offs[-1] zeroed in place, offs read on the device."""
-    M, N = out.shape
-    visible(_zero_unowned_rows_kernel)[(cdiv(M, ZERO_ROWS),)](
-        out, offs, M, N, out.stride(0), E=offs.shape[0], BLOCK_ROWS=ZERO_ROWS, BLOCK_COLUMNS=ZERO_COLUMNS)
-    return out
 
 
 def cutlass_grouped_fp8(a: torch.Tensor, a_scale: torch.Tensor, offs: torch.Tensor, b: torch.Tensor,

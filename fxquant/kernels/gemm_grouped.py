@@ -58,6 +58,7 @@ from fxquant.kernels.gemm_weight_only import (
 from fxquant.kernels.launch import cdiv, inlined, visible
 from fxquant.kernels.splitk import reduce_partials, split_k
 from fxquant.kernels.tiles import expert_k_steps, expert_tile_offsets, store_tile
+from fxquant.kernels.unowned_rows import zero_unowned_rows
 
 
 @triton.jit
@@ -311,10 +312,10 @@ def grouped_weight_only_mm(a, offs, w, w_scale, fmt: str, group: int, N: int, *,
 def _grouped_dequantized_mm(a, offs, codes, scale, fmt, group, zero_point, global_scale):
     """Each expert's rows of a times that expert dequantized to a's dtype (rounded once, as the dense product past
     DEQUANTIZE_ABOVE_M rounds it), by torch._grouped_mm: every expert's block of output columns at once, each block
-    at most CHUNK_ELEMENTS of dequantized weight; rows past offs[-1] are zero, as the kernels leave them."""
+    at most CHUNK_ELEMENTS of dequantized weight; rows past offs[-1] are zero, as the kernels leave them (zeroed on
+    the device, where grouped_mm leaves them unwritten: with every row owned no pass over the product)."""
     (M, K), (E, N) = a.shape, codes.shape[:2]
     columns = max(16, CHUNK_ELEMENTS // (E * K) // 16 * 16)  # whole 16-element column blocks, grouped_mm's alignment
-    owned = (torch.arange(M, device=a.device) < offs[-1])[:, None]
     out = torch.empty((M, N), dtype=a.dtype, device=a.device) if columns < N else None
     for n0 in range(0, N, columns):
         n1 = min(N, n0 + columns)
@@ -323,10 +324,9 @@ def _grouped_dequantized_mm(a, offs, codes, scale, fmt, group, zero_point, globa
                                     global_scale=global_scale)
         product = torch._grouped_mm(a, weights.transpose(1, 2), offs=offs)
         if out is None:
-            return torch.where(owned, product, 0)
-        torch.where(owned, product, product.new_zeros(()), out=out[:, n0:n1])  # zeros and the copy in one pass
-    return out
-
+            return zero_unowned_rows(product, offs)
+        out[:, n0:n1] = product
+    return zero_unowned_rows(out, offs)
 
 
 # W4A8 experts past this many rows an active expert go expert by expert through the dense product (cuBLAS), the

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fxquant.kernels import gemm_grouped as G
-from fxquant.kernels.cutlass_grouped import CUTLASS_ABOVE_M, layout_refusal, supports, zero_unowned_rows
+from fxquant.kernels.cutlass_grouped import CUTLASS_ABOVE_M, layout_refusal, supports
+from fxquant.kernels.unowned_rows import zero_unowned_rows
 from fxquant.numerics import reference as R
 from fxquant.ops import quantize_fp8
 

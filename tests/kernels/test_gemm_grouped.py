@@ -65,17 +65,19 @@ def test_grouped_weight_only(fmt, name):
     check(got, R.grouped_linear(x, offs, q), offs)
 
 
+@pytest.mark.parametrize("blocks", [True, False], ids=["column_blocks", "every_column_at_once"])
 @pytest.mark.parametrize("tail", [0, 7], ids=["every_row_owned", "rows_past_the_last_expert"])
 @pytest.mark.parametrize("fmt", list(WEIGHT_ONLY))
-def test_many_rows_take_the_experts_dequantized(fmt, tail, monkeypatch):
+def test_many_rows_take_the_experts_dequantized(fmt, tail, blocks, monkeypatch):
     """Past DEQUANTIZE_ABOVE_M rows per active expert the experts are dequantized to bf16, each weight rounded once
     (half a bf16 ulp), for torch._grouped_mm, in column blocks when they are large: each row is its expert's fp64
     product of the dequantized operands within that rounding, fp32 accumulation's error and one ulp at the store
     (the dense dequantized product's bound, tests/kernels/test_gemm_weight_only.py); an empty expert among them, and
-    rows no expert owns left zero."""
+    rows no expert owns zero, which grouped_mm leaves unwritten."""
     from fxquant.kernels import gemm_grouped
 
-    monkeypatch.setattr(gemm_grouped, "CHUNK_ELEMENTS", E * K * 96)  # column blocks of 96, 96 and 64: their seams
+    if blocks:
+        monkeypatch.setattr(gemm_grouped, "CHUNK_ELEMENTS", E * K * 96)  # column blocks of 96, 96 and 64: their seams
     gen = torch.Generator().manual_seed(1)
     counts = [300, 0, 180, 90]  # 570 rows over 4 experts: 143 each on average, past 128
     offs = torch.tensor(counts).cumsum(0).to(torch.int32).to(DEVICE)

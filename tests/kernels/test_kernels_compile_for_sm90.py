@@ -15,7 +15,6 @@ import torch
 
 import fxquant.kernels
 from fxquant.kernels import splitk
-from fxquant.kernels.cutlass_grouped import zero_unowned_rows
 from fxquant.kernels.decode_attention import decode_attention, decode_attention_quantized
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
 from fxquant.kernels.gemm_grouped import (
@@ -31,6 +30,7 @@ from fxquant.kernels.quant_fp8 import quantize_fp8_rows, quantize_fp8_static, qu
 from fxquant.kernels.quant_mx import mxfp8_values
 from fxquant.kernels.rotary_cache import rotary_cache_write
 from fxquant.kernels.silu_mul_quant import silu_mul_quantize_fp8_rows
+from fxquant.kernels.unowned_rows import zero_unowned_rows
 from fxquant.numerics import reference as R
 from tests.sm90_compile import compile_errors, recorded_launches
 
