@@ -11,7 +11,7 @@ under reduce-overhead); the eager loop syncs with the host on its routing and is
                         [--chunks 27 30]
 
 --chunks N ...: each weight-only recipe also as a path whose experts, past 128 rows an expert, are dequantized for
-grouped_mm 2**N weight elements at a time (`gemm_grouped.CHUNK_ELEMENTS`) instead of the product's.
+grouped_mm 2**N weight elements at a time (`gemm_grouped.EXPERTS_AT_ONCE_ELEMENTS`) instead of the product's.
 
 --profile T: at T tokens, each quantized path's kernels as it runs outside a CUDA graph (where W4A8 past 512 rows an
 expert reads the offsets on the host and takes cuBLAS expert by expert, where a graph's capture takes the grouped fp8
@@ -69,7 +69,7 @@ class Chunked(torch.nn.Module):
         self.experts, self.elements = experts, elements
 
     def forward(self, *args):
-        with patch.object(gemm_grouped, "CHUNK_ELEMENTS", self.elements):
+        with patch.object(gemm_grouped, "EXPERTS_AT_ONCE_ELEMENTS", self.elements):
             return self.experts(*args)
 
 

@@ -8,10 +8,10 @@ from fxquant.kernels import gemm_grouped
 
 class Recorder(torch.nn.Module):
     def forward(self, x):
-        return x + gemm_grouped.CHUNK_ELEMENTS
+        return x + gemm_grouped.EXPERTS_AT_ONCE_ELEMENTS
 
 
 def test_a_chunked_path_runs_at_its_chunk_and_leaves_the_products_after_it():
-    shipped = gemm_grouped.CHUNK_ELEMENTS
-    out = Chunked(Recorder(), 2**30)(torch.zeros(()))
-    assert out.item() == 2**30 and gemm_grouped.CHUNK_ELEMENTS == shipped != 2**30
+    shipped = gemm_grouped.EXPERTS_AT_ONCE_ELEMENTS
+    out = Chunked(Recorder(), 2**20)(torch.zeros(()))
+    assert out.item() == 2**20 and gemm_grouped.EXPERTS_AT_ONCE_ELEMENTS == shipped != 2**20

@@ -275,6 +275,15 @@ def _wo_plan(M: int, N: int, K: int, E: int, fmt: str, group: int, overrides: tu
     return grid, split, meta
 
 
+# Experts rewritten for a vendor's grouped GEMM past 128 rows an expert (weight-only ones dequantized to bf16 for
+# grouped_mm, W4A8's row-scaled codes made e4m3 for CUTLASS) go in one product up to this many weight elements
+# (Mixtral's gate/up are 0.94 G: a transient 1.9 GB in bf16, 0.94 GB in e4m3), in blocks of columns past it, so that
+# the copy stays bounded for larger expert sets (DeepSeek-V3's 7.5 G). In blocks of 2**27 CUTLASS's W4A8 ran 0.36x
+# bf16 on Mixtral's down against 1.29x whole (decision 0040), and weight-only int4 0.85x at 4096 tokens against 0.95x
+# (docs/decisions/0041-experts-rewritten-whole-for-vendor-grouped-gemms.md).
+EXPERTS_AT_ONCE_ELEMENTS = 2**30
+
+
 def grouped_weight_only_mm(a, offs, w, w_scale, fmt: str, group: int, N: int, *, zero_point=None,
                            global_scale=None, config=None):
     """a: [M, K] bf16/fp16 (bf16 for mxfp8), rows sorted by expert; offs: int32 [E]; w: [E, N, K] int8 / e4m3 or
@@ -311,11 +320,11 @@ def grouped_weight_only_mm(a, offs, w, w_scale, fmt: str, group: int, N: int, *,
 
 def _grouped_dequantized_mm(a, offs, codes, scale, fmt, group, zero_point, global_scale):
     """Each expert's rows of a times that expert dequantized to a's dtype (rounded once, as the dense product past
-    DEQUANTIZE_ABOVE_M rounds it), by torch._grouped_mm: every expert's block of output columns at once, each block
-    at most CHUNK_ELEMENTS of dequantized weight; rows past offs[-1] are zero, as the kernels leave them (zeroed on
-    the device, where grouped_mm leaves them unwritten: with every row owned no pass over the product)."""
+    DEQUANTIZE_ABOVE_M rounds it), by torch._grouped_mm: every column at once up to EXPERTS_AT_ONCE_ELEMENTS of
+    dequantized weight, in blocks of columns past it; rows past offs[-1] are zero, as the kernels leave them (zeroed
+    on the device, where grouped_mm leaves them unwritten: with every row owned no pass over the product)."""
     (M, K), (E, N) = a.shape, codes.shape[:2]
-    columns = max(16, CHUNK_ELEMENTS // (E * K) // 16 * 16)  # whole 16-element column blocks, grouped_mm's alignment
+    columns = max(16, EXPERTS_AT_ONCE_ELEMENTS // (E * K) // 16 * 16)  # whole 16-element blocks, grouped_mm's alignment
     out = torch.empty((M, N), dtype=a.dtype, device=a.device) if columns < N else None
     for n0 in range(0, N, columns):
         n1 = min(N, n0 + columns)
@@ -336,10 +345,6 @@ def _grouped_dequantized_mm(a, offs, codes, scale, fmt, group, zero_point, globa
 # 1617 and 1430 expert by expert as it runs; at 1024 rows (4096 tokens) 3425 and 1813 against 3315 and 1733. Between
 # the two it is not timed: 512 splits them (docs/decisions/0036-moe-prefill-grouped-gemm-order-and-routes.md).
 BY_EXPERT_ABOVE_M = 512
-# W4A8's row-scaled experts take their e4m3 codes in one product up to this many (1 GiB for the call; Mixtral's
-# gate/up are 0.94 G): in blocks of 2**27 CUTLASS's ran 0.36x bf16 on Mixtral's down against 1.29x whole (decision
-# 0040). Larger expert sets (DeepSeek-V3's 7.5 G) go in blocks of columns, so the transient copy stays bounded.
-ROW_SCALED_CHUNK_ELEMENTS = 2**30
 
 
 @functools.lru_cache(maxsize=1024)
@@ -396,15 +401,15 @@ def grouped_int4_fp8_mm(a, a_scale, offs, w, w_scale, zero_point, out_dtype=torc
 
 def grouped_int4_fp8_over_e4m3(out, a, a_scale, offs, w, w_scale, zero_point, row_scale=None):
     """W4A8 experts on the fp8 tensor cores with no host read of the offsets: every expert's codes made e4m3
-    integers q - z (`int4_as_e4m3`, exact), a block of columns at a time (at most CHUNK_ELEMENTS codes, as the
-    weight-only experts are dequantized), each block through the grouped fp8 kernel with the group's scales and the
-    token's folded into each 128-wide K step's fp32 partial, written into its columns of `out` [M, N]. With row
-    scales [E, N, 1] the codes take their groups' powers of two, every column at once up to ROW_SCALED_CHUNK_ELEMENTS
+    integers q - z (`int4_as_e4m3`, exact), a block of columns at a time (at most CHUNK_ELEMENTS codes), each block
+    through the grouped fp8 kernel with the group's scales and the token's folded into each 128-wide K step's fp32
+    partial, written into its columns of `out` [M, N]. With row
+    scales [E, N, 1] the codes take their groups' powers of two, every column at once up to EXPERTS_AT_ONCE_ELEMENTS
     (one row-scaled grouped product, CUTLASS's on sm_90, returning a new output;
     docs/decisions/0040-w4a8-row-scaled-past-m128.md), past it in blocks of columns written into `out`."""
     (M, K), (E, N) = a.shape, w.shape[:2]
     if row_scale is not None:
-        columns = max(16, ROW_SCALED_CHUNK_ELEMENTS // (E * K) // 16 * 16)
+        columns = max(16, EXPERTS_AT_ONCE_ELEMENTS // (E * K) // 16 * 16)
         if columns >= N:
             return grouped_fp8_mm(a, a_scale.reshape(M, 1), offs, int4_as_e4m3(w, zero_point, w_scale, row_scale),
                                   row_scale, out.dtype)

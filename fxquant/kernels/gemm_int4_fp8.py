@@ -174,33 +174,27 @@ def power_of_two_ratio(scale, row):
 @triton.jit
 def _int4_e4m3_kernel(w_ptr, w_zero_ptr, scale_ptr, row_ptr, out_ptr, N, stride_we, stride_wn, stride_se, stride_sn,
                       stride_re, stride_rn, stride_oe, stride_on, HAS_ZP: tl.constexpr, ROWS: tl.constexpr,
-                      CAST: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """GROUPS weight groups' codes for BLOCK_N rows of one expert (axis 2), written as their e4m3 integers; ROWS: each
+                      CAST: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One weight group's codes for BLOCK_N rows of one expert (axis 2), written as their e4m3 integers; ROWS: each
     times its group's scale over its row's, a power of two that keeps it exact (numerics/row_powers_of_two.py)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.program_id(1)
     e = tl.program_id(2).to(tl.int64)
     w_ptr += e * stride_we
     w_zero_ptr += e * stride_se
     out_ptr += e * stride_oe
     mask_n = offs_n < N
+    packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + g * (GROUP // 2) + tl.arange(0, GROUP // 2),
+                     mask=mask_n[:, None], other=0)
+    zeros = group_zeros(w_zero_ptr, offs_n, mask_n, g, stride_sn, HAS_ZP)
     if ROWS:
+        group_scale = tl.load(scale_ptr + e * stride_se + offs_n * stride_sn + g, mask=mask_n, other=1.0)
         row_scale = tl.load(row_ptr + e * stride_re + offs_n * stride_rn, mask=mask_n, other=1.0)
-    for j in tl.static_range(GROUPS):
-        g = tl.program_id(1) * GROUPS + j
-        packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + g * (GROUP // 2) +
-                         tl.arange(0, GROUP // 2), mask=mask_n[:, None], other=0)
-        zeros = group_zeros(w_zero_ptr, offs_n, mask_n, g, stride_sn, HAS_ZP)
-        if ROWS:
-            group_scale = tl.load(scale_ptr + e * stride_se + offs_n * stride_sn + g, mask=mask_n, other=1.0)
-            w8 = e4m3_codes(packed, zeros, HAS_ZP, CAST, power_of_two_ratio(group_scale, row_scale))
-        else:
-            w8 = e4m3_codes(packed, zeros, HAS_ZP, CAST, None)
-        tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + g * GROUP + tl.arange(0, GROUP)[None, :], w8,
-                 mask=mask_n[:, None])
-
-
-# The conversion's program: BLOCK_N rows by up to CONVERT_GROUPS weight groups (fewer where K's groups do not divide)
-CONVERT_BLOCK_N, CONVERT_GROUPS = 64, 1
+        w8 = e4m3_codes(packed, zeros, HAS_ZP, CAST, power_of_two_ratio(group_scale, row_scale))
+    else:
+        w8 = e4m3_codes(packed, zeros, HAS_ZP, CAST, None)
+    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + g * GROUP + tl.arange(0, GROUP)[None, :], w8,
+             mask=mask_n[:, None])
 
 
 def int4_as_e4m3(w: torch.Tensor, zero_point: torch.Tensor | None, scale: torch.Tensor | None = None,
@@ -219,13 +213,13 @@ def int4_as_e4m3(w: torch.Tensor, zero_point: torch.Tensor | None, scale: torch.
     if zero3 is not None and scale3 is not None and zero3.stride() != scale3.stride():
         raise ValueError("fxquant: int4 zero points and group scales must share one layout")
     rows = row3 if row3 is not None else out
-    per_program = next(d for d in (CONVERT_GROUPS, 4, 2, 1) if (K // GROUP) % d == 0)
-    visible(_int4_e4m3_kernel)[(cdiv(N, CONVERT_BLOCK_N), K // GROUP // per_program, E)](
+    block_n = 64
+    visible(_int4_e4m3_kernel)[(cdiv(N, block_n), K // GROUP, E)](
         w3, zero3 if zero3 is not None else groups, scale3 if scale3 is not None else groups, rows, out, N,
         w3.stride(0), w3.stride(1), groups.stride(0), groups.stride(1), rows.stride(0), rows.stride(1), out.stride(0),
         out.stride(1),
         HAS_ZP=zero_point is not None, ROWS=row_scale is not None, CAST=cast_mode(_int4_e4m3_kernel, w.device),
-        GROUP=GROUP, GROUPS=per_program, BLOCK_N=CONVERT_BLOCK_N)
+        GROUP=GROUP, BLOCK_N=block_n)
     return out if experts else out[0]
 
 

@@ -76,8 +76,8 @@ def test_many_rows_take_the_experts_dequantized(fmt, tail, blocks, monkeypatch):
     rows no expert owns zero, which grouped_mm leaves unwritten."""
     from fxquant.kernels import gemm_grouped
 
-    if blocks:
-        monkeypatch.setattr(gemm_grouped, "CHUNK_ELEMENTS", E * K * 96)  # column blocks of 96, 96 and 64: their seams
+    if blocks:  # column blocks of 96, 96 and 64: their seams
+        monkeypatch.setattr(gemm_grouped, "EXPERTS_AT_ONCE_ELEMENTS", E * K * 96)
     gen = torch.Generator().manual_seed(1)
     counts = [300, 0, 180, 90]  # 570 rows over 4 experts: 143 each on average, past 128
     offs = torch.tensor(counts).cumsum(0).to(torch.int32).to(DEVICE)
@@ -262,7 +262,7 @@ def test_grouped_int4_fp8_is_the_exact_product_rounded_at_the_store(name, symmet
 def test_grouped_int4_fp8_row_scaled_is_the_exact_product_rounded_at_the_store(route, monkeypatch):
     """Group scales in the row-scaled form (numerics/row_powers_of_two.py), given with their row scales: past 128
     rows an active expert the codes take their groups' powers of two and the product is row-scaled (CUTLASS's grouped
-    GEMM on sm_90, else the grouped fp8 kernel), over every column at once up to ROW_SCALED_CHUNK_ELEMENTS codes and
+    GEMM on sm_90, else the grouped fp8 kernel), over every column at once up to EXPERTS_AT_ONCE_ELEMENTS codes and
     in blocks of columns past it (each written where it belongs); past 512 each expert's rows take the dense route
     (cuBLAS's rowwise GEMM on a GPU). Every product is exact and summed in fp32 over K, not a group at a time: the
     same bound as the channel groups'."""
@@ -275,7 +275,7 @@ def test_grouped_int4_fp8_row_scaled_is_the_exact_product_rounded_at_the_store(r
                                            *args, qw.row_scale)
     else:
         if route == "codes in blocks of 64 columns":
-            monkeypatch.setattr(G, "ROW_SCALED_CHUNK_ELEMENTS", E * K * 64)
+            monkeypatch.setattr(G, "EXPERTS_AT_ONCE_ELEMENTS", E * K * 64)
         got = G.grouped_int4_fp8_over_e4m3(torch.full((m, N), float("nan"), dtype=torch.bfloat16, device=DEVICE),
                                            *args, qw.row_scale)
     assert_w4a8_product(got, offs, qa, experts)
