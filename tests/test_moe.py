@@ -7,8 +7,11 @@ import dataclasses
 import json
 import re
 import warnings
+from collections.abc import Callable
+from typing import NamedTuple
 
 import pytest
+import route_ties
 import safetensors.torch
 import torch
 from hf_models import VOCAB, angle, compiled, decoder, fake_quantized, skeleton, static_decode, traced, within_bound
@@ -69,14 +72,31 @@ def expert_parameters(model):
     return {name: p for name, p in model.named_parameters() if name.endswith(("gate_up_proj", "down_proj"))}
 
 
-def bounds(model, recipe, forward, compiled_forward=True):
-    """(got, exact, plain, eager) static-cache decode logits for hf_models.within_bound; where `forward` is a
-    compiled one, the copies and eager run through dynamo too (hf_models.traced), so that only the quantized
-    products tell them apart."""
+class Bounds(NamedTuple):
+    """Static-cache decode logits of the model under test and of its copies (hf_models.within_bound), and how the
+    copies were decoded, which the routing ties' alternatives repeat."""
+    got: torch.Tensor
+    exact: torch.Tensor
+    plain: torch.Tensor
+    eager: torch.Tensor
+    decode: Callable
+    exact_model: torch.nn.Module
+    plain_model: torch.nn.Module
+
+    def failures(self) -> list[str]:
+        """The bound's failed checks, an MoE routing tie's other choice taken as correct (route_ties.within_bound)."""
+        return route_ties.within_bound(self.got, self.exact, self.plain, self.eager, self.decode, self.exact_model,
+                                       self.plain_model)
+
+
+def bounds(model, recipe, forward, compiled_forward=True) -> Bounds:
+    """The decodes that bound `forward`'s; where it is a compiled one, the copies and eager run through dynamo too
+    (hf_models.traced), so that only the quantized products tell them apart."""
     got = static_decode(model, forward, PROMPT, STEPS)
     run = traced if compiled_forward else (lambda m: m)
-    copies = fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=False), model
-    return got, *(static_decode(m, run(m), PROMPT, STEPS) for m in copies)
+    decode = lambda m: static_decode(m, run(m), PROMPT, STEPS)
+    exact_model, plain_model = fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=False)
+    return Bounds(got, decode(exact_model), decode(plain_model), decode(model), decode, exact_model, plain_model)
 
 
 @pytest.mark.parametrize("arch, recipe", pairs(MOE, RECIPES, {("qwen2_moe", "mxfp4_wo")}))
@@ -84,9 +104,9 @@ def test_experts_are_quantized_reported_and_within_the_bound(arch, recipe, capsy
     model = decoder(arch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got, exact, plain, eager = bounds(model, recipe, compiled(model, recipe=recipe, report=True))
+        decoded = bounds(model, recipe, compiled(model, recipe=recipe, report=True))
     assert not [w for w in caught if re.search(r"3-D expert weights|experts run outside", str(w.message))]
-    assert not within_bound(got, exact, plain, eager)
+    assert not decoded.failures()
     report = capsys.readouterr().out
     for name, param in expert_parameters(model).items():
         row = layer_rows(report)[name.removesuffix(".weight")]
@@ -107,9 +127,10 @@ def test_every_experts_implementation_in_a_graph_is_quantized(implementation, dt
     quantized. In fp32 the plain and exact copies coincide, so the bound is fp32 rounding: 1e-5 rad."""
     model = decoder("mixtral", dtype)
     model.set_experts_implementation(implementation)
-    got, exact, plain, eager = bounds(model, "int4_wo", compiled(model, recipe="int4_wo"))
+    decoded = bounds(model, "int4_wo", compiled(model, recipe="int4_wo"))
+    got, exact, eager = decoded.got, decoded.exact, decoded.eager
     if dtype == torch.bfloat16:
-        assert not within_bound(got, exact, plain, eager)
+        assert not decoded.failures()
     else:
         for step in range(len(got)):
             assert angle(got[step], exact[step]) < min(1e-5, angle(eager[step], exact[step]))
@@ -131,12 +152,12 @@ def test_quantize_in_place_swaps_experts_and_every_implementation_runs_them(arch
     assert len(experts) == model.config.num_hidden_layers
     codes = expert_parameters(quantized).values()  # the codes keep the projections' names
     assert codes and all(p.dtype in (torch.float8_e4m3fn, torch.uint8) for p in codes)
-    got, exact, plain, eager = bounds(model, recipe, quantized, compiled_forward=False)
-    assert not within_bound(got, exact, plain, eager)
+    decoded = bounds(model, recipe, quantized, compiled_forward=False)
+    assert not decoded.failures()
     for implementation in ("eager", "batched_mm"):  # the quantized module ignores the setting
         quantized.set_experts_implementation(implementation)
-        torch.testing.assert_close(static_decode(quantized, quantized, PROMPT, STEPS), got, rtol=0, atol=0)
-    assert not within_bound(*bounds(model, recipe, compiled(quantized, recipe=recipe)))
+        torch.testing.assert_close(static_decode(quantized, quantized, PROMPT, STEPS), decoded.got, rtol=0, atol=0)
+    assert not bounds(model, recipe, compiled(quantized, recipe=recipe)).failures()
 
 
 def test_quantize_again_leaves_quantized_experts_as_they_are_and_out_of_the_report(capsys):
@@ -218,14 +239,13 @@ def test_w4a8_experts_are_quantized_compiled_and_in_place(arch, capsys):
     the grouped W4A8 product, in the compiled graph and through quantize_, each decode within the fake-quantized
     bound and reported under the recipe."""
     model = decoder(arch)
-    got, exact, plain, eager = bounds(model, "int4_fp8", compiled(model, recipe="int4_fp8", report=True))
-    assert not within_bound(got, exact, plain, eager)
+    assert not bounds(model, "int4_fp8", compiled(model, recipe="int4_fp8", report=True)).failures()
     rows = layer_rows(capsys.readouterr().out)
     assert all("int4_fp8" in rows[name.removesuffix(".weight")] for name in expert_parameters(model))
     quantized = fxquant.quantize_(copy.deepcopy(model), {"recipe": "int4_fp8"})
     experts = [m for m in quantized.modules() if isinstance(m, QuantizedExperts)]
     assert len(experts) == model.config.num_hidden_layers and all(m.recipe == "int4_fp8" for m in experts)
-    assert not within_bound(*bounds(model, "int4_fp8", quantized, compiled_forward=False))
+    assert not bounds(model, "int4_fp8", quantized, compiled_forward=False).failures()
 
 
 @pytest.mark.parametrize("amax, scale", [(2.7, 0.5), (5.5, 1.0), (1.2, 0.25)])

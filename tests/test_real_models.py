@@ -4,6 +4,7 @@ compiled graph, generate(), tied embeddings, GPT-2's Conv1D, Gemma2, and MoE rou
 import re
 
 import pytest
+import route_ties
 import torch
 import transformers as T
 from hf_models import (
@@ -43,12 +44,11 @@ def test_static_cache_decode_stays_within_the_fake_quantized_bound(arch, recipe)
     exact one (fp32 products from the dequantized operands) and a plain bf16 one (hf_models.within_bound)."""
     model = decoder(arch)
     exact_model, plain_model = fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=False)
-    exact = static_decode(exact_model, exact_model, PROMPT, STEPS)
-    plain = static_decode(plain_model, plain_model, PROMPT, STEPS)
-    eager = static_decode(model, model, PROMPT, STEPS)
+    decode = lambda m: static_decode(m, m, PROMPT, STEPS)
+    exact, plain, eager = decode(exact_model), decode(plain_model), decode(model)
     got = static_decode(model, compiled(model, recipe=recipe), PROMPT, STEPS)
-    assert not within_bound(got, exact, plain, eager)
-    assert within_bound(eager, exact, plain, eager)  # an unquantized model fails it
+    assert not route_ties.within_bound(got, exact, plain, eager, decode, exact_model, plain_model)  # ties too
+    assert route_ties.within_bound(eager, exact, plain, eager, decode, exact_model, plain_model)  # unquantized fails
 
 
 @pytest.mark.parametrize("recipe", ["fp8_row", "fp8_tensor", "int4_wo"])
