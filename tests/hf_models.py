@@ -316,8 +316,8 @@ def within_bound(got, exact, plain, eager, alternatives=()) -> list[str]:
     the exact copy's; by the triangle inequality their cosine to eager then lies within that angle of the exact
     copy's. And they must lie nearer the exact copy than eager's do: where quantization moves the logits less than
     bf16 rounding can (int8 on an MoE model, whose routing a rounding flips), the bound alone would pass an
-    unquantized model too. alternatives: the exact copy's decodes with one routing tie flipped each
-    (route_ties.decodes): a step may lie that near any of them instead, the other choice of a tie being as correct."""
+    unquantized model too. alternatives: the exact copy's decodes with its MoE routing ties flipped
+    (route_ties.alternatives): a step may lie that near any of them instead, a tie's other choice being as correct."""
     failed = []
     for step in range(len(got)):
         bound = angle(plain[step], exact[step])

@@ -403,10 +403,10 @@ def grouped_int4_fp8_over_e4m3(out, a, a_scale, offs, w, w_scale, zero_point, ro
     """W4A8 experts on the fp8 tensor cores with no host read of the offsets: every expert's codes made e4m3
     integers q - z (`int4_as_e4m3`, exact), a block of columns at a time (at most CHUNK_ELEMENTS codes), each block
     through the grouped fp8 kernel with the group's scales and the token's folded into each 128-wide K step's fp32
-    partial, written into its columns of `out` [M, N]. With row
-    scales [E, N, 1] the codes take their groups' powers of two, every column at once up to EXPERTS_AT_ONCE_ELEMENTS
-    (one row-scaled grouped product, CUTLASS's on sm_90, returning a new output;
-    docs/decisions/0040-w4a8-row-scaled-past-m128.md), past it in blocks of columns written into `out`."""
+    partial, written into its columns of `out` [M, N]. With row scales [E, N, 1] the codes take their groups' powers
+    of two, every column at once up to EXPERTS_AT_ONCE_ELEMENTS (one row-scaled grouped product, CUTLASS's on sm_90,
+    returning a new output; docs/decisions/0040-w4a8-row-scaled-past-m128.md), past it in blocks of columns written
+    into `out`."""
     (M, K), (E, N) = a.shape, w.shape[:2]
     if row_scale is not None:
         columns = max(16, EXPERTS_AT_ONCE_ELEMENTS // (E * K) // 16 * 16)
