@@ -8,6 +8,8 @@ launches after each program's K loop, so the tail that split-K adds may weigh di
   narrower, deeper, or two slices).
 - 2 or 8 warps a program on every GEMM, and K steps of 256 or 512 columns in place of 128 (the sweep of single GEMMs
   tried 4 warps and 128 only): half or a quarter of the steps, and their loop overhead, for the same bytes.
+- More bytes in flight on every GEMM, for the H200's bandwidth (the picks above were timed on the H100): 6 or 8
+  stages, or K split toward 396 or 528 programs in place of 264.
 - Decode attention's keys split 1, 2 or 4 ways in place of the count it plans (8 at B1, 3 at B16 over 1024 keys,
   chosen by timing the kernel alone), and its other plans: 128- or 32-key blocks, 8 warps, 3 stages.
 
@@ -27,6 +29,7 @@ from bench.layer_chain import SHAPES, arguments, chain, time_variants
 from fxquant.kernels import decode_attention
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
 from fxquant.kernels.quant_fp8 import quantize_fp8_rows
+from fxquant.kernels.splitk import TARGET_PROGRAMS
 
 SPLIT = ((6144, 4096), (4096, 4096), (4096, 14336))  # the GEMMs of a layer that split K by default
 narrow = lambda n, stages: dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=stages)
@@ -51,6 +54,12 @@ VARIANTS = {
     "K steps of 256, 3 stages": {shape: {"BLOCK_K": 256, "num_stages": 3} for shape in SHAPES},
     "K steps of 256, 4 stages": {shape: {"BLOCK_K": 256, "num_stages": 4} for shape in SHAPES},
     "K steps of 512, 2 stages": {shape: {"BLOCK_K": 512, "num_stages": 2} for shape in SHAPES},
+    # more bytes in flight on every GEMM, for a GPU with more bandwidth than the H100 the picks were timed on:
+    # deeper pipelines, or more slices (the split target at three or four programs an SM)
+    "6 stages": {shape: {"num_stages": 6} for shape in SHAPES},
+    "8 stages": {shape: {"num_stages": 8} for shape in SHAPES},
+    "split toward 396 programs": {shape: {"programs": 3 * TARGET_PROGRAMS // 2} for shape in SHAPES},
+    "split toward 528 programs": {shape: {"programs": 2 * TARGET_PROGRAMS} for shape in SHAPES},
 }
 
 

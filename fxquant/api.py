@@ -22,8 +22,8 @@ def quantize(x: torch.Tensor, fmt: str, granularity=None, *, scale=None, scale_m
     scale:       a static (calibrated) fp32 scale for fp8 / int8, or NVFP4's global scale; None computes it from
                  the data
     scale_mode:  MX: "floor", "even" (mxfp4 default), "ceil" or "rceil"; int4: None (each group's amax scale),
-                 "searched" (the amax scale times the factor, 1 down to 0.65, whose codes err least: more
-                 accurate, slower to quantize), or, symmetric, "row_powers_of_two" (each group scale a power of
+                 "searched" (the amax scale times the factor, 1 down to 0.65, whose codes err least: the int4
+                 weight-only recipes'), or, symmetric, "row_powers_of_two" (each group scale a power of
                  two times its row's: W4A8 multiplies such codes row-scaled)
     symmetric:   int4 only: codes -7..7 and no zero point, instead of 0..15 with one
     impl:        "reference" (pure torch), "triton" (the kernel; on the CPU under TRITON_INTERPRET=1) or

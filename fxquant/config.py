@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, fields
 
+from fxquant.numerics.int4 import SEARCHED
 from fxquant.numerics.row_powers_of_two import SCALE_MODE as ROW_POWERS_OF_TWO
 
 INNERS = ("inductor", "eager")
@@ -50,9 +51,12 @@ RECIPES = {
     "mxfp4_wo": LinearScheme("weight_only", "mxfp4", None, k_multiple=32),
     "nvfp4_wo": LinearScheme("weight_only", "nvfp4", None, k_multiple=16),
     "int8_wo": LinearScheme("weight_only", "int8", "channel"),
-    "int4_wo": LinearScheme("weight_only", "int4", ("group", 128), k_multiple=128),
+    # int4's group scales searched for each group's least squared error: the MiniLM set kept more than under the amax
+    # scales, and the kernels read the same layout (docs/decisions/0042-int4-weight-only-scales-searched.md)
+    "int4_wo": LinearScheme("weight_only", "int4", ("group", 128), k_multiple=128, scale_mode=SEARCHED),
     # GPTQ's layout, which vLLM's Marlin kernels serve: no zero points, so 4.25 bits a weight against int4_wo's 4.31.
-    "int4_sym_wo": LinearScheme("weight_only", "int4", ("group", 128), k_multiple=128, symmetric=True),
+    "int4_sym_wo": LinearScheme("weight_only", "int4", ("group", 128), k_multiple=128, symmetric=True,
+                                scale_mode=SEARCHED),
     # W4A8: symmetric int4 weights (codes -7..7, exact in e4m3) and e4m3 activations per token, on the fp8 tensor
     # cores; symmetric as the W4A8 scheme vLLM loads from compressed-tensors checkpoints.
     # Group scales a power of two times their row's: past 128 rows the fp8 tensor cores multiply the codes

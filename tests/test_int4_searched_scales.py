@@ -1,10 +1,11 @@
-"""int4 group scales searched for each group's least squared error (numerics/int4.py, `scale_mode="searched"`):
-which scale each group gets, that no group errs more than under its amax scale, how poison and zeros
+"""int4 group scales searched for each group's least squared error (numerics/int4.py, the int4 weight-only
+recipes'): which scale each group gets, that no group errs more than under its amax scale, how poison and zeros
 fare, and that the CPU and the GPU pick the same scales."""
 
 import pytest
 import torch
 
+from fxquant.config import RECIPES
 from fxquant.numerics import reference as R
 from fxquant.numerics.int4 import (
     SEARCH_FACTORS,
@@ -90,6 +91,11 @@ def test_the_scales_are_the_same_on_every_device(symmetric):
     if torch.cuda.is_available():
         gpu = R.quantize(w.cuda(), "int4", ("group", GROUP), symmetric=symmetric, scale_mode=SEARCHED)
         assert torch.equal(gpu.scale.cpu(), cpu.scale) and torch.equal(gpu.data.cpu(), cpu.data)
+
+
+def test_the_int4_weight_only_recipes_search_and_w4a8_keeps_its_form():
+    assert RECIPES["int4_wo"].scale_mode == RECIPES["int4_sym_wo"].scale_mode == SEARCHED
+    assert RECIPES["int4_fp8"].scale_mode != SEARCHED  # its row-scaled GEMMs need powers of two of a row scale
 
 
 def test_other_formats_refuse_it():

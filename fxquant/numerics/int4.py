@@ -3,16 +3,14 @@
 Two ways to pick a group's scale:
 - amax (`fxquant.quantize`'s default): the group's amax over 7, or its span [min(x, 0), max(x, 0)] over 15; nothing
   clips.
-- SEARCHED (`fxquant.quantize(..., scale_mode="searched")`): that scale times whichever of SEARCH_FACTORS (1, 0.95,
-  .. 0.65) gives the group's codes the least squared error, summed in fp64; the first wins a tie, so a group the
-  amax scale serves best (an all-zero one, say) keeps it. Clipping a group's outlier to round its other 127 values
-  finer is what the search trades: compiled under the int4_wo and int4_sym_wo recipes' schemes, the MiniLM set's
-  cosine rose from 0.9500 to 0.9539 and from 0.9305 to 0.9446 (`tests/test_minilm.py`'s model, CPU). The recipes do
-  not take it yet: with it two MoE models' int4_wo decodes left their fake-quantized bounds on the GPU, most likely
-  where their routers decide between experts within bf16 rounding (bench/HISTORY.md, 2026-12-07). Its candidates
-  are exact fp32 products and every division is IEEE, so the CPU and the GPU round the same codes (tested on both);
-  their errors are summed in another order on each, so a pick could differ only where two candidates' errors agree
-  to about 1e-15.
+- SEARCHED (the int4 weight-only recipes'): that scale times whichever of SEARCH_FACTORS (1, 0.95, .. 0.65) gives
+  the group's codes the least squared error, summed in fp64; the first wins a tie, so a group the amax scale
+  serves best (an all-zero one, say) keeps it. Clipping a group's outlier to round its other 127 values finer is
+  what the search trades: compiled under the int4_wo and int4_sym_wo recipes' schemes, the MiniLM set's cosine rose
+  from 0.9500 to 0.9539 and from 0.9305 to 0.9446 (`tests/test_minilm.py`'s model, CPU). Its candidates are exact
+  fp32 products and every division is IEEE, so the CPU and the GPU round the same codes (tested on both); their
+  errors are summed in another order on each, so a pick could differ only where two candidates' errors agree to
+  about 1e-15 (docs/decisions/0042-int4-weight-only-scales-searched.md).
 Either way a group holding NaN or inf gets a NaN scale (its own poison only) and codes 0.
 """
 
