@@ -2,9 +2,10 @@
 per recipe: the backend, which leaves the model's weights in place, and quantize_, which replaces them.
 
 Run: python -m bench.memory [recipe ...] [--layers N]. GB allocated after each step (peak in parentheses where it
-matters); "ideal" is the quantized linears plus everything else in bf16, measured as the bytes of the quantize_'d
-model's parameters and buffers. For the recipes with a compressed-tensors format, the quantize_'d model is saved
-with save_quantized and loaded with load_quantized into a meta skeleton in a fresh process.
+matters), and the seconds quantize_ took (the weights quantized on the GPU, synchronized); "ideal" is the quantized
+linears plus everything else in bf16, measured as the bytes of the quantize_'d model's parameters and buffers. For
+the recipes with a compressed-tensors format, the quantize_'d model is saved with save_quantized and loaded with
+load_quantized into a meta skeleton in a fresh process.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 import transformers as T
@@ -64,7 +66,10 @@ def measure(recipe: str, layers: int) -> dict:
     fresh()
     model = llama(layers)
     torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
     fxquant.quantize_(model, {"recipe": recipe})
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
     gc.collect()
     after, during = allocated(), peak()
     ideal = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in
@@ -84,7 +89,7 @@ def measure(recipe: str, layers: int) -> dict:
     return {"recipe": recipe, "bf16 model": f"{bf16:.2f}", "ideal": f"{ideal:.2f}",
             "backend 1st graph (peak)": f"{backend_first:.2f} ({backend_peak:.2f})",
             "backend 2nd graph": f"{backend_second:.2f}", "graphs": graphs,
-            "quantize_ (peak during)": f"{after:.2f} ({during:.2f})",
+            "quantize_ (peak during)": f"{after:.2f} ({during:.2f})", "quantize_ s": f"{seconds:.2f}",
             "after / ideal": f"{after / ideal:.3f}x", "peak / bf16": f"{during / bf16:.3f}x",
             "quantize_ + 1st graph (peak)": f"{q_first:.2f} ({q_peak:.2f})", "quantize_ + 2nd graph": f"{q_second:.2f}",
             "q graphs": q_graphs, "load_quantized, fresh process (peak)": loaded}
