@@ -23,7 +23,7 @@ import transformers as T
 
 import fxquant
 from bench.common import header, llama, llama_config, table
-from fxquant.io.compressed_tensors import SCHEMES
+from fxquant.io.compressed_tensors import writable
 
 GB = 1e9
 
@@ -77,7 +77,7 @@ def measure(recipe: str, layers: int) -> dict:
     torch.cuda.reset_peak_memory_stats()
     q_first, q_peak, q_second, q_graphs = two_graphs(model, recipe)
     loaded = "-"
-    if recipe in SCHEMES:
+    if writable(recipe):
         with tempfile.TemporaryDirectory() as folder:
             fxquant.save_quantized(model, folder)
             done = subprocess.run([sys.executable, "-m", "bench.memory", "--load", folder, "--layers", str(layers)],
