@@ -243,3 +243,24 @@ def test_quantize_report_gives_each_layers_weight_sqnr_as_the_backend_does(capsy
     q_proj = next(line for line in lines if line.startswith("model.layers.0.self_attn.q_proj"))
     sqnr, worst = re.fullmatch(r".* (\d+\.\d) \((\d+\.\d)\)", q_proj).groups()
     assert 15 < float(worst) <= float(sqnr) < 30  # int4 in groups of 128 keeps about 20 dB
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8_row", "int4_wo", "nvfp4_wo"])
+def test_quantize_in_place_peaks_at_the_model_and_one_weight(recipe):
+    """quantize_ holds one weight's temporaries at a time, a chunk of rows at a time: its peak past the bf16 model's
+    bytes stays within the largest weight's bf16 bytes and 64 MiB of chunks, where measuring each weight whole held
+    four fp64 copies of it (16x its bf16 bytes)."""
+    import transformers as T
+
+    config = T.LlamaConfig(hidden_size=1024, intermediate_size=16384, num_hidden_layers=2, num_attention_heads=8,
+                           num_key_value_heads=2, vocab_size=1024)
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fxquant.quantize_(model, {"recipe": recipe})
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= largest + 64 * 2**20

@@ -29,6 +29,7 @@ from fxquant.quantization.weight_quantization import (
     quantize_weight,
     skip_reason,
     weight_skip_reason,
+    weight_sqnrs,
 )
 
 
@@ -133,12 +134,12 @@ def measure(fqn: str, x: torch.Tensor, w: torch.Tensor, bias, recipe: str, out_d
     """The three SQNRs of one layer (an expert product, given its routing) under `recipe`, on the input x it saw."""
     q = quantize_weight(w, recipe)
     if routing is None:
-        w_sqnr = sqnr_db(R.dequantize(q, torch.float32), w)
+        w_sqnr = weight_sqnrs(q, w)[0]
         # The shadow: the same layer in fp32 on the same input, so only this layer's quantization is measured.
         shadow = F.linear(x.float(), w.float(), None if bias is None else bias.float())
         out = quantized_linear(q, bias, recipe, out_dtype)(x)
         return LayerError(fqn, tuple(w.shape), recipe, "", w_sqnr, _act_sqnr(x, recipe), sqnr_db(out, shadow))
-    w_sqnr = sqnr_db(R.dequantize_experts(q, torch.float32), w)
+    w_sqnr = weight_sqnrs(q, w)[0]
     shadow = x.new_zeros((x.shape[0], w.shape[1]), dtype=torch.float32)
     for e, rows in routing.groups():
         shadow[rows] = x[rows].float() @ w[e].float().T

@@ -24,8 +24,6 @@ from fxquant.modules.quantized_experts import (
 )
 from fxquant.modules.quantized_linear import FrozenParts, QuantizedLinear
 from fxquant.modules.sharded_linear import LAYOUT_REASON, local, move_hooks, shard_dim
-from fxquant.numerics.metrics import sqnr_db, worst_row_sqnr_db
-from fxquant.numerics.reference import dequantize
 from fxquant.passes.annotations import annotation
 from fxquant.passes.state import LayerRecord, PipelineState
 from fxquant.quantization.weight_quantization import (
@@ -34,6 +32,7 @@ from fxquant.quantization.weight_quantization import (
     SHARD_HINT,
     shared_weight_reason,
     skip_reason,
+    weight_sqnrs,
 )
 
 
@@ -149,10 +148,9 @@ def quantize_layers(model: nn.Module, names: list[str], experts: list[str], conf
         move_hooks(module, quantized)
         parent, _, attr = fqn.rpartition(".")
         setattr(model.get_submodule(parent), attr, quantized)
-        exact, approx = local(weight).float(), dequantize(quantized.quantized_weight(), torch.float32)
-        sqnr, worst = sqnr_db(approx, exact), worst_row_sqnr_db(approx, exact)
+        sqnr, worst = weight_sqnrs(quantized.quantized_weight(), local(weight))
         dtype, device = weight.dtype, weight.device
-        del module, weight, exact, approx  # the last references to the high-precision weight: freed now
+        del module, weight  # the last references to the high-precision weight: freed now
         after = sum(local(p).numel() * p.element_size() for name, p in quantized.named_parameters() if name != "bias")
         layers.append(LayerRecord(fqn, (quantized.out_features, quantized.in_features), recipe, "", before, after,
                                   weight_sqnr=sqnr, worst_row_sqnr=worst, dtype=dtype, device=device))

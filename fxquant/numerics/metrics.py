@@ -17,14 +17,23 @@ def sqnr_db(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return math.inf if noise == 0 else float(10 * torch.log10(signal / noise))
 
 
-def worst_row_sqnr_db(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    """The lowest SQNR over the rows of a 2-D tensor (rows that are exactly zero are skipped): a few outliers can
-    keep the whole tensor's SQNR high while the scale they set flushes every other row."""
+def row_sums(approx: torch.Tensor, exact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's sum of exact^2 and of (approx - exact)^2 over the last dim, in fp64: the parts a weight's SQNR and
+    its worst row's are made of, summed a few rows at a time by the caller."""
     exact, approx = exact.detach().double(), approx.detach().double()
-    signal = exact.pow(2).sum(-1)
-    noise = (approx - exact).pow(2).sum(-1)
+    return exact.pow(2).sum(-1), (approx - exact).pow(2).sum(-1)
+
+
+def sqnrs_of_row_sums(signal: torch.Tensor, noise: torch.Tensor) -> tuple[float, float]:
+    """(SQNR, lowest row SQNR) in dB from rows' `row_sums`. The whole's is NaN when either sum is not finite; rows
+    that are exactly zero are skipped by the lowest (a few outliers can keep the whole tensor's SQNR high while the
+    scale they set flushes every other row)."""
+    total_signal, total_noise = signal.sum(), noise.sum()
+    if not (torch.isfinite(total_noise) and torch.isfinite(total_signal)):
+        whole = math.nan
+    else:
+        whole = math.inf if total_noise == 0 else float(10 * torch.log10(total_signal / total_noise))
     live = signal > 0
     if not live.any():
-        return math.inf
-    ratio = signal[live] / noise[live]  # noise 0: inf
-    return float(10 * torch.log10(ratio.min()))
+        return whole, math.inf
+    return whole, float(10 * torch.log10((signal[live] / noise[live]).min()))  # noise 0: inf

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,3 +39,18 @@ class Quantized:
     def nbytes(self) -> int:
         extra = [t for t in (self.global_scale, self.zero_point, self.row_scale) if t is not None]
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, *extra))
+
+    def rows(self, start: int, stop: int) -> Quantized:
+        """Rows start:stop of a quantized [N, K] tensor as a Quantized of their own: their codes and the scales that
+        cover them (start a multiple of the rows one scale covers, 128 for 128x128 blocks; a per-tensor scale is
+        every row's). Dequantizing a weight a part at a time holds that part's temporaries, not the whole's."""
+        n = self.shape[0]
+
+        def part(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or t.dim() == 0:
+                return t
+            per = n // t.shape[0]  # rows each of t's rows covers: 1, a block's rows, or all of them
+            return t[start // per:-(-stop // per)]
+
+        return replace(self, data=self.data[start:stop], scale=part(self.scale), zero_point=part(self.zero_point),
+                       row_scale=part(self.row_scale), shape=torch.Size((stop - start, *self.shape[1:])))

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from fxquant.config import AUTO, KEEP, RECIPES, LinearScheme, QuantConfig
 from fxquant.numerics import reference as R
 from fxquant.numerics.formats import E2M1, E4M3
-from fxquant.numerics.metrics import sqnr_db, worst_row_sqnr_db
+from fxquant.numerics.metrics import row_sums, sqnrs_of_row_sums
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ROUTER_REASON = "router: its output selects experts (top-k)"
@@ -84,9 +84,19 @@ def quantize_and_measure(w: torch.Tensor, recipe: str):
     """(quantized weight, weight SQNR, worst channel's SQNR): what a graph needs of a weight, kept in weight_store
     so a later graph of the model neither quantizes nor measures it again."""
     q = quantize_weight(w, recipe)
-    w_hat = R.dequantize(q, torch.float32) if w.dim() == 2 else R.dequantize_experts(q, torch.float32)
-    rows = lambda t: t.reshape(-1, t.shape[-1])  # an expert's output channels are rows too
-    return q, sqnr_db(w_hat, w), worst_row_sqnr_db(rows(w_hat), rows(w))
+    return q, *weight_sqnrs(q, w)
+
+
+def weight_sqnrs(q, w: torch.Tensor) -> tuple[float, float]:
+    """(SQNR, worst output channel's SQNR) in dB of a weight [N, K], or experts [E, N, K] (each expert's channels
+    rows too), quantized as q. Dequantized and compared QUANTIZE_ROWS rows at a time: fp64 temporaries of a few MB
+    a chunk, where the whole weight's were four fp64 copies of it (1.9 GB for a 14336 x 4096 weight, quantize_'s peak
+    at 1.58x the bf16 model's bytes before; bench/results/2026-12-07/quantize_peak_43cd460.txt)."""
+    experts = [(R.expert(q, e), w[e]) for e in range(w.shape[0])] if w.dim() == 3 else [(q, w)]
+    sums = [row_sums(R.dequantize(part.rows(i, min(i + QUANTIZE_ROWS, rows.shape[0])), torch.float32),
+                     rows[i:i + QUANTIZE_ROWS])
+            for part, rows in experts for i in range(0, rows.shape[0], QUANTIZE_ROWS)]
+    return sqnrs_of_row_sums(torch.cat([signal for signal, _ in sums]), torch.cat([noise for _, noise in sums]))
 
 
 def weight_skip_reason(w, dims: int = 2) -> str | None:
