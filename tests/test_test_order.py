@@ -22,12 +22,12 @@ def test_monkeypatch_refuses_torch_config_and_names_the_fix(monkeypatch, patch):
 def test_monkeypatch_still_patches_and_undoes_everything_else(monkeypatch):
     import fxquant.quantization.weight_quantization as weight_quantization
 
-    before = weight_quantization.QUANTIZE_ROWS, weight_quantization.ROUTER_REASON
-    monkeypatch.setattr(weight_quantization, "QUANTIZE_ROWS", 7)
+    before = weight_quantization.CHUNK_ELEMENTS, weight_quantization.ROUTER_REASON
+    monkeypatch.setattr(weight_quantization, "CHUNK_ELEMENTS", 7)
     monkeypatch.setattr("fxquant.quantization.weight_quantization.ROUTER_REASON", "patched")
-    assert (weight_quantization.QUANTIZE_ROWS, weight_quantization.ROUTER_REASON) == (7, "patched")
+    assert (weight_quantization.CHUNK_ELEMENTS, weight_quantization.ROUTER_REASON) == (7, "patched")
     monkeypatch.undo()
-    assert before == (weight_quantization.QUANTIZE_ROWS, weight_quantization.ROUTER_REASON)
+    assert before == (weight_quantization.CHUNK_ELEMENTS, weight_quantization.ROUTER_REASON)
 
 
 @pytest.mark.parametrize("workers", ["0", "2"])

@@ -184,12 +184,16 @@ def weight_findings(fqn: str, w) -> list[Finding]:
     """A weight's non-finite values (an error: its outputs would be NaN) or its range past fp16's (a warning)."""
     if not isinstance(w, torch.Tensor) or not w.is_floating_point():
         return []
-    bad = int((~torch.isfinite(w.detach())).sum())
-    if bad:
+    # one pass, no copy of the weight (quantize_ checks every weight before its first swap): min and max propagate
+    # NaN, so both are finite only where every value is; the count runs only for an error
+    w = w.detach()
+    lo, hi = torch.aminmax(w) if w.numel() else (torch.zeros(()), torch.zeros(()))
+    if not (torch.isfinite(lo) and torch.isfinite(hi)):
+        bad = int(torch.count_nonzero(~torch.isfinite(w)))
         return [Finding("error", "nonfinite_weight", fqn, f"weight holds {bad} inf/NaN value(s): every output "
                         "that reads them is NaN (quantized, the whole scale block is). Fix: repair or reload the "
                         "checkpoint")]
-    amax = float(w.detach().abs().max()) if w.numel() else 0.0
+    amax = max(-float(lo), float(hi))
     if w.dtype != torch.float16 and amax > FP16_MAX:
         return [Finding("warning", "fp16_weight", fqn, f"weight |max| {amax:.4g} is past fp16's {FP16_MAX:g}: "
                         "this model becomes inf if cast to fp16. Fix: keep it in bf16/fp32")]

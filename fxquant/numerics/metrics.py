@@ -20,8 +20,9 @@ def sqnr_db(approx: torch.Tensor, exact: torch.Tensor) -> float:
 def row_sums(approx: torch.Tensor, exact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's sum of exact^2 and of (approx - exact)^2 over the last dim, in fp64: the parts a weight's SQNR and
     its worst row's are made of, summed a few rows at a time by the caller."""
-    exact, approx = exact.detach().double(), approx.detach().double()
-    return exact.pow(2).sum(-1), (approx - exact).pow(2).sum(-1)
+    exact = exact.detach().double()
+    noise = approx.detach().double().sub_(exact).square_()  # in place: two fp64 copies of the rows at most
+    return exact.square().sum(-1), noise.sum(-1)
 
 
 def sqnrs_of_row_sums(signal: torch.Tensor, noise: torch.Tensor) -> tuple[float, float]:

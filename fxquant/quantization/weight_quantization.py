@@ -38,15 +38,21 @@ SHARD_HINT = ("on this rank's shard of a tensor-parallel weight: shard on a mult
               "ranks), or take a recipe with smaller blocks (fp8_row)")
 
 
-# Rows quantized at a time: the reference's fp32 temporaries (a dozen for the FP4 encoders) stay a few MB per
-# chunk, not copies of the whole weight. A multiple of every block's rows (128 for fp8_block), so each block's scale
-# sees its whole block.
-QUANTIZE_ROWS = 512
+# Elements quantized (and measured) at a time: the reference's fp32 temporaries (a dozen for the FP4 encoders, eight
+# candidates' for the searched int4 scales) and the measure's fp64 ones stay a few MB a chunk, not copies of the
+# whole weight. Whole 128-row blocks (fp8_block's), so each block's scale sees its whole block.
+CHUNK_ELEMENTS = 2**21
+BLOCK_ROWS = 128
+
+
+def chunk_rows(k: int) -> int:
+    """Rows of a [N, k] weight quantized at a time: CHUNK_ELEMENTS of them, in whole blocks of BLOCK_ROWS."""
+    return max(BLOCK_ROWS, CHUNK_ELEMENTS // max(k, 1) // BLOCK_ROWS * BLOCK_ROWS)
 
 
 def quantize_weight(w: torch.Tensor, recipe: str):
     """The recipe's quantized weight [N, K], or experts' [E, N, K] stacked expert by expert (codes, scale, global
-    scale, zero point in one Quantized), in chunks of QUANTIZE_ROWS rows, bit for bit the whole-tensor result. A
+    scale, zero point in one Quantized), `chunk_rows` rows at a time, bit for bit the whole-tensor result. A
     per-tensor scale (fp8_tensor, NVFP4's global scale) is computed first from the chunks' maxima and given to every
     chunk as a static scale; a per-tensor fp8 scale that a non-finite weight poisons is left to the whole-tensor
     pass, which spreads the poison as documented."""
@@ -56,19 +62,20 @@ def quantize_weight(w: torch.Tensor, recipe: str):
     # contiguous: a [K, N]-stored weight arrives as a transposed view, and the kernels read row-major codes.
     whole = lambda t, scale=None: R.quantize(t.detach().contiguous(), scheme.weight_fmt, scheme.weight_granularity,
                                              scale=scale, symmetric=scheme.symmetric, scale_mode=scheme.scale_mode)
-    if w.shape[0] <= QUANTIZE_ROWS:
+    rows = chunk_rows(w.shape[1])
+    if w.shape[0] <= rows:
         return whole(w)
-    starts = range(0, w.shape[0], QUANTIZE_ROWS)
+    starts = range(0, w.shape[0], rows)
     scale = None
     if scheme.weight_fmt == "nvfp4":
-        amax = torch.stack([R.nvfp4_global_amax(w[i:i + QUANTIZE_ROWS]) for i in starts]).amax()
+        amax = torch.stack([R.nvfp4_global_amax(w[i:i + rows]) for i in starts]).amax()
         scale = R.scale_from_amax(amax, E4M3.max * E2M1.max)
     elif scheme.weight_granularity == "tensor":
-        amax = torch.stack([R.block_amax(w[i:i + QUANTIZE_ROWS].reshape(1, -1).float())[0] for i in starts]).amax()
+        amax = torch.stack([R.block_amax(w[i:i + rows].reshape(1, -1).float())[0] for i in starts]).amax()
         if not torch.isfinite(amax):
             return whole(w)
         scale = R.scale_from_amax(amax, R.FP8[scheme.weight_fmt].max)
-    chunks = [whole(w[i:i + QUANTIZE_ROWS], scale) for i in starts]
+    chunks = [whole(w[i:i + rows], scale) for i in starts]
 
     def joined(field):
         first = getattr(chunks[0], field)
@@ -89,13 +96,13 @@ def quantize_and_measure(w: torch.Tensor, recipe: str):
 
 def weight_sqnrs(q, w: torch.Tensor) -> tuple[float, float]:
     """(SQNR, worst output channel's SQNR) in dB of a weight [N, K], or experts [E, N, K] (each expert's channels
-    rows too), quantized as q. Dequantized and compared QUANTIZE_ROWS rows at a time: fp64 temporaries of a few MB
-    a chunk, where the whole weight's were four fp64 copies of it (1.9 GB for a 14336 x 4096 weight, quantize_'s peak
+    rows too), quantized as q. Dequantized and compared `chunk_rows` rows at a time: fp64 temporaries of a few MB a
+    chunk, where the whole weight's were four fp64 copies of it (1.9 GB for a 14336 x 4096 weight, quantize_'s peak
     at 1.58x the bf16 model's bytes before; bench/results/2026-12-07/quantize_peak_43cd460.txt)."""
     experts = [(R.expert(q, e), w[e]) for e in range(w.shape[0])] if w.dim() == 3 else [(q, w)]
-    sums = [row_sums(R.dequantize(part.rows(i, min(i + QUANTIZE_ROWS, rows.shape[0])), torch.float32),
-                     rows[i:i + QUANTIZE_ROWS])
-            for part, rows in experts for i in range(0, rows.shape[0], QUANTIZE_ROWS)]
+    step = chunk_rows(w.shape[-1])
+    sums = [row_sums(R.dequantize(part.rows(i, min(i + step, rows.shape[0])), torch.float32), rows[i:i + step])
+            for part, rows in experts for i in range(0, rows.shape[0], step)]
     return sqnrs_of_row_sums(torch.cat([signal for signal, _ in sums]), torch.cat([noise for _, noise in sums]))
 
 

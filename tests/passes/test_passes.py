@@ -273,8 +273,8 @@ def test_weights_quantized_in_row_chunks_equal_the_whole(monkeypatch, recipe, po
     from fxquant.numerics import reference as R
     from fxquant.quantization import weight_quantization
 
-    monkeypatch.setattr(weight_quantization, "QUANTIZE_ROWS", 256)
-    w = torch.randn(640, 256, dtype=torch.bfloat16)  # two whole chunks and a part
+    monkeypatch.setattr(weight_quantization, "CHUNK_ELEMENTS", 256 * 256)
+    w = torch.randn(640, 256, dtype=torch.bfloat16)  # two whole chunks of 256 rows and a part
     if poison:
         w[300, 17] = float("nan")  # in the second chunk: a per-tensor scale is poisoned whole, a block one locally
     got = weight_quantization.quantize_weight(w, recipe)
