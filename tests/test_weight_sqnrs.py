@@ -9,6 +9,7 @@ import torch
 
 from fxquant.config import RECIPES
 from fxquant.numerics import reference as R
+from fxquant.numerics.metrics import row_sums
 from fxquant.quantization import weight_quantization
 from fxquant.quantization.weight_quantization import quantize_weight, weight_sqnrs
 
@@ -63,3 +64,12 @@ def test_zero_rows_are_skipped_and_a_non_finite_weight_measures_nan():
     assert math.isfinite(got[1]) and got[1] <= got[0]
     w[CHUNK + 100, 3] = math.inf  # in the second chunk
     assert math.isnan(weight_sqnrs(quantize_weight(w, "fp8_row"), w)[0])
+
+
+def test_row_sums_leave_the_callers_rows_as_given():
+    approx, exact = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8)
+    kept = approx.clone()
+    signal, noise = row_sums(approx, exact)
+    assert torch.equal(approx, kept)
+    assert torch.equal(noise, (kept - exact.double()).square().sum(-1))
+    assert torch.equal(signal, exact.double().square().sum(-1))
