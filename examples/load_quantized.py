@@ -34,12 +34,9 @@ def save(folder: str) -> list[int]:
 
 
 def load(folder: str) -> None:
-    """In a fresh process: the skeleton, its parameters on the meta device, filled from the checkpoint."""
-    config = LlamaConfig.from_pretrained(folder)  # the checkpoint's own config.json
-    with fxquant.empty_weights():  # parameters on meta; the rotary frequencies, in no checkpoint, computed
-        skeleton = LlamaForCausalLM(config).to(torch.bfloat16)
-    model = fxquant.load_quantized(skeleton, folder).eval()
-    print(generated(model))
+    """In a fresh process: the class config.json names, built with its parameters on the meta device (its rotary
+    frequencies, in no checkpoint, computed), filled from the checkpoint."""
+    print(generated(fxquant.load_quantized(folder)))
 
 
 def main():

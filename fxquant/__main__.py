@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         options["include"] = args.include
     how = quantize_checkpoint(args.source, args.target, options, device=args.device,
                               progress=False if args.no_progress else None)
-    print(f"fxquant: {args.source} quantized under {args.recipe} ({how}) and written to {args.target}")
+    print(f"fxquant: {args.source} quantized under {args.recipe} ({how}) and written to {args.target}; "
+          f"fxquant.load_quantized({str(args.target)!r}, device='cuda') loads it")
     return 0
 
 

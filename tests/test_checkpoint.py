@@ -440,6 +440,44 @@ def test_a_skeleton_built_in_another_dtype_loads_in_the_checkpoints_as_from_pret
         fxquant.load_quantized(skeleton(model), tmp_path, dtype="bf16")
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_checkpoint_folder_alone_loads_into_the_class_its_config_names(tmp_path, arch):
+    """load_quantized(path) builds the class config.json names under empty_weights, in eval mode: the logits of the
+    skeleton it was given before, bit for bit. save_quantized records that class as save_pretrained does (vLLM picks
+    the model by it too); a model built from its config, not loaded, had none recorded."""
+    from test_real_models import gpt2
+
+    model = fxquant.quantize_(gpt2() if arch == "gpt2" else decoder("llama"), {"recipe": "int4_wo"})
+    if arch == "llama":
+        model.model.rotary_emb = type(model.model.rotary_emb)(model.config)  # fp32 frequencies, as a loader builds
+    assert not model.config.architectures
+    fxquant.save_quantized(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [type(model).__name__]
+    loaded = fxquant.load_quantized(tmp_path)
+    assert type(loaded) is type(model) and not loaded.training
+    assert isinstance(loaded.get_submodule(next(n for n, m in model.named_modules()
+                                                if isinstance(m, fxquant.QuantizedLinear))), fxquant.QuantizedLinear)
+    with fxquant.empty_weights():
+        empty = type(model)(transformers.AutoConfig.from_pretrained(tmp_path))
+    given = fxquant.load_quantized(empty, tmp_path).eval()
+    with torch.no_grad():
+        ours = loaded(PROMPT, use_cache=False).logits
+        assert torch.equal(ours, given(PROMPT, use_cache=False).logits)
+        assert torch.equal(ours, model(PROMPT, use_cache=False).logits)
+
+
+def test_a_folder_alone_whose_class_transformers_lacks_is_refused_with_the_fix(tmp_path):
+    model = fxquant.quantize_(decoder("llama"), {"recipe": "int8_wo"})
+    fxquant.save_quantized(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForSomethingElse"]}))
+    with pytest.raises(ValueError, match=r"names the architectures \['LlamaForSomethingElse'\].*Fix: build the "
+                                         r"skeleton under fxquant\.empty_weights\(\) and pass it"):
+        fxquant.load_quantized(tmp_path)
+    with pytest.raises(TypeError, match=r"a skeleton and a folder, or a folder alone.*Fix"):
+        fxquant.load_quantized(tmp_path, tmp_path)
+
+
 @pytest.mark.parametrize("damage, error, message", [
     ("no folder", FileNotFoundError, r"no checkpoint folder .*Fix: pass the folder save_quantized"),
     ("no config", FileNotFoundError, r"holds no config\.json"),

@@ -33,7 +33,9 @@ def test_quantize_streams_a_sharded_checkpoint_into_the_one_quantize_and_save_wr
     assert len(list((tmp_path / "source").glob("*.safetensors"))) > 4
     assert main(["quantize", str(tmp_path / "source"), str(tmp_path / "cli"), "--recipe", "int4_sym_wo",
                  "--no-progress"]) == 0
-    assert "quantized under int4_sym_wo (streamed)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "quantized under int4_sym_wo (streamed)" in out
+    assert f"fxquant.load_quantized({str(tmp_path / 'cli')!r}, device='cuda') loads it" in out
     fxquant.save_quantized(fxquant.quantize_(model, "int4_sym_wo"), tmp_path / "api")
     cli, api = stored(tmp_path / "cli"), stored(tmp_path / "api")
     assert cli.keys() == api.keys() and all(torch.equal(cli[k], api[k]) for k in api)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -27,6 +28,7 @@ from fxquant.modules.inplace import linear_weight, progress_hidden
 from fxquant.modules.quantized_experts import QuantizedExperts, is_experts
 from fxquant.modules.quantized_linear import QuantizedLinear
 from fxquant.modules.sharded_linear import gathered, move_hooks, whole
+from fxquant.modules.skeleton import skeleton_of
 
 SHARD_BYTES = 5 * 2**30  # the file size transformers shards at by default
 INDEX = "model.safetensors.index.json"
@@ -91,6 +93,8 @@ def save_quantized(model: nn.Module, path, kv_scales: list[tuple[float, float]] 
         for tied in (config, config.get("text_config") or {}):
             if tied.get("tie_word_embeddings"):
                 tied["tie_word_embeddings"] = False
+    if config and hasattr(model, "config"):  # the model's class, as save_pretrained records it: vLLM and
+        config["architectures"] = [type(model).__name__]  # load_quantized(path) build the model by this name
     floating = [t.dtype for key, t in tensors.items() if t.dtype in HIGH_PRECISION and "scale" not in key]
     if floating:  # the dtype the model ran in, for load_quantized(dtype="auto") and from_pretrained
         config["dtype"] = str(max(set(floating), key=floating.count)).removeprefix("torch.")
@@ -191,25 +195,33 @@ def _expert_recipes(model: nn.Module, quantization_config: dict) -> dict[str, tu
     return found
 
 
-def load_quantized(model: nn.Module, path, device=None, dtype: torch.dtype | str = "auto",
+def load_quantized(model: nn.Module | str | os.PathLike, path=None, device=None, dtype: torch.dtype | str = "auto",
                    progress: bool | None = None) -> nn.Module:
     """Fill `model`, a skeleton (built on the meta device, or anywhere), from the compressed-tensors checkpoint in
-    the folder `path`, in place: each quantized linear becomes a QuantizedLinear whose codes and scales are read
-    straight from safetensors onto `device` (default: the CPU); no high-precision copy of a quantized weight is ever
-    made. transformers' own MXFP4 checkpoints (GPT-OSS's) load too, their experts as mxfp4_wo QuantizedExperts
-    (`checkpoint_mxfp4`). Every other parameter and persistent buffer is read as stored; tied parameters stay
-    tied. High-precision tensors take the checkpoint's dtype (dtype="auto": config.json's `dtype`, else the first
-    floating tensor's, as transformers' from_pretrained does), whatever dtype the skeleton was built in; a dtype
-    given casts them to it. Codes and scales keep their formats. Returns the model.
+    the folder `path`, in place; given the folder alone (`load_quantized(path, device=...)`), build the skeleton
+    first, in eval mode: the transformers class its config.json names (`skeleton.skeleton_of`). Each quantized
+    linear becomes a QuantizedLinear whose codes and scales are read straight from safetensors onto `device`
+    (default: the CPU); no high-precision copy of a quantized weight is ever made. transformers' own MXFP4
+    checkpoints (GPT-OSS's) load too, their experts as mxfp4_wo QuantizedExperts (`checkpoint_mxfp4`). Every other
+    parameter and persistent buffer is read as stored; tied parameters stay tied. High-precision tensors take the
+    checkpoint's dtype (dtype="auto": config.json's `dtype`, else the first floating tensor's, as transformers'
+    from_pretrained does), whatever dtype the skeleton was built in; a dtype given casts them to it. Codes and scales
+    keep their formats. Returns the model.
 
     A skeleton sharded with DTensor's parallel styles (after empty_weights(), before loading) is filled shard by
     shard: each rank reads only its slice of every sharded tensor, and a sharded quantized linear becomes the
     QuantizedLinear quantize_ gives that shard (`sharded_checkpoint`). `progress` shows a bar over the tensors read
     (None: on a terminal only)."""
+    if not isinstance(model, nn.Module):
+        if path is not None:
+            raise TypeError(f"fxquant: load_quantized takes a skeleton and a folder, or a folder alone; got "
+                            f"{model!r} and {path!r}. Fix: load_quantized(skeleton, path) or load_quantized(path)")
+        model, path = None, model
     path, device = Path(path), torch.device(device or "cpu")
     if dtype != "auto" and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"fxquant: load_quantized's dtype must be 'auto' or a floating torch.dtype, got {dtype!r}")
     stored = read_config(path)
+    model = skeleton_of(path, device) if model is None else model
     dtype = checkpoint_dtype(path, stored) if dtype == "auto" else dtype
     config = stored.get("quantization_config") or {}
     method = config.get("quant_method")
