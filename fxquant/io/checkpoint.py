@@ -93,8 +93,8 @@ def save_quantized(model: nn.Module, path, kv_scales: list[tuple[float, float]] 
         for tied in (config, config.get("text_config") or {}):
             if tied.get("tie_word_embeddings"):
                 tied["tie_word_embeddings"] = False
-    if config and hasattr(model, "config"):  # the model's class, as save_pretrained records it: vLLM and
-        config["architectures"] = [type(model).__name__]  # load_quantized(path) build the model by this name
+    if config:  # the model's class, as save_pretrained records it: vLLM and load_quantized(folder) build by it
+        config["architectures"] = [type(model).__name__]
     floating = [t.dtype for key, t in tensors.items() if t.dtype in HIGH_PRECISION and "scale" not in key]
     if floating:  # the dtype the model ran in, for load_quantized(dtype="auto") and from_pretrained
         config["dtype"] = str(max(set(floating), key=floating.count)).removeprefix("torch.")

@@ -42,8 +42,8 @@ def skeleton_of(path: Path, device: torch.device) -> nn.Module:
     `device`, in eval mode as from_pretrained returns it: the class config.json's `architectures` names, or
     AutoModelForCausalLM's choice where it names none."""
     if importlib.util.find_spec("transformers") is None:
-        raise ImportError(f"fxquant: load_quantized({str(path)!r}) builds the model transformers' config.json names, "
-                          "and transformers is not installed. Fix: pip install transformers, or build the skeleton "
+        raise ImportError(f"fxquant: load_quantized({str(path)!r}) builds the model its config.json names with "
+                          "transformers, which is not installed. Fix: pip install transformers, or build the skeleton "
                           "yourself and pass it: load_quantized(skeleton, path)")
     import transformers
 
