@@ -252,7 +252,6 @@ class FakeQuantizedExperts(torch.nn.Module):
         bias = getattr(experts, name + "_bias", None)
         return [None] * getattr(experts, name).shape[0] if bias is None else list(bias)
 
-    @torch._dynamo.disable  # run by hf_models.traced, the loop over experts would break the graph at every expert
     def forward(self, hidden_states, top_k_index=None, top_k_weights=None):
         if self.dense:
             rows, dtype = hidden_states.reshape(-1, hidden_states.shape[-1]), hidden_states.dtype
@@ -269,13 +268,12 @@ class FakeQuantizedExperts(torch.nn.Module):
 
     def project(self, linears, rows, ids, n, dtype):
         """Each row times its expert's fake-quantized weight; activations quantized over all rows at once, as one
-        tensor, like the grouped GEMM's input."""
+        tensor, like the grouped GEMM's input. Every expert multiplies every row and each row keeps its own
+        expert's product: no shape depends on the routing, so dynamo traces it whole, without a graph break."""
         x = fake_quantized_input(rows, self.scheme)
         out = rows.new_zeros((rows.shape[0], n), dtype=dtype)
         for e, linear in enumerate(linears):
-            picked = (ids == e).nonzero().squeeze(-1)
-            if picked.numel():
-                out[picked] = linear.multiply(x[picked], dtype)
+            out = torch.where((ids == e)[:, None], linear.multiply(x, dtype), out)
         return out
 
 

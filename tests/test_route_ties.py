@@ -1,5 +1,6 @@
 """route_ties: the decode bound's other choice at an MoE routing tie, found and flipped in the exact copy alone."""
 
+import pytest
 import route_ties
 import torch
 from hf_models import VOCAB, angle, decoder, fake_quantized, static_decode, traced, within_bound
@@ -67,6 +68,7 @@ def test_ties_are_the_few_tokens_within_rounding_and_a_dense_model_has_none():
     assert alternatives(decode, *copies(decoder("llama"))) == []
 
 
+@pytest.mark.slow  # a minute of CPU: each of its seven decodes traced anew, a graph break at every router
 def test_a_tie_flips_in_a_traced_decode_as_in_an_eager_one(monkeypatch):
     """Copies run through dynamo (hf_models.traced, as tests/test_moe.py bounds compiled models): the hooks run
     eagerly at a graph break, so each flip takes effect where the eager decode's does (the two paths' logits may
