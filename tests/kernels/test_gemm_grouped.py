@@ -193,12 +193,22 @@ def test_grouped_fp8_past_128_rows_an_expert_as_planned(name, tma_launches, monk
     assert tma_launches == [1] and rel_error(got, on_pointers) < REL_ERROR
 
 
+# The W4A8 experts' output width: two blocks of 64 columns, so the column-blocked route still writes more than one,
+# at half the interpreter's work of N's
+W4A8_N = 128
+
+
+def unwritten(m):
+    """The W4A8 routes' output before they write it: NaN, so that a row left unwritten shows."""
+    return torch.full((m, W4A8_N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+
+
 def w4a8_experts(name, symmetric, k, scale_mode=None):
     """(offs, rows, quantized activations, each expert's quantized weight, the experts stacked) for a routing."""
     gen = torch.Generator().manual_seed(len(name) + k)
     offs, m = routing(name)
     x = torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16)
-    w = (torch.randn(E, N, k, generator=gen) + 0.3).to(DEVICE)
+    w = (torch.randn(E, W4A8_N, k, generator=gen) + 0.3).to(DEVICE)
     experts = [R.quantize(w[e], "int4", ("group", 128), symmetric=symmetric, scale_mode=scale_mode)
                for e in range(E)]
     return offs, m, R.quantize(x, "fp8_e4m3", "token"), experts, R.stack_experts(experts)
@@ -209,14 +219,13 @@ def assert_w4a8_product(got, offs, qa, experts):
     and one bf16 rounding; rows no expert owns are zero."""
     m, end = qa.data.shape[0], int(offs[-1])
     a_hp = R.dequantize(qa, torch.float64)
-    exact, bound = torch.zeros(m, N, dtype=torch.float64, device=DEVICE), torch.zeros(m, N, dtype=torch.float64,
-                                                                                    device=DEVICE)
+    exact, bound = (torch.zeros(m, W4A8_N, dtype=torch.float64, device=DEVICE) for _ in range(2))
     for e, rows in R.expert_rows(offs):
         w_hp = R.dequantize(experts[e], torch.float64)
         exact[rows], bound[rows] = a_hp[rows] @ w_hp.T, a_hp[rows].abs() @ w_hp.abs().T
     ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30)))) * torch.finfo(torch.bfloat16).eps
     tolerance = ulp + (2**-10 if DEVICE == "cuda" else 2**-20) * bound
-    assert got.shape == (m, N) and got.dtype == torch.bfloat16
+    assert got.shape == (m, W4A8_N) and got.dtype == torch.bfloat16
     assert torch.equal(got[end:], torch.zeros_like(got[end:]))  # rows no expert owns
     assert ((got.double() - exact).abs() <= tolerance).all()
     assert end == 0 or got[:end].abs().max() > 0
@@ -249,12 +258,10 @@ def test_grouped_int4_fp8_is_the_exact_product_rounded_at_the_store(name, symmet
     if route == "product":
         got = grouped_int4_fp8_mm(qa.data, qa.scale, offs, qw.data, qw.scale, qw.zero_point)
     elif route == "expert by expert":
-        got = G.grouped_int4_fp8_by_expert(torch.full((m, N), float("nan"), dtype=torch.bfloat16, device=DEVICE),
-                                           qa.data, qa.scale, offs, qw.data, qw.scale, qw.zero_point)
+        got = G.grouped_int4_fp8_by_expert(unwritten(m), qa.data, qa.scale, offs, qw.data, qw.scale, qw.zero_point)
     else:
         monkeypatch.setattr(G, "CHUNK_ELEMENTS", E * k * 64)
-        got = G.grouped_int4_fp8_over_e4m3(torch.full((m, N), float("nan"), dtype=torch.bfloat16, device=DEVICE),
-                                           qa.data, qa.scale, offs, qw.data, qw.scale, qw.zero_point)
+        got = G.grouped_int4_fp8_over_e4m3(unwritten(m), qa.data, qa.scale, offs, qw.data, qw.scale, qw.zero_point)
     assert_w4a8_product(got, offs, qa, experts)
 
 
@@ -271,13 +278,11 @@ def test_grouped_int4_fp8_row_scaled_is_the_exact_product_rounded_at_the_store(r
     if route == "product":
         got = grouped_int4_fp8_mm(*args, row_scale=qw.row_scale)
     elif route == "expert by expert":
-        got = G.grouped_int4_fp8_by_expert(torch.full((m, N), float("nan"), dtype=torch.bfloat16, device=DEVICE),
-                                           *args, qw.row_scale)
+        got = G.grouped_int4_fp8_by_expert(unwritten(m), *args, qw.row_scale)
     else:
         if route == "codes in blocks of 64 columns":
             monkeypatch.setattr(G, "EXPERTS_AT_ONCE_ELEMENTS", E * K * 64)
-        got = G.grouped_int4_fp8_over_e4m3(torch.full((m, N), float("nan"), dtype=torch.bfloat16, device=DEVICE),
-                                           *args, qw.row_scale)
+        got = G.grouped_int4_fp8_over_e4m3(unwritten(m), *args, qw.row_scale)
     assert_w4a8_product(got, offs, qa, experts)
 
 
