@@ -232,8 +232,9 @@ def _act_times_up(act_fn, h):
 class FakeQuantizedExperts(torch.nn.Module):
     """transformers' experts (gate_up_proj [E, 2I, H], down_proj [E, H, I], or both transposed, with or without
     biases) with every expert's weights, and for fp8 and MXFP8 recipes the rows each projection multiplies, through
-    the reference's quantize -> dequantize, in an eager loop over experts; the experts' own gating function (GPT-OSS
-    interleaves and clamps) and the routing weights applied and summed per token as transformers does it."""
+    the reference's quantize -> dequantize, in a loop over experts that dynamo traces whole; the experts' own gating
+    function (GPT-OSS interleaves and clamps) and the routing weights applied and summed per token as transformers
+    does it."""
 
     def __init__(self, experts, recipe: str, exact: bool):
         super().__init__()
