@@ -193,8 +193,8 @@ def test_grouped_fp8_past_128_rows_an_expert_as_planned(name, tma_launches, monk
     assert tma_launches == [1] and rel_error(got, on_pointers) < REL_ERROR
 
 
-# The W4A8 experts' output width: two blocks of 64 columns, so the column-blocked route still writes more than one,
-# at half the interpreter's work of N's
+# The W4A8 experts' output width: half of N, and half the interpreter's work, yet two blocks of 64 columns, so that
+# the column-blocked routes still write more than one
 W4A8_N = 128
 
 
