@@ -68,7 +68,7 @@ def test_ties_are_the_few_tokens_within_rounding_and_a_dense_model_has_none():
     assert alternatives(decode, *copies(decoder("llama"))) == []
 
 
-@pytest.mark.slow  # a minute of CPU: each of its seven decodes traced anew, a graph break at every router
+@pytest.mark.slow  # a minute of CPU: six decodes through dynamo, each traced anew, a graph break at every router
 def test_a_tie_flips_in_a_traced_decode_as_in_an_eager_one(monkeypatch):
     """Copies run through dynamo (hf_models.traced, as tests/test_moe.py bounds compiled models): the hooks run
     eagerly at a graph break, so each flip takes effect where the eager decode's does (the two paths' logits may
