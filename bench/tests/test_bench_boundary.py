@@ -1,6 +1,6 @@
 """bench.boundary's chains compute what torch computes of the same phases (each program's share of a phase's words,
 plus the next program's value of the phase before), a kernel a phase or one kernel with a grid barrier between
-phases, and compile for sm_90."""
+phases, and compile for sm_90 (with the L2 requests, which only the GPU runs)."""
 
 import pytest
 import torch
@@ -31,4 +31,8 @@ def test_each_chain_gives_torch_s_values_and_compiles_for_sm90():
         barriers = persistent(words, starts, torch.empty((4, 1), dtype=torch.int32), torch.ones(1, dtype=torch.int32))
     assert torch.equal(chained[False], expected[3]) and torch.equal(chained[True], expected[3])
     assert torch.equal(barriers, expected[1])
-    assert compile_errors(launches) == {}
+    # the L2 requests are inline PTX, which the interpreter does not run: their variants are compiled only
+    asking = [{**launch, "constexprs": {**launch["constexprs"], "ASK_L2": True}} for launch in launches
+              if not launch["constexprs"].get("READ_FIRST")]
+    assert {launch["kernel"] for launch in asking} == {"bench.boundary._phase_kernel", "bench.boundary._phases_kernel"}
+    assert compile_errors(launches + asking) == {}
