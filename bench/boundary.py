@@ -20,7 +20,9 @@ one before, as a decode layer's GEMMs do on their activations, and the weights o
 - "one kernel, grid barriers": one launch of as many programs as the GPU holds at once, the phases separated by a
   barrier on a counter in global memory (every program adds one, then polls until all have);
 - "one kernel, grid barriers, next steps asked of the L2": each program asks the L2 for its first steps of the next
-  phase before it arrives at the barrier.
+  phase before it arrives at the barrier;
+- "one kernel, grid barriers polled by loads": the barrier's waiting programs read the counter with volatile loads
+  instead of atomic read-modify-writes, which queue at the counter's L2 slice behind the arrivals, and acquire once.
 
 Each variant's values equal the same chain computed by torch (`reference`). The table gives each variant's time, its
 bytes over that time against the copy bandwidth, and what it spends a phase beyond the flat read.
@@ -98,23 +100,35 @@ def _phase_kernel(x_ptr, prev_ptr, out_ptr, words, FIRST: tl.constexpr, READ_FIR
 
 
 @triton.jit
-def _arrive_and_wait(count_ptr, target):
-    """A grid barrier: count this program in, then poll until `target` programs have. Returns 1 where it gave up
-    after SPINS polls (a program that never became resident would hold the rest forever), else 0."""
+def _count(count_ptr, POLL_LOADS: tl.constexpr):
+    """A grid barrier's count as a waiting program reads it: a volatile load, or an acquiring atomic read."""
+    if POLL_LOADS:
+        return tl.load(count_ptr, volatile=True)
+    return tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def _arrive_and_wait(count_ptr, target, POLL_LOADS: tl.constexpr):
+    """A grid barrier: count this program in, then poll until `target` programs have, by atomic reads (each one a
+    read-modify-write of the counter the arrivals add to) or, with POLL_LOADS, by volatile loads and one acquiring
+    read once the count is reached. Returns 1 where it gave up after SPINS polls (a program that never became
+    resident would hold the rest forever), else 0."""
     tl.debug_barrier()  # every thread's stores are issued before the count releases them
     tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
-    seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    seen = _count(count_ptr, POLL_LOADS)
     spins = seen * 0
     while (seen < target) & (spins < SPINS):
-        seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+        seen = _count(count_ptr, POLL_LOADS)
         spins += 1
+    if POLL_LOADS:  # the writes the count released are visible after an acquiring read of it
+        tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
     return (seen < target).to(tl.int32)
 
 
 @triton.jit
-def _phases_kernel(x_ptr, starts_ptr, out_ptr, count_ptr, phases, ASK_L2: tl.constexpr, WORDS: tl.constexpr,
-                   STAGES: tl.constexpr):
+def _phases_kernel(x_ptr, starts_ptr, out_ptr, count_ptr, phases, ASK_L2: tl.constexpr, POLL_LOADS: tl.constexpr,
+                   WORDS: tl.constexpr, STAGES: tl.constexpr):
     programs = tl.num_programs(0)
     pid = tl.program_id(0)
     gave_up = pid * 0
@@ -128,7 +142,7 @@ def _phases_kernel(x_ptr, starts_ptr, out_ptr, count_ptr, phases, ASK_L2: tl.con
         if ASK_L2 and phase + 1 < phases:
             following = tl.load(starts_ptr + phase + 1)
             _ask_l2(x_ptr + following, tl.load(starts_ptr + phase + 2) - following, WORDS)
-        gave_up += _arrive_and_wait(count_ptr, (phase + 1) * programs)
+        gave_up += _arrive_and_wait(count_ptr, (phase + 1) * programs, POLL_LOADS)
 
 
 def phase_words(weights: str, layers: int = LAYERS, scale: int = 1) -> list[int]:
@@ -172,12 +186,13 @@ def kernel_chain(phases: list[torch.Tensor], out: torch.Tensor, *, pdl: bool, as
 
 
 def persistent(words: torch.Tensor, starts: torch.Tensor, out: torch.Tensor, count: torch.Tensor, *,
-               ask_l2: bool = False, stages: int = 3) -> torch.Tensor:
+               ask_l2: bool = False, poll_loads: bool = False, stages: int = 3) -> torch.Tensor:
     """One kernel of out.shape[1] programs over every phase (words[starts[i]:starts[i + 1]]), a grid barrier on
-    `count` (zeroed here) between phases."""
+    `count` (zeroed here) between phases, polled by atomic reads or by loads."""
     count.zero_()
-    _phases_kernel[(out.shape[1],)](words, starts, out, count, starts.numel() - 1, ASK_L2=ask_l2, WORDS=FLAT_WORDS,
-                                    STAGES=stages, num_warps=4, num_stages=stages)
+    _phases_kernel[(out.shape[1],)](words, starts, out, count, starts.numel() - 1, ASK_L2=ask_l2,
+                                    POLL_LOADS=poll_loads, WORDS=FLAT_WORDS, STAGES=stages, num_warps=4,
+                                    num_stages=stages)
     return out
 
 
@@ -198,6 +213,8 @@ def variants(words: torch.Tensor, sizes: list[int], programs: int) -> dict:
         "one kernel, grid barriers": lambda out: persistent(words, starts, out, count),
         "one kernel, grid barriers, next steps asked of the L2": lambda out: persistent(words, starts, out, count,
                                                                                       ask_l2=True),
+        "one kernel, grid barriers polled by loads": lambda out: persistent(words, starts, out, count,
+                                                                          poll_loads=True),
     }
 
 

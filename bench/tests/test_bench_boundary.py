@@ -28,9 +28,10 @@ def test_each_chain_gives_torch_s_values_and_compiles_for_sm90():
     with recorded_launches() as launches:
         chained = {read_first: kernel_chain(phases, torch.empty((4, 3), dtype=torch.int32), pdl=True,
                                             read_first=read_first) for read_first in (False, True)}
-        barriers = persistent(words, starts, torch.empty((4, 1), dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+        barriers = {poll: persistent(words, starts, torch.empty((4, 1), dtype=torch.int32),
+                                     torch.ones(1, dtype=torch.int32), poll_loads=poll) for poll in (False, True)}
     assert torch.equal(chained[False], expected[3]) and torch.equal(chained[True], expected[3])
-    assert torch.equal(barriers, expected[1])
+    assert torch.equal(barriers[False], expected[1]) and torch.equal(barriers[True], expected[1])
     # the L2 requests are inline PTX, which the interpreter does not run: their variants are compiled only
     asking = [{**launch, "constexprs": {**launch["constexprs"], "ASK_L2": True}} for launch in launches
               if not launch["constexprs"].get("READ_FIRST")]
