@@ -1,7 +1,6 @@
 """What a boundary between dependent phases of decode costs: a kernel launch, with or without programmatic dependent
-launch, against a grid-wide barrier inside one persistent kernel. The floor under putting a decode step's kernels on
-one persistent grid (issue: "all the reductions of a step at M <= 16 on one persistent grid where that measures
-faster"), measured before such a kernel is written.
+launch, against a grid-wide barrier inside one persistent kernel: what putting a decode step's kernels on one
+persistent grid could save, measured before such a kernel is written.
 
 Every variant reads the same chain of phases: 32 layers of a Llama-3-8B layer's four weights (merged q/k/v, o, merged
 gate/up, down) as int4 codes (N x K / 2 bytes) or as e4m3 (N x K), each its own bytes, far past the L2. In a phase,
