@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from bench.common import copy_bandwidth_gbs, header, table
+from bench.int4_chain import LAYER, LAYERS
 from bench.read_floor import FLAT_WORDS, read_flat
 from fxquant.kernels.dependent_launch import (
     PREFETCH_STEPS,
@@ -48,8 +49,6 @@ from fxquant.kernels.dependent_launch import (
 )
 from fxquant.kernels.launch import cdiv
 
-LAYER = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # merged q/k/v, o, merged gate/up, down
-LAYERS = 32
 BYTES_PER_ELEMENT = {"int4": 0.5, "fp8": 1}
 SPINS = tl.constexpr(1 << 24)  # polls of a barrier's counter before a program gives up (one never resident)
 STALLED = tl.constexpr(-(1 << 31))  # what a program that gave up at a barrier writes from then on
