@@ -10,6 +10,8 @@ launches after each program's K loop, so the tail that split-K adds may weigh di
   tried 4 warps and 128 only): half or a quarter of the steps, and their loop overhead, for the same bytes.
 - More bytes in flight on every GEMM, for the H200's bandwidth (the picks above were timed on the H100): 6 or 8
   stages, or K split toward 396 or 528 programs in place of 264.
+- The weight's tiles through a tensor descriptor (`WEIGHT_TMA`) on every GEMM, at the planned tiles, 6 or 8 stages,
+  or with 128-wide gate/up tiles.
 - Decode attention's keys split 1, 2 or 4 ways in place of the count it plans (8 at B1, 3 at B16 over 1024 keys,
   chosen by timing the kernel alone), and its other plans: 128- or 32-key blocks, 8 warps, 3 stages.
 
@@ -60,6 +62,13 @@ VARIANTS = {
     "8 stages": {shape: {"num_stages": 8} for shape in SHAPES},
     "split toward 396 programs": {shape: {"programs": 3 * TARGET_PROGRAMS // 2} for shape in SHAPES},
     "split toward 528 programs": {shape: {"programs": 2 * TARGET_PROGRAMS} for shape in SHAPES},
+    # the weight's tiles through a tensor descriptor (the copy engine fills shared memory; no load instructions or
+    # registers a stage), as planned, deeper, and with the gate/up tiles wider
+    "weight through TMA": {shape: {"WEIGHT_TMA": True} for shape in SHAPES},
+    "weight through TMA, 6 stages": {shape: {"WEIGHT_TMA": True, "num_stages": 6} for shape in SHAPES},
+    "weight through TMA, 8 stages": {shape: {"WEIGHT_TMA": True, "num_stages": 8} for shape in SHAPES},
+    "weight through TMA, gate/up 128 wide": {**{shape: {"WEIGHT_TMA": True} for shape in SHAPES},
+                                             (2 * 14336, 4096): {**narrow(128, 4), "WEIGHT_TMA": True}},
 }
 
 

@@ -29,6 +29,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fxquant.kernels.cast import capability, float_cast_mode, interpreting
 from fxquant.kernels.dependent_launch import (
@@ -68,10 +69,12 @@ def fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n
                    stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn, stride_bsk,
                    BLOCK_SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   CHANNEL_GROUPS: tl.constexpr):
+                   CHANNEL_GROUPS: tl.constexpr, b_desc, WEIGHT_TMA: tl.constexpr):
     """The fp32 tile A[offs_m] @ B[offs_n].T over K steps [first_k, last_k), block scales folded in at each step;
     row scales are left to `fp8_scale_tile`. CHANNEL_GROUPS (with BLOCK_SCALES): the weight's scales are per row and
-    1x128 group [N, K/128], as W4A8's codes made e4m3 carry them, and the activations' per token (stride_ask unread)."""
+    1x128 group [N, K/128], as W4A8's codes made e4m3 carry them, and the activations' per token (stride_ask unread).
+    WEIGHT_TMA: B's tiles come through the tensor descriptor b_desc [N, K] of block [BLOCK_N, BLOCK_K] (the copy
+    engine fills shared memory and zero-fills the tails), A's through pointers."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
@@ -83,7 +86,10 @@ def fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n
     for k in range(first_k, last_k):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)  # [BM, BK]
-        b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < k_left), other=0.0)  # [BK, BN]
+        if WEIGHT_TMA:
+            b = tl.trans(b_desc.load([pid_n * BLOCK_N, k * BLOCK_K]))  # [BK, BN]
+        else:
+            b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < k_left), other=0.0)  # [BK, BN]
         if BLOCK_SCALES:
             # BLOCK_K == SCALE_BLOCK: one activation scale per row and one weight scale per tile (per column with
             # CHANNEL_GROUPS) at this K step; each step's fp32 partial is scaled before it joins the accumulator,
@@ -146,8 +152,8 @@ def fp8_scale_tile(acc, a_scale_ptr, b_scale_ptr, offs_m, offs_n, M, N, stride_a
 
 @triton.jit
 def _fp8_gemm_kernel(
-    # pointers
-    a_ptr, b_ptr, c_ptr, ws_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, counter_ptr,
+    # pointers, and the weight's tensor descriptor where WEIGHT_TMA reads through it (b_ptr again where not)
+    a_ptr, b_ptr, c_ptr, ws_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, counter_ptr, b_desc,
     # sizes
     M, N, K,
     # strides
@@ -157,7 +163,7 @@ def _fp8_gemm_kernel(
     BLOCK_SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
     CAST: tl.constexpr, SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, COMPILER_PROMOTES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
-    SWAP_AB: tl.constexpr, PREFETCH: tl.constexpr = False,
+    SWAP_AB: tl.constexpr, WEIGHT_TMA: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
     if not PREFETCH:
         await_previous(PDL)
@@ -176,7 +182,7 @@ def _fp8_gemm_kernel(
         acc = fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n, M, N, K, first_k, last_k,
                              stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn,
                              stride_bsk, BLOCK_SCALES, SCALE_BLOCK, COMPILER_PROMOTES, BLOCK_M, BLOCK_N, BLOCK_K,
-                             False)
+                             False, b_desc, WEIGHT_TMA)
     # The next kernel launches after the K loop: resident earlier, its waiting programs took this one's slots
     # (the decode GEMM chain at B16: 88.4 -> 86.2 us a layer, bench.split_sums).
     start_next(PDL)
@@ -211,7 +217,8 @@ def _launch_plan(M: int, N: int, K: int, block_scales: bool, tma_ready: bool,
                                    else 1)
     promotes = cfg.get("COMPILER_PROMOTES", not block_scales)
     # the swapped loop takes row scales, and leaves the fp32 promotion to the compiler
-    meta = dict(COMPILER_PROMOTES=promotes, SWAP_AB=cfg.get("SWAP_AB", False) and not block_scales and promotes,
+    swap = cfg.get("SWAP_AB", False) and not block_scales and promotes
+    meta = dict(COMPILER_PROMOTES=promotes, SWAP_AB=swap, WEIGHT_TMA=cfg.get("WEIGHT_TMA", False) and not swap,
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return tiles, split, tma_ready and cfg.get("TMA", False) and split == 1, meta
@@ -254,11 +261,14 @@ def fp8_scaled_mm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.bfloat16, c
                    block_scales=block_scales, scale_block=SCALE_BLOCK, out_tl=TORCH_TO_TL[out_dtype],
                    cast=float_cast_mode(_fp8_gemm_kernel), cfg=meta, sms=sm_count(a.device))
         return out
+    if meta["WEIGHT_TMA"] and not describable(b):
+        meta = {**meta, "WEIGHT_TMA": False}
+    b_desc = TensorDescriptor.from_tensor(b, [meta["BLOCK_N"], meta["BLOCK_K"]]) if meta["WEIGHT_TMA"] else b
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     count = counters(a.device, tiles) if split > 1 else None
     pdl = launch_options(a.device)
     visible(_fp8_gemm_kernel)[(tiles, split)](
-        a, b, out, ws, a_scale, b_scale, bias if bias is not None else out, count if count is not None else ws,
+        a, b, out, ws, a_scale, b_scale, bias if bias is not None else out, count if count is not None else ws, b_desc,
         M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         asm, ask, bsn, bsk,

@@ -60,10 +60,10 @@ def _fp8_gemm_tma_kernel(
                    HAS_BIAS, 1, OUT, CAST)
 
 
-def describable(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether A [M, K] and B [N, K] can be read through tensor descriptors: rows contiguous along K, and row
-    strides and base addresses multiples of 16 bytes (the copy engine's alignment)."""
-    return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b))
+def describable(*operands: torch.Tensor) -> bool:
+    """Whether the operands (A [M, K], B [N, K]) can be read through tensor descriptors: rows contiguous along K, and
+    row strides and base addresses multiples of 16 bytes (the copy engine's alignment)."""
+    return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in operands)
 
 
 def launch_tma(a, b, out, a_scale, b_scale, bias, strides, *, block_scales: bool, scale_block: int, out_tl,

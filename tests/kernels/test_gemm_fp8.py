@@ -119,6 +119,39 @@ def test_decode_with_the_operands_swapped_matches_the_product(M, N, K):
     assert not _launch_plan(M, N, K, False, False, promoted_by_hand)[3]["SWAP_AB"]  # the swapped loop's promotion
 
 
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("M, N, K", [(1, 256, 2048), (16, 256, 384), (5, 200, 176)], ids=str)
+def test_decode_weight_through_a_descriptor_gives_the_pointer_kernels_bits(M, N, K, scheme):
+    """WEIGHT_TMA (the chain bench's candidate): the weight's tiles through a tensor descriptor, N and K tails
+    zero-filled by the copy engine, split-K as planned. The same tiles and K order as the pointer loads: the same
+    bits, and within the fp32 bound of the product."""
+    if scheme == "block" and (N % 128 or K % 128):
+        pytest.skip("block scales need N and K multiples of 128 (the granularity refuses others)")
+    qa, qw = operands(M, N, K, scheme, seed=5)
+    bias = torch.randn(N, device=DEVICE)
+    tiles = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, programs=264)
+    described = {**tiles, "WEIGHT_TMA": True}
+    assert _launch_plan(M, N, K, scheme == "block", False, tuple(sorted(described.items())))[3]["WEIGHT_TMA"]
+    out = fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, bias, torch.float32, config=described)
+    assert torch.equal(out, fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, bias, torch.float32, config=tiles))
+    assert rel_err(out, qa, qw, bias) < FP32_BOUND
+
+
+def test_a_weight_no_descriptor_can_read_takes_pointer_loads():
+    qa, qw = operands(2, 128, 264, "row")
+    w = qw.data[:, 8:]  # rows 264 bytes apart, starting 8 bytes in: not 16-byte aligned
+    described = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, WEIGHT_TMA=True)
+    out = fp8_scaled_mm(qa.data[:, 8:], qa.scale, w, qw.scale, None, torch.float32, config=described)
+    exact = (qa.data[:, 8:].double() * qa.scale.double()) @ (w.double() * qw.scale.double()).T
+    assert float((out.double() - exact).norm() / exact.norm()) < FP32_BOUND
+
+
+def test_no_default_reads_the_decode_weight_through_a_descriptor():
+    for M in BUCKET_PROBES:
+        for block in (False, True):
+            assert not _launch_plan(M, 4096, 4096, block, False, ())[3]["WEIGHT_TMA"], (M, block)
+
+
 def test_no_default_swaps_the_operands():
     """SWAP_AB is faster at decode and less exact (docs/decisions/0023): no bucket takes it."""
     for M in BUCKET_PROBES:

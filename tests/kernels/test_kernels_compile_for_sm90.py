@@ -40,6 +40,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
 # Inline PTX that only the emulator runs under the interpreter: compiled by bench/tests/test_bench_sass.py.
 COMPILED_BY_BENCH_SASS = {"_int4_mma_kernel", "_fp4_mma_kernel"}
 BF16 = torch.bfloat16
+WEIGHT_THROUGH_A_DESCRIPTOR = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4,
+                                   programs=264, WEIGHT_TMA=True)
 
 
 _GEN = torch.Generator().manual_seed(0)
@@ -50,14 +52,15 @@ def _randn(*shape, dtype=torch.float32):
 
 
 def _gemms():
-    """The fp8 GEMM at decode (split K, summed by the last slice and by the reduce kernel) and past 128 rows (the
-    persistent TMA kernel), row and block scales; the W4A8 GEMM and its codes made e4m3; the weight-only GEMMs over
-    every 4-bit and 8-bit format, and the dequantizer past 128 rows (W4A8's codes made e4m3 also shifted by their
-    groups' powers of two)."""
+    """The fp8 GEMM at decode (split K, summed by the last slice and by the reduce kernel; the weight also through a
+    tensor descriptor) and past 128 rows (the persistent TMA kernel), row and block scales; the W4A8 GEMM and its
+    codes made e4m3; the weight-only GEMMs over every 4-bit and 8-bit format, and the dequantizer past 128 rows
+    (W4A8's codes made e4m3 also shifted by their groups' powers of two)."""
     for activations, weights in (("token", "channel"), (("group", 128), ("block", 128, 128))):
         qa = R.quantize(_randn(2, 1024), "fp8_e4m3", activations)
         qw = R.quantize(_randn(256, 1024), "fp8_e4m3", weights)
         fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, _randn(256), BF16)
+        fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, None, BF16, WEIGHT_THROUGH_A_DESCRIPTOR)
         with splitk.reduce_in_gemm(False):
             fp8_scaled_mm(qa.data, qa.scale, qw.data, qw.scale, None, torch.float32)
         qa = R.quantize(_randn(130, 256), "fp8_e4m3", activations)
