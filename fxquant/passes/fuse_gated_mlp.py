@@ -3,8 +3,9 @@ quantizer, the down product) become one op, which at decode runs two kernels
 (`fxquant.kernels.gated_mlp_fp8`): the product is made in the gate/up GEMM's epilogue and quantized in the down
 GEMM's K loop, the three kernels' bits.
 
-Pre:  merge_linear and fuse_silu_mul have run (the gate/up product is one GEMM, its halves read only by the fused
-SiLU op); fuse_linear has not (the gate/up GEMM's quantizer is still its own node, or the fused norm's).
+Pre:  matches fxquant's own ops, as merge_linear and fuse_silu_mul leave them (the gate/up product one GEMM, its
+halves read only by the fused SiLU op; without those passes it finds nothing to do), before fuse_linear (the gate/up
+GEMM's quantizer still its own node, or the fused norm's).
 Post: the down product's output is the gated_mlp_fp8 op's. Only per-token activations and weights with one scale a
 row; only a gate/up product read by its two halves alone, halves read by the SiLU op alone, codes read by the down
 product alone, and no memory write between the gate/up product and the down one.
@@ -74,7 +75,6 @@ def _row_scaled(gm, weight: torch.fx.Node, scale: torch.fx.Node) -> bool:
 
 class FuseGatedMlp(FxquantPass):
     name = "fuse_gated_mlp"
-    needs = ("merge_linear", "fuse_silu_mul")
     optional = True
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
