@@ -86,10 +86,10 @@ def fp8_kernel_sass(stages: int | None = None, swap: bool = False, prefetch: boo
     cfg = fp8_gemm_config(8, 14336, 4096, block_scales=False)
     constexprs = dict(BLOCK_SCALES=False, SCALE_BLOCK=128, HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, SPLIT_K=1,
                       LAST_SLICE_SUMS=False, COMPILER_PROMOTES=True, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                      BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PDL=True, SWAP_AB=swap, PREFETCH=prefetch,
-                      stride_ak=1, stride_bk=1, stride_cn=1)
+                      BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PDL=True, SWAP_AB=swap, WEIGHT_TMA=False,
+                      PREFETCH=prefetch, stride_ak=1, stride_bk=1, stride_cn=1)
     pointers = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", ws_ptr="*fp32", a_scale_ptr="*fp32",
-                    b_scale_ptr="*fp32", bias_ptr="*bf16", counter_ptr="*i32")
+                    b_scale_ptr="*fp32", bias_ptr="*bf16", counter_ptr="*i32", b_desc="*fp8e4nv")
     return compiled_by_name(gemm_fp8._fp8_gemm_kernel, constexprs, pointers,
                             [*pointers, "N", "K", "stride_am", "stride_bn", "stride_cm"], cfg["num_warps"],
                             stages or cfg["num_stages"])
