@@ -91,15 +91,14 @@ def _gate_up_silu_kernel(
 def _down_quantized_kernel(
     # pointers
     h_ptr, amax_ptr, b_ptr, c_ptr, ws_ptr, b_scale_ptr, counter_ptr,
-    # sizes: M tokens, N outputs, K = the intermediate width; PARTS amax partials a row
+    # sizes: M tokens, N outputs, K = the intermediate width, and the amax partials a row
     M, N, K, parts,
     # strides
     stride_hm, stride_bn, stride_bk, stride_cm, stride_cn, stride_bsn,
     # meta-parameters
     FMAX: tl.constexpr, FP8: tl.constexpr, AMAX_FLOOR: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    LAST_SLICE_SUMS: tl.constexpr, BLOCK_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, BLOCK_PARTS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """y = quantize_fp8_rows(h) @ W.T with W's row scales: h's row scales from the partial amaxes, each K step of h
     quantized before its MMA."""
@@ -129,6 +128,7 @@ def _down_quantized_kernel(
     for k in range(first_k, last_k):
         k_left = K - k * BLOCK_K
         h = tl.load(h_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0).to(tl.float32)
+        # quant_rows' codes: times the row's reciprocal, saturated (NaN kept), cast by the shared bit-exact helper
         codes = cast_fp8(saturate(h * inverse[:, None], FMAX), FP8, CAST)
         b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < k_left), other=0.0)
         # As the fp8 GEMM: the compiler adds each BLOCK_K step's partial into fp32.

@@ -16,8 +16,10 @@ M/N/K tails are masked. Tile shapes come from `gemm_configs.py`, tuned per M buc
 SWAP_AB (row scales) computes (B @ A.T).T: the weight's rows become the MMA's M, so a decode tile of 16 tokens runs
 wgmma on the fp8 codes as stored (108 instructions a K step at 40 registers on sm_90, against 154 at 70 for the fp16
 MMA after a conversion, `python -m bench.sass fp8 [--swap]`). No default takes it: it was faster, and less exact
-(docs/decisions/0023-decode-gemm-operands-as-given.md). Small M splits K across programs (`splitk.py`); the row
-scales are linear, so each K slice applies them to its partial, and the slice that finishes last for a tile sums them.
+(docs/decisions/0023-decode-gemm-operands-as-given.md). A config with WEIGHT_TMA reads the weight's tiles through a
+tensor descriptor (the layer chain's candidate, `bench.chain_tiles`); no default takes it until the GPU times it.
+Small M splits K across programs (`splitk.py`); the row scales are linear, so each K slice applies them to its
+partial, and the slice that finishes last for a tile sums them.
 Past M = 128 on sm_90+, operands that tensor descriptors can read go to the persistent TMA kernel
 (`gemm_fp8_tma.py`), about 20% faster there than this one (docs/decisions/0003-persistent-tma-fp8-gemm.md).
 """
