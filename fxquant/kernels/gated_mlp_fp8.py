@@ -27,15 +27,14 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import cast_float, cast_fp8, cast_mode
-from fxquant.kernels.dependent_launch import (
-    await_previous,
-    launch_options,
-    prefetch_l2,
-    prefetching,
-    start_next,
-    steps_ahead,
+from fxquant.kernels.dependent_launch import await_previous, launch_options, prefetching, start_next
+from fxquant.kernels.gemm_fp8 import (
+    TORCH_TO_TL,
+    _launch_plan,
+    fp8_accumulate,
+    fp8_scale_tile,
+    prefetch_weight_steps,
 )
-from fxquant.kernels.gemm_fp8 import TORCH_TO_TL, _launch_plan, fp8_accumulate, fp8_scale_tile
 from fxquant.kernels.launch import cdiv, next_power_of_2, visible
 from fxquant.kernels.quant_fp8 import saturate
 from fxquant.kernels.silu_mul_quant import silu_mul
@@ -68,8 +67,7 @@ def _gate_up_silu_kernel(
     offs_n = tl.where(columns < inter, offs_n, 2 * inter)  # past the last column: masked as past N
     first_k, last_k = k_steps_of(0, K, BLOCK_K, 1)
     if PREFETCH:  # no kernel writes the weight: the L2 fetches its first K steps while the previous kernel ends
-        rows = tl.minimum(offs_n, 2 * inter - 1).to(tl.int64)
-        prefetch_l2(b_ptr + rows[:, None] * stride_bn + (steps_ahead(first_k, last_k) * BLOCK_K)[None, :] * stride_bk)
+        prefetch_weight_steps(b_ptr, offs_n, 2 * inter, stride_bn, stride_bk, first_k, last_k, BLOCK_K)
         await_previous(PDL)
     acc = fp8_accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, offs_m, offs_n, pid_n, M, 2 * inter, K, first_k,
                          last_k, stride_am, stride_ak, stride_bn, stride_bk, stride_asm, 0, stride_bsn, 0,
@@ -108,8 +106,7 @@ def _down_quantized_kernel(
     pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
     if PREFETCH:
-        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-        prefetch_l2(b_ptr + rows[:, None] * stride_bn + (steps_ahead(first_k, last_k) * BLOCK_K)[None, :] * stride_bk)
+        prefetch_weight_steps(b_ptr, offs_n, N, stride_bn, stride_bk, first_k, last_k, BLOCK_K)
         await_previous(PDL)
     mask_m, mask_n = offs_m < M, offs_n < N
     amax = tl.zeros((BLOCK_M,), dtype=tl.float32)

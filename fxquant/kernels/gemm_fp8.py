@@ -142,6 +142,15 @@ def fp8_accumulate_swapped(a_ptr, b_ptr, offs_m, offs_n, M, N, K, first_k, last_
 
 
 @triton.jit
+def prefetch_weight_steps(b_ptr, offs_n, N, stride_bn, stride_bk, first_k, last_k, BLOCK_K: tl.constexpr):
+    """Ask the L2 for the first K steps of the weight rows offs_n in [first_k, last_k): one 128-byte line a row and
+    step at BLOCK_K = 128 (decision 0030)."""
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # a tile past N asks for the last row again
+    columns = steps_ahead(first_k, last_k) * BLOCK_K
+    prefetch_l2(b_ptr + rows[:, None] * stride_bn + columns[None, :] * stride_bk)
+
+
+@triton.jit
 def fp8_scale_tile(acc, a_scale_ptr, b_scale_ptr, offs_m, offs_n, M, N, stride_asm, stride_bsn,
                    BLOCK_SCALES: tl.constexpr):
     """Row scales (per tensor, token, channel), constant along K, applied once to the tile."""
@@ -173,9 +182,7 @@ def _fp8_gemm_kernel(
     pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     first_k, last_k = k_steps_of(pid_k, K, BLOCK_K, SPLIT_K)
     if PREFETCH:  # no kernel writes the weight: the L2 fetches its first K steps while the previous kernel ends
-        rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # a tile past N asks for the last row again
-        columns = steps_ahead(first_k, last_k) * BLOCK_K  # one 128-byte line a row and step at BLOCK_K = 128
-        prefetch_l2(b_ptr + rows[:, None] * stride_bn + columns[None, :] * stride_bk)
+        prefetch_weight_steps(b_ptr, offs_n, N, stride_bn, stride_bk, first_k, last_k, BLOCK_K)
         await_previous(PDL)
     if SWAP_AB:
         acc = fp8_accumulate_swapped(a_ptr, b_ptr, offs_m, offs_n, M, N, K, first_k, last_k, stride_am, stride_ak,

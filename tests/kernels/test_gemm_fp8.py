@@ -6,6 +6,7 @@ import triton
 
 from fxquant.kernels.gemm_configs import BUCKET_PROBES, fp8_gemm_config
 from fxquant.kernels.gemm_fp8 import _launch_plan, fp8_scaled_mm
+from fxquant.kernels.gemm_fp8_tma import describable
 from fxquant.kernels.splitk import split_k
 from fxquant.numerics import reference as R
 
@@ -140,6 +141,7 @@ def test_decode_weight_through_a_descriptor_gives_the_pointer_kernels_bits(M, N,
 def test_a_weight_no_descriptor_can_read_takes_pointer_loads():
     qa, qw = operands(2, 128, 264, "row")
     w = qw.data[:, 8:]  # rows 264 bytes apart, starting 8 bytes in: not 16-byte aligned
+    assert not describable(w)
     described = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, WEIGHT_TMA=True)
     out = fp8_scaled_mm(qa.data[:, 8:], qa.scale, w, qw.scale, None, torch.float32, config=described)
     exact = (qa.data[:, 8:].double() * qa.scale.double()) @ (w.double() * qw.scale.double()).T
