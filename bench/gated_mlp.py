@@ -14,7 +14,6 @@ Run: python -m bench.gated_mlp [--layers 32] [--batches 1 16] [--variants NAME .
 from __future__ import annotations
 
 from bench.layer_chain import arguments, chain, same_bits, time_variants
-from bench.split_sums import HIDDEN, INTER
 from fxquant.kernels.gated_mlp_fp8 import gated_mlp_fp8
 
 WIDE = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
@@ -31,7 +30,6 @@ VARIANTS = {"three kernels (default)": None, "two GEMMs": two_gemms(None),
 
 def main() -> None:
     args = arguments(__doc__).parse_args()
-    assert (2 * INTER, HIDDEN) == (28672, 4096)
     time_variants(args, {name: lambda state, mlp=mlp: chain(state["h"], state["layers"], state["kv"], gated_mlp=mlp)
                          for name, mlp in VARIANTS.items()}, same_bits)
 
