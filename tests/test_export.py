@@ -17,9 +17,10 @@ CASES = {  # model, inputs, config, ops the program must hold
     # gate and up: one GEMM on merged weights, sliced
     "residual_norm_mlp": (residual_norm_mlp, (X, torch.randn_like(X)), BLOCK,
                           {"fxquant.add_norm_quant_fp8.default", "fxquant.scaled_mm_fp8.default", "aten.slice.Tensor"}),
-    # per token: the gated MLP as one op (the merged gate/up GEMM, SiLU x up with its quantizer, the down GEMM)
+    # per token: SiLU x up with its quantizer after the merged gate/up GEMM
     "residual_norm_mlp_row": (residual_norm_mlp, (X, torch.randn_like(X)), {"recipe": "fp8_row"},
-                              {"fxquant.add_norm_quant_fp8.default", "fxquant.gated_mlp_fp8.default"}),
+                              {"fxquant.add_norm_quant_fp8.default", "fxquant.scaled_mm_fp8.default",
+                               "fxquant.silu_mul_quantize_fp8.default"}),
 }
 
 

@@ -1,8 +1,7 @@
 """The pipeline: freeze_params -> localize_shards -> detect -> upcast, the numerics lint (and recipe="auto"'s
-measurements), then quantize_linear -> fuse_norm -> merge_linear -> fuse_silu_mul -> fuse_gated_mlp -> fuse_linear
--> pack_lanes -> fuse_rotary_cache -> fuse_cache_length -> decode_attention -> pack_gqa -> fuse_attention_quant ->
-cleanup (the norms after the decode GEMMs keep their own kernels, and SiLU x up runs in the gate/up GEMM's tiles rather
-than after its last one: docs/decisions/0027-row-work-stays-in-its-own-kernels.md).
+measurements), then quantize_linear -> fuse_norm -> merge_linear -> fuse_silu_mul -> fuse_linear -> pack_lanes
+-> fuse_rotary_cache -> fuse_cache_length -> decode_attention -> pack_gqa -> fuse_attention_quant -> cleanup (the
+norms and SiLU after the decode GEMMs keep their own kernels: docs/decisions/0027-row-work-stays-in-its-own-kernels.md).
 It sits above the passes: they never import the lint or the measurements, and what they hand each other travels in
 one `PipelineState`.
 
@@ -32,7 +31,6 @@ from fxquant.passes.detect import Detect
 from fxquant.passes.freeze_params import FreezeParams
 from fxquant.passes.fuse_attention_quant import FuseAttentionQuant
 from fxquant.passes.fuse_cache_length import FuseCacheLength
-from fxquant.passes.fuse_gated_mlp import FuseGatedMlp
 from fxquant.passes.fuse_linear import FuseLinear
 from fxquant.passes.fuse_norm import FuseNorm
 from fxquant.passes.fuse_rotary_cache import FuseRotaryCache
@@ -47,7 +45,7 @@ from fxquant.passes.upcast import Upcast
 
 log = logging.getLogger(__name__)
 PASS_TYPES = (FreezeParams, LocalizeShards, Detect, Upcast, QuantizeLinear, FuseNorm, MergeLinear, FuseSiluMul,
-              FuseGatedMlp, FuseLinear, PackLanes, FuseRotaryCache, FuseCacheLength, DecodeAttention, PackGQA,
+              FuseLinear, PackLanes, FuseRotaryCache, FuseCacheLength, DecodeAttention, PackGQA,
               FuseAttentionQuant, Cleanup)
 PASSES = tuple(pass_type.name for pass_type in PASS_TYPES)
 PREPARE = PASSES[:4]  # the graph annotated and upcast, nothing quantized
@@ -160,9 +158,9 @@ def run_pipeline(gm: torch.fx.GraphModule, config: QuantConfig, example_inputs=N
         measured = auto = measure_graph(gm, example_inputs, config, usable_recipes(device))
         state.config = config = resolve_auto(config, measured)
         state.auto_reasons = {m.fqn: m.reason for m in measured if m.chosen_by_auto and m.recipe is None}
-    gm = _run([QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseSiluMul(), FuseGatedMlp(),
-               FuseLinear(), PackLanes(state), FuseRotaryCache(state), FuseCacheLength(state), DecodeAttention(state),
-               PackGQA(), FuseAttentionQuant(), Cleanup()], gm, config, stop_after, timings)
+    gm = _run([QuantizeLinear(state), FuseNorm(state), MergeLinear(state), FuseSiluMul(), FuseLinear(),
+               PackLanes(state), FuseRotaryCache(state), FuseCacheLength(state), DecodeAttention(state), PackGQA(),
+               FuseAttentionQuant(), Cleanup()], gm, config, stop_after, timings)
     findings += lint_layers(state, weights)
     refuse_errors(findings, "compile")
     return PipelineResult(gm, state.layers, state.upcast, config, findings, weights, auto, timings)

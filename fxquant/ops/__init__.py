@@ -1,6 +1,5 @@
 """Every op the passes insert, as a `torch.library` op `fxquant::...` with a fake impl, one module per family:
-`linear`, `mlp`, `experts`, `attention`, `norm`; `declare` holds how an op is declared, `reference_gemm` the fallback
-GEMM.
+`linear`, `experts`, `attention`, `norm`; `declare` holds how an op is declared, `reference_gemm` the fallback GEMM.
 
 Dynamo, Inductor and torch.export see through these ops. CPU tensors run the pure-torch reference;
 CUDA tensors run the Triton kernels where one serves the case, else the same reference on the GPU.
@@ -39,12 +38,11 @@ from fxquant.ops.linear import (
                                  quantize_fp8,
                                  scaled_mm_fp8,
 )
-from fxquant.ops.mlp import gated_mlp_fp8
 from fxquant.ops.norm import add_norm_quant_fp8, norm_quant_fp8
 from fxquant.ops.reference_gemm import CHUNK_ROWS
 
 __all__ = ["CHUNK_ROWS", "add_norm_quant_fp8", "decode_attention", "decode_attention_quantize_fp8", "dequantize_kv",
-           "gated_mlp_fp8", "grouped_linear_mxfp8", "grouped_linear_weight_only", "grouped_scaled_mm_fp8",
+           "grouped_linear_mxfp8", "grouped_linear_weight_only", "grouped_scaled_mm_fp8",
            "grouped_scaled_mm_int4_fp8", "linear_fp4_lanes", "linear_fp8",
            "linear_int4_lanes", "linear_mxfp8", "linear_weight_only", "norm_quant_fp8", "quantize_fp8",
            "rotary_cache_append", "rotary_cache_append_e4m3", "rotary_cache_write", "rotary_cache_write_e4m3",

@@ -18,8 +18,8 @@ from fxquant.passes.spellings import target_of
 
 VIEWS = {operator.getitem, torch.ops.aten.slice.Tensor, torch.Tensor.view, torch.Tensor.transpose,
          torch.Tensor.unsqueeze, torch.Tensor.expand, torch.Tensor.reshape}
-FP8_ROW_LAYER = sorted(["scaled_mm_fp8"] * 2 + ["rotary_cache_append", "decode_attention_quantize_fp8",
-                                                "add_norm_quant_fp8", "add_norm_quant_fp8", "gated_mlp_fp8"])
+FP8_ROW_LAYER = sorted(["scaled_mm_fp8"] * 4 + ["rotary_cache_append", "decode_attention_quantize_fp8",
+                                                "add_norm_quant_fp8", "add_norm_quant_fp8", "silu_mul_quantize_fp8"])
 
 
 @pytest.fixture
@@ -43,10 +43,9 @@ def launches(layers: int, cache_class=T.StaticCache) -> list[str]:
             if target_of(node) not in VIEWS]
 
 
-def test_an_fp8_row_decode_layer_launches_seven_ops(on_the_cpu):
-    """The q/k/v and o GEMMs, the rotary + cache write (which also grows the layer's cache length), attention with
-    the o-projection's quantizer, the two residual norms with theirs, and the gated MLP (two GEMMs on CUDA, SiLU x up
-    and its quantizer inside them): eight kernels, none of Inductor's."""
+def test_an_fp8_row_decode_layer_launches_nine_ops(on_the_cpu):
+    """Four GEMMs, the rotary + cache write (which also grows the layer's cache length), attention with the
+    o-projection's quantizer, the two residual norms with theirs and SiLU x up with its: no kernel of Inductor's."""
     two, three = launches(2), launches(3)
     layer = list(three)
     for name in two:
@@ -54,7 +53,7 @@ def test_an_fp8_row_decode_layer_launches_seven_ops(on_the_cpu):
     assert sorted(layer) == FP8_ROW_LAYER, layer
 
 
-def test_over_an_fp8_cache_a_layer_launches_the_same_seven_ops(on_the_cpu):
+def test_over_an_fp8_cache_a_layer_launches_the_same_nine_ops(on_the_cpu):
     """The e4m3 cache's rotary op quantizes K and V as it writes them: no quantizer of its own, and attention reads
     the codes."""
     two, three = launches(2, fxquant.FP8StaticCache), launches(3, fxquant.FP8StaticCache)

@@ -18,10 +18,7 @@ def llama():
 
 
 def pipeline(model, ids, **options):
-    """Without fuse_gated_mlp, which would take the fused op into the gated MLP's."""
-    options = {"inner": "eager", **options}
-    options["disable_passes"] = [*options.get("disable_passes", ()), "fuse_gated_mlp"]
-    forward, results = compiled_results(model, options, fullgraph=True)
+    forward, results = compiled_results(model, {"inner": "eager", **options}, fullgraph=True)
     with torch.no_grad():
         logits = forward(ids, use_cache=False).logits
     return results[0].gm, logits.float()
@@ -81,8 +78,7 @@ def test_only_a_product_read_by_its_quantizer_alone_fuses(reuse, recipe, fused):
     torch.manual_seed(1)
     model = Gated(reuse).to(torch.bfloat16).eval()
     x = torch.randn(3, 256, dtype=torch.bfloat16)
-    forward, results = compiled_results(model, {"inner": "eager", "recipe": recipe,
-                                                "disable_passes": ["fuse_gated_mlp"]}, fullgraph=True)
+    forward, results = compiled_results(model, {"inner": "eager", "recipe": recipe}, fullgraph=True)
     with torch.no_grad():
         out = forward(x).float()
         assert rel_err(out, model(x).float()) < 0.1  # fp8's error, fused or not

@@ -30,10 +30,8 @@ def llama():
 
 
 def pipeline(model, ids, recipe):
-    """The pipeline's result on the model's dynamo graph, and the logits its graph computes; without fuse_gated_mlp,
-    which would take the merged gate/up GEMM into the gated MLP's op."""
-    forward, results = compiled_results(model, {"recipe": recipe, "inner": "eager",
-                                                "disable_passes": ["fuse_gated_mlp"]}, fullgraph=True)
+    """The pipeline's result on the model's dynamo graph, and the logits its graph computes."""
+    forward, results = compiled_results(model, {"recipe": recipe, "inner": "eager"}, fullgraph=True)
     with torch.no_grad():
         logits = forward(ids, use_cache=False).logits
     return results[0], logits
