@@ -10,6 +10,8 @@ Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pai
                                                      GPU's tiles; --prefetch: the first codes asked of the L2)
      python -m bench.sass fp8 [--stages N] [--swap] [--prefetch]   (row scales, M <= 8, 14336x4096: the decode
                                                      tiles of gemm_configs; --swap: the operands swapped, SWAP_AB)
+     python -m bench.sass gated [--stages N]   (the gated MLP's down GEMM, fp8 codes made from the bf16 product
+                                                     each K step, 4096x14336: against `fp8`, the quantizer's cost)
      python -m bench.sass w4a8 [--stages N]   (int4_fp8's GEMM at decode, 4096 rows, split in 8)
      python -m bench.sass grouped [--channel-groups] [--row-tiles] [--stages N] [--tile BMxBNxWARPS]   (the grouped
                                                      fp8 GEMM of MoE prefill on pointers, Mixtral's gate/up over 8192
@@ -42,7 +44,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fxquant.kernels import decode_attention as DA
-from fxquant.kernels import gemm_fp4_mma, gemm_fp8, gemm_grouped, gemm_int4_fp8, gemm_int4_mma, silu_mul_quant
+from fxquant.kernels import (
+    gated_mlp_fp8,
+    gemm_fp4_mma,
+    gemm_fp8,
+    gemm_grouped,
+    gemm_int4_fp8,
+    gemm_int4_mma,
+    silu_mul_quant,
+)
 from fxquant.kernels.codes import FORMATS, PACKED
 from fxquant.kernels.gemm_configs import fp8_gemm_config
 from fxquant.kernels.gemm_weight_only import _wo_gemm_kernel, wo_gemm_config
@@ -92,6 +102,22 @@ def fp8_kernel_sass(stages: int | None = None, swap: bool = False, prefetch: boo
                     b_scale_ptr="*fp32", bias_ptr="*bf16", counter_ptr="*i32", b_desc="*fp8e4nv")
     return compiled_by_name(gemm_fp8._fp8_gemm_kernel, constexprs, pointers,
                             [*pointers, "N", "K", "stride_am", "stride_bn", "stride_cm"], cfg["num_warps"],
+                            stages or cfg["num_stages"])
+
+
+def gated_down_kernel_sass(stages: int | None = None) -> tuple[str, int]:
+    """SASS and registers per thread of the gated MLP's down GEMM at decode (M <= 8) on the 4096x14336 weight,
+    which quantizes each K step of the bf16 product per token before its MMA, in the tiles `gemm_configs` gives the
+    fp8 GEMM there, unsplit: against `fp8_kernel_sass`, the quantizer's cost a K step."""
+    cfg = fp8_gemm_config(8, 4096, 14336, block_scales=False)
+    constexprs = dict(FMAX=E4M3.max, FP8=tl.float8e4nv, AMAX_FLOOR=AMAX_FLOOR, OUT=tl.bfloat16, CAST=0, SPLIT_K=1,
+                      LAST_SLICE_SUMS=False, BLOCK_PARTS=512, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                      BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PDL=True, PREFETCH=True, stride_bk=1,
+                      stride_cn=1)
+    pointers = dict(h_ptr="*bf16", amax_ptr="*fp32", b_ptr="*fp8e4nv", c_ptr="*bf16", ws_ptr="*fp32",
+                    b_scale_ptr="*fp32", counter_ptr="*i32")
+    return compiled_by_name(gated_mlp_fp8._down_quantized_kernel, constexprs, pointers,
+                            [*pointers, "N", "K", "stride_hm", "stride_bn", "stride_cm"], cfg["num_warps"],
                             stages or cfg["num_stages"])
 
 
@@ -333,6 +359,9 @@ def main():
     elif "w4a8" in sys.argv:
         sass, registers = w4a8_kernel_sass(stages)
         what, step = "W4A8 (int4 codes, e4m3 activations)", "K step"
+    elif "gated" in sys.argv:
+        sass, registers = gated_down_kernel_sass(stages)
+        what, step = "the gated MLP's down GEMM, each K step of the product quantized per token", "K step"
     elif "fp8" in sys.argv:
         swap, prefetch = "--swap" in sys.argv, "--prefetch" in sys.argv
         sass, registers = fp8_kernel_sass(stages, swap, prefetch)
