@@ -22,6 +22,7 @@ for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
                                  "nvfp4 mma": sass.fp4_mma_kernel_sass("nvfp4", tiled=True),
                                  "fp8": sass.fp8_kernel_sass(),
                                  "fp8 swapped": sass.fp8_kernel_sass(swap=True),
+                                 "gated down": sass.gated_down_kernel_sass(),
                                  "attention": sass.attention_kernel_sass(codes=False),
                                  "attention codes": sass.attention_kernel_sass(codes=True),
                                  "attention quantized": sass.attention_kernel_sass(codes=False, quantize=True),
@@ -46,6 +47,7 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
                               ("nvfp4 mma", "HMMA.16816.F32.BF16"),
                               ("fp8", "HMMA.16816.F32"),
                               ("fp8 swapped", "QGMMA.64x16x32.F32.E4M3.E4M3"),  # wgmma on the codes as stored
+                              ("gated down", "HMMA.16816.F32"),
                               ("attention", "HMMA.16816.F32.BF16"),
                               ("attention codes", "HMMA.16816.F32"),
                               ("attention quantized", "HMMA.16816.F32.BF16"),  # the key loop, not the quantizer's
@@ -57,6 +59,10 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
     # the gated-MLP quantizer: one program a row computes the sigmoids (one MUFU.EX2 a value) of 16384 columns, the
     # row of 14336 padded, over 8 warps of 32 threads: 64 a thread
     assert found["silu"]["ops"]["MUFU.EX2"] == 64
+    # the gated MLP's down GEMM makes its operand's codes in the K loop: saturating e4m3 packs there, none in the
+    # fp8 GEMM's loop, which reads codes
+    assert found["gated down"]["ops"]["F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C"] > 0
+    assert "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C" not in found["fp8"]["ops"]
     # MXFP4 on mma.sync: a warp whose scales pass 2 takes the step's other path, two multiplies a decoded pair
     # against one; both paths run the step's 32 MMAs
     longest, usual = found["mxfp4 mma"]["ops"], found["mxfp4 mma"]["usual"]
