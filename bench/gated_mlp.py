@@ -6,7 +6,12 @@ to the first's before it is timed.
 
 - "three kernels (default)": the layer as the backend runs it;
 - "two GEMMs": the gate/up GEMM's tiles as planned (64 rows: 32 gate and 32 up, 448 amax partials a token);
-- "two GEMMs, gate/up 128 wide": 64 gate and 64 up rows a tile (224 partials a token).
+- "two GEMMs, gate/up 128 wide": 64 gate and 64 up rows a tile (224 partials a token);
+- "two GEMMs, down 256 wide" and "two GEMMs, down 128 wide, 2 warps": each warp of the down GEMM quantizes the whole
+  K step of its tokens, about 340 SASS instructions a thread a step on top of the MMA loop's 154 (`python -m
+  bench.sass gated`), so a tile of 64 columns over 4 warps quantizes each step four times over; these tiles give each
+  warp 64 columns (388 and 384 instructions a thread per column a step, against 986 at the planned tiles and the
+  fp8 GEMM's 308).
 
 Run: python -m bench.gated_mlp [--layers 32] [--batches 1 16] [--variants NAME ...]
 """
@@ -17,15 +22,18 @@ from bench.layer_chain import arguments, chain, same_bits, time_variants
 from fxquant.kernels.gated_mlp_fp8 import gated_mlp_fp8
 
 WIDE = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+DOWN_256 = dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+DOWN_128_2_WARPS = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=2, num_stages=4)
 
 
-def two_gemms(config_gu: dict | None):
+def two_gemms(config_gu: dict | None, config_down: dict | None = None):
     return lambda a, a_scale, w_gu, s_gu, w_down, s_down: gated_mlp_fp8(a, a_scale, w_gu, s_gu, w_down, s_down,
-                                                                         config_gu)
+                                                                         config_gu, config_down)
 
 
 VARIANTS = {"three kernels (default)": None, "two GEMMs": two_gemms(None),
-            "two GEMMs, gate/up 128 wide": two_gemms(WIDE)}
+            "two GEMMs, gate/up 128 wide": two_gemms(WIDE), "two GEMMs, down 256 wide": two_gemms(None, DOWN_256),
+            "two GEMMs, down 128 wide, 2 warps": two_gemms(None, DOWN_128_2_WARPS)}
 
 
 def main() -> None:
