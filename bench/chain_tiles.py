@@ -12,8 +12,9 @@ launches after each program's K loop, so the tail that split-K adds may weigh di
   stages, or K split toward 396 or 528 programs in place of 264.
 - The weight's tiles through a tensor descriptor (`WEIGHT_TMA`) on every GEMM, at the planned tiles, 6 or 8 stages,
   or with 128-wide gate/up tiles.
-- Decode attention's keys split 1, 2 or 4 ways in place of the count it plans (8 at B1, 3 at B16 over 1024 keys,
-  chosen by timing the kernel alone), and its other plans: 128- or 32-key blocks, 8 warps, 3 stages.
+- Decode attention's keys split 1, 2, 4 or 16 ways in place of the count it plans (8 at B1, 3 at B16 over 1024
+  keys, chosen by timing the kernel alone; 16 at B1: one 64-key block a program, 128 programs), and its other
+  plans: 128- or 32-key blocks, 8 warps, 3 stages.
 
 Each variant's GEMMs are checked alone against the fp64 product of their codes (split-K sums in another order, so
 the chains are not compared bit for bit).
@@ -75,7 +76,7 @@ VARIANTS = {
 # decode attention over the bf16 cache: (split count, plan) in place of its own (8 splits at B1 and 3 at B16 over 1024
 # keys, in the plan (2, 2, 4, 64): programs an SM wanted, key blocks a split, warps, keys a block[, stages])
 ATTENTION = {"attention in 1 split": (1, None), "attention in 2 splits": (2, None),
-             "attention in 4 splits": (4, None),
+             "attention in 4 splits": (4, None), "attention in 16 splits": (16, None),
              "attention in 128-key blocks, 3 stages": (None, (2, 1, 4, 128, 3)),
              "attention in 32-key blocks": (None, (2, 4, 4, 32)),
              "attention at 8 warps": (None, (2, 2, 8, 64)),
