@@ -8,8 +8,9 @@ Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pai
                          [--tile BMxBNxWARPS]        (the tiles for M rows, 16 unless given; --pair-order: operands
                                                      in codes.pair_order; --code-rows: int4 codes in rows, not the
                                                      GPU's tiles; --prefetch: the first codes asked of the L2)
-     python -m bench.sass fp8 [--stages N] [--swap] [--prefetch]   (row scales, M <= 8, 14336x4096: the decode
-                                                     tiles of gemm_configs; --swap: the operands swapped, SWAP_AB)
+     python -m bench.sass fp8 [--stages N] [--swap] [--prefetch] [--weight-tma]   (row scales, M <= 8,
+                                                     14336x4096: the decode tiles of gemm_configs; --swap: the
+                                                     operands swapped, SWAP_AB; --weight-tma: WEIGHT_TMA)
      python -m bench.sass gated [--stages N]   (the gated MLP's down GEMM, fp8 codes made from the bf16 product
                                                      each K step, 4096x14336: against `fp8`, the quantizer's cost)
      python -m bench.sass w4a8 [--stages N]   (int4_fp8's GEMM at decode, 4096 rows, split in 8)
@@ -89,19 +90,23 @@ def decode_kernel_sass(fmt: str, stages: int | None = None, rows: int = 16,
     return compiled_sass(_wo_gemm_kernel, signature, constexprs, attrs, cfg["num_warps"], stages or cfg["num_stages"])
 
 
-def fp8_kernel_sass(stages: int | None = None, swap: bool = False, prefetch: bool = False) -> tuple[str, int]:
+def fp8_kernel_sass(stages: int | None = None, swap: bool = False, prefetch: bool = False,
+                    weight_tma: bool = False) -> tuple[str, int]:
     """SASS and registers per thread of the fp8 GEMM with row scales at decode (M <= 8) on the 14336x4096 weight,
     in the tiles `gemm_configs` gives it, unsplit; swap: with the operands swapped (the weight's rows as the MMA's
-    M); prefetch: its first weights asked of the L2 before the wait."""
+    M); prefetch: its first weights asked of the L2 before the wait; weight_tma: the weight's tiles through a
+    tensor descriptor (WEIGHT_TMA)."""
     cfg = fp8_gemm_config(8, 14336, 4096, block_scales=False)
     constexprs = dict(BLOCK_SCALES=False, SCALE_BLOCK=128, HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, SPLIT_K=1,
                       LAST_SLICE_SUMS=False, COMPILER_PROMOTES=True, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                      BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PDL=True, SWAP_AB=swap, WEIGHT_TMA=False,
-                      PREFETCH=prefetch, stride_ak=1, stride_bk=1, stride_cn=1)
+                      BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PDL=True, SWAP_AB=swap,
+                      WEIGHT_TMA=weight_tma, PREFETCH=prefetch, stride_ak=1, stride_bk=1, stride_cn=1)
+    desc = f"tensordesc<fp8e4nv[{cfg['BLOCK_N']}, {cfg['BLOCK_K']}]>" if weight_tma else "*fp8e4nv"
     pointers = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", ws_ptr="*fp32", a_scale_ptr="*fp32",
-                    b_scale_ptr="*fp32", bias_ptr="*bf16", counter_ptr="*i32", b_desc="*fp8e4nv")
+                    b_scale_ptr="*fp32", bias_ptr="*bf16", counter_ptr="*i32", b_desc=desc)
+    divisible = [name for name in pointers if name != "b_desc" or not weight_tma]
     return compiled_by_name(gemm_fp8._fp8_gemm_kernel, constexprs, pointers,
-                            [*pointers, "N", "K", "stride_am", "stride_bn", "stride_cm"], cfg["num_warps"],
+                            [*divisible, "N", "K", "stride_am", "stride_bn", "stride_cm"], cfg["num_warps"],
                             stages or cfg["num_stages"])
 
 
@@ -259,13 +264,15 @@ def _address(line: str) -> int:
 
 
 def _main_loop(sass: str) -> list[str]:
-    """The instructions of the longest backward branch's body that runs an MMA: the K loop (an epilogue's loop, such
-    as the quantizer's over a token's row, has none)."""
+    """The instructions of the longest backward branch's body that runs an MMA and never exits: the K loop (an
+    epilogue's loop, such as the quantizer's over a token's row, has no MMA; the jump back from a barrier's wait
+    placed after the kernel's end, as tensor-descriptor loads have, spans its exits)."""
     lines = _instructions(sass)
     body = lambda loop: [line for line in lines if loop[0] <= _address(line) <= loop[1]]
     loops = [(int(m.group(1), 16), _address(line)) for line in lines
              if (m := re.search(r"BRA\s+0x([0-9a-f]+)", line)) and int(m.group(1), 16) < _address(line)]
-    with_mma = [loop for loop in loops if any("MMA" in _opcode(line) for line in body(loop))]
+    with_mma = [loop for loop in loops if any("MMA" in _opcode(line) for line in body(loop))
+                and not any(_opcode(line) == "EXIT" for line in body(loop))]
     return body(max(with_mma or loops, key=lambda loop: loop[1] - loop[0]))
 
 
@@ -363,10 +370,11 @@ def main():
         sass, registers = gated_down_kernel_sass(stages)
         what, step = "the gated MLP's down GEMM, each K step of the product quantized per token", "K step"
     elif "fp8" in sys.argv:
-        swap, prefetch = "--swap" in sys.argv, "--prefetch" in sys.argv
-        sass, registers = fp8_kernel_sass(stages, swap, prefetch)
+        swap, prefetch, weight_tma = "--swap" in sys.argv, "--prefetch" in sys.argv, "--weight-tma" in sys.argv
+        sass, registers = fp8_kernel_sass(stages, swap, prefetch, weight_tma)
         what = (f"fp8 GEMM, row scales{', operands swapped' if swap else ''}"
-                f"{', first weights prefetched' if prefetch else ''}")
+                f"{', first weights prefetched' if prefetch else ''}"
+                f"{', weight through a tensor descriptor' if weight_tma else ''}")
         step = "K step"
     else:
         fmt = next((a for a in sys.argv[1:] if a in FORMATS), "int4")

@@ -23,6 +23,7 @@ for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
                                  "fp8": sass.fp8_kernel_sass(),
                                  "fp8 swapped": sass.fp8_kernel_sass(swap=True),
                                  "gated down": sass.gated_down_kernel_sass(),
+                                 "fp8 weight tma": sass.fp8_kernel_sass(prefetch=True, weight_tma=True),
                                  "attention": sass.attention_kernel_sass(codes=False),
                                  "attention codes": sass.attention_kernel_sass(codes=True),
                                  "attention quantized": sass.attention_kernel_sass(codes=False, quantize=True),
@@ -48,6 +49,7 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
                               ("fp8", "HMMA.16816.F32"),
                               ("fp8 swapped", "QGMMA.64x16x32.F32.E4M3.E4M3"),  # wgmma on the codes as stored
                               ("gated down", "HMMA.16816.F32"),
+                              ("fp8 weight tma", "HMMA.16816.F32"),
                               ("attention", "HMMA.16816.F32.BF16"),
                               ("attention codes", "HMMA.16816.F32"),
                               ("attention quantized", "HMMA.16816.F32.BF16"),  # the key loop, not the quantizer's
@@ -63,6 +65,10 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
     # fp8 GEMM's loop, which reads codes
     assert found["gated down"]["ops"]["F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C"] > 0
     assert "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C" not in found["fp8"]["ops"]
+    # the weight through a tensor descriptor: one bulk copy a K step in the loop, not the barrier's wait placed past
+    # the kernel's exits that jumps back into it
+    assert found["fp8 weight tma"]["ops"]["UTMALDG.2D"] == 1
+    assert "EXIT" not in found["fp8 weight tma"]["ops"]
     # MXFP4 on mma.sync: a warp whose scales pass 2 takes the step's other path, two multiplies a decoded pair
     # against one; both paths run the step's 32 MMAs
     longest, usual = found["mxfp4 mma"]["ops"], found["mxfp4 mma"]["usual"]
