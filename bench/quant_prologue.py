@@ -35,7 +35,10 @@ from fxquant.kernels.splitk import counters, reduce_partials, sum_if_last_slice
 from fxquant.kernels.tiles import k_steps_of, store_tile
 from fxquant.numerics.formats import AMAX_FLOOR, E4M3
 
-AMAX_CHUNK = 512  # columns of the rows read at once for their amax
+# Columns of the rows read at once for their amax: one K step's, so the row scale's layout is the K loop's tile's.
+# 512 gave the quantizer a layout that holds the 16 x 128 step four times over: 444 SASS instructions a K step
+# against 257 (sm_90, Triton 3.8).
+AMAX_CHUNK = 128
 NATIVE = tl.constexpr(CAST_NATIVE)
 
 

@@ -116,9 +116,9 @@ def gated_down_kernel_sass(stages: int | None = None) -> tuple[str, int]:
     fp8 GEMM there, unsplit: against `fp8_kernel_sass`, the quantizer's cost a K step."""
     cfg = fp8_gemm_config(8, 4096, 14336, block_scales=False)
     constexprs = dict(FMAX=E4M3.max, FP8=tl.float8e4nv, AMAX_FLOOR=AMAX_FLOOR, OUT=tl.bfloat16, CAST=0, SPLIT_K=1,
-                      LAST_SLICE_SUMS=False, BLOCK_PARTS=512, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                      BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PDL=True, PREFETCH=True, stride_bk=1,
-                      stride_cn=1)
+                      LAST_SLICE_SUMS=False, BLOCK_PARTS=gated_mlp_fp8.PARTS_AT_ONCE, BLOCK_M=cfg["BLOCK_M"],
+                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PDL=True, PREFETCH=True,
+                      stride_bk=1, stride_cn=1)
     pointers = dict(h_ptr="*bf16", amax_ptr="*fp32", b_ptr="*fp8e4nv", c_ptr="*bf16", ws_ptr="*fp32",
                     b_scale_ptr="*fp32", counter_ptr="*i32")
     return compiled_by_name(gated_mlp_fp8._down_quantized_kernel, constexprs, pointers,

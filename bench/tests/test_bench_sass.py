@@ -11,7 +11,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 COUNT = """
 import json
-from bench import sass
+import triton.language as tl
+from bench import quant_prologue, sass
+from fxquant.numerics.formats import AMAX_FLOOR, E4M3
+
+def prologue_sass():  # the quantizer-prologue probe's GEMM at decode: 16 x 64 tiles, 4 warps, 4 stages
+    constexprs = dict(FMAX=E4M3.max, AMAX_FLOOR=AMAX_FLOOR, QCAST=0, OUT=tl.bfloat16, CAST=0, ROW=4096,
+                      CHUNK=quant_prologue.AMAX_CHUNK, SPLIT_K=1, LAST_SLICE_SUMS=False, BLOCK_M=16, BLOCK_N=64,
+                      BLOCK_K=128, PDL=True, PREFETCH=True)
+    pointers = dict(x_ptr="*bf16", b_ptr="*fp8e4nv", c_ptr="*bf16", ws_ptr="*fp32", b_scale_ptr="*fp32",
+                    counter_ptr="*i32")
+    return sass.compiled_by_name(quant_prologue._quant_prologue_gemm_kernel, constexprs, pointers,
+                                 [*pointers, "N", "K", "stride_xm", "stride_bn", "stride_cm"], 4, 4)
+
 found = {}
 for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
                                  "mxfp4": sass.decode_kernel_sass("mxfp4"),
@@ -29,6 +41,7 @@ for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
                                  "attention quantized": sass.attention_kernel_sass(codes=False, quantize=True),
                                  "grouped channel groups": sass.grouped_kernel_sass(channel_groups=True)}.items():
     found[what] = dict(registers=registers, ops=sass.longest_loop(code), usual=sass.longest_loop(code, shortest=True))
+found["quant prologue"] = dict(ops=sass.longest_loop(prologue_sass()[0]))
 code, registers = sass.silu_kernel_sass()
 found["silu"] = dict(registers=registers, ops=sass.opcodes(code))
 found["int4 mma chain"] = sass.longest_mma_chain(sass.int4_mma_kernel_sass()[0])
@@ -61,10 +74,12 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
     # the gated-MLP quantizer: one program a row computes the sigmoids (one MUFU.EX2 a value) of 16384 columns, the
     # row of 14336 padded, over 8 warps of 32 threads: 64 a thread
     assert found["silu"]["ops"]["MUFU.EX2"] == 64
-    # the gated MLP's down GEMM makes its operand's codes in the K loop: saturating e4m3 packs there, none in the
-    # fp8 GEMM's loop, which reads codes
-    assert found["gated down"]["ops"]["F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C"] > 0
-    assert "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C" not in found["fp8"]["ops"]
+    # the gated MLP's down GEMM and the quantizer-prologue probe make their operand's codes in the K loop, and make
+    # each once a program: a 16 x 128 step over 128 threads is 16 values a thread, 8 saturating e4m3 packs of two
+    # (32 where each of the 4 warps made the whole step); the fp8 GEMM's loop reads codes and packs none
+    pack = "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C"
+    assert found["gated down"]["ops"][pack] == found["quant prologue"]["ops"][pack] == 8
+    assert pack not in found["fp8"]["ops"]
     # the weight through a tensor descriptor: one bulk copy a K step in the loop, not the barrier's wait placed past
     # the kernel's exits that jumps back into it
     assert found["fp8 weight tma"]["ops"]["UTMALDG.2D"] == 1

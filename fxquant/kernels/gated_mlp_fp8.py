@@ -14,6 +14,9 @@ output is theirs. Unlike the row work taken out of the GEMM epilogue before
 (docs/decisions/0027-row-work-stays-in-its-own-kernels.md), no program runs a row alone: the product is made by
 every tile of the gate/up GEMM, and the quantization by every program of the down GEMM over its own K slice.
 
+Each step's codes are made once a program (`tiles.codes_made_once`), not once a warp in the MMA operand's layout,
+which took 493 SASS instructions a K step against the fp8 GEMM's 154 (260 now; `python -m bench.sass gated`).
+
 No pass writes it yet: `bench.gated_mlp` times it in the 32-layer chain of a decode layer's kernels, against the
 three kernels, and checks that chain's bits equal. The pass and op that put it in the pipeline (`fuse_gated_mlp`,
 `fxquant::gated_mlp_fp8`, one op for the three) were built and tested on the CPU at a989eb9 and taken out untimed:
@@ -26,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fxquant.kernels.cast import cast_float, cast_fp8, cast_mode
+from fxquant.kernels.cast import CAST_NATIVE, cast_float, cast_fp8, cast_mode
 from fxquant.kernels.dependent_launch import await_previous, launch_options, prefetching, start_next
 from fxquant.kernels.gemm_fp8 import (
     TORCH_TO_TL,
@@ -39,8 +42,12 @@ from fxquant.kernels.launch import cdiv, next_power_of_2, visible
 from fxquant.kernels.quant_fp8 import saturate
 from fxquant.kernels.silu_mul_quant import silu_mul
 from fxquant.kernels.splitk import counters, reduce_partials, sum_if_last_slice
-from fxquant.kernels.tiles import k_steps_of, store_tile, tile_offsets
+from fxquant.kernels.tiles import codes_made_once, k_steps_of, store_tile, tile_offsets
 from fxquant.numerics.formats import AMAX_FLOOR, E4M3
+
+NATIVE = tl.constexpr(CAST_NATIVE)
+# Partial amaxes the down GEMM reads at once: at 512 its K loop held 128 registers a thread, at 128 88 (sm_90).
+PARTS_AT_ONCE = 128
 
 
 @triton.jit
@@ -125,8 +132,13 @@ def _down_quantized_kernel(
     for k in range(first_k, last_k):
         k_left = K - k * BLOCK_K
         h = tl.load(h_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0).to(tl.float32)
-        # quant_rows' codes: times the row's reciprocal, saturated (NaN kept), cast by the shared bit-exact helper
-        codes = cast_fp8(saturate(h * inverse[:, None], FMAX), FP8, CAST)
+        # quant_rows' codes: times the row's reciprocal, saturated (NaN kept), cast by the shared bit-exact helper;
+        # the native cast saturates to finite itself (cvt .satfinite; NaN stays NaN). Made once a program, not once
+        # a warp (codes_made_once).
+        q = h * inverse[:, None]
+        if CAST != NATIVE:
+            q = saturate(q, FMAX)
+        codes = codes_made_once(cast_fp8(q, FP8, CAST), CAST)
         b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < k_left), other=0.0)
         # As the fp8 GEMM: the compiler adds each BLOCK_K step's partial into fp32.
         acc = tl.dot(codes, b, acc, max_num_imprecise_acc=BLOCK_K)
@@ -179,7 +191,8 @@ def down_from_rows_fp8(h, amax, w_down, s_down, config=None):
         h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), out.stride(1), _row_stride(s_down),
         FMAX=E4M3.max, FP8=tl.float8e4nv, AMAX_FLOOR=AMAX_FLOOR, OUT=TORCH_TO_TL[h.dtype],
         CAST=cast_mode(_down_quantized_kernel, h.device),
-        SPLIT_K=split, LAST_SLICE_SUMS=count is not None, BLOCK_PARTS=min(next_power_of_2(amax.shape[0]), 512),
+        SPLIT_K=split, LAST_SLICE_SUMS=count is not None,
+        BLOCK_PARTS=min(next_power_of_2(amax.shape[0]), PARTS_AT_ONCE),
         BLOCK_M=meta["BLOCK_M"], BLOCK_N=meta["BLOCK_N"], BLOCK_K=meta["BLOCK_K"], GROUP_M=meta["GROUP_M"],
         num_warps=meta["num_warps"], num_stages=meta["num_stages"], PREFETCH=prefetching(pdl, by_default=True),
         **pdl,
