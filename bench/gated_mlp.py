@@ -7,11 +7,10 @@ to the first's before it is timed.
 - "three kernels (default)": the layer as the backend runs it;
 - "two GEMMs": the gate/up GEMM's tiles as planned (64 rows: 32 gate and 32 up, 448 amax partials a token);
 - "two GEMMs, gate/up 128 wide": 64 gate and 64 up rows a tile (224 partials a token);
-- "two GEMMs, down 256 wide" and "two GEMMs, down 128 wide, 2 warps": each warp of the down GEMM quantizes the whole
-  K step of its tokens, about 340 SASS instructions a thread a step on top of the MMA loop's 154 (`python -m
-  bench.sass gated`), so a tile of 64 columns over 4 warps quantizes each step four times over; these tiles give each
-  warp 64 columns (388 and 384 instructions a thread per column a step, against 986 at the planned tiles and the
-  fp8 GEMM's 308).
+- "two GEMMs, down 256 wide" and "two GEMMs, down 128 wide, 2 warps": the down GEMM's K loop also quantizes its
+  step (260 SASS instructions a K step a thread against the fp8 GEMM's 154 at the planned 64-wide tiles, `python -m
+  bench.sass gated`), so wider tiles a warp spread that cost over more weight: per column and K step, 274 and 304
+  thread instructions against 520 at the planned tiles (the fp8 GEMM: 308).
 
 Run: python -m bench.gated_mlp [--layers 32] [--batches 1 16] [--variants NAME ...]
 """
