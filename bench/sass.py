@@ -13,6 +13,8 @@ Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pai
                                                      operands swapped, SWAP_AB; --weight-tma: WEIGHT_TMA)
      python -m bench.sass gated [--stages N]   (the gated MLP's down GEMM, fp8 codes made from the bf16 product
                                                      each K step, 4096x14336: against `fp8`, the quantizer's cost)
+     python -m bench.sass prologue [--stages N]   (bench.quant_prologue's GEMM: the per-token quantizer in its K
+                                                     loop, 16 x 64 tiles over 4096 columns)
      python -m bench.sass w4a8 [--stages N]   (int4_fp8's GEMM at decode, 4096 rows, split in 8)
      python -m bench.sass grouped [--channel-groups] [--row-tiles] [--stages N] [--tile BMxBNxWARPS]   (the grouped
                                                      fp8 GEMM of MoE prefill on pointers, Mixtral's gate/up over 8192
@@ -44,6 +46,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from bench import quant_prologue
 from fxquant.kernels import decode_attention as DA
 from fxquant.kernels import (
     gated_mlp_fp8,
@@ -124,6 +127,19 @@ def gated_down_kernel_sass(stages: int | None = None) -> tuple[str, int]:
     return compiled_by_name(gated_mlp_fp8._down_quantized_kernel, constexprs, pointers,
                             [*pointers, "N", "K", "stride_hm", "stride_bn", "stride_cm"], cfg["num_warps"],
                             stages or cfg["num_stages"])
+
+
+def quant_prologue_kernel_sass(stages: int | None = None) -> tuple[str, int]:
+    """SASS and registers per thread of the quantizer-prologue probe's GEMM at decode (`bench.quant_prologue`: the
+    bf16 rows' amax read first, each K step quantized per token before its MMA), 16 x 64 tiles over 4 warps, 4096
+    columns, unsplit."""
+    constexprs = dict(FMAX=E4M3.max, AMAX_FLOOR=AMAX_FLOOR, QCAST=0, OUT=tl.bfloat16, CAST=0, ROW=4096,
+                      CHUNK=quant_prologue.AMAX_CHUNK, SPLIT_K=1, LAST_SLICE_SUMS=False, BLOCK_M=16, BLOCK_N=64,
+                      BLOCK_K=128, PDL=True, PREFETCH=True)
+    pointers = dict(x_ptr="*bf16", b_ptr="*fp8e4nv", c_ptr="*bf16", ws_ptr="*fp32", b_scale_ptr="*fp32",
+                    counter_ptr="*i32")
+    return compiled_by_name(quant_prologue._quant_prologue_gemm_kernel, constexprs, pointers,
+                            [*pointers, "N", "K", "stride_xm", "stride_bn", "stride_cm"], 4, stages or 4)
 
 
 def w4a8_kernel_sass(stages: int | None = None) -> tuple[str, int]:
@@ -366,6 +382,9 @@ def main():
     elif "w4a8" in sys.argv:
         sass, registers = w4a8_kernel_sass(stages)
         what, step = "W4A8 (int4 codes, e4m3 activations)", "K step"
+    elif "prologue" in sys.argv:
+        sass, registers = quant_prologue_kernel_sass(stages)
+        what, step = "the quantizer-prologue probe's GEMM, each K step of the rows quantized per token", "K step"
     elif "gated" in sys.argv:
         sass, registers = gated_down_kernel_sass(stages)
         what, step = "the gated MLP's down GEMM, each K step of the product quantized per token", "K step"

@@ -11,19 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 COUNT = """
 import json
-import triton.language as tl
-from bench import quant_prologue, sass
-from fxquant.numerics.formats import AMAX_FLOOR, E4M3
-
-def prologue_sass():  # the quantizer-prologue probe's GEMM at decode: 16 x 64 tiles, 4 warps, 4 stages
-    constexprs = dict(FMAX=E4M3.max, AMAX_FLOOR=AMAX_FLOOR, QCAST=0, OUT=tl.bfloat16, CAST=0, ROW=4096,
-                      CHUNK=quant_prologue.AMAX_CHUNK, SPLIT_K=1, LAST_SLICE_SUMS=False, BLOCK_M=16, BLOCK_N=64,
-                      BLOCK_K=128, PDL=True, PREFETCH=True)
-    pointers = dict(x_ptr="*bf16", b_ptr="*fp8e4nv", c_ptr="*bf16", ws_ptr="*fp32", b_scale_ptr="*fp32",
-                    counter_ptr="*i32")
-    return sass.compiled_by_name(quant_prologue._quant_prologue_gemm_kernel, constexprs, pointers,
-                                 [*pointers, "N", "K", "stride_xm", "stride_bn", "stride_cm"], 4, 4)
-
+from bench import sass
 found = {}
 for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
                                  "mxfp4": sass.decode_kernel_sass("mxfp4"),
@@ -41,7 +29,7 @@ for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
                                  "attention quantized": sass.attention_kernel_sass(codes=False, quantize=True),
                                  "grouped channel groups": sass.grouped_kernel_sass(channel_groups=True)}.items():
     found[what] = dict(registers=registers, ops=sass.longest_loop(code), usual=sass.longest_loop(code, shortest=True))
-found["quant prologue"] = dict(ops=sass.longest_loop(prologue_sass()[0]))
+found["quant prologue"] = dict(ops=sass.longest_loop(sass.quant_prologue_kernel_sass()[0]))
 code, registers = sass.silu_kernel_sass()
 found["silu"] = dict(registers=registers, ops=sass.opcodes(code))
 found["int4 mma chain"] = sass.longest_mma_chain(sass.int4_mma_kernel_sass()[0])
