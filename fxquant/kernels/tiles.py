@@ -42,7 +42,7 @@ def k_steps_of(pid_k, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
 def codes_made_once(codes, CAST: tl.constexpr):
     """fp8 codes that an MMA reads, made in a kernel's K loop, kept in the layout that made them. Left alone, the
     compiler remakes an operand's elementwise producers in the MMA operand's layout, which every warp of a program
-    holds whole, so each of 4 warps quantized the whole K step: 365 SASS instructions a K step against 260 (the
+    holds whole, so each of 4 warps quantized the whole K step: 375 SASS instructions a K step against 260 (the
     gated MLP's down GEMM, 16 x 64 tiles, sm_90, Triton 3.8; `python -m bench.sass gated`). An opaque identity (a
     PTX mov, declared impure so that it is neither moved nor merged) keeps the codes where they were made, one
     element a thread, and they reach the MMA through shared memory. Under the interpreter (CAST emulated), the
