@@ -21,12 +21,15 @@ programs of 3 steps as the GEMMs' (the floor of 128 dependent kernels of these s
 device's read ceiling); and the GEMM kernel over the same bytes as two GEMMs, each layer's K = 4096 weights stacked into
 one and the down projections into another (the GEMM's own floor without 128 launches, ramps and tails).
 
+With --offset-after, the tiles with each step's zero points applied before the MMAs (the product) and after them
+(`gemm_int4_mma.step_asm`), in turn.
+
 With --rows, the chain at M = 1 and 8 rows (or those given, up to 8) on the mma.sync kernel and on the in-register
 kernel that the backend gives more than one row, each against bf16 at the same M (`rows_chain`); with --rows and
 --sweep, the in-register kernel alone at those M (up to 16) under other warps, depths and split-K targets.
 
-Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...] [--grid | --floors | --rows 1 4 8
-     [--sweep]]
+Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...] [--grid | --floors | --offset-after |
+     --rows 1 4 8 [--sweep]]
 """
 
 from __future__ import annotations
@@ -159,15 +162,31 @@ def split_toward(n: int, k: int, programs: int) -> int:
     return max(1, min(k // STEP_K // 2, round(programs / -(-n // 64))))
 
 
-def chain_ms(layers, xs, split_rule, tiled: bool, stages: int = 3) -> float:
+def chain_ms(layers, xs, split_rule, tiled: bool, stages: int = 3, offset_after: bool = False) -> float:
     """Median ms of one graph replay of every layer's four GEMMs, K split by split_rule(n, k) (None: the product's),
-    over the codes as stored or tiled, `stages` K steps in flight."""
+    over the codes as stored or tiled, `stages` K steps in flight, zero points applied after the MMAs or not."""
     def run():
         for layer in layers:
             for n, k, codes, tiles, lane_scale, lane_zero in layer:
                 int4_mma_mm(xs[k], tiles if tiled else codes, lane_scale, lane_zero, GROUP, split=split_rule(n, k),
-                            stages=stages)
+                            stages=stages, offset_after=offset_after)
     return triton.testing.do_bench_cudagraph(run, rep=200, return_mode="median")
+
+
+def offset_after_rows(layers, xs, row) -> list[dict]:
+    """The tiles at the product's split with dependent launch, zero points applied before the MMAs (the product) and
+    after them, twice each in turn, after one GEMM of each checked against the other."""
+    for n, k, _, tiles, lane_scale, lane_zero in layers[0]:
+        before, after = (int4_mma_mm(xs[k], tiles, lane_scale, lane_zero, GROUP, offset_after=o) for o in (False, True))
+        print(f"{n}x{k}: the two differ by at most {(before.float() - after.float()).abs().max().item():.3g} "
+              f"(output max {before.float().abs().max().item():.3g})", flush=True)
+    rows = []
+    with dependent_launches(True):
+        for _, offset_after in itertools.product(range(2), (False, True)):
+            name = "tiled, the product's split" + (", zero points after the MMAs" if offset_after else "")
+            rows.append(row(name, True, chain_ms(layers, xs, lambda n, k: None, True, offset_after=offset_after)))
+            print(rows[-1], flush=True)
+    return rows
 
 
 def bf16_chain_ms(xs) -> float:
@@ -319,6 +338,10 @@ def main():
                 "% copy": f"{100 * nbytes / ms / 1e6 / ceiling:.0f}"}
 
     rows = [{"GEMMs": "bf16 torch.mm", "dependent launch": "-", "ms": f"{bf16_ms:.3f}", "x bf16": "1.00"}]
+    if "--offset-after" in sys.argv:
+        rows += offset_after_rows(layers, xs, row)
+        print(table(rows))
+        return
     if "--grid" in sys.argv:
         for (name, rule), stages in itertools.product(rules, depths):
             with dependent_launches(True):

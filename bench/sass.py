@@ -20,8 +20,9 @@ Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pai
                                                      fp8 GEMM of MoE prefill on pointers, Mixtral's gate/up over 8192
                                                      rows, at its plan's tiles; --row-tiles: the row scales' tiles)
      --tile BMxBNxWARPS (weight-only and grouped): another tile's BLOCK_M, BLOCK_N and warps than the plan's
-     python -m bench.sass mma [--stages N] [--code-rows] [--prefetch]   (int4 at M = 1 on mma.sync, 14336x4096,
-                                                     split in 5)
+     python -m bench.sass mma [--stages N] [--code-rows] [--prefetch] [--offset-after]   (int4 at M = 1 on
+                                                     mma.sync, 14336x4096, split in 5; --offset-after: zero points
+                                                     applied after the MMAs)
      python -m bench.sass fp4mma [mxfp4|nvfp4] [--stages N] [--tiles]   (MXFP4 / NVFP4 at M = 1 on mma.sync,
                                                      14336x4096, split in 5; codes in rows unless --tiles)
      python -m bench.sass attention [--codes] [--warps N] [--stages N] [--quantize]   (Llama-3-8B's heads at
@@ -156,15 +157,17 @@ def w4a8_kernel_sass(stages: int | None = None) -> tuple[str, int]:
                             stages or cfg["num_stages"])
 
 
-def int4_mma_kernel_sass(stages: int | None = None, code_rows: bool = False,
-                         prefetch: bool = False) -> tuple[str, int]:
+def int4_mma_kernel_sass(stages: int | None = None, code_rows: bool = False, prefetch: bool = False,
+                         offset_after: bool = False) -> tuple[str, int]:
     """SASS and registers per thread of the int4 mma.sync kernel at M = 1 (bf16, zero points) on 14336x4096, split
     in 5 (`int4_mma_split`) and summed by the last slice, with dependent launch; its codes in tiles, as the backend
-    holds them on the GPU, unless code_rows; prefetch: its first codes asked of the L2 before the wait."""
+    holds them on the GPU, unless code_rows; prefetch: its first codes asked of the L2 before the wait;
+    offset_after: zero points applied after the MMAs (`gemm_int4_mma.step_asm`)."""
     stages = stages or 3  # int4_mma_mm's default
     constexprs = dict(GROUP=gemm_int4_mma.STEP_K, HAS_ZP=True, BF16=True, SPLIT_K=5, LAST_SLICE_SUMS=True,
                       HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, STAGES=stages, PDL=True, TILED=not code_rows,
-                      PREFETCH=prefetch and not code_rows, STEP=gemm_int4_mma.step_asm(torch.bfloat16))
+                      PREFETCH=prefetch and not code_rows,
+                      STEP=gemm_int4_mma.step_asm(torch.bfloat16, offset_after))
     pointers = dict(a_ptr="*i32", w_ptr="*i32", s_ptr="*fp32", z_ptr="*i32", ws_ptr="*fp32", c_ptr="*bf16",
                     bias_ptr="*bf16", counter_ptr="*i32")
     return compiled_by_name(gemm_int4_mma._int4_mma_kernel, constexprs, pointers, [*pointers, *MMA_DIVISIBLE], 1,
@@ -366,10 +369,11 @@ def main():
                 "its usual path (MXFP4's scales up to 2: one multiply)")
         step = "K step"
     elif "mma" in sys.argv:
-        prefetch = "--prefetch" in sys.argv
-        sass, registers = int4_mma_kernel_sass(stages, code_rows, prefetch)
+        prefetch, offset_after = "--prefetch" in sys.argv, "--offset-after" in sys.argv
+        sass, registers = int4_mma_kernel_sass(stages, code_rows, prefetch, offset_after)
         what = (f"int4 on mma.sync, M = 1 (64 rows x 128 codes a warp), codes in {'rows' if code_rows else 'tiles'}"
-                f"{', first codes prefetched' if prefetch else ''}")
+                f"{', first codes prefetched' if prefetch else ''}"
+                f"{', zero points after the MMAs' if offset_after else ''}")
         step = "K step"
     elif "grouped" in sys.argv:
         channel_groups = "--channel-groups" in sys.argv

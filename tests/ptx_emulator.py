@@ -2,7 +2,8 @@
 checked bit for bit where no GPU is: 32-bit shifts, ands and lop3, packed bf16/fp16 multiplies and fmas, e4m3 pairs
 converted to fp16 pairs, and movs that pack or unpack 16-bit halves. An instruction outside that part raises, as does a
 packed product that its 16-bit type cannot hold exactly (the decode blocks claim exact arithmetic; overflow to infinity
-excepted), so the emulator never has to pick a rounding the hardware might not make.
+excepted), so the emulator never has to pick a rounding the hardware might not make. fp32 FMAs run through fp64, as
+the MMA below does, so a test of them states a bound.
 
 `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}` runs too, over operands of one warp (32 lanes, lane i at index
 i), by the fragment layout PTX documents: lane (g, t) = (lane / 4, lane % 4) holds A rows g and g + 8 at columns
@@ -102,6 +103,9 @@ def run(asm: str, operands: list, outputs: int) -> list[np.ndarray]:
             regs[dest] = _e4m3_as_f16(pair & U32(0xFF)) | (_e4m3_as_f16(pair >> U32(8) & U32(0xFF)) << U32(16))
         elif opcode == "lop3.b32":
             regs[dest] = _lop3(read(args[0]), read(args[1]), read(args[2]), int(args[3], 0))
+        elif opcode == "fma.rn.f32":  # the product exact in fp64, the sum rounded there and then to fp32, as _mma's
+            x, y, z = (read(arg).view(np.float32).astype(np.float64) for arg in args)
+            regs[dest] = (x * y + z).astype(np.float32).view(U32)
         elif (m := re.fullmatch(r"(mul|fma)\.rn\.(bf16x2|f16x2)", opcode)):
             dtype = HALF_TYPES[m.group(2)]
             halves = [_halves(read(arg), dtype) for arg in args]

@@ -18,6 +18,7 @@ for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
                                  "nvfp4 on 32 rows": sass.decode_kernel_sass("nvfp4", rows=32),
                                  "w4a8": sass.w4a8_kernel_sass(),
                                  "int4 mma": sass.int4_mma_kernel_sass(),
+                                 "int4 mma offset after": sass.int4_mma_kernel_sass(offset_after=True),
                                  "mxfp4 mma": sass.fp4_mma_kernel_sass("mxfp4"),
                                  "nvfp4 mma": sass.fp4_mma_kernel_sass("nvfp4", tiled=True),
                                  "fp8": sass.fp8_kernel_sass(),
@@ -45,7 +46,8 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
     found = json.loads(run.stdout.splitlines()[-1])
     for what, tensor_core in [("int4", "HMMA.16816.F32.BF16"), ("mxfp4", "HMMA.16816.F32.BF16"),
                               ("nvfp4 on 32 rows", "HMMA.16816.F32.BF16"), ("w4a8", "HMMA.16816.F32"),
-                              ("int4 mma", "HMMA.16816.F32.BF16"), ("mxfp4 mma", "HMMA.16816.F32.BF16"),
+                              ("int4 mma", "HMMA.16816.F32.BF16"), ("int4 mma offset after", "HMMA.16816.F32.BF16"),
+                              ("mxfp4 mma", "HMMA.16816.F32.BF16"),
                               ("nvfp4 mma", "HMMA.16816.F32.BF16"),
                               ("fp8", "HMMA.16816.F32"),
                               ("fp8 swapped", "QGMMA.64x16x32.F32.E4M3.E4M3"),  # wgmma on the codes as stored
@@ -82,6 +84,12 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
     # (`gemm_fp8.channel_scales`), not reloaded as 32 scalar loads a thread in the accumulator's layout
     assert found["grouped channel groups"]["ops"]["FFMA"] == 64
     assert found["grouped channel groups"]["ops"].get("LDG.E", 0) <= 1
+    # int4 with its zero points applied after the MMAs: no packed FMA a pair of codes (128 a step a thread), 8 more
+    # MMAs (the activation sums) and 16 more FFMAs (their offsets) than the zero points applied before
+    before, after = found["int4 mma"]["ops"], found["int4 mma offset after"]["ops"]
+    assert before["HADD2.BF16_V2"] == 128 and "HADD2.BF16_V2" not in after
+    assert after["HMMA.16816.F32.BF16"] - before["HMMA.16816.F32.BF16"] == 8
+    assert after["FFMA"] - before["FFMA"] == 16
     # the int4 kernel's step written as four interleaved chains compiles to overlapped chains, not a run of one
     # block's 8 dependent MMAs
     assert found["int4 mma chain"] <= 4

@@ -73,13 +73,17 @@ MAX_M = 8  # activation rows one m16n8k16 MMA takes as its B operand
 _serves_rows = [1]  # the most activation rows linear_int4_lanes gives this kernel (`serving_up_to`)
 
 
-def _step_asm(magic: str, fma: str, one: str, dtype: str) -> str:
+def _step_asm(magic: str, fma: str, one: str, dtype: str, offset_after: bool = False) -> str:
     """PTX for one K step of the program's four 16-row blocks. Operands: $4b-$4b+3 block b's fp32 accumulator out (C
     fragment); $16 + 8b .. + 3 row g's four words of block b, + 4 .. + 7 row g + 8's; $48 + 2b, $49 + 2b -(magic + z)
     for block b's two rows as x2 pairs; $56 + 2c, $57 + 2c the activation pairs of MMA c.
 
     Each block's eight MMAs chain through its accumulator, in the order c = 0..7; the blocks' chains interleave as
-    `mma_fragments.mma_order` says."""
+    `mma_fragments.mma_order` says.
+
+    offset_after: the MMAs take the codes as decoded, magic + q, and each block's sums then add -(magic + z) times
+    the step's activation sums, which eight more MMAs with an all-ones A operand give (D row = the column's sum). One
+    packed FMA a pair of codes (128 a step) becomes 8 MMAs, 8 ands and 16 fp32 FMAs a step."""
     lines = ["{", ".reg .b32 s, zero, one;", ".reg .b32 " + ", ".join(f"a{b}_{r}" for b in range(BLOCKS)
                                                                       for r in range(4)) + ";",
              "mov.b32 zero, 0;", f"mov.b32 one, {one};"]
@@ -96,7 +100,7 @@ def _step_asm(magic: str, fma: str, one: str, dtype: str) -> str:
                 src = "s"
             # (w & 0x000f000f) | magic: two codes in the mantissas of a packed pair, exactly magic + q
             out.append(f"lop3.b32 a{b}_{reg}, {src}, 0x000f000f, {magic}, 0xea;")
-        for reg in range(4):  # (magic + q) * 1 - (magic + z) = q - z, exact: |q - z| <= 15 and the ulp is 1
+        for reg in range(4 * (not offset_after)):  # (magic + q) * 1 - (magic + z) = q - z, exact: |q - z| <= 15, ulp 1
             out.append(f"{fma} a{b}_{reg}, a{b}_{reg}, one, ${48 + 2 * b + reg % 2};")
         acc = ", ".join(f"${4 * b + r}" for r in range(4))
         regs = ", ".join(f"a{b}_{r}" for r in range(4))
@@ -106,17 +110,41 @@ def _step_asm(magic: str, fma: str, one: str, dtype: str) -> str:
 
     for b, c in mma_order():
         lines += mma(b, c)
+    if offset_after:
+        lines += _offset_after_asm(dtype)
     return "\n".join(lines + ["}"])
 
 
-_STEPS = {torch.bfloat16: tl.constexpr(_step_asm("0x43004300", "fma.rn.bf16x2", "0x3F803F80", "bf16")),  # 128.0
-          torch.float16: tl.constexpr(_step_asm("0x64006400", "fma.rn.f16x2", "0x3C003C00", "f16"))}  # 1024.0
+def _offset_after_asm(dtype: str) -> list[str]:
+    """`_step_asm`'s sums of magic + q turned into sums of q - z: the step's activation sums (rows of an all-ones A
+    times the eight MMAs' B operands), times each row's -(magic + z), added by one fp32 FMA a sum. The product of an
+    fp32 -(magic + z) and an activation sum is exact in the FMA, which rounds once; what the bias costs is in the
+    MMAs' fp32 sums, whose terms are up to (magic + 15) / 15 times larger (bf16: 143 / 15)."""
+    lines = [".reg .f32 t0, t1, t2, t3;", ".reg .b32 " + ", ".join(f"o{i}" for i in range(2 * BLOCKS)) + ";"]
+    for c in range(8):
+        acc = "zero, zero, zero, zero" if c == 0 else "t0, t1, t2, t3"
+        lines.append(mma_line(dtype, "one, one, one, one", f"${56 + 2 * c}, ${57 + 2 * c}", acc, "t0, t1, t2, t3"))
+    for i in range(2 * BLOCKS):  # the pair's high half, -(magic + z) as bf16, is that value as fp32 over 16 zero bits
+        lines.append(f"and.b32 o{i}, ${48 + i}, 0xFFFF0000;")
+    for b in range(BLOCKS):  # D registers 0, 1: row g, columns 2t and 2t + 1; 2, 3: row g + 8
+        for reg in range(4):
+            lines.append(f"fma.rn.f32 ${4 * b + reg}, o{2 * b + reg // 2}, t{reg % 2}, ${4 * b + reg};")
+    return lines
+
+
+_BF16 = ("0x43004300", "fma.rn.bf16x2", "0x3F803F80", "bf16")  # magic 128.0, one 1.0
+_STEPS = {(torch.bfloat16, False): tl.constexpr(_step_asm(*_BF16)),
+          (torch.float16, False): tl.constexpr(_step_asm("0x64006400", "fma.rn.f16x2", "0x3C003C00", "f16")),  # 1024.0
+          (torch.bfloat16, True): tl.constexpr(_step_asm(*_BF16, offset_after=True))}
 STEP_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 56))
 
 
-def step_asm(dtype: torch.dtype) -> tl.constexpr:
-    """The K step's PTX for bf16 or fp16 activations."""
-    return _STEPS[dtype]
+def step_asm(dtype: torch.dtype, offset_after: bool = False) -> tl.constexpr:
+    """The K step's PTX for bf16 or fp16 activations; offset_after: the zero points applied after the MMAs, for bf16
+    only (the MMAs' terms reach 143 times an activation there, where |q - z| <= 15; fp16's magic would make it 1039)."""
+    if offset_after and dtype != torch.bfloat16:
+        raise ValueError(f"fxquant: the int4 step applies zero points after the MMAs for bf16 only, not {dtype}")
+    return _STEPS[dtype, offset_after]
 
 
 @triton.jit
@@ -296,10 +324,10 @@ def int4_mma_split(N: int, K: int) -> int:
 
 
 def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split: int | None = None,
-                stages: int = 3):
+                stages: int = 3, offset_after: bool = False):
     """a [M <= 8, K] bf16/fp16 @ dequantize(codes)[N, K].T (+ bias): codes [N, K / 8] int32 words (8 codes each,
     as `quantize` packs them), or `code_tiles`' tiles as words [N / 64, K / 128, 64, 16]; lane_scale and lane_zero
-    from `pack_lanes`. Returns [M, N] in a's dtype. The caller checks `supports`."""
+    from `pack_lanes`; offset_after: `step_asm`'s. Returns [M, N] in a's dtype. The caller checks `supports`."""
     M, K = a.shape
     tiled = is_tiled(codes)
     N = codes.shape[0] * ROWS if tiled else codes.shape[0]
@@ -316,5 +344,5 @@ def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split
         GROUP=group, HAS_ZP=lane_zero is not None, BF16=a.dtype == torch.bfloat16, SPLIT_K=split,
         LAST_SLICE_SUMS=count is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[a.dtype],
         CAST=float_cast_mode(_int4_mma_kernel), STAGES=stages, TILED=tiled, num_warps=1, num_stages=stages,
-        STEP=step_asm(a.dtype), PREFETCH=tiled and prefetching(pdl), **pdl)
+        STEP=step_asm(a.dtype, offset_after), PREFETCH=tiled and prefetching(pdl), **pdl)
     return out if count is not None else reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])

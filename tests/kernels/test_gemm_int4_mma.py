@@ -77,6 +77,42 @@ def test_the_kernel_under_the_interpreter(monkeypatch, dtype, M, N, K, group, sy
     assert within_bound(out, x, R.dequantize(q, torch.float64), bias)
 
 
+def biased_sums_bound(x, q, group):
+    """What `step_asm(offset_after=True)` adds to the bound: its 16 MMAs a step (8 over magic + q, 8 summing the
+    activations) each round an fp32 sum of terms up to 143 |a| (bf16's magic 128 plus 15), at most an ulp (2^-23,
+    truncation included), which the group's scale multiplies."""
+    scale = q.scale.double().repeat_interleave(group, dim=1)  # [N, K]: each code's group scale
+    return 16 * 143 * 2**-23 * (x.double().abs() @ scale.T)
+
+
+@pytest.mark.skipif(GPU, reason="the interpreter with an emulator of the PTX; the GPU runs the PTX itself below")
+@pytest.mark.parametrize("M,N,K,group,symmetric,split", [(1, 128, 256, 128, False, 2), (3, 200, 384, 128, True, 1)])
+def test_zero_points_after_the_mmas_under_the_interpreter(monkeypatch, M, N, K, group, symmetric, split):
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", _ptx_step, raising=False)
+    q, x, bias, codes, lane_scale, lane_zero = operands(N, K, M, torch.bfloat16, symmetric, group)
+    out = int4_mma_mm(x, codes, lane_scale, lane_zero, group, bias, split=split, offset_after=True)
+    assert out.shape == (M, N) and out.dtype == torch.bfloat16
+    w = R.dequantize(q, torch.float64)
+    assert within_bound(out, x, w, bias, extra=biased_sums_bound(x, q, group))
+    off_by_one_zero = w - q.scale.double().repeat_interleave(group, dim=1)  # one code step: what a wrong z costs
+    assert not within_bound(out, x, off_by_one_zero, bias, extra=biased_sums_bound(x, q, group))
+
+
+def test_zero_points_after_the_mmas_take_bf16_only():
+    with pytest.raises(ValueError, match="bf16 only"):
+        gemm_int4_mma.step_asm(torch.float16, offset_after=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K,group,symmetric", [(1, 4096, 4096, 128, False), (1, 4160, 1024, 128, True),
+                                                   (8, 6144, 512, 256, False)])
+def test_zero_points_after_the_mmas_on_the_gpu(M, N, K, group, symmetric):
+    q, x, bias, codes, lane_scale, lane_zero = operands(N, K, M, torch.bfloat16, symmetric, group)
+    for split in (None, 1):
+        out = int4_mma_mm(x, codes, lane_scale, lane_zero, group, bias, split=split, offset_after=True)
+        assert within_bound(out, x, R.dequantize(q, torch.float64), bias, extra=biased_sums_bound(x, q, group))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("M,N,K,group,symmetric", [(1, 4096, 4096, 128, False), (1, 4160, 1024, 128, True),

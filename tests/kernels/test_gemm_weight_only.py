@@ -23,12 +23,14 @@ SHAPES = [(1, 128, 1024), (16, 96, 1024), (5, 80, 384), (24, 96, 1024), (100, 96
           (200, 64, 256)]
 
 
-def within_bound(out, x, w_hp, bias=None, rounded_weight=False):
+def within_bound(out, x, w_hp, bias=None, rounded_weight=False, extra=0):
+    """out within one output ulp and 2^-20 of sum |x| |w| (fp32 sums of exact products) of the fp64 product, plus
+    half an ulp of the output dtype per term where the weight was rounded to it first, plus `extra` where given."""
     exact = x.double() @ w_hp.T + (0 if bias is None else bias.double())
     mant = torch.finfo(out.dtype).eps  # 2^-7 (bf16) or 2^-10 (fp16) at 1.0
     ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30)))) * mant
     sum_abs = x.double().abs() @ w_hp.abs().T
-    tolerance = ulp + (2**-20 + (mant / 2 if rounded_weight else 0)) * sum_abs
+    tolerance = ulp + (2**-20 + (mant / 2 if rounded_weight else 0)) * sum_abs + extra
     return bool(((out.double() - exact).abs() <= tolerance).all())
 
 
