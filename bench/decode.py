@@ -40,7 +40,8 @@ fxquant:<recipe>+nopdl (every fxquant kernel launched without programmatic depen
 GEMMs summed by the reduce kernel, not by their last slice), +prefetch (the fp8 and 4-bit decode GEMMs ask the L2 for
 their first weights before they wait for the previous kernel; by default the fp8 GEMM alone), +noprefetch (none
 does), +mma8 (int4 GEMMs of up to 8 rows on the mma.sync kernel, not one), +tiles64 (the fp8 decode GEMMs of 9-16
-rows in the tiles of 8 rows, as before decision 0035), +chunk=<n> (the weight-only prefill's weight dequantized 2**n
+rows in the tiles of 8 rows, as before decision 0035), +offsetafter (the int4 mma.sync GEMMs apply bf16 zero points
+after the MMAs), +chunk=<n> (the weight-only prefill's weight dequantized 2**n
 elements at a time, not CHUNK_ELEMENTS),
 torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head, +without, +inductor,
 +rows, +fp4inregisters, +inplace and the launch settings).
@@ -79,7 +80,7 @@ from bench.common import LLAMA_3_VOCAB, header, llama, llama_config, table
 from fxquant.compile.backend import fxquant as fxquant_backend
 from fxquant.kernels import gemm_fp8, gemm_weight_only
 from fxquant.kernels.dependent_launch import dependent_launches, weights_prefetched
-from fxquant.kernels.gemm_int4_mma import MAX_M, serving_up_to
+from fxquant.kernels.gemm_int4_mma import MAX_M, serving_up_to, zero_points_after
 from fxquant.kernels.splitk import reduce_in_gemm
 
 CHECK_STEPS = 4  # the first decode steps: they compile, their logits are compared with eager's, and go untimed
@@ -234,7 +235,8 @@ PREFETCH = "+prefetch"  # every decode GEMM asks the L2 for its first weights be
 NO_PREFETCH = "+noprefetch"  # none does (by default the fp8 GEMM does: decision 0030)
 MMA_ROWS = "+mma8"  # int4 GEMMs of up to 8 rows on the mma.sync kernel (one row otherwise)
 TILES_64 = "+tiles64"  # the fp8 decode GEMMs of 9-16 rows in the 64-wide tiles of 8 rows (before decision 0035)
-LAUNCH_SETTINGS = (NO_PDL, REDUCE_KERNEL, PREFETCH, NO_PREFETCH, MMA_ROWS, TILES_64)
+OFFSET_AFTER = "+offsetafter"  # int4 mma.sync GEMMs apply bf16 zero points after the MMAs
+LAUNCH_SETTINGS = (NO_PDL, REDUCE_KERNEL, PREFETCH, NO_PREFETCH, MMA_ROWS, TILES_64, OFFSET_AFTER)
 CHUNK = "+chunk="  # +chunk=<n>: the weight-only prefill dequantizes its weight 2**n elements at a time
 
 
@@ -258,7 +260,8 @@ def launch_settings(path: str, profiled: bool = False):
     count the wait as its time."""
     with (dependent_launches(NO_PDL not in path and not profiled), reduce_in_gemm(REDUCE_KERNEL not in path),
           weights_prefetched(prefetch_setting(path)), serving_up_to(MAX_M if MMA_ROWS in path else 1),
-          tiles_of_eight_rows(TILES_64 in path), dequantized_chunks(chunk_elements(path))):
+          tiles_of_eight_rows(TILES_64 in path), dequantized_chunks(chunk_elements(path)),
+          zero_points_after(OFFSET_AFTER in path)):
         yield
 
 

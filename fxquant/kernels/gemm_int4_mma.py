@@ -71,6 +71,7 @@ STEP_K = 128  # codes per row per K step: 4 lanes x 32; int4 groups must be mult
 ROWS = TILE_ROWS  # weight rows per program: four 16-row MMA blocks
 MAX_M = 8  # activation rows one m16n8k16 MMA takes as its B operand
 _serves_rows = [1]  # the most activation rows linear_int4_lanes gives this kernel (`serving_up_to`)
+_offsets_after = [False]  # bf16 zero points applied after the MMAs by default (`zero_points_after`)
 
 
 def _step_asm(magic: str, fma: str, one: str, dtype: str, offset_after: bool = False) -> str:
@@ -287,6 +288,12 @@ def serving_up_to(rows: int):
     return set_inside(_serves_rows, rows)
 
 
+def zero_points_after(on: bool):
+    """Inside the block, `int4_mma_mm` applies bf16 zero points after the MMAs (`step_asm`'s offset_after) unless
+    told otherwise: to time the step both ways."""
+    return set_inside(_offsets_after, on)
+
+
 def serves_rows() -> int:
     """The most activation rows linear_int4_lanes gives this kernel: 1 unless `serving_up_to` says otherwise."""
     return _serves_rows[0]
@@ -324,11 +331,14 @@ def int4_mma_split(N: int, K: int) -> int:
 
 
 def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split: int | None = None,
-                stages: int = 3, offset_after: bool = False):
+                stages: int = 3, offset_after: bool | None = None):
     """a [M <= 8, K] bf16/fp16 @ dequantize(codes)[N, K].T (+ bias): codes [N, K / 8] int32 words (8 codes each,
     as `quantize` packs them), or `code_tiles`' tiles as words [N / 64, K / 128, 64, 16]; lane_scale and lane_zero
-    from `pack_lanes`; offset_after: `step_asm`'s. Returns [M, N] in a's dtype. The caller checks `supports`."""
+    from `pack_lanes`; offset_after: `step_asm`'s (None: `zero_points_after`'s, for bf16). Returns [M, N] in a's
+    dtype. The caller checks `supports`."""
     M, K = a.shape
+    if offset_after is None:
+        offset_after = _offsets_after[0] and a.dtype == torch.bfloat16
     tiled = is_tiled(codes)
     N = codes.shape[0] * ROWS if tiled else codes.shape[0]
     split = split or int4_mma_split(N, K)
