@@ -37,12 +37,11 @@ def caches(layers: int, batch: int, context: int) -> list[tuple[torch.Tensor, to
 
 
 def chain(h: torch.Tensor, layers, kv, before_attention: Callable | None = None, quant_gemm: Callable | None = None,
-          tiles: dict | None = None, gated_mlp: Callable | None = None) -> torch.Tensor:
+          tiles: dict | None = None) -> torch.Tensor:
     """The layers' chain from the residual h [batch, 4096]. before_attention(o_proj's weight): launched after the
     q/k/v product; quant_gemm(x, w, w_scale): the q/k/v and gate/up products with their input's per-token quantizer,
     in place of quantize_fp8_rows then the GEMM; tiles: {(N, K): config} in place of the fp8 GEMM's tiles for the
-    weights of that shape; gated_mlp(codes, scales, w_gu, s_gu, w_down, s_down): the MLP after o_proj's output is
-    quantized, in place of the gate/up GEMM, silu_mul_quant and the down GEMM."""
+    weights of that shape."""
     tiles = tiles or {}
     gemm = lambda a, a_scale, w, w_scale: fp8_scaled_mm(a, a_scale, w, w_scale, None, torch.bfloat16,
                                                         tiles.get(tuple(w.shape)))
@@ -55,9 +54,6 @@ def chain(h: torch.Tensor, layers, kv, before_attention: Callable | None = None,
         q = qkv[:, :HIDDEN].reshape(batch, HEADS_Q, 1, DIM)
         codes, scales = decode_attention_quantized(q, k, v, None, DIM ** -0.5, 0.0, None, None, None, None, 0)
         o = gemm(codes.reshape(batch, HIDDEN), scales.reshape(batch, 1), w_o, s_o)
-        if gated_mlp is not None:
-            h = h + gated_mlp(*quantize_fp8_rows(o, HIDDEN), w_gu, s_gu, w_down, s_down)
-            continue
         gate, up = quant_gemm(o, w_gu, s_gu).chunk(2, dim=-1)
         h = h + gemm(*silu_mul_quantize_fp8_rows(gate, up, INTER), w_down, s_down)
     return h

@@ -11,8 +11,6 @@ Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pai
      python -m bench.sass fp8 [--stages N] [--swap] [--prefetch] [--weight-tma]   (row scales, M <= 8,
                                                      14336x4096: the decode tiles of gemm_configs; --swap: the
                                                      operands swapped, SWAP_AB; --weight-tma: WEIGHT_TMA)
-     python -m bench.sass gated [--stages N]   (the gated MLP's down GEMM, fp8 codes made from the bf16 product
-                                                     each K step, 4096x14336: against `fp8`, the quantizer's cost)
      python -m bench.sass prologue [--stages N]   (bench.quant_prologue's GEMM: the per-token quantizer in its K
                                                      loop, 16 x 64 tiles over 4096 columns)
      python -m bench.sass w4a8 [--stages N]   (int4_fp8's GEMM at decode, 4096 rows, split in 8)
@@ -50,7 +48,6 @@ from triton.compiler import ASTSource
 from bench import quant_prologue
 from fxquant.kernels import decode_attention as DA
 from fxquant.kernels import (
-    gated_mlp_fp8,
     gemm_fp4_mma,
     gemm_fp8,
     gemm_grouped,
@@ -111,22 +108,6 @@ def fp8_kernel_sass(stages: int | None = None, swap: bool = False, prefetch: boo
     divisible = [name for name in pointers if name != "b_desc" or not weight_tma]
     return compiled_by_name(gemm_fp8._fp8_gemm_kernel, constexprs, pointers,
                             [*divisible, "N", "K", "stride_am", "stride_bn", "stride_cm"], cfg["num_warps"],
-                            stages or cfg["num_stages"])
-
-
-def gated_down_kernel_sass(stages: int | None = None) -> tuple[str, int]:
-    """SASS and registers per thread of the gated MLP's down GEMM at decode (M <= 8) on the 4096x14336 weight,
-    which quantizes each K step of the bf16 product per token before its MMA, in the tiles `gemm_configs` gives the
-    fp8 GEMM there, unsplit: against `fp8_kernel_sass`, the quantizer's cost a K step."""
-    cfg = fp8_gemm_config(8, 4096, 14336, block_scales=False)
-    constexprs = dict(FMAX=E4M3.max, FP8=tl.float8e4nv, AMAX_FLOOR=AMAX_FLOOR, OUT=tl.bfloat16, CAST=0, SPLIT_K=1,
-                      LAST_SLICE_SUMS=False, BLOCK_PARTS=gated_mlp_fp8.PARTS_AT_ONCE, BLOCK_M=cfg["BLOCK_M"],
-                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PDL=True, PREFETCH=True,
-                      stride_bk=1, stride_cn=1)
-    pointers = dict(h_ptr="*bf16", amax_ptr="*fp32", b_ptr="*fp8e4nv", c_ptr="*bf16", ws_ptr="*fp32",
-                    b_scale_ptr="*fp32", counter_ptr="*i32")
-    return compiled_by_name(gated_mlp_fp8._down_quantized_kernel, constexprs, pointers,
-                            [*pointers, "N", "K", "stride_hm", "stride_bn", "stride_cm"], cfg["num_warps"],
                             stages or cfg["num_stages"])
 
 
@@ -389,9 +370,6 @@ def main():
     elif "prologue" in sys.argv:
         sass, registers = quant_prologue_kernel_sass(stages)
         what, step = "the quantizer-prologue probe's GEMM, each K step of the rows quantized per token", "K step"
-    elif "gated" in sys.argv:
-        sass, registers = gated_down_kernel_sass(stages)
-        what, step = "the gated MLP's down GEMM, each K step of the product quantized per token", "K step"
     elif "fp8" in sys.argv:
         swap, prefetch, weight_tma = "--swap" in sys.argv, "--prefetch" in sys.argv, "--weight-tma" in sys.argv
         sass, registers = fp8_kernel_sass(stages, swap, prefetch, weight_tma)

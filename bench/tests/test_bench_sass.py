@@ -23,7 +23,6 @@ for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
                                  "nvfp4 mma": sass.fp4_mma_kernel_sass("nvfp4", tiled=True),
                                  "fp8": sass.fp8_kernel_sass(),
                                  "fp8 swapped": sass.fp8_kernel_sass(swap=True),
-                                 "gated down": sass.gated_down_kernel_sass(),
                                  "fp8 weight tma": sass.fp8_kernel_sass(prefetch=True, weight_tma=True),
                                  "attention": sass.attention_kernel_sass(codes=False),
                                  "attention codes": sass.attention_kernel_sass(codes=True),
@@ -51,7 +50,6 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
                               ("nvfp4 mma", "HMMA.16816.F32.BF16"),
                               ("fp8", "HMMA.16816.F32"),
                               ("fp8 swapped", "QGMMA.64x16x32.F32.E4M3.E4M3"),  # wgmma on the codes as stored
-                              ("gated down", "HMMA.16816.F32"),
                               ("fp8 weight tma", "HMMA.16816.F32"),
                               ("attention", "HMMA.16816.F32.BF16"),
                               ("attention codes", "HMMA.16816.F32"),
@@ -64,11 +62,11 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
     # the gated-MLP quantizer: one program a row computes the sigmoids (one MUFU.EX2 a value) of 16384 columns, the
     # row of 14336 padded, over 8 warps of 32 threads: 64 a thread
     assert found["silu"]["ops"]["MUFU.EX2"] == 64
-    # the gated MLP's down GEMM and the quantizer-prologue probe make their operand's codes in the K loop, and make
-    # each once a program: a 16 x 128 step over 128 threads is 16 values a thread, 8 saturating e4m3 packs of two
-    # (32 where each of the 4 warps made the whole step); the fp8 GEMM's loop reads codes and packs none
+    # the quantizer-prologue probe makes its operand's codes in the K loop, each once a program: a 16 x 128 step over
+    # 128 threads is 16 values a thread, 8 saturating e4m3 packs of two (32 where each of the 4 warps made the whole
+    # step); the fp8 GEMM's loop reads codes and packs none
     pack = "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C"
-    assert found["gated down"]["ops"][pack] == found["quant prologue"]["ops"][pack] == 8
+    assert found["quant prologue"]["ops"][pack] == 8
     assert pack not in found["fp8"]["ops"]
     # the weight through a tensor descriptor: one bulk copy a K step in the loop, not the barrier's wait placed past
     # the kernel's exits that jumps back into it

@@ -5,9 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fxquant.kernels.cast import CAST_EMULATED, cast_float
-
-EMULATED = tl.constexpr(CAST_EMULATED)
+from fxquant.kernels.cast import cast_float
 
 
 @triton.jit
@@ -36,22 +34,6 @@ def k_steps_of(pid_k, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     per_split = tl.cdiv(k_steps, SPLIT_K)
     first = pid_k * per_split
     return first, min(k_steps, first + per_split)
-
-
-@triton.jit
-def codes_made_once(codes, CAST: tl.constexpr):
-    """fp8 codes that an MMA reads, made in a kernel's K loop, kept in the layout that made them. Left alone, the
-    compiler remakes an operand's elementwise producers in the MMA operand's layout, which every warp of a program
-    holds whole, so each of 4 warps quantized the whole K step: 375 SASS instructions a K step against 260 (the
-    gated MLP's down GEMM, 16 x 64 tiles, sm_90, Triton 3.8; `python -m bench.sass gated`). An opaque identity (a
-    PTX mov, declared impure so that it is neither moved nor merged) keeps the codes where they were made, one
-    element a thread, and they reach the MMA through shared memory. Under the interpreter (CAST emulated), the
-    codes."""
-    if CAST == EMULATED:
-        return codes
-    words = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [codes.to(tl.uint8, bitcast=True)],
-                                      dtype=tl.uint8, is_pure=False, pack=4)
-    return words.to(codes.dtype, bitcast=True)
 
 
 @triton.jit

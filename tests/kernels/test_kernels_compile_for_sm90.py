@@ -16,7 +16,6 @@ import torch
 import fxquant.kernels
 from fxquant.kernels import splitk
 from fxquant.kernels.decode_attention import decode_attention, decode_attention_quantized
-from fxquant.kernels.gated_mlp_fp8 import gated_mlp_fp8
 from fxquant.kernels.gemm_fp8 import fp8_scaled_mm
 from fxquant.kernels.gemm_grouped import (
     grouped_fp8_mm,
@@ -54,9 +53,9 @@ def _randn(*shape, dtype=torch.float32):
 
 def _gemms():
     """The fp8 GEMM at decode (split K, summed by the last slice and by the reduce kernel; the weight also through a
-    tensor descriptor) and past 128 rows (the persistent TMA kernel), row and block scales; the gated MLP in two fp8
-    GEMMs; the W4A8 GEMM and its codes made e4m3; the weight-only GEMMs over every 4-bit and 8-bit format, and the
-    dequantizer past 128 rows (W4A8's codes made e4m3 also shifted by their groups' powers of two)."""
+    tensor descriptor) and past 128 rows (the persistent TMA kernel), row and block scales; the W4A8 GEMM and its
+    codes made e4m3; the weight-only GEMMs over every 4-bit and 8-bit format, and the dequantizer past 128 rows
+    (W4A8's codes made e4m3 also shifted by their groups' powers of two)."""
     for activations, weights in (("token", "channel"), (("group", 128), ("block", 128, 128))):
         qa = R.quantize(_randn(2, 1024), "fp8_e4m3", activations)
         qw = R.quantize(_randn(256, 1024), "fp8_e4m3", weights)
@@ -67,9 +66,6 @@ def _gemms():
         qa = R.quantize(_randn(130, 256), "fp8_e4m3", activations)
         fp8_scaled_mm(qa.data, qa.scale, qw.data[:, :256], qw.scale[:, :2] if qw.scale.shape[1] > 1 else qw.scale,
                       None, BF16)
-    qa = R.quantize(_randn(2, 256), "fp8_e4m3", "token")
-    gate_up, down = (R.quantize(_randn(n, k), "fp8_e4m3", "channel") for n, k in ((2048, 256), (128, 1024)))
-    gated_mlp_fp8(qa.data, qa.scale, gate_up.data, gate_up.scale, down.data, down.scale)  # down's K split
     qa = R.quantize(_randn(3, 256), "fp8_e4m3", "token")
     qw = R.quantize(_randn(64, 256), "int4", ("group", 128))
     int4_fp8_mm(qa.data, qa.scale, qw.data, qw.scale, qw.zero_point, None, BF16)
