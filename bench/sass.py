@@ -148,7 +148,7 @@ def int4_mma_kernel_sass(stages: int | None = None, code_rows: bool = False, pre
     constexprs = dict(GROUP=gemm_int4_mma.STEP_K, HAS_ZP=True, BF16=True, SPLIT_K=5, LAST_SLICE_SUMS=True,
                       HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, STAGES=stages, PDL=True, TILED=not code_rows,
                       PREFETCH=prefetch and not code_rows,
-                      STEP=gemm_int4_mma.step_asm(torch.bfloat16, offset_after))
+                      STEP=gemm_int4_mma.step_asm(torch.bfloat16, offset_after), OFFSET_AFTER=offset_after)
     pointers = dict(a_ptr="*i32", w_ptr="*i32", s_ptr="*fp32", z_ptr="*i32", ws_ptr="*fp32", c_ptr="*bf16",
                     bias_ptr="*bf16", counter_ptr="*i32")
     return compiled_by_name(gemm_int4_mma._int4_mma_kernel, constexprs, pointers, [*pointers, *MMA_DIVISIBLE], 1,

@@ -77,7 +77,7 @@ _offsets_after = [False]  # bf16 zero points applied after the MMAs by default (
 def _step_asm(magic: str, fma: str, one: str, dtype: str, offset_after: bool = False) -> str:
     """PTX for one K step of the program's four 16-row blocks. Operands: $4b-$4b+3 block b's fp32 accumulator out (C
     fragment); $16 + 8b .. + 3 row g's four words of block b, + 4 .. + 7 row g + 8's; $48 + 2b, $49 + 2b -(magic + z)
-    for block b's two rows as x2 pairs; $56 + 2c, $57 + 2c the activation pairs of MMA c.
+    for block b's two rows as x2 pairs (as fp32 where offset_after); $56 + 2c, $57 + 2c the activation pairs of MMA c.
 
     Each block's eight MMAs chain through its accumulator, in the order c = 0..7; the blocks' chains interleave as
     `mma_fragments.mma_order` says.
@@ -121,15 +121,13 @@ def _offset_after_asm(dtype: str) -> list[str]:
     times the eight MMAs' B operands), times each row's -(magic + z), added by one fp32 FMA a sum. The product of an
     fp32 -(magic + z) and an activation sum is exact in the FMA, which rounds once; what the bias costs is in the
     MMAs' fp32 sums, whose terms are up to (magic + 15) / 15 times larger (bf16: 143 / 15)."""
-    lines = [".reg .f32 t0, t1, t2, t3;", ".reg .b32 " + ", ".join(f"o{i}" for i in range(2 * BLOCKS)) + ";"]
+    lines = [".reg .f32 t0, t1, t2, t3;"]
     for c in range(8):
         acc = "zero, zero, zero, zero" if c == 0 else "t0, t1, t2, t3"
         lines.append(mma_line(dtype, "one, one, one, one", f"${56 + 2 * c}, ${57 + 2 * c}", acc, "t0, t1, t2, t3"))
-    for i in range(2 * BLOCKS):  # the pair's high half, -(magic + z) as bf16, is that value as fp32 over 16 zero bits
-        lines.append(f"and.b32 o{i}, ${48 + i}, 0xFFFF0000;")
     for b in range(BLOCKS):  # D registers 0, 1: row g, columns 2t and 2t + 1; 2, 3: row g + 8
-        for reg in range(4):
-            lines.append(f"fma.rn.f32 ${4 * b + reg}, o{2 * b + reg // 2}, t{reg % 2}, ${4 * b + reg};")
+        for reg in range(4):  # $48 + 2b, $49 + 2b: -(magic + z) as fp32 (`_offsets`)
+            lines.append(f"fma.rn.f32 ${4 * b + reg}, ${48 + 2 * b + reg // 2}, t{reg % 2}, ${4 * b + reg};")
     return lines
 
 
@@ -149,9 +147,12 @@ def step_asm(dtype: torch.dtype, offset_after: bool = False) -> tl.constexpr:
 
 
 @triton.jit
-def _offsets(z, BF16: tl.constexpr):
-    """Zero points as packed pairs of -(magic + z), the addend that turns magic + q into q - z."""
+def _offsets(z, BF16: tl.constexpr, AFTER: tl.constexpr):
+    """Zero points as packed pairs of -(magic + z), the addend that turns magic + q into q - z; AFTER (bf16): as
+    fp32, which is that bf16 over 16 zero bits."""
     neg = z | (0xC300 if BF16 else 0xE400)  # -128.0 (bf16) or -1024.0 (f16) with z in its ulp-1 mantissa bits
+    if AFTER:
+        return neg << 16
     return neg | (neg << 16)
 
 
@@ -169,9 +170,10 @@ def _block_columns(w_ptr, row0, stride_w, t, step, N, HAS_ZP: tl.constexpr, TILE
 
 
 @triton.jit
-def _step_scales(s_ptr, z_ptr, tile, g, step, G, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr):
+def _step_scales(s_ptr, z_ptr, tile, g, step, G, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr,
+                 AFTER: tl.constexpr):
     """A K step's group scales (s0, s1 [32, 4]: rows g and g + 8 of each block) and its zero points as the addends
-    -(magic + z) the PTX takes (eight [32], two a block)."""
+    -(magic + z) the PTX takes (eight [32], two a block; fp32 where AFTER, `step_asm`'s offset_after)."""
     group = step * 128 // GROUP
     lane_pack = (tile * G + group) * 8 + g  # this lane's record in pack_lanes' [tiles, G, 8 g, ...]
     s01 = tl.load(s_ptr + lane_pack[:, None] * 8 + tl.arange(0, 8)[None, :])  # [32, 8]: (block, half)
@@ -183,8 +185,9 @@ def _step_scales(s_ptr, z_ptr, tile, g, step, G, GROUP: tl.constexpr, HAS_ZP: tl
     else:
         za0 = tl.full((32,), 8, tl.int32)
         za1, zb0, zb1, zc0, zc1, zd0, zd1 = za0, za0, za0, za0, za0, za0, za0
-    offsets = (_offsets(za0, BF16), _offsets(za1, BF16), _offsets(zb0, BF16), _offsets(zb1, BF16),
-               _offsets(zc0, BF16), _offsets(zc1, BF16), _offsets(zd0, BF16), _offsets(zd1, BF16))
+    offsets = (_offsets(za0, BF16, AFTER), _offsets(za1, BF16, AFTER), _offsets(zb0, BF16, AFTER),
+               _offsets(zb1, BF16, AFTER), _offsets(zc0, BF16, AFTER), _offsets(zc1, BF16, AFTER),
+               _offsets(zd0, BF16, AFTER), _offsets(zd1, BF16, AFTER))
     return s0, s1, offsets
 
 
@@ -228,7 +231,7 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
                      stride_wn, stride_ws, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr,
                      SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
                      CAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, TILED: tl.constexpr,
-                     STEP: tl.constexpr, PREFETCH: tl.constexpr = False):
+                     STEP: tl.constexpr, PREFETCH: tl.constexpr = False, OFFSET_AFTER: tl.constexpr = False):
     if not PREFETCH:
         await_previous(PDL)
     g, t, tile, rows0, rows1, a_row, a_in, steps, first, last = warp_plan(a_ptr, stride_am, M, K, SPLIT_K)
@@ -241,7 +244,7 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
     acc2 = tl.zeros((32, 4), tl.float32)
     acc3 = tl.zeros((32, 4), tl.float32)
     for step in tl.range(first, last, num_stages=STAGES):
-        scales = _step_scales(s_ptr, z_ptr, tile, g, step, G, GROUP, HAS_ZP, BF16)
+        scales = _step_scales(s_ptr, z_ptr, tile, g, step, G, GROUP, HAS_ZP, BF16, OFFSET_AFTER)
         activations = step_activations(a_row, step, a_in)
         codes = _step_codes(w_ptr, tile, g, t, step, K, N, stride_wn, HAS_ZP, TILED)
         acc0, acc1, acc2, acc3 = _multiply(acc0, acc1, acc2, acc3, (codes, scales), activations, STEP)
@@ -354,5 +357,5 @@ def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split
         GROUP=group, HAS_ZP=lane_zero is not None, BF16=a.dtype == torch.bfloat16, SPLIT_K=split,
         LAST_SLICE_SUMS=count is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[a.dtype],
         CAST=float_cast_mode(_int4_mma_kernel), STAGES=stages, TILED=tiled, num_warps=1, num_stages=stages,
-        STEP=step_asm(a.dtype, offset_after), PREFETCH=tiled and prefetching(pdl), **pdl)
+        STEP=step_asm(a.dtype, offset_after), OFFSET_AFTER=offset_after, PREFETCH=tiled and prefetching(pdl), **pdl)
     return out if count is not None else reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])
