@@ -97,9 +97,9 @@ def chain_operands() -> tuple[list, int]:
 
 
 def rows_chain(ms: list[int], ceiling: float) -> list[dict]:
-    """--rows: the chain at M <= 8 activation rows on the mma.sync kernel and on the in-register kernel, which the
-    backend gives every int4 GEMM of more than one row, against bf16 at the same M. First, on the merged gate/up,
-    the two kernels' largest difference over the largest output."""
+    """--rows: the chain at M <= 8 activation rows on the mma.sync kernel (its zero points applied before the MMAs and
+    after them) and on the in-register kernel, which the backend gives every int4 GEMM of more than one row, against
+    bf16 at the same M. First, on the merged gate/up, the two kernels' largest difference over the largest output."""
     layers, nbytes = chain_operands()
     rows = []
     for m in ms:
@@ -118,6 +118,8 @@ def rows_chain(ms: list[int], ceiling: float) -> list[dict]:
         kernels = {
             "mma.sync": lambda: [int4_mma_mm(xs[k], t, ls, lz, GROUP)
                                  for layer in layers for k, t, ls, lz, *_ in layer],
+            "mma.sync, zero points after the MMAs": lambda: [int4_mma_mm(xs[k], t, ls, lz, GROUP, offset_after=True)
+                                                             for layer in layers for k, t, ls, lz, *_ in layer],
             "in-register": lambda: [weight_only_mm(xs[k], tb, s, "int4", GROUP, t.shape[0] * 64, zero_point=z)
                                     for layer in layers for k, t, _, _, tb, s, z in layer]}
         rows.append({"M": m, "kernels": "bf16 torch.mm", "ms": f"{bf16_ms:.3f}", "x bf16": "1.00"})
