@@ -235,7 +235,7 @@ def int4_partials_only(a, tiles, lane_scale, lane_zero) -> torch.Tensor:
     split = int4_mma_split(n, K)
     ws = torch.empty((split, M, n), dtype=torch.float32, device=a.device)
     _int4_mma_kernel[(tiles.shape[0], split)](
-        a.view(torch.int32), tiles, lane_scale, lane_zero, ws, ws, ws, ws, M, n, K, K // GROUP, a.stride(0) // 2,
+        a.view(torch.int32), tiles, lane_scale, lane_zero, ws, ws, ws, ws, ws, M, n, K, K // GROUP, a.stride(0) // 2,
         tiles.stride(0), ws.stride(0), GROUP=GROUP, HAS_ZP=True, BF16=True, SPLIT_K=split, LAST_SLICE_SUMS=False,
         HAS_BIAS=False, OUT=tl.bfloat16, CAST=float_cast_mode(_int4_mma_kernel), STAGES=3, TILED=True,
         STEP=step_asm(a.dtype), num_warps=1, num_stages=3, **launch_options(a.device))

@@ -3,7 +3,11 @@ of the cuBLAS route against the fp64 product, a sweep of the kernel's tiles (the
 M = 128), and time against bf16 cuBLAS (torch.mm) and fp8 cuBLAS (torch._scaled_mm with row scales, the fp8_row
 recipe's GEMM) in the same process.
 
-Run: python -m bench.int4_fp8_gemm [--sweep | --pair-order] [--ms 1 16 128 1024 4096]
+With --on-int4-mma, at M <= 8 on the Llama shapes: the W4A8 kernel at its decode tiles against the int4 mma.sync
+kernel over the same operands (`gemm_int4_mma.int4_mma_mm` with e4m3 activations: the codes as fp16 pairs on the
+fp16 MMA), the weight's codes in rows and in tiles, each against the fp64 product.
+
+Run: python -m bench.int4_fp8_gemm [--sweep | --pair-order | --on-int4-mma] [--ms 1 16 128 1024 4096]
      (--pair-order: the kernel's default tiles at M <= 16 with K in codes.pair_order, as shipped, and in K order)
 """
 
@@ -14,7 +18,10 @@ import sys
 import torch
 
 from bench.common import copy_bandwidth_gbs, graph_time_ms, header, rotating, table
+from fxquant.kernels.code_tiles import tile_codes
 from fxquant.kernels.gemm_int4_fp8 import GROUP, int4_fp8_config, int4_fp8_mm
+from fxquant.kernels.gemm_int4_mma import MAX_M, int4_mma_mm, pack_lanes
+from fxquant.kernels.gemm_weight_only import weight_operands
 from fxquant.numerics import reference as R
 
 MS = [int(v) for v in sys.argv[sys.argv.index("--ms") + 1:]] if "--ms" in sys.argv else [1, 16, 128, 1024, 4096]
@@ -124,8 +131,42 @@ def pair_order_ab() -> list[dict]:
     return rows
 
 
+def on_int4_mma() -> list[dict]:
+    """--on-int4-mma: us and relative error of the W4A8 kernel and of the int4 mma.sync kernel over e4m3
+    activations (codes in rows, and in tiles), at M <= 8, against bf16 cuBLAS."""
+    rows = []
+    for n, k in NKS:
+        for m in [m for m in MS if m <= MAX_M]:
+            def mma_operands(tiled: bool):
+                qa, qw = operands(m, n, k)
+                like = torch.empty(1, k, device="cuda", dtype=torch.bfloat16)  # weight_operands' activations
+                codes, scale = weight_operands(like, tile_codes(qw.data) if tiled else qw.data, qw.scale, "int4",
+                                               GROUP, n)
+                return qa.data, qa.scale.reshape(m).float(), codes, pack_lanes(scale, None)[0], qa, qw
+            row = {"M": m, "N x K": f"{n}x{k}", "bf16 us": f"{baselines(m, n, k)[0] * 1e3:.1f}"}
+            sets = rotating(lambda: operands(m, n, k), m * k + n * k // 2)
+            qa, qw = sets[0]
+            exact = R.dequantize(qa, torch.float64) @ R.dequantize(qw, torch.float64).T
+            row["W4A8 us"] = f"{graph_time_ms(gemm, sets) * 1e3:.1f}"
+            row["W4A8 err"] = f"{float((gemm(qa, qw).double() - exact).norm() / exact.norm()):.1e}"
+            for name, tiled in (("mma rows", False), ("mma tiles", True)):
+                mma_sets = rotating(lambda t=tiled: mma_operands(t), m * k + n * k // 2)
+                a, a_scale, codes, lane_scale, qa, qw = mma_sets[0]
+                out = int4_mma_mm(a, codes, lane_scale, None, GROUP, a_scale=a_scale)
+                exact = R.dequantize(qa, torch.float64) @ R.dequantize(qw, torch.float64).T
+                ms = graph_time_ms(lambda a, s, c, ls, *_: int4_mma_mm(a, c, ls, None, GROUP, a_scale=s), mma_sets)
+                row |= {f"{name} us": f"{ms * 1e3:.1f}",
+                        f"{name} err": f"{float((out.double() - exact).norm() / exact.norm()):.1e}"}
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
 def main():
     print(header())
+    if "--on-int4-mma" in sys.argv:
+        print(table(on_int4_mma()))
+        return
     if "--pair-order" in sys.argv:
         print(table(pair_order_ab()))
         return

@@ -18,9 +18,9 @@ Run: python -m bench.sass [int8|int4|mxfp4|nvfp4] [--stages N] [--rows M] [--pai
                                                      fp8 GEMM of MoE prefill on pointers, Mixtral's gate/up over 8192
                                                      rows, at its plan's tiles; --row-tiles: the row scales' tiles)
      --tile BMxBNxWARPS (weight-only and grouped): another tile's BLOCK_M, BLOCK_N and warps than the plan's
-     python -m bench.sass mma [--stages N] [--code-rows] [--prefetch] [--offset-after]   (int4 at M = 1 on
-                                                     mma.sync, 14336x4096, split in 5; --offset-after: zero points
-                                                     applied after the MMAs)
+     python -m bench.sass mma [--stages N] [--code-rows] [--prefetch] [--offset-after] [--e4m3]   (int4 at M = 1
+                                                     on mma.sync, 14336x4096, split in 5; --offset-after: zero points
+                                                     applied after the MMAs; --e4m3: W4A8's e4m3 activations)
      python -m bench.sass fp4mma [mxfp4|nvfp4] [--stages N] [--tiles]   (MXFP4 / NVFP4 at M = 1 on mma.sync,
                                                      14336x4096, split in 5; codes in rows unless --tiles)
      python -m bench.sass attention [--codes] [--warps N] [--stages N] [--quantize]   (Llama-3-8B's heads at
@@ -139,18 +139,20 @@ def w4a8_kernel_sass(stages: int | None = None) -> tuple[str, int]:
 
 
 def int4_mma_kernel_sass(stages: int | None = None, code_rows: bool = False, prefetch: bool = False,
-                         offset_after: bool = False) -> tuple[str, int]:
+                         offset_after: bool = False, e4m3: bool = False) -> tuple[str, int]:
     """SASS and registers per thread of the int4 mma.sync kernel at M = 1 (bf16, zero points) on 14336x4096, split
     in 5 (`int4_mma_split`) and summed by the last slice, with dependent launch; its codes in tiles, as the backend
     holds them on the GPU, unless code_rows; prefetch: its first codes asked of the L2 before the wait;
-    offset_after: zero points applied after the MMAs (`gemm_int4_mma.step_asm`)."""
+    offset_after: zero points applied after the MMAs (`gemm_int4_mma.step_asm`); e4m3: W4A8, e4m3 activations on
+    the fp16 MMA and symmetric codes, as int4_fp8's."""
     stages = stages or 3  # int4_mma_mm's default
-    constexprs = dict(GROUP=gemm_int4_mma.STEP_K, HAS_ZP=True, BF16=True, SPLIT_K=5, LAST_SLICE_SUMS=True,
+    constexprs = dict(GROUP=gemm_int4_mma.STEP_K, HAS_ZP=not e4m3, BF16=not e4m3, SPLIT_K=5, LAST_SLICE_SUMS=True,
                       HAS_BIAS=False, OUT=tl.bfloat16, CAST=0, STAGES=stages, PDL=True, TILED=not code_rows,
                       PREFETCH=prefetch and not code_rows,
-                      STEP=gemm_int4_mma.step_asm(torch.bfloat16, offset_after), OFFSET_AFTER=offset_after)
+                      STEP=gemm_int4_mma.step_asm(torch.float16 if e4m3 else torch.bfloat16, offset_after),
+                      OFFSET_AFTER=offset_after, A_E4M3=e4m3)
     pointers = dict(a_ptr="*i32", w_ptr="*i32", s_ptr="*fp32", z_ptr="*i32", ws_ptr="*fp32", c_ptr="*bf16",
-                    bias_ptr="*bf16", counter_ptr="*i32")
+                    bias_ptr="*bf16", counter_ptr="*i32", a_scale_ptr="*fp32")
     return compiled_by_name(gemm_int4_mma._int4_mma_kernel, constexprs, pointers, [*pointers, *MMA_DIVISIBLE], 1,
                             stages)
 
@@ -350,11 +352,12 @@ def main():
                 "its usual path (MXFP4's scales up to 2: one multiply)")
         step = "K step"
     elif "mma" in sys.argv:
-        prefetch, offset_after = "--prefetch" in sys.argv, "--offset-after" in sys.argv
-        sass, registers = int4_mma_kernel_sass(stages, code_rows, prefetch, offset_after)
+        prefetch, offset_after, e4m3 = "--prefetch" in sys.argv, "--offset-after" in sys.argv, "--e4m3" in sys.argv
+        sass, registers = int4_mma_kernel_sass(stages, code_rows, prefetch, offset_after, e4m3)
         what = (f"int4 on mma.sync, M = 1 (64 rows x 128 codes a warp), codes in {'rows' if code_rows else 'tiles'}"
                 f"{', first codes prefetched' if prefetch else ''}"
-                f"{', zero points after the MMAs' if offset_after else ''}")
+                f"{', zero points after the MMAs' if offset_after else ''}"
+                f"{', e4m3 activations (W4A8), symmetric codes' if e4m3 else ''}")
         step = "K step"
     elif "grouped" in sys.argv:
         channel_groups = "--channel-groups" in sys.argv

@@ -1,9 +1,9 @@
 """The part of PTX that fxquant's inline decode blocks use, run on the CPU over numpy words, so that the blocks are
-checked bit for bit where no GPU is: 32-bit shifts, ands and lop3, packed bf16/fp16 multiplies and fmas, e4m3 pairs
-converted to fp16 pairs, and movs that pack or unpack 16-bit halves. An instruction outside that part raises, as does a
-packed product that its 16-bit type cannot hold exactly (the decode blocks claim exact arithmetic; overflow to infinity
-excepted), so the emulator never has to pick a rounding the hardware might not make. fp32 FMAs run through fp64, as
-the MMA below does, so a test of them states a bound.
+checked bit for bit where no GPU is: 32-bit shifts, ands and lop3, byte permutes, packed bf16/fp16 multiplies and fmas,
+e4m3 pairs converted to fp16 pairs, and movs that pack or unpack 16-bit halves. An instruction outside that part
+raises, as does a packed product that its 16-bit type cannot hold exactly (the decode blocks claim exact arithmetic;
+overflow to infinity excepted), so the emulator never has to pick a rounding the hardware might not make. fp32 FMAs
+run through fp64, as the MMA below does, so a test of them states a bound.
 
 `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}` runs too, over operands of one warp (32 lanes, lane i at index
 i), by the fragment layout PTX documents: lane (g, t) = (lane / 4, lane % 4) holds A rows g and g + 8 at columns
@@ -101,6 +101,15 @@ def run(asm: str, operands: list, outputs: int) -> list[np.ndarray]:
         elif opcode == "cvt.rn.f16x2.e4m3x2":  # e4m3 is a subset of fp16: exact, the high byte to the high half
             pair = read(args[0])
             regs[dest] = _e4m3_as_f16(pair & U32(0xFF)) | (_e4m3_as_f16(pair >> U32(8) & U32(0xFF)) << U32(16))
+        elif opcode == "prmt.b32":  # default mode: byte i of dest is byte (selector nibble i) of {args[1], args[0]}
+            selector = int(args[2], 0)
+            if selector & 0x8888:
+                raise NotImplementedError(f"ptx_emulator: prmt's sign-replicating selectors ({line!r})")
+            source = read(args[0]).astype(np.uint64) | (read(args[1]).astype(np.uint64) << np.uint64(32))
+            regs[dest] = np.zeros_like(read(args[0]))
+            for i in range(4):
+                byte = (source >> np.uint64(8 * (selector >> 4 * i & 7))) & np.uint64(0xFF)
+                regs[dest] |= byte.astype(U32) << U32(8 * i)
         elif opcode == "lop3.b32":
             regs[dest] = _lop3(read(args[0]), read(args[1]), read(args[2]), int(args[3], 0))
         elif opcode == "fma.rn.f32":  # the product exact in fp64, the sum rounded there and then to fp32, as _mma's

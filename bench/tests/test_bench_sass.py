@@ -19,6 +19,7 @@ for what, (code, registers) in {"int4": sass.decode_kernel_sass("int4"),
                                  "w4a8": sass.w4a8_kernel_sass(),
                                  "int4 mma": sass.int4_mma_kernel_sass(),
                                  "int4 mma offset after": sass.int4_mma_kernel_sass(offset_after=True),
+                                 "int4 mma e4m3": sass.int4_mma_kernel_sass(e4m3=True),
                                  "mxfp4 mma": sass.fp4_mma_kernel_sass("mxfp4"),
                                  "nvfp4 mma": sass.fp4_mma_kernel_sass("nvfp4", tiled=True),
                                  "fp8": sass.fp8_kernel_sass(),
@@ -46,7 +47,7 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
     for what, tensor_core in [("int4", "HMMA.16816.F32.BF16"), ("mxfp4", "HMMA.16816.F32.BF16"),
                               ("nvfp4 on 32 rows", "HMMA.16816.F32.BF16"), ("w4a8", "HMMA.16816.F32"),
                               ("int4 mma", "HMMA.16816.F32.BF16"), ("int4 mma offset after", "HMMA.16816.F32.BF16"),
-                              ("mxfp4 mma", "HMMA.16816.F32.BF16"),
+                              ("int4 mma e4m3", "HMMA.16816.F32"), ("mxfp4 mma", "HMMA.16816.F32.BF16"),
                               ("nvfp4 mma", "HMMA.16816.F32.BF16"),
                               ("fp8", "HMMA.16816.F32"),
                               ("fp8 swapped", "QGMMA.64x16x32.F32.E4M3.E4M3"),  # wgmma on the codes as stored
@@ -88,6 +89,10 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
     assert before["HADD2.BF16_V2"] == 128 and "HADD2.BF16_V2" not in after
     assert after["HMMA.16816.F32.BF16"] - before["HMMA.16816.F32.BF16"] == 8
     assert after["FFMA"] - before["FFMA"] == 16
+    # W4A8 on the int4 kernel: a lane's 32 e4m3 activations of a step become 16 fp16 pairs, one byte permute and one
+    # conversion each, and the step's 32 MMAs are fp16's
+    e4m3 = found["int4 mma e4m3"]["ops"]
+    assert e4m3["PRMT"] == e4m3["F2FP.F16.E4M3.UNPACK_B"] == 16 and e4m3["HMMA.16816.F32"] == 32
     # the int4 kernel's step written as four interleaved chains compiles to overlapped chains, not a run of one
     # block's 8 dependent MMAs
     assert found["int4 mma chain"] <= 4

@@ -27,6 +27,13 @@ BENCHMARKS.md, "The int4 decode GEMM's launch, split and code layout"). Under
 waits for the previous kernel (16 KB in one run); off by default: in the 32-layer step it added 0.10 ms
 (docs/decisions/0030-fp8-decode-weights-prefetched.md).
 
+W4A8 (e4m3 activations per token, as int4_fp8 quantizes them) runs on the same step: each lane's codes of a step
+become fp16 pairs (a byte permute and `cvt.rn.f16x2.e4m3x2` a pair, exact: e4m3 is a subset of fp16), the step takes
+the fp16 MMA, and the token's scale multiplies the sums once after the K loop, as `gemm_int4_fp8` does. Its K loop is
+554 SASS instructions for 256 codes a thread, against 382 for 128 in `gemm_int4_fp8`'s decode tiles (`python -m
+bench.sass mma --e4m3`, `w4a8`). No route gives it int4_fp8's GEMMs yet: `python -m bench.int4_fp8_gemm
+--on-int4-mma` times it against that kernel first.
+
 Inline PTX does not run under Triton's interpreter: there `supports` is false and the caller takes
 `gemm_weight_only`, which computes the same product. tests/kernels/test_gemm_int4_mma.py runs this kernel under the
 interpreter with its PTX run by an emulator of the instructions it uses (tests/ptx_emulator.py), and on the GPU,
@@ -203,6 +210,35 @@ def _step_codes(w_ptr, tile, g, t, step, K, N, stride_wn, HAS_ZP: tl.constexpr, 
             c0, c1, c2, c3, c4, c5, c6, c7, d0, d1, d2, d3, d4, d5, d6, d7)
 
 
+# Outputs $0..$3: the f16x2 B registers of `mma_fragments.activation_pairs`' pairs, codes (j, j + 4) for j = 0..3,
+# from words $4 (e4m3 codes 0-3, byte j code j) and $5 (codes 4-7): prmt puts byte j of each in one 16-bit half,
+# and cvt makes both fp16, exactly (e4m3 is a subset of fp16; sm_89+).
+_E4M3_PAIRS = tl.constexpr("\n".join(
+    ["{", ".reg .b32 p;", ".reg .b16 h, x;"]
+    + [line for j in range(4) for line in (f"prmt.b32 p, $4, $5, 0x{(4 + j) << 4 | j:04x};", "mov.b32 {h, x}, p;",
+                                           f"cvt.rn.f16x2.e4m3x2 ${j}, h;")]
+    + ["}"]))
+
+
+@triton.jit
+def _e4m3_step_activations(a_row, step, a_in):
+    """`step_activations` from e4m3 codes: the lane's 32 codes of the step are 8 words from a_row + 8 step, and each
+    MMA's B registers are their fp16 pairs, x0, ..., x7, y0, ..., y7."""
+    w0, w1, w2, w3 = columns(tl.load(a_row[:, None] + step * 32 + tl.arange(0, 4)[None, :], mask=a_in, other=0))
+    w4, w5, w6, w7 = columns(tl.load(a_row[:, None] + step * 32 + 4 + tl.arange(0, 4)[None, :], mask=a_in, other=0))
+    x0, y0, x1, y1 = _e4m3_pairs(w0, w1)
+    x2, y2, x3, y3 = _e4m3_pairs(w2, w3)
+    x4, y4, x5, y5 = _e4m3_pairs(w4, w5)
+    x6, y6, x7, y7 = _e4m3_pairs(w6, w7)
+    return x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7
+
+
+@triton.jit
+def _e4m3_pairs(lo, hi):
+    return tl.inline_asm_elementwise(_E4M3_PAIRS, "=r,=r,=r,=r,r,r", [lo, hi], dtype=(tl.int32,) * 4, is_pure=True,
+                                     pack=1)
+
+
 @triton.jit
 def _multiply(acc0, acc1, acc2, acc3, weights, activations, STEP: tl.constexpr):
     """The four blocks' accumulators after one K step: its codes (`_step_codes`), scales and zero points
@@ -227,14 +263,17 @@ def _multiply(acc0, acc1, acc2, acc3, weights, activations, STEP: tl.constexpr):
 
 
 @triton.jit
-def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counter_ptr, M, N, K, G, stride_am,
-                     stride_wn, stride_ws, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr,
+def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counter_ptr, a_scale_ptr, M, N, K, G,
+                     stride_am, stride_wn, stride_ws, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BF16: tl.constexpr,
                      SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
                      CAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, TILED: tl.constexpr,
-                     STEP: tl.constexpr, PREFETCH: tl.constexpr = False, OFFSET_AFTER: tl.constexpr = False):
+                     STEP: tl.constexpr, PREFETCH: tl.constexpr = False, OFFSET_AFTER: tl.constexpr = False,
+                     A_E4M3: tl.constexpr = False):
     if not PREFETCH:
         await_previous(PDL)
     g, t, tile, rows0, rows1, a_row, a_in, steps, first, last = warp_plan(a_ptr, stride_am, M, K, SPLIT_K)
+    if A_E4M3:  # four codes a word: a lane's 32 codes of a step are 8 words
+        a_row = a_ptr + g * stride_am + t * 8
     if PREFETCH:  # no kernel writes the codes: the L2 fetches them while the previous kernel ends
         tiles = step_tile(w_ptr, tile, steps_ahead(first, last), K)  # the slice's first tiles, one run of memory
         prefetch_l2(tiles[None, :] + tl.arange(0, 32)[:, None] * 32)  # 32 lines of 128 B a tile, one a lane
@@ -245,13 +284,20 @@ def _int4_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, ws_ptr, c_ptr, bias_ptr, counte
     acc3 = tl.zeros((32, 4), tl.float32)
     for step in tl.range(first, last, num_stages=STAGES):
         scales = _step_scales(s_ptr, z_ptr, tile, g, step, G, GROUP, HAS_ZP, BF16, OFFSET_AFTER)
-        activations = step_activations(a_row, step, a_in)
+        if A_E4M3:
+            activations = _e4m3_step_activations(a_row, step, a_in)
+        else:
+            activations = step_activations(a_row, step, a_in)
         codes = _step_codes(w_ptr, tile, g, t, step, K, N, stride_wn, HAS_ZP, TILED)
         acc0, acc1, acc2, acc3 = _multiply(acc0, acc1, acc2, acc3, (codes, scales), activations, STEP)
     # The next kernel launches after the K loop, as the fp8 GEMM's does: launched at the start, its waiting programs
     # took this one's slots (32 layers of the four decode GEMMs, H100: 2.960 -> 2.397 ms;
     # docs/decisions/0028-int4-mma-next-kernel-after-the-k-loop.md)
     start_next(PDL)
+    if A_E4M3:  # the per-token scales, constant along K, multiply the sums once, as gemm_int4_fp8's do
+        sa0 = tl.load(a_scale_ptr + 2 * t, mask=2 * t < M, other=0.0)[:, None]  # acc0, acc2: activation row 2t
+        sa1 = tl.load(a_scale_ptr + 2 * t + 1, mask=2 * t + 1 < M, other=0.0)[:, None]
+        acc0, acc1, acc2, acc3 = acc0 * sa0, acc1 * sa1, acc2 * sa0, acc3 * sa1
     store_partials(ws_ptr, stride_ws, acc0, acc1, acc2, acc3, t, rows0, rows1, M, N)
     if LAST_SLICE_SUMS:
         sum_if_last_slice(ws_ptr, c_ptr, bias_ptr, counter_ptr, tile, tl.arange(0, 8),  # MAX_M rows
@@ -304,19 +350,21 @@ def serves_rows() -> int:
 
 def supports(a: torch.Tensor, group: int) -> str | None:
     """Why `int4_mma_mm` does not take activations a [M, K] with int4 groups of `group`, or None where it does:
-    M <= 8 on an sm_80+ GPU (not the interpreter), K and the group multiples of 128, bf16/fp16 rows viewable as int32
-    value pairs."""
+    M <= 8 on an sm_80+ GPU (sm_89+ for e4m3; not the interpreter), K and the group multiples of 128, bf16/fp16 rows
+    viewable as int32 value pairs, or e4m3 rows as int32 quads."""
     M, K = a.shape
-    if not a.is_cuda or interpreting(_int4_mma_kernel) or capability(a.device) < (8, 0):
-        return "no sm_80+ GPU (or Triton's interpreter)"
+    e4m3 = a.dtype == torch.float8_e4m3fn
+    if not a.is_cuda or interpreting(_int4_mma_kernel) or capability(a.device) < ((8, 9) if e4m3 else (8, 0)):
+        return f"no sm_{89 if e4m3 else 80}+ GPU (or Triton's interpreter)"
     if not 0 < M <= MAX_M:
         return f"M = {M}: the kernel serves 1 to {MAX_M} rows"
     if K % STEP_K or group % STEP_K:
         return f"K = {K}, group {group}: the kernel takes multiples of {STEP_K}"
-    if a.dtype not in (torch.bfloat16, torch.float16):
-        return f"{a.dtype} activations: the kernel takes bf16 or fp16"
-    if not (a.stride(1) == 1 and a.stride(0) % 2 == 0 and a.data_ptr() % 4 == 0):
-        return "rows not viewable as int32 pairs of values"
+    if a.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+        return f"{a.dtype} activations: the kernel takes bf16, fp16 or e4m3 codes"
+    per_word = 4 if e4m3 else 2
+    if not (a.stride(1) == 1 and a.stride(0) % per_word == 0 and a.data_ptr() % 4 == 0):
+        return f"rows not viewable as int32 words of {per_word} values"
     return None
 
 
@@ -334,28 +382,35 @@ def int4_mma_split(N: int, K: int) -> int:
 
 
 def int4_mma_mm(a, codes, lane_scale, lane_zero, group: int, bias=None, *, split: int | None = None,
-                stages: int = 3, offset_after: bool | None = None):
+                stages: int = 3, offset_after: bool | None = None, a_scale=None, out_dtype=torch.bfloat16):
     """a [M <= 8, K] bf16/fp16 @ dequantize(codes)[N, K].T (+ bias): codes [N, K / 8] int32 words (8 codes each,
     as `quantize` packs them), or `code_tiles`' tiles as words [N / 64, K / 128, 64, 16]; lane_scale and lane_zero
     from `pack_lanes`; offset_after: `step_asm`'s (None: `zero_points_after`'s, for bf16). Returns [M, N] in a's
-    dtype. The caller checks `supports`."""
+    dtype. W4A8: a [M, K] e4m3 codes and a_scale [M] fp32 per token, multiplied as fp16 on the fp16 MMA (exact:
+    e4m3 and q - z are subsets of fp16), into out_dtype. The caller checks `supports`."""
     M, K = a.shape
+    e4m3 = a.dtype == torch.float8_e4m3fn
+    if e4m3 == (a_scale is None):
+        raise ValueError("fxquant: int4_mma_mm takes a_scale with e4m3 activations, and only with them")
+    mma_dtype = torch.float16 if e4m3 else a.dtype
     if offset_after is None:
-        offset_after = _offsets_after[0] and a.dtype == torch.bfloat16
+        offset_after = _offsets_after[0] and mma_dtype == torch.bfloat16
+    out_dtype = out_dtype if e4m3 else a.dtype
     tiled = is_tiled(codes)
     N = codes.shape[0] * ROWS if tiled else codes.shape[0]
     split = split or int4_mma_split(N, K)
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device)
-    out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     tiles = cdiv(N, ROWS)
     pdl = launch_options(a.device)
     count = counters(a.device, tiles)
     visible(_int4_mma_kernel)[(tiles, split)](
         a.view(torch.int32), codes, lane_scale, lane_zero if lane_zero is not None else lane_scale, ws, out,
-        bias if bias is not None else out, count if count is not None else ws,
-        M, N, K, K // group, a.stride(0) // 2, codes.stride(0), ws.stride(0),
-        GROUP=group, HAS_ZP=lane_zero is not None, BF16=a.dtype == torch.bfloat16, SPLIT_K=split,
-        LAST_SLICE_SUMS=count is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[a.dtype],
+        bias if bias is not None else out, count if count is not None else ws, a_scale if e4m3 else ws,
+        M, N, K, K // group, a.stride(0) // (4 if e4m3 else 2), codes.stride(0), ws.stride(0),
+        GROUP=group, HAS_ZP=lane_zero is not None, BF16=mma_dtype == torch.bfloat16, SPLIT_K=split,
+        LAST_SLICE_SUMS=count is not None, HAS_BIAS=bias is not None, OUT=TORCH_TO_TL[out_dtype],
         CAST=float_cast_mode(_int4_mma_kernel), STAGES=stages, TILED=tiled, num_warps=1, num_stages=stages,
-        STEP=step_asm(a.dtype, offset_after), OFFSET_AFTER=offset_after, PREFETCH=tiled and prefetching(pdl), **pdl)
-    return out if count is not None else reduce_partials(ws, out, bias, TORCH_TO_TL[a.dtype])
+        STEP=step_asm(mma_dtype, offset_after), OFFSET_AFTER=offset_after, A_E4M3=e4m3,
+        PREFETCH=tiled and prefetching(pdl), **pdl)
+    return out if count is not None else reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])

@@ -53,14 +53,16 @@ def test_pack_lanes_puts_each_scale_and_zero_point_where_the_kernel_reads_it():
 
 
 def _ptx_step(self, asm, constraints, values, types, is_pure, pack):
-    """create_inline_asm for the interpreter: the kernel's PTX (`_step_asm`) run by ptx_emulator over the warp's 32
-    lanes, its fp32 accumulators out (four blocks' C fragments)."""
-    out = run(asm, [np.broadcast_to(v.data, (32,)).astype(np.int64) for v in values],
-              outputs=constraints.split(",").count("=f"))
+    """create_inline_asm for the interpreter: the kernel's PTX run by ptx_emulator over the warp's 32 lanes, its
+    outputs fp32 ("=f": the step's four blocks' C fragments) or int32 words ("=r": e4m3 activations as fp16 pairs)."""
+    kinds = [c for c in constraints.split(",") if c.startswith("=")]
+    out = run(asm, [np.broadcast_to(v.data, (32,)).astype(np.int64) for v in values], outputs=len(kinds))
 
     class Result:
         def get_result(self, i):
-            return interpreter.TensorHandle(out[i].view(np.float32), tl.float32)
+            if kinds[i] == "=f":
+                return interpreter.TensorHandle(out[i].view(np.float32), tl.float32)
+            return interpreter.TensorHandle(out[i].view(np.int32), tl.int32)
 
     return Result()
 
@@ -96,6 +98,43 @@ def test_zero_points_after_the_mmas_under_the_interpreter(monkeypatch, M, N, K, 
     assert within_bound(out, x, w, bias, extra=biased_sums_bound(x, q, group))
     off_by_one_zero = w - q.scale.double().repeat_interleave(group, dim=1)  # one code step: what a wrong z costs
     assert not within_bound(out, x, off_by_one_zero, bias, extra=biased_sums_bound(x, q, group))
+
+
+def w4a8_operands(N, K, M, symmetric, seed=0):
+    """e4m3 activation codes [M, K] per token with their fp32 scales, and the int4 weight's operands as `operands`
+    makes them."""
+    q, x, bias, codes, lane_scale, lane_zero = operands(N, K, M, torch.bfloat16, symmetric, seed=seed)
+    qa = R.quantize(x.float() * 3, "fp8_e4m3", "token")
+    return q, qa, bias, codes, lane_scale, lane_zero
+
+
+@pytest.mark.skipif(GPU, reason="the interpreter with an emulator of the PTX; the GPU runs the PTX itself below")
+@pytest.mark.parametrize("M,N,K,symmetric,split", [(1, 128, 256, True, 2), (3, 200, 384, False, 1),
+                                                   (8, 64, 512, True, 3)])
+def test_e4m3_activations_under_the_interpreter(monkeypatch, M, N, K, symmetric, split):
+    """W4A8 on the int4 kernel: the codes as fp16 pairs (prmt, cvt), the fp16 MMA's exact products, each step's sums
+    times the group's scale, the token's scale once at the end."""
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", _ptx_step, raising=False)
+    q, qa, bias, codes, lane_scale, lane_zero = w4a8_operands(N, K, M, symmetric)
+    scale = qa.scale.reshape(M).float()
+    out = int4_mma_mm(qa.data, codes, lane_scale, lane_zero, 128, bias, split=split, a_scale=scale)
+    assert out.shape == (M, N) and out.dtype == torch.bfloat16
+    x_hp = R.dequantize(qa, torch.float64)
+    assert within_bound(out, x_hp, R.dequantize(q, torch.float64), bias)
+    with pytest.raises(ValueError, match="a_scale"):
+        int4_mma_mm(qa.data, codes, lane_scale, lane_zero, 128, bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K,symmetric", [(1, 4096, 4096, True), (1, 4160, 1024, False), (8, 6144, 512, True)])
+def test_e4m3_activations_on_the_gpu(M, N, K, symmetric):
+    q, qa, bias, codes, lane_scale, lane_zero = w4a8_operands(N, K, M, symmetric)
+    assert supports(qa.data, 128) is None
+    x_hp, w_hp = R.dequantize(qa, torch.float64), R.dequantize(q, torch.float64)
+    for split in (None, 1):
+        out = int4_mma_mm(qa.data, codes, lane_scale, lane_zero, 128, bias, split=split,
+                          a_scale=qa.scale.reshape(M).float())
+        assert out.dtype == torch.bfloat16 and within_bound(out, x_hp, w_hp, bias)
 
 
 def test_zero_points_after_the_mmas_take_bf16_only():
