@@ -96,6 +96,11 @@ class QuantConfig:
     # 32-layer step at one sequence: MXFP4 4.747 -> 3.972 ms, NVFP4 5.705 -> 4.348 (H100,
     # docs/decisions/0031-fp4-decode-on-mma-sync.md)
     fp4_lanes: bool = True
+    # int4_fp8 (W4A8) linears at one activation row take the int4 mma.sync decode kernel over their e4m3 codes
+    # (kernels/gemm_int4_mma.py, the fp16 MMA) and a per-lane copy of their scales (pack_lanes), rather than the W4A8
+    # kernel; off until the 32-layer step measures it (its K loop: 554 SASS instructions for 256 codes a thread,
+    # against 382 for 128)
+    int4_fp8_lanes: bool = False
 
     def __post_init__(self):
         _check_types(self)
@@ -188,6 +193,8 @@ def _check_types(config: QuantConfig) -> None:
         refuse("int4_code_tiles", "True, False or None")
     if not isinstance(config.fp4_lanes, bool):
         refuse("fp4_lanes", "True or False")
+    if not isinstance(config.int4_fp8_lanes, bool):
+        refuse("int4_fp8_lanes", "True or False")
     if isinstance(config.min_sqnr_db, bool) or not isinstance(config.min_sqnr_db, int | float):
         refuse("min_sqnr_db", "a number of dB")
 

@@ -14,6 +14,7 @@ import fxquant.ops  # noqa: F401  (registers torch.ops.fxquant)
 from fxquant.kernels import decode_attention as attention_kernels
 from fxquant.kernels import silu_mul_quant
 from fxquant.kernels.gemm_fp4_mma import pack_fp4_lanes
+from fxquant.kernels.gemm_int4_mma import pack_lanes
 from fxquant.kernels.norm_quant_fp8 import norm_quant_fp8
 from fxquant.kernels.rotary_cache import rotary_cache_write
 from fxquant.numerics import reference as R
@@ -40,6 +41,7 @@ def cases():
     w8 = R.quantize(torch.randn(64, 128, device=DEVICE) * 0.05, "fp8_e4m3", "channel")
     w4 = R.quantize(torch.randn(64, 128, device=DEVICE) * 0.05, "int4", ("group", 128))
     nv = R.quantize(torch.randn(64, 128, device=DEVICE) * 0.05, "nvfp4")
+    qa = R.quantize(torch.randn(1, 1, 128, device=DEVICE), "fp8_e4m3", "token")  # one row of e4m3 codes
     return {
         "rotary_cache_write": (OPS.rotary_cache_write, (transposed(1, 8, 2, 64), transposed(1, 2, 2, 64),
                                                         transposed(1, 2, 2, 64), cos, sin,
@@ -52,6 +54,9 @@ def cases():
         "linear_fp4_lanes, one row": (OPS.linear_fp4_lanes, (rows[:1, :1], nv.data, nv.scale, nv.global_scale,
                                                              pack_fp4_lanes(nv.scale, "nvfp4"), None, "nvfp4", 16,
                                                              64)),
+        "scaled_mm_int4_fp8_lanes, one row": (OPS.scaled_mm_int4_fp8_lanes, (
+            qa.data, qa.scale, w4.data, w4.scale, w4.zero_point, *pack_lanes(w4.scale, w4.zero_point), None, 128, 64,
+            torch.bfloat16)),
         "quantize_fp8 per token": (OPS.quantize_fp8, (x, 0)),
         "quantize_fp8 1x64": (OPS.quantize_fp8, (x, 64)),
         "quantize_fp8 per tensor": (OPS.quantize_fp8, (x, -1)),

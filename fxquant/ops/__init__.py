@@ -37,6 +37,7 @@ from fxquant.ops.linear import (
                                  linear_weight_only,
                                  quantize_fp8,
                                  scaled_mm_fp8,
+                                 scaled_mm_int4_fp8_lanes,
 )
 from fxquant.ops.norm import add_norm_quant_fp8, norm_quant_fp8
 from fxquant.ops.reference_gemm import CHUNK_ROWS
@@ -46,5 +47,5 @@ __all__ = ["CHUNK_ROWS", "add_norm_quant_fp8", "decode_attention", "decode_atten
            "grouped_scaled_mm_int4_fp8", "linear_fp4_lanes", "linear_fp8",
            "linear_int4_lanes", "linear_mxfp8", "linear_weight_only", "norm_quant_fp8", "quantize_fp8",
            "rotary_cache_append", "rotary_cache_append_e4m3", "rotary_cache_write", "rotary_cache_write_e4m3",
-           "scaled_mm_fp8", "sort_by_expert",
+           "scaled_mm_fp8", "scaled_mm_int4_fp8_lanes", "sort_by_expert",
            "uniform_offsets"]

@@ -1,6 +1,6 @@
 """The linear ops: dynamic fp8 activations and the scaled GEMM (quantize_fp8, scaled_mm_fp8, linear_fp8), W4A8
-(scaled_mm_int4_fp8), weight-only GEMMs (linear_weight_only, and linear_int4_lanes / linear_fp4_lanes for the 4-bit
-formats' M = 1 kernels) and MXFP8 (linear_mxfp8)."""
+(scaled_mm_int4_fp8, and scaled_mm_int4_fp8_lanes for its M = 1 kernel), weight-only GEMMs (linear_weight_only, and
+linear_int4_lanes / linear_fp4_lanes for the 4-bit formats' M = 1 kernels) and MXFP8 (linear_mxfp8)."""
 
 from __future__ import annotations
 
@@ -170,6 +170,36 @@ scaled_mm_int4_fp8 = define("scaled_mm_int4_fp8(Tensor a, Tensor a_scale, Tensor
 
 @fake("scaled_mm_int4_fp8")
 def _(a, a_scale, w, w_scale, w_zero_point, bias, group_size, out_features, out_dtype, w_row_scale=None):
+    return a.new_empty((*a.shape[:-1], out_features), dtype=out_dtype)
+
+
+def _scaled_mm_int4_fp8_lanes(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, w_zero_point: Tensor | None,
+                              lane_scale: Tensor, lane_zero: Tensor | None, bias: Tensor | None, group_size: int,
+                              out_features: int, out_dtype: torch.dtype, w_row_scale: Tensor | None = None) -> Tensor:
+    """scaled_mm_int4_fp8 for a weight whose scales and zero points are also held in the int4 mma.sync decode
+    kernel's per-lane layout (`gemm_int4_mma.pack_lanes`): the rows `gemm_int4_mma.serves_rows` allows, on an sm_89+
+    GPU, take that kernel over their e4m3 codes on its fp16 MMA; every other case takes scaled_mm_int4_fp8. The pass
+    pack_lanes gives it int4_fp8's linears under the option int4_fp8_lanes."""
+    rows = a.reshape(-1, a.shape[-1])
+    K = rows.shape[1]
+    if (_lanes_serve(rows, w, out_features) and lane_scale.shape == lane_layout_shape(out_features, K, group_size)
+            and gemm_int4_mma.supports(rows, group_size) is None):
+        out = int4_mma_mm(rows, w.view(torch.int32), lane_scale, lane_zero, group_size, bias,
+                          a_scale=a_scale.reshape(-1).float(), out_dtype=out_dtype)
+        return out.reshape(*a.shape[:-1], out_features)
+    return _scaled_mm_int4_fp8(a, a_scale, w, w_scale, w_zero_point, bias, group_size, out_features, out_dtype,
+                               w_row_scale)
+
+
+scaled_mm_int4_fp8_lanes = define(
+    "scaled_mm_int4_fp8_lanes(Tensor a, Tensor a_scale, Tensor w, Tensor w_scale, Tensor? w_zero_point, "
+    "Tensor lane_scale, Tensor? lane_zero, Tensor? bias, int group_size, int out_features, ScalarType out_dtype, "
+    "Tensor? w_row_scale=None) -> Tensor", _scaled_mm_int4_fp8_lanes)
+
+
+@fake("scaled_mm_int4_fp8_lanes")
+def _(a, a_scale, w, w_scale, w_zero_point, lane_scale, lane_zero, bias, group_size, out_features, out_dtype,
+      w_row_scale=None):
     return a.new_empty((*a.shape[:-1], out_features), dtype=out_dtype)
 
 

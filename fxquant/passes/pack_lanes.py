@@ -9,11 +9,15 @@ tensors and the in-register kernel.
   points);
 - MXFP4 and NVFP4, under the option `fp4_lanes` (on; docs/decisions/0031-fp4-decode-on-mma-sync.md):
   linear_fp4_lanes (a copy of 3.1% and 6.25%).
+- int4_fp8's W4A8 linears (scaled_mm_int4_fp8), under the option `int4_fp8_lanes` (off), on an sm_89+ GPU:
+  scaled_mm_int4_fp8_lanes, the int4 kernel over the e4m3 activations (a copy of 6.25%, and the zero points').
 
     %y = fxquant.linear_weight_only(%x, %w, %s, None, %z, %b, "int4", 128, N)
         ->  %y = fxquant.linear_int4_lanes(%x, %w, %s, %z, %s_lanes, %z_lanes, %b, 128, N)
     %y = fxquant.linear_weight_only(%x, %w, %s, %gs, None, %b, "nvfp4", 16, N)
         ->  %y = fxquant.linear_fp4_lanes(%x, %w, %s, %gs, %s_lanes, %b, "nvfp4", 16, N)
+    %y = fxquant.scaled_mm_int4_fp8(%a, %as, %w, %s, None, %b, 128, N, bf16, %rs)
+        ->  %y = fxquant.scaled_mm_int4_fp8_lanes(%a, %as, %w, %s, None, %s_lanes, None, %b, 128, N, bf16, %rs)
 
 The codes stay what quantize_linear made them: on the GPU, int4's are tiles (kernels/code_tiles.py,
 weight_store.tiles_chosen), which every kernel of the op reads at every row count; FP4's are rows.
@@ -44,6 +48,8 @@ from fxquant.quantization.weight_store import LANES_KEY, WATCHED_KEY, lanes_of
 WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default
 INT4_LANES = torch.ops.fxquant.linear_int4_lanes.default
 FP4_LANES = torch.ops.fxquant.linear_fp4_lanes.default
+W4A8 = torch.ops.fxquant.scaled_mm_int4_fp8.default
+W4A8_LANES = torch.ops.fxquant.scaled_mm_int4_fp8_lanes.default
 
 
 def model_sources(node: torch.fx.Node | None) -> list[torch.Tensor] | None:
@@ -57,9 +63,9 @@ def model_sources(node: torch.fx.Node | None) -> list[torch.Tensor] | None:
     return list(parts) if parts else None
 
 
-def kernel_serves(scale: torch.Tensor) -> bool:
-    """Whether the mma.sync kernel can run where this weight lives."""
-    return scale.is_cuda and capability(scale.device) >= (8, 0)
+def kernel_serves(scale: torch.Tensor, e4m3: bool = False) -> bool:
+    """Whether the mma.sync kernel can run where this weight lives (over e4m3 activations: sm_89+)."""
+    return scale.is_cuda and capability(scale.device) >= ((8, 9) if e4m3 else (8, 0))
 
 
 class PackLanes(FxquantPass):
@@ -74,10 +80,12 @@ class PackLanes(FxquantPass):
         packed = {}  # (scale buffer, zero point buffer, format) -> None, in order
         watched = {}  # id -> a model parameter some per-lane copy follows, in order
         for node in list(gm.graph.nodes):
-            if node.target is not WEIGHT_ONLY:
+            w4a8 = node.target is W4A8 and self.state.config.int4_fp8_lanes
+            if node.target is not WEIGHT_ONLY and not w4a8:
                 continue
             args = arguments(node)
-            w, scale, zero_point, fmt = args["w"], args["w_scale"], args["w_zero_point"], args["fmt"]
+            w, scale, zero_point = args["w"], args["w_scale"], args["w_zero_point"]
+            fmt = "int4" if w4a8 else args["fmt"]
             if not self._packs(fmt, args["group_size"]) or scale.op != "get_attr":
                 continue
             follows = self._follows(scale, zero_point, owned)
@@ -85,14 +93,19 @@ class PackLanes(FxquantPass):
                 continue
             scale_t, zero_t, codes = fetch_attr(gm, scale), fetch_attr(gm, zero_point), fetch_attr(gm, w)
             # int4 codes [N, K / 2], or tiles, whose K is a multiple of 128 by construction; FP4 codes [N, K / 2]
-            if (not is_tiled(codes) and 2 * codes.shape[-1] % STEP_K) or not kernel_serves(scale_t):
+            if (not is_tiled(codes) and 2 * codes.shape[-1] % STEP_K) or not kernel_serves(scale_t, w4a8):
                 continue
             lane_scale, lane_zero = lanes_of(scale_t, zero_t, fmt)
             names = (scale.target, zero_point.target if zero_point is not None else None)
             with gm.graph.inserting_before(node):
                 s_lanes, z_lanes = (self._attr(gm, name, tensor) for name, tensor in zip(names, (lane_scale, lane_zero),
                                                                                       strict=True))
-                if fmt == "int4":
+                if w4a8:
+                    lanes = gm.graph.call_function(W4A8_LANES, (args["a"], args["a_scale"], w, scale, zero_point,
+                                                                s_lanes, z_lanes, args["bias"], args["group_size"],
+                                                                args["out_features"], args["out_dtype"],
+                                                                args.get("w_row_scale")))
+                elif fmt == "int4":
                     lanes = gm.graph.call_function(INT4_LANES, (args["x"], w, scale, zero_point, s_lanes, z_lanes,
                                                                 args["bias"], args["group_size"],
                                                                 args["out_features"]))

@@ -1,5 +1,6 @@
 """pack_lanes: 4-bit linears a graph quantized get the mma.sync decode kernels' per-lane scales, one copy shared by
-every graph and re-packed when the weight is re-quantized: int4, and MXFP4 and NVFP4 unless the option fp4_lanes is off.
+every graph and re-packed when the weight is re-quantized: int4, MXFP4 and NVFP4 unless the option fp4_lanes is off,
+and int4_fp8's W4A8 linears under the option int4_fp8_lanes.
 
 On the CPU the pass is made to run (`kernel_serves` patched) and the lanes ops run linear_weight_only's reference, so
 outputs match the unpacked graph bit for bit; the GPU tests run the kernels in a decode."""
@@ -28,6 +29,8 @@ INT4_WO_SCALES = RECIPES["int4_wo"].scale_mode  # how the recipe picks its group
 
 LANES = torch.ops.fxquant.linear_int4_lanes.default
 FP4_LANES = torch.ops.fxquant.linear_fp4_lanes.default
+W4A8 = torch.ops.fxquant.scaled_mm_int4_fp8.default
+W4A8_LANES = torch.ops.fxquant.scaled_mm_int4_fp8_lanes.default
 WEIGHT_ONLY = torch.ops.fxquant.linear_weight_only.default
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPT = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
@@ -39,7 +42,7 @@ LINEARS = {"int4_wo": 4, "int4_sym_wo": 4, "mxfp4_wo": 4, "nvfp4_wo": 7}
 @pytest.fixture
 def serves(monkeypatch):
     """The pass runs on the CPU too: its rewrite and bookkeeping are device-independent."""
-    monkeypatch.setattr(lanes_pass, "kernel_serves", lambda scale: True)
+    monkeypatch.setattr(lanes_pass, "kernel_serves", lambda scale, e4m3=False: True)
 
 
 def compile_collecting(model, recipe="int4_wo", **options):
@@ -85,7 +88,7 @@ def test_int4_linears_take_the_lanes_op_with_the_same_numbers(serves, monkeypatc
         packed = pack_lanes(scale, zero)
         assert torch.equal(lane_scale, packed[0]) and torch.equal(lane_zero, packed[1])
 
-    monkeypatch.setattr(lanes_pass, "kernel_serves", lambda scale: False)
+    monkeypatch.setattr(lanes_pass, "kernel_serves", lambda scale, e4m3=False: False)
     fn, callables = compile_collecting(model)
     with torch.no_grad():
         assert torch.equal(fn(PROMPT, use_cache=False).logits, logits)
@@ -111,6 +114,24 @@ def test_fp4_linears_take_their_lanes_op_unless_told_not_to_with_the_same_number
     assert formats(gm) == [fmt] * LINEARS[recipe]
     assert all(zero is None and packed_as_lanes(*buffers, fmt) for buffers in lanes_buffers(gm)
                for zero in [buffers[1]])
+
+
+def test_w4a8_linears_take_their_lanes_op_under_its_option_with_the_same_numbers(serves):
+    model = decoder("llama", num_hidden_layers=1)
+    fn, callables = compile_collecting(model, "int4_fp8")  # int4_fp8_lanes off by default
+    with torch.no_grad():
+        logits = fn(PROMPT, use_cache=False).logits
+    counts = Counter(node.target for node in callables[0].result.gm.graph.nodes)
+    assert counts[W4A8_LANES] == 0 and counts[W4A8] == 4
+
+    fn, callables = compile_collecting(model, "int4_fp8", int4_fp8_lanes=True)
+    with torch.no_grad():
+        assert torch.equal(fn(PROMPT, use_cache=False).logits, logits)
+    gm = callables[0].result.gm
+    counts = Counter(node.target for node in gm.graph.nodes)
+    assert counts[W4A8_LANES] == 4 and counts[W4A8] == 0
+    assert formats(gm) == ["int4"] * 4
+    assert all(packed_as_lanes(*buffers) for buffers in lanes_buffers(gm))
 
 
 def test_a_second_graph_shares_the_lanes_and_a_changed_weight_repacks_them(serves):
@@ -288,4 +309,20 @@ def test_an_fp4_decode_runs_the_kernel_within_the_bound_of_its_fake_quantized_co
     assert len(calls) >= 3 * 2 * LINEARS[recipe]  # every decode step's FP4 GEMMs (2 layers) on the kernel
     plain = TOWARD_ZERO if recipe == "mxfp4_wo" else False
     copies = fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=plain), model
+    assert not within_bound(got, *(static_decode(m, traced(m), prompt, steps) for m in copies))
+
+
+@pytest.mark.gpu
+def test_a_w4a8_decode_under_int4_fp8_lanes_runs_the_kernel_within_the_bound_of_its_fake_quantized_copy(monkeypatch):
+    """int4_fp8's one-row GEMMs on the int4 kernel over their e4m3 activations (the option int4_fp8_lanes)."""
+    calls = []
+    kernel = linear_ops.int4_mma_mm
+    monkeypatch.setattr(linear_ops, "int4_mma_mm", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
+    model = decoder("llama", num_hidden_layers=2).to(DEVICE)
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 64, (1, 8), generator=generator).to(DEVICE)
+    steps = torch.randint(0, 64, (1, 3), generator=generator).to(DEVICE)
+    got = static_decode(model, compiled(model, recipe="int4_fp8", int4_fp8_lanes=True), prompt, steps)
+    assert len(calls) >= 3 * 8  # every decode step's 8 W4A8 GEMMs (2 layers) on the kernel
+    copies = fake_quantized(model, "int4_fp8", exact=True), fake_quantized(model, "int4_fp8", exact=False), model
     assert not within_bound(got, *(static_decode(m, traced(m), prompt, steps) for m in copies))
