@@ -270,6 +270,27 @@ def test_a_weight_whose_source_the_graph_does_not_know_keeps_the_row_major_kerne
     assert counts[LANES] == 0 and counts[WEIGHT_ONLY] == 1
 
 
+def counted(monkeypatch, kernel: str) -> list:
+    """A list that gains an entry each time linear_ops calls its kernel `kernel` (the kernel still runs)."""
+    calls, original = [], getattr(linear_ops, kernel)
+    monkeypatch.setattr(linear_ops, kernel, lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    return calls
+
+
+def small_decode(batch: int = 1):
+    """A 2-layer Llama on the device, a prompt of 8 tokens and 3 decode steps for `batch` sequences."""
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 64, (batch, 8), generator=generator).to(DEVICE)
+    steps = torch.randint(0, 64, (batch, 3), generator=generator).to(DEVICE)
+    return decoder("llama", num_hidden_layers=2).to(DEVICE), prompt, steps
+
+
+def bounded_by_fake_quantized(got, model, recipe, prompt, steps, plain=False) -> bool:
+    """Whether a compiled decode's logits lie within the bound of the model's fake-quantized copies (hf_models)."""
+    copies = fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=plain), model
+    return not within_bound(got, *(static_decode(m, traced(m), prompt, steps) for m in copies))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("in_place", "batch"), [(False, 1), (True, 1), (False, 4)],
                          ids=["backend", "quantize_", "backend, 4 rows inside serving_up_to(8)"])
@@ -277,19 +298,13 @@ def test_a_small_batch_decode_runs_the_kernel_within_the_bound_of_its_fake_quant
                                                                                          batch):
     """Over the backend's codes (tiles on the GPU) and over quantize_'s (rows, the model's state); one row, or four
     where the kernel is asked to serve up to eight."""
-    calls = []
-    kernel = linear_ops.int4_mma_mm
-    monkeypatch.setattr(linear_ops, "int4_mma_mm", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
-    model = decoder("llama", num_hidden_layers=2).to(DEVICE)
-    generator = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, 64, (batch, 8), generator=generator).to(DEVICE)
-    steps = torch.randint(0, 64, (batch, 3), generator=generator).to(DEVICE)
+    calls = counted(monkeypatch, "int4_mma_mm")
+    model, prompt, steps = small_decode(batch)
     run = fxquant.quantize_(copy.deepcopy(model), "int4_wo") if in_place else model
     with gemm_int4_mma.serving_up_to(8 if batch > 1 else 1):
         got = static_decode(run, compiled(run, recipe="int4_wo"), prompt, steps)
     assert len(calls) >= 3 * 8  # every decode step's 8 int4 GEMMs (2 layers) on the kernel
-    copies = fake_quantized(model, "int4_wo", exact=True), fake_quantized(model, "int4_wo", exact=False), model
-    assert not within_bound(got, *(static_decode(m, traced(m), prompt, steps) for m in copies))
+    assert bounded_by_fake_quantized(got, model, "int4_wo", prompt, steps)
 
 
 @pytest.mark.gpu
@@ -298,31 +313,19 @@ def test_an_fp4_decode_runs_the_kernel_within_the_bound_of_its_fake_quantized_co
     """MXFP4's values and scales are exact in bf16, so its plain copy is the exact one and bounds nothing (the H100
     put two of the kernel's decode steps 5.3e-3 and 5.8e-3 rad from both): its bound is the exact sums each rounded
     toward zero, the other rounding of every output that the kernel's once-rounded fp32 sums may take."""
-    calls = []
-    kernel = linear_ops.fp4_mma_mm
-    monkeypatch.setattr(linear_ops, "fp4_mma_mm", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
-    model = decoder("llama", num_hidden_layers=2).to(DEVICE)
-    generator = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, 64, (1, 8), generator=generator).to(DEVICE)
-    steps = torch.randint(0, 64, (1, 3), generator=generator).to(DEVICE)
+    calls = counted(monkeypatch, "fp4_mma_mm")
+    model, prompt, steps = small_decode()
     got = static_decode(model, compiled(model, recipe=recipe), prompt, steps)
     assert len(calls) >= 3 * 2 * LINEARS[recipe]  # every decode step's FP4 GEMMs (2 layers) on the kernel
     plain = TOWARD_ZERO if recipe == "mxfp4_wo" else False
-    copies = fake_quantized(model, recipe, exact=True), fake_quantized(model, recipe, exact=plain), model
-    assert not within_bound(got, *(static_decode(m, traced(m), prompt, steps) for m in copies))
+    assert bounded_by_fake_quantized(got, model, recipe, prompt, steps, plain)
 
 
 @pytest.mark.gpu
 def test_a_w4a8_decode_under_int4_fp8_lanes_runs_the_kernel_within_the_bound_of_its_fake_quantized_copy(monkeypatch):
     """int4_fp8's one-row GEMMs on the int4 kernel over their e4m3 activations (the option int4_fp8_lanes)."""
-    calls = []
-    kernel = linear_ops.int4_mma_mm
-    monkeypatch.setattr(linear_ops, "int4_mma_mm", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
-    model = decoder("llama", num_hidden_layers=2).to(DEVICE)
-    generator = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, 64, (1, 8), generator=generator).to(DEVICE)
-    steps = torch.randint(0, 64, (1, 3), generator=generator).to(DEVICE)
+    calls = counted(monkeypatch, "int4_mma_mm")
+    model, prompt, steps = small_decode()
     got = static_decode(model, compiled(model, recipe="int4_fp8", int4_fp8_lanes=True), prompt, steps)
     assert len(calls) >= 3 * 8  # every decode step's 8 W4A8 GEMMs (2 layers) on the kernel
-    copies = fake_quantized(model, "int4_fp8", exact=True), fake_quantized(model, "int4_fp8", exact=False), model
-    assert not within_bound(got, *(static_decode(m, traced(m), prompt, steps) for m in copies))
+    assert bounded_by_fake_quantized(got, model, "int4_fp8", prompt, steps)
