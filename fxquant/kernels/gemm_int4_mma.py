@@ -31,8 +31,8 @@ W4A8 (e4m3 activations per token, as int4_fp8 quantizes them) runs on the same s
 become fp16 pairs (a byte permute and `cvt.rn.f16x2.e4m3x2` a pair, exact: e4m3 is a subset of fp16), the step takes
 the fp16 MMA, and the token's scale multiplies the sums once after the K loop, as `gemm_int4_fp8` does. Its K loop is
 554 SASS instructions for 256 codes a thread, against 382 for 128 in `gemm_int4_fp8`'s decode tiles (`python -m
-bench.sass mma --e4m3`, `w4a8`). No route gives it int4_fp8's GEMMs yet: `python -m bench.int4_fp8_gemm
---on-int4-mma` times it against that kernel first.
+bench.sass mma --e4m3`, `w4a8`). It takes int4_fp8's one-row GEMMs only under the option int4_fp8_lanes (off)
+until the GPU times it (`python -m bench.int4_fp8_gemm --on-int4-mma`, `bench.decode ...+w4a8lanes`).
 
 Inline PTX does not run under Triton's interpreter: there `supports` is false and the caller takes
 `gemm_weight_only`, which computes the same product. tests/kernels/test_gemm_int4_mma.py runs this kernel under the
@@ -91,7 +91,7 @@ def _step_asm(magic: str, fma: str, one: str, dtype: str, offset_after: bool = F
 
     offset_after: the MMAs take the codes as decoded, magic + q, and each block's sums then add -(magic + z) times
     the step's activation sums, which eight more MMAs with an all-ones A operand give (D row = the column's sum). One
-    packed FMA a pair of codes (128 a step) becomes 8 MMAs, 8 ands and 16 fp32 FMAs a step."""
+    packed FMA a pair of codes (128 a step) becomes 8 MMAs and 16 fp32 FMAs a step."""
     lines = ["{", ".reg .b32 s, zero, one;", ".reg .b32 " + ", ".join(f"a{b}_{r}" for b in range(BLOCKS)
                                                                       for r in range(4)) + ";",
              "mov.b32 zero, 0;", f"mov.b32 one, {one};"]
