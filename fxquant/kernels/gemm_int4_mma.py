@@ -12,27 +12,27 @@ two rows in each of the four blocks) are one 32-byte copy, its eight zero points
 cost each K step 16 scattered 4-byte copies per warp, which kept the L1 busiest at 63% while DRAM ran at 29%
 (docs/decisions/0008-int4-mma-lane-packed-scales-at-m1.md).
 
-A code q becomes the exact integer q - z from bits, with no int -> float conversion: q ORed into the mantissa of
-128.0 (bf16, ulp 1) or 1024.0 (f16) is 128 + q, and one packed FMA adds -(128 + z). Each block's eight MMAs of a step
-chain through its fp32 accumulator, which the group's fp32 scale then multiplies, as in `gemm_weight_only`'s int4 path.
-The four blocks' chains are written interleaved in one PTX statement, so that ptxas overlaps them
-(`mma_fragments.mma_order`).
-K is split across programs, each writing fp32 partials that the tile's last slice (`splitk.py`) sums in a fixed order
-and casts.
-`tl.range`'s pipeliner keeps STAGES steps of codes, scales, zero points and activations in flight as asynchronous
-copies while one is multiplied. What bounds the kernel is that reading: a variant that only loads took 79-88% of
-its time on the Llama shapes, and the same codes tiled per (64 rows, 128-code step) ran 6-18% faster (H100,
-BENCHMARKS.md, "The int4 decode GEMM's launch, split and code layout"). Under
+A code q becomes the exact integer q - z from bits, with no int -> float conversion: q ORed into the mantissa of 128.0
+(bf16, ulp 1) or 1024.0 (f16) is 128 + q, and one packed FMA adds -(128 + z). fp16's wider mantissa also takes a code
+four bits up where it lies, as 64.0 + q (ulp 1/16), so a word needs one shift, not three. Each block's eight MMAs of a
+step chain through its fp32 accumulator, which the group's fp32 scale then multiplies, as in `gemm_weight_only`'s int4
+path. The four blocks' chains are written interleaved in one PTX statement, so that ptxas overlaps them
+(`mma_fragments.mma_order`). K is split across programs, each writing fp32 partials that the tile's last slice
+(`splitk.py`) sums in a fixed order and casts. `tl.range`'s pipeliner keeps STAGES steps of codes, scales, zero points
+and activations in flight as asynchronous copies while one is multiplied. What bounds the kernel is that reading: a
+variant that only loads took 79-88% of its time on the Llama shapes, and the same codes tiled per (64 rows, 128-code
+step) ran 6-18% faster (H100, BENCHMARKS.md, "The int4 decode GEMM's launch, split and code layout"). Under
 `dependent_launch.weights_prefetched(True)` a program over tiles asks the L2 for its first steps of codes before it
 waits for the previous kernel (16 KB in one run); off by default: in the 32-layer step it added 0.10 ms
 (docs/decisions/0030-fp8-decode-weights-prefetched.md).
 
-W4A8 (e4m3 activations per token, as int4_fp8 quantizes them) runs on the same step: each lane's codes of a step
-become fp16 pairs (a byte permute and `cvt.rn.f16x2.e4m3x2` a pair, exact: e4m3 is a subset of fp16), the step takes
-the fp16 MMA, and the token's scale multiplies the sums once after the K loop, as `gemm_int4_fp8` does. Its K loop is
-554 SASS instructions for 256 codes a thread, against 382 for 128 in `gemm_int4_fp8`'s decode tiles (`python -m
-bench.sass mma --e4m3`, `w4a8`). It takes int4_fp8's one-row GEMMs only under the option int4_fp8_lanes (off)
-until the GPU times it (`python -m bench.int4_fp8_gemm --on-int4-mma`, `bench.decode ...+w4a8lanes`).
+W4A8 (e4m3 activations per token, as int4_fp8 quantizes them) runs on the same step: each lane's codes of a step become
+fp16 pairs (a byte permute and `cvt.rn.f16x2.e4m3x2` a pair, exact: e4m3 is a subset of fp16), the step takes the fp16
+MMA, and the token's scale multiplies the sums once after the K loop, as `gemm_int4_fp8` does. Its K loop is 493 SASS
+instructions for 256 codes a thread (554 before fp16's decode took one shift a word), against 382 for 128 in
+`gemm_int4_fp8`'s decode tiles (`python -m bench.sass mma --e4m3`, `w4a8`). It takes int4_fp8's one-row GEMMs only under
+the option int4_fp8_lanes (off) until the GPU times it (`python -m bench.int4_fp8_gemm --on-int4-mma`, `bench.decode
+...+w4a8lanes`).
 
 Inline PTX does not run under Triton's interpreter: there `supports` is false and the caller takes
 `gemm_weight_only`, which computes the same product. tests/kernels/test_gemm_int4_mma.py runs this kernel under the
@@ -81,35 +81,57 @@ _serves_rows = [1]  # the most activation rows linear_int4_lanes gives this kern
 _offsets_after = [False]  # bf16 zero points applied after the MMAs by default (`zero_points_after`)
 
 
-def _step_asm(magic: str, fma: str, one: str, dtype: str, offset_after: bool = False) -> str:
+def _step_asm(magic: str, fma: str, one: str, dtype: str, offset_after: bool = False,
+              high: tuple[str, str] | None = None) -> str:
     """PTX for one K step of the program's four 16-row blocks. Operands: $4b-$4b+3 block b's fp32 accumulator out (C
     fragment); $16 + 8b .. + 3 row g's four words of block b, + 4 .. + 7 row g + 8's; $48 + 2b, $49 + 2b -(magic + z)
     for block b's two rows as x2 pairs (as fp32 where offset_after); $56 + 2c, $57 + 2c the activation pairs of MMA c.
 
     Each block's eight MMAs chain through its accumulator, in the order c = 0..7; the blocks' chains interleave as
-    `mma_fragments.mma_order` says.
+    `mma_fragments.mma_order` says. A word's codes j and j + 4 are one pair, taken from bits 4j and 4j + 16 by a shift
+    and a lop3; high (fp16): (magic', magic' - magic) for a pair taken where it lies, four bits up: magic' with an
+    ulp of 1/16 makes it magic' + q, and the zero points' addend less magic' - magic makes that q - z, so that a word
+    takes one shift, not three.
 
     offset_after: the MMAs take the codes as decoded, magic + q, and each block's sums then add -(magic + z) times
     the step's activation sums, which eight more MMAs with an all-ones A operand give (D row = the column's sum). One
     packed FMA a pair of codes (128 a step) becomes 8 MMAs and 16 fp32 FMAs a step."""
-    lines = ["{", ".reg .b32 s, zero, one;", ".reg .b32 " + ", ".join(f"a{b}_{r}" for b in range(BLOCKS)
-                                                                      for r in range(4)) + ";",
+    lines = ["{", ".reg .b32 s0, s1, zero, one, gap;",
+             ".reg .b32 " + ", ".join(f"a{b}_{r}" for b in range(BLOCKS) for r in range(4)) + ";",
              "mov.b32 zero, 0;", f"mov.b32 one, {one};"]
+    if high:  # h_i = -(magic + z) + (magic' - magic) = -(magic' + z), exact: integers under 2048
+        lines += [f"mov.b32 gap, {high[1]};", ".reg .b32 " + ", ".join(f"h{i}" for i in range(2 * BLOCKS)) + ";"]
+        lines += [f"{fma} h{i}, one, ${48 + i}, gap;" for i in range(2 * BLOCKS)]
+
+    def pairs(b: int, e: int, words: tuple[int, int]) -> list[str]:
+        """Registers a{b}_0..3: codes (2e, 2e + 4) of rows g, g + 8, then (2e + 1, 2e + 5), each as magic + q (or
+        high's magic + 16 q): (w & mask) | magic puts two codes in the mantissas of a packed pair, exactly."""
+        out = []
+        if high:  # codes 2e and 2e + 1 lie at bits 8e and 8e + 4: one shift by 8e a word
+            sources = [f"${word}" for word in words]
+            if e:
+                out += [f"shr.u32 s{i}, ${word}, 8;" for i, word in enumerate(words)]
+                sources = ["s0", "s1"]
+            for reg in range(4):
+                mask, bits = ("0x00f000f0", high[0]) if reg >= 2 else ("0x000f000f", magic)
+                out.append(f"lop3.b32 a{b}_{reg}, {sources[reg % 2]}, {mask}, {bits}, 0xea;")
+            return out
+        for reg in range(4):
+            shift = 8 * e + 4 * (reg >= 2)
+            source = f"${words[reg % 2]}"
+            if shift:
+                out.append(f"shr.u32 s0, {source}, {shift};")
+                source = "s0"
+            out.append(f"lop3.b32 a{b}_{reg}, {source}, 0x000f000f, {magic}, 0xea;")
+        return out
 
     def mma(b: int, c: int) -> list[str]:
         u, e = divmod(c, 2)
-        lo, hi = 8 * e, 8 * e + 4  # bit shifts of nibbles 2e and 2e + 1 (each with its partner 4 nibbles up)
-        words = (16 + 8 * b + u, 20 + 8 * b + u)  # rows g and g + 8
-        out = []
-        for reg, word, shift in ((0, words[0], lo), (1, words[1], lo), (2, words[0], hi), (3, words[1], hi)):
-            src = f"${word}"
-            if shift:
-                out.append(f"shr.u32 s, ${word}, {shift};")
-                src = "s"
-            # (w & 0x000f000f) | magic: two codes in the mantissas of a packed pair, exactly magic + q
-            out.append(f"lop3.b32 a{b}_{reg}, {src}, 0x000f000f, {magic}, 0xea;")
-        for reg in range(4 * (not offset_after)):  # (magic + q) * 1 - (magic + z) = q - z, exact: |q - z| <= 15, ulp 1
-            out.append(f"{fma} a{b}_{reg}, a{b}_{reg}, one, ${48 + 2 * b + reg % 2};")
+        out = pairs(b, e, (16 + 8 * b + u, 20 + 8 * b + u))  # rows g and g + 8
+        # (magic + q) * 1 - (magic + z) = q - z, exact: |q - z| <= 15, ulp 1 (high: magic' + q less magic' + z)
+        for reg in range(4 * (not offset_after)):
+            addend = f"h{2 * b + reg % 2}" if high and reg >= 2 else f"${48 + 2 * b + reg % 2}"
+            out.append(f"{fma} a{b}_{reg}, a{b}_{reg}, one, {addend};")
         acc = ", ".join(f"${4 * b + r}" for r in range(4))
         regs = ", ".join(f"a{b}_{r}" for r in range(4))
         out.append(mma_line(dtype, regs, f"${56 + 2 * c}, ${57 + 2 * c}", "zero, zero, zero, zero" if c == 0 else acc,
@@ -140,7 +162,9 @@ def _offset_after_asm(dtype: str) -> list[str]:
 
 _BF16 = ("0x43004300", "fma.rn.bf16x2", "0x3F803F80", "bf16")  # magic 128.0, one 1.0
 _STEPS = {(torch.bfloat16, False): tl.constexpr(_step_asm(*_BF16)),
-          (torch.float16, False): tl.constexpr(_step_asm("0x64006400", "fma.rn.f16x2", "0x3C003C00", "f16")),  # 1024.0
+          # magic 1024.0; a code four bits up is 16 ulps of 64.0 (0x5400, ulp 1/16): 64 + q; the gap 960.0 (0x6380)
+          (torch.float16, False): tl.constexpr(_step_asm("0x64006400", "fma.rn.f16x2", "0x3C003C00", "f16",
+                                                         high=("0x54005400", "0x63806380"))),
           (torch.bfloat16, True): tl.constexpr(_step_asm(*_BF16, offset_after=True))}
 STEP_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 56))
 
