@@ -98,12 +98,14 @@ def chain_operands() -> tuple[list, int]:
 
 def rows_chain(ms: list[int], ceiling: float) -> list[dict]:
     """--rows: the chain at M <= 8 activation rows on the mma.sync kernel (its zero points applied before the MMAs and
-    after them) and on the in-register kernel, which the backend gives every int4 GEMM of more than one row, against
-    bf16 at the same M. First, on the merged gate/up, the two kernels' largest difference over the largest output."""
+    after them; and over the rows' e4m3 codes, as W4A8 runs it) and on the in-register kernel, which the backend gives
+    every int4 GEMM of more than one row, against bf16 at the same M. First, on the merged gate/up, the two kernels'
+    largest difference over the largest output."""
     layers, nbytes = chain_operands()
     rows = []
     for m in ms:
         xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k in sorted({k for _, k in LAYER})}
+        e4m3 = {k: R.quantize(x, "fp8_e4m3", "token") for k, x in xs.items()}  # W4A8's activations of the same rows
         bf16_ms = bf16_chain_ms(xs)
         torch.cuda.empty_cache()
         k, tiles, lane_scale, lane_zero, tile_bytes, scale, zero = layers[0][2]
@@ -120,6 +122,9 @@ def rows_chain(ms: list[int], ceiling: float) -> list[dict]:
                                  for layer in layers for k, t, ls, lz, *_ in layer],
             "mma.sync, zero points after the MMAs": lambda: [int4_mma_mm(xs[k], t, ls, lz, GROUP, offset_after=True)
                                                              for layer in layers for k, t, ls, lz, *_ in layer],
+            "mma.sync over e4m3 activations (W4A8)": lambda: [
+                int4_mma_mm(e4m3[k].data, t, ls, lz, GROUP, a_scale=e4m3[k].scale.reshape(-1))
+                for layer in layers for k, t, ls, lz, *_ in layer],
             "in-register": lambda: [weight_only_mm(xs[k], tb, s, "int4", GROUP, t.shape[0] * 64, zero_point=z)
                                     for layer in layers for k, t, _, _, tb, s, z in layer]}
         rows.append({"M": m, "kernels": "bf16 torch.mm", "ms": f"{bf16_ms:.3f}", "x bf16": "1.00"})
