@@ -139,12 +139,18 @@ def int4_differences(packed, zero, DOT: tl.constexpr):
     the same values one code at a time."""
     if DOT == tl.float32:
         ints = biased(split_words(packed)) - biased(zero)
+    elif DOT == tl.bfloat16:
+        neg = zero | 0xC300  # -(2^7 + z)
+        out = tl.inline_asm_elementwise(_INT4_PAIRS_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
+                                        [packed, neg | (neg << 16), 0x3F803F80],  # 1.0 twice
+                                        dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        ints = in_k_order(out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7])
     else:
-        bf16: tl.constexpr = DOT == tl.bfloat16
-        neg = zero | (0xC300 if bf16 else 0xE400)  # -(2^7 + z) in bf16, -(2^10 + z) in fp16
-        out = tl.inline_asm_elementwise(_INT4_PAIRS_BF16 if bf16 else _INT4_PAIRS_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
-                                        [packed, neg | (neg << 16), 0x3F803F80 if bf16 else 0x3C003C00],  # 1.0 twice
-                                        dtype=(tl.bfloat16 if bf16 else tl.float16,) * 8, is_pure=True, pack=1)
+        neg = zero | 0xE400  # -(2^10 + z)
+        neg_up = (zero << 4) | 0xD400  # -(2^6 + z): 64's ulp is 1/16, so z sits four bits up
+        out = tl.inline_asm_elementwise(_INT4_PAIRS_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r",
+                                        [packed, neg | (neg << 16), 0x3C003C00, neg_up | (neg_up << 16)],
+                                        dtype=(tl.float16,) * 8, is_pure=True, pack=1)
         ints = in_k_order(out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7])
     return ints
 
@@ -185,7 +191,26 @@ mov.b32 {$3, $7}, p3;
 }
 """
 _INT4_PAIRS_BF16 = tl.constexpr(_INT4_PAIRS_ASM.replace("OFFSET", "0x43004300").replace("FMA", "fma.rn.bf16x2"))
-_INT4_PAIRS_F16 = tl.constexpr(_INT4_PAIRS_ASM.replace("OFFSET", "0x64006400").replace("FMA", "fma.rn.f16x2"))
+# fp16's 10-bit mantissa also holds the nibbles four bits up where they lie: ORed into 64.0 (ulp 1/16) they are
+# 64 + q, and $11 holds -(64 + z) twice, so a word takes one shift, not three. Exact as above.
+_INT4_PAIRS_F16 = tl.constexpr("""
+{
+.reg .b32 w, p0, p1, p2, p3;
+lop3.b32 p0, $8, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 p1, $8, 0x00f000f0, 0x54005400, 0xea;
+shr.u32 w, $8, 8;
+lop3.b32 p2, w, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 p3, w, 0x00f000f0, 0x54005400, 0xea;
+fma.rn.f16x2 p0, p0, $10, $9;
+fma.rn.f16x2 p1, p1, $10, $11;
+fma.rn.f16x2 p2, p2, $10, $9;
+fma.rn.f16x2 p3, p3, $10, $11;
+mov.b32 {$0, $4}, p0;
+mov.b32 {$1, $5}, p1;
+mov.b32 {$2, $6}, p2;
+mov.b32 {$3, $7}, p3;
+}
+""")
 
 
 @triton.jit

@@ -29,7 +29,7 @@ waits for the previous kernel (16 KB in one run); off by default: in the 32-laye
 W4A8 (e4m3 activations per token, as int4_fp8 quantizes them) runs on the same step: each lane's codes of a step become
 fp16 pairs (a byte permute and `cvt.rn.f16x2.e4m3x2` a pair, exact: e4m3 is a subset of fp16), the step takes the fp16
 MMA, and the token's scale multiplies the sums once after the K loop, as `gemm_int4_fp8` does. Its K loop is 493 SASS
-instructions for 256 codes a thread (554 before fp16's decode took one shift a word), against 382 for 128 in
+instructions for 256 codes a thread (554 before fp16's decode took one shift a word), against 367 for 128 in
 `gemm_int4_fp8`'s decode tiles (`python -m bench.sass mma --e4m3`, `w4a8`). It takes int4_fp8's one-row GEMMs only under
 the option int4_fp8_lanes (off) until the GPU times it (`python -m bench.int4_fp8_gemm --on-int4-mma`, `bench.decode
 ...+w4a8lanes`).

@@ -34,7 +34,8 @@ def test_int4_pairs_are_the_codes_less_their_zero_point(dtype):
     zero = np.arange(packed.size) % 16  # every zero point, as int4_differences takes it: an int32 per row
     neg = zero | (0xC300 if dtype == torch.bfloat16 else 0xE400)  # -(OFFSET + z), as the kernel builds it
     one = 0x3F803F80 if dtype == torch.bfloat16 else 0x3C003C00
-    out = run(asm, [packed, neg | (neg << 16), one], outputs=8)
+    neg_up = (zero << 4) | 0xD400  # fp16's -(64 + z), for the nibbles taken four bits up
+    out = run(asm, [packed, neg | (neg << 16), one, neg_up | (neg_up << 16)], outputs=8)
     got = torch.from_numpy(np.stack(out, axis=1).astype(np.uint16).view(np.int16)).view(dtype)
     want = (nibbles(packed) - torch.from_numpy(zero)[:, None]).to(dtype)
     assert same_bits(got, want) == 0
