@@ -96,11 +96,11 @@ def _step_asm(magic: str, fma: str, one: str, dtype: str, offset_after: bool = F
     offset_after: the MMAs take the codes as decoded, magic + q, and each block's sums then add -(magic + z) times
     the step's activation sums, which eight more MMAs with an all-ones A operand give (D row = the column's sum). One
     packed FMA a pair of codes (128 a step) becomes 8 MMAs and 16 fp32 FMAs a step."""
-    lines = ["{", ".reg .b32 s0, s1, zero, one, gap;",
+    lines = ["{", ".reg .b32 s0, s1, zero, one;",
              ".reg .b32 " + ", ".join(f"a{b}_{r}" for b in range(BLOCKS) for r in range(4)) + ";",
              "mov.b32 zero, 0;", f"mov.b32 one, {one};"]
     if high:  # h_i = -(magic + z) + (magic' - magic) = -(magic' + z), exact: integers under 2048
-        lines += [f"mov.b32 gap, {high[1]};", ".reg .b32 " + ", ".join(f"h{i}" for i in range(2 * BLOCKS)) + ";"]
+        lines += [".reg .b32 gap, " + ", ".join(f"h{i}" for i in range(2 * BLOCKS)) + ";", f"mov.b32 gap, {high[1]};"]
         lines += [f"{fma} h{i}, one, ${48 + i}, gap;" for i in range(2 * BLOCKS)]
 
     def pairs(b: int, e: int, words: tuple[int, int]) -> list[str]:
