@@ -35,7 +35,8 @@ fxquant:<recipe>+inductor=<option> (one of Inductor's boolean options on, e.g. c
 off, e.g. +inductor=triton.enable_pdl=0; repeatable),
 fxquant:<recipe>+rows (int4 codes held in rows, not the GPU's default tiles: the option int4_code_tiles=False),
 fxquant:<recipe>+fp4inregisters (MXFP4 / NVFP4 GEMMs of one row in the in-register GEMM over rows: fp4_lanes=False),
-fxquant:<recipe>+w4a8lanes (int4_fp8's GEMMs of one row on the int4 mma.sync kernel: int4_fp8_lanes=True),
+fxquant:<recipe>+w4a8kernel (int4_fp8's GEMMs of one row on the W4A8 kernel, not the int4 mma.sync kernel:
+int4_fp8_lanes=False),
 fxquant:<recipe>+inplace (a copy of the model quantize_'d under the recipe, then compiled: a loaded checkpoint's path),
 fxquant:<recipe>+nopdl (every fxquant kernel launched without programmatic dependent launch), +reducekernel (split
 GEMMs summed by the reduce kernel, not by their last slice), +prefetch (the fp8 and 4-bit decode GEMMs ask the L2 for
@@ -45,7 +46,7 @@ rows in the tiles of 8 rows, as before decision 0035), +offsetafter (the int4 mm
 after the MMAs), +chunk=<n> (the weight-only prefill's weight dequantized 2**n
 elements at a time, not CHUNK_ELEMENTS),
 torchao:fp8_row, torchao:int4_wo, gemlite:int4, gemlite:fp8 (default: all but +fp8kv, +head, +without, +inductor,
-+rows, +fp4inregisters, +w4a8lanes, +inplace and the launch settings).
++rows, +fp4inregisters, +w4a8kernel, +inplace and the launch settings).
 
 Three phases. First, untimed, every path runs once in worker processes, --warm-jobs at a time, the longest first
 (warm_groups): each compile and autotune fills the on-disk caches (Inductor's FX graph and AOT caches, Triton's
@@ -317,7 +318,7 @@ WITHOUT = "+without="  # fxquant:<recipe>+without=<pass>: the pipeline without o
 INDUCTOR = "+inductor="  # fxquant:<recipe>+inductor=<option>[=0]: one of Inductor's boolean options on (=0: off)
 ROWS = "+rows"  # fxquant:<recipe>+rows: int4 codes held in rows (the backend's option int4_code_tiles=False)
 IN_REGISTERS = "+fp4inregisters"  # MXFP4 / NVFP4 at M = 1 in the in-register GEMM over rows (fp4_lanes=False)
-W4A8_LANES = "+w4a8lanes"  # int4_fp8's one-row GEMMs on the int4 mma.sync kernel (int4_fp8_lanes=True)
+W4A8_KERNEL = "+w4a8kernel"  # int4_fp8's one-row GEMMs on the W4A8 kernel (int4_fp8_lanes=False)
 IN_PLACE = "+inplace"  # fxquant:<recipe>+inplace: the model quantize_'d first (its copy), then compiled
 
 
@@ -341,13 +342,13 @@ def recipe_options(path: str) -> dict:
             options["int4_code_tiles"] = False
         elif key == IN_REGISTERS:
             options["fp4_lanes"] = False
-        elif key == W4A8_LANES:
-            options["int4_fp8_lanes"] = True
+        elif key == W4A8_KERNEL:
+            options["int4_fp8_lanes"] = False
         elif key in LAUNCH_SETTINGS or key == IN_PLACE or key + "=" == CHUNK:
             continue  # a launch setting or the model's preparation, not a backend option: work() applies it
         else:
             raise ValueError(f"bench.decode: path {path!r}: {key!r} is none of +head=, +without=, +inductor=, "
-                             f"+rows, +fp4inregisters, +w4a8lanes, +inplace, +fp8kv, +chunk=, "
+                             f"+rows, +fp4inregisters, +w4a8kernel, +inplace, +fp8kv, +chunk=, "
                              f"{', '.join(LAUNCH_SETTINGS)}")
     return options
 

@@ -98,9 +98,9 @@ class QuantConfig:
     fp4_lanes: bool = True
     # int4_fp8 (W4A8) linears at one activation row take the int4 mma.sync decode kernel over their e4m3 codes
     # (kernels/gemm_int4_mma.py, the fp16 MMA) and a per-lane copy of their scales (pack_lanes), rather than the W4A8
-    # kernel; off until the 32-layer step measures it (its K loop: 493 SASS instructions for 256 codes a thread,
-    # against 367 for 128)
-    int4_fp8_lanes: bool = False
+    # kernel; False keeps the W4A8 kernel. The 32-layer step at one sequence: 3.470 against 4.293 GPU ms (H100,
+    # docs/decisions/0043-w4a8-decode-on-the-int4-mma-kernel.md)
+    int4_fp8_lanes: bool = True
 
     def __post_init__(self):
         _check_types(self)

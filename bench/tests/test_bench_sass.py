@@ -91,9 +91,9 @@ def test_the_main_loop_of_each_kernel_is_found_and_counted():
     assert after["FFMA"] - before["FFMA"] == 16
     # W4A8 on the int4 kernel: a lane's 32 e4m3 activations of a step become 16 fp16 pairs, one byte permute and one
     # conversion each, and the step's 32 MMAs are fp16's; its fp16 decode takes each of a step's 32 code words with
-    # one shift, where bf16's takes three
+    # one shift, where bf16's takes three. Triton 3.6's build of the loop holds one byte permute more (17), 3.8's none
     e4m3 = found["int4 mma e4m3"]["ops"]
-    assert e4m3["PRMT"] == e4m3["F2FP.F16.E4M3.UNPACK_B"] == 16 and e4m3["HMMA.16816.F32"] == 32
+    assert e4m3["F2FP.F16.E4M3.UNPACK_B"] == 16 and 16 <= e4m3["PRMT"] <= 17 and e4m3["HMMA.16816.F32"] == 32
     assert e4m3["SHF.R.U32.HI"] == 32 and found["int4 mma"]["ops"]["SHF.R.U32.HI"] >= 96
     # the int4 kernel's step written as four interleaved chains compiles to overlapped chains, not a run of one
     # block's 8 dependent MMAs

@@ -9,7 +9,8 @@ tensors and the in-register kernel.
   points);
 - MXFP4 and NVFP4, under the option `fp4_lanes` (on; docs/decisions/0031-fp4-decode-on-mma-sync.md):
   linear_fp4_lanes (a copy of 3.1% and 6.25%).
-- int4_fp8's W4A8 linears (scaled_mm_int4_fp8), under the option `int4_fp8_lanes` (off), on an sm_89+ GPU:
+- int4_fp8's W4A8 linears (scaled_mm_int4_fp8), under the option `int4_fp8_lanes` (on;
+  docs/decisions/0043-w4a8-decode-on-the-int4-mma-kernel.md), on an sm_89+ GPU:
   scaled_mm_int4_fp8_lanes, the int4 kernel over the e4m3 activations (a copy of 6.25%, and the zero points').
 
     %y = fxquant.linear_weight_only(%x, %w, %s, None, %z, %b, "int4", 128, N)

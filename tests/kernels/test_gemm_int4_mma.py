@@ -178,7 +178,9 @@ def test_what_the_kernel_refuses_on_the_gpu():
     assert "K = 200" in supports(torch.randn(1, 200, dtype=torch.bfloat16, device="cuda"), 128)  # K not whole steps
     assert "M = 9" in supports(torch.randn(9, 256, dtype=torch.bfloat16, device="cuda"), 128)  # past one MMA's B
     assert "torch.float32" in supports(x.float(), 128)
-    assert "int32 pairs" in supports(torch.randn(1, 257, dtype=torch.bfloat16, device="cuda")[:, 1:], 128)
+    assert "int32 words of 2" in supports(torch.randn(1, 257, dtype=torch.bfloat16, device="cuda")[:, 1:], 128)
+    e4m3 = torch.randn(1, 260, device="cuda").to(torch.float8_e4m3fn)[:, 2:258]  # rows 2 codes off a word
+    assert "int32 words of 4" in supports(e4m3, 128)
 
 
 def test_split_k_aims_at_900_programs_with_3_steps_per_slice_and_16_slices_at_most():

@@ -118,13 +118,13 @@ def test_fp4_linears_take_their_lanes_op_unless_told_not_to_with_the_same_number
 
 def test_w4a8_linears_take_their_lanes_op_under_its_option_with_the_same_numbers(serves):
     model = decoder("llama", num_hidden_layers=1)
-    fn, callables = compile_collecting(model, "int4_fp8")  # int4_fp8_lanes off by default
+    fn, callables = compile_collecting(model, "int4_fp8", int4_fp8_lanes=False)
     with torch.no_grad():
         logits = fn(PROMPT, use_cache=False).logits
     counts = Counter(node.target for node in callables[0].result.gm.graph.nodes)
     assert counts[W4A8_LANES] == 0 and counts[W4A8] == 4
 
-    fn, callables = compile_collecting(model, "int4_fp8", int4_fp8_lanes=True)
+    fn, callables = compile_collecting(model, "int4_fp8")  # int4_fp8_lanes on by default
     with torch.no_grad():
         assert torch.equal(fn(PROMPT, use_cache=False).logits, logits)
     gm = callables[0].result.gm
@@ -323,9 +323,10 @@ def test_an_fp4_decode_runs_the_kernel_within_the_bound_of_its_fake_quantized_co
 
 @pytest.mark.gpu
 def test_a_w4a8_decode_under_int4_fp8_lanes_runs_the_kernel_within_the_bound_of_its_fake_quantized_copy(monkeypatch):
-    """int4_fp8's one-row GEMMs on the int4 kernel over their e4m3 activations (the option int4_fp8_lanes)."""
+    """int4_fp8's one-row GEMMs on the int4 kernel over their e4m3 activations (the option int4_fp8_lanes, on by
+    default)."""
     calls = counted(monkeypatch, "int4_mma_mm")
     model, prompt, steps = small_decode()
-    got = static_decode(model, compiled(model, recipe="int4_fp8", int4_fp8_lanes=True), prompt, steps)
+    got = static_decode(model, compiled(model, recipe="int4_fp8"), prompt, steps)
     assert len(calls) >= 3 * 8  # every decode step's 8 W4A8 GEMMs (2 layers) on the kernel
     assert bounded_by_fake_quantized(got, model, "int4_fp8", prompt, steps)
