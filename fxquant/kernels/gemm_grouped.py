@@ -137,8 +137,9 @@ def _grouped_int4_fp8_kernel(
     w_ptr += e * stride_we
     w_scale_ptr += e * stride_se
     w_zero_ptr += e * stride_se
-    acc = int4_fp8_accumulate(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, offs_m, offs_n, M, N, first, last,
-                              stride_am, stride_wn, stride_sn, HAS_ZP, DOT, GROUP, BLOCK_M, BLOCK_N, PAIR_ORDER)
+    acc = int4_fp8_accumulate(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, offs_m, offs_n, M, N, K, first,
+                              last, stride_am, stride_wn, stride_sn, HAS_ZP, DOT, GROUP, BLOCK_M, BLOCK_N, PAIR_ORDER,
+                              False)  # experts' codes are rows
     acc = tl.where(owned, acc, 0.0)  # a non-finite scale of the clamped expert must not reach the zero rows
     store_tile(acc, c_ptr, ws_ptr, c_ptr, offs_m, offs_n, M, N, stride_cm, 1, tl.program_id(1),
                False, SPLIT_K, OUT, CAST)

@@ -8,12 +8,14 @@ cast each. One K step is one weight group (128): its fp32 partial sum takes the 
 fp32 accumulator, and the per-token activation scales [M] multiply the tile once at the end, since they are constant
 along K.
 
-The kernel decodes each K step's 16 words of codes per weight row in registers; at decode its K is split across
-programs (`splitk.py`). Tiles come from `int4_fp8_config`, from `bench/int4_fp8_gemm.py --sweep` on an H200. Past
-M = 128 a second route makes the codes e4m3 integers once per call and multiplies them on the fp8 tensor cores
-(`cublas_int4_fp8`): where the group scales are each a power of two times a row scale (int4_fp8's quantizer makes
-them so, numerics/row_powers_of_two.py), the codes take their groups' powers of two and cuBLAS's rowwise GEMM scales
-each fp32 sum once; otherwise cuBLAS's 1x128-by-1x128 block-scaled GEMM scales each group's partial.
+The kernel decodes each K step's 16 words of codes per weight row in registers; at decode its K is split across programs
+(`splitk.py`). The codes may be rows [N, K / 2] or `code_tiles`' tiles, as the backend holds them on the GPU (one group
+of 64 rows is one 4 KB run there); both kernels read either. Tiles come from `int4_fp8_config`, from
+`bench/int4_fp8_gemm.py --sweep` on an H200. Past M = 128 a second route makes the codes e4m3 integers once per call and
+multiplies them on the fp8 tensor cores (`cublas_int4_fp8`): where the group scales are each a power of two times a row
+scale (int4_fp8's quantizer makes them so, numerics/row_powers_of_two.py), the codes take their groups' powers of two
+and cuBLAS's rowwise GEMM scales each fp32 sum once; otherwise cuBLAS's 1x128-by-1x128 block-scaled GEMM scales each
+group's partial.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import triton
 import triton.language as tl
 
 from fxquant.kernels.cast import cast_fp8, cast_mode, interpreting
+from fxquant.kernels.code_tiles import code_rows, is_tiled, tiled_shape, tiled_words
 from fxquant.kernels.codes import biased, dot_operands, e4m3_words, int4_integers, packed_words
 from fxquant.kernels.cublas_fp8 import block_scaled_rows, cublas_scaled_mm
 from fxquant.kernels.dependent_launch import launch_options, wait_for_previous
@@ -114,11 +117,13 @@ def group_zeros(w_zero_ptr, offs_n, mask_n, g, stride_sn, HAS_ZP: tl.constexpr):
 
 
 @triton.jit
-def int4_fp8_accumulate(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, offs_m, offs_n, M, N, first, last,
+def int4_fp8_accumulate(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, offs_m, offs_n, M, N, K, first, last,
                         stride_am, stride_wn, stride_sn, HAS_ZP: tl.constexpr, DOT: tl.constexpr,
-                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR_ORDER: tl.constexpr):
+                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR_ORDER: tl.constexpr,
+                        TILED: tl.constexpr):
     """The fp32 tile (A[offs_m] * a_scale) @ (W[offs_n] * w_scale).T over weight groups [first, last); a_ptr and
-    w_ptr: int32 words of four activation codes and of eight weight codes (strides in words). Each e4m3 activation
+    w_ptr: int32 words of four activation codes and of eight weight codes (strides in words; TILED: the codes are
+    `code_tiles`' tiles of a weight K codes wide). Each e4m3 activation
     and each q - z is exact in fp16 (DOT on the GPU), where sm_90's mma.sync multiplies fp8 operands anyway, after
     converting them: the codes become q - z two at a time from bits (`codes.int4_integers`), the activations fp16
     two at a time (`codes.e4m3_words`); PAIR_ORDER: K meets in `codes.pair_order`. Compiled for sm_90 at the decode
@@ -132,7 +137,7 @@ def int4_fp8_accumulate(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, offs
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g in range(first, last):
         a = e4m3_words(tl.load(a_ptrs, mask=mask_m[:, None], other=0), DOT)  # [BM, GROUP], exact
-        packed = packed_words(w_ptr, offs_n, mask_n, g, GROUP, stride_wn, GROUP, True)  # [BN, GROUP / 8] words
+        packed = packed_words(w_ptr, offs_n, mask_n, g, K, stride_wn, GROUP, True, TILED)  # [BN, GROUP / 8] words
         ints = int4_integers(packed, w_zero_ptr, offs_n, mask_n, g, stride_sn, 1, HAS_ZP, DOT)
         scale = tl.load(w_scale_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)
         # The group's partial in fp32, scaled, then added: the MMA's short accumulator spans one group only.
@@ -149,13 +154,14 @@ def _int4_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, bias_pt
                      HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr, CAST: tl.constexpr,
                      SPLIT_K: tl.constexpr, LAST_SLICE_SUMS: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
-                     PAIR_ORDER: tl.constexpr):
+                     PAIR_ORDER: tl.constexpr, TILED: tl.constexpr):
     wait_for_previous(PDL)
     pid_m, pid_n, offs_m, offs_n = tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     first, last = k_steps_of(pid_k, K, GROUP, SPLIT_K)  # this program's groups
-    acc = int4_fp8_accumulate(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, offs_m, offs_n, M, N, first, last,
-                              stride_am, stride_wn, stride_sn, HAS_ZP, DOT, GROUP, BLOCK_M, BLOCK_N, PAIR_ORDER)
+    acc = int4_fp8_accumulate(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, offs_m, offs_n, M, N, K, first,
+                              last, stride_am, stride_wn, stride_sn, HAS_ZP, DOT, GROUP, BLOCK_M, BLOCK_N, PAIR_ORDER,
+                              TILED)
     store_tile(acc, out_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, 1, pid_k, HAS_BIAS, SPLIT_K, OUT,
                CAST)
     if LAST_SLICE_SUMS:
@@ -172,11 +178,12 @@ def power_of_two_ratio(scale, row):
 
 
 @triton.jit
-def _int4_e4m3_kernel(w_ptr, w_zero_ptr, scale_ptr, row_ptr, out_ptr, N, stride_we, stride_wn, stride_se, stride_sn,
-                      stride_re, stride_rn, stride_oe, stride_on, HAS_ZP: tl.constexpr, ROWS: tl.constexpr,
-                      CAST: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+def _int4_e4m3_kernel(w_ptr, w_zero_ptr, scale_ptr, row_ptr, out_ptr, N, K, stride_we, stride_wn, stride_se,
+                      stride_sn, stride_re, stride_rn, stride_oe, stride_on, HAS_ZP: tl.constexpr, ROWS: tl.constexpr,
+                      CAST: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TILED: tl.constexpr):
     """One weight group's codes for BLOCK_N rows of one expert (axis 2), written as their e4m3 integers; ROWS: each
-    times its group's scale over its row's, a power of two that keeps it exact (numerics/row_powers_of_two.py)."""
+    times its group's scale over its row's, a power of two that keeps it exact (numerics/row_powers_of_two.py).
+    TILED: the codes are one weight's `code_tiles` tiles, whose group of 64 rows is one run of memory."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1)
     e = tl.program_id(2).to(tl.int64)
@@ -184,8 +191,12 @@ def _int4_e4m3_kernel(w_ptr, w_zero_ptr, scale_ptr, row_ptr, out_ptr, N, stride_
     w_zero_ptr += e * stride_se
     out_ptr += e * stride_oe
     mask_n = offs_n < N
-    packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + g * (GROUP // 2) + tl.arange(0, GROUP // 2),
-                     mask=mask_n[:, None], other=0)
+    byte = g * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]
+    if TILED:  # a row's bytes of a group lie in its tile in their order, four to an int32 word
+        offsets = tiled_words(offs_n[:, None], byte // 4, K) * 4 + byte % 4
+    else:
+        offsets = offs_n[:, None].to(tl.int64) * stride_wn + byte
+    packed = tl.load(w_ptr + offsets, mask=mask_n[:, None], other=0)
     zeros = group_zeros(w_zero_ptr, offs_n, mask_n, g, stride_sn, HAS_ZP)
     if ROWS:
         group_scale = tl.load(scale_ptr + e * stride_se + offs_n * stride_sn + g, mask=mask_n, other=1.0)
@@ -199,15 +210,21 @@ def _int4_e4m3_kernel(w_ptr, w_zero_ptr, scale_ptr, row_ptr, out_ptr, N, stride_
 
 def int4_as_e4m3(w: torch.Tensor, zero_point: torch.Tensor | None, scale: torch.Tensor | None = None,
                  row_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """[N, K/2] packed int4 codes (zero points [N, K/128], or None: symmetric), or [E, N, K/2] of experts (zero
-    points [E, N, K/128]; a slice of rows of each is fine), as the contiguous [N, K] ([E, N, K]) e4m3 integers
-    q - z, exactly: the weight cuBLAS or the grouped fp8 kernel multiplies with per-group scales. Given the group
-    scales [(E,) N, K/128] and row scales [(E,) N, 1] of the row-scaled form (numerics/row_powers_of_two.py), each
-    is times its group's power of two instead, exactly: the weight a row-scaled GEMM multiplies with row_scale."""
-    experts = w.dim() == 3
+    """[N, K/2] packed int4 codes (zero points [N, K/128], or None: symmetric), or their tiles (`code_tiles`), or
+    [E, N, K/2] of experts (zero points [E, N, K/128]; a slice of rows of each is fine), as the contiguous [N, K]
+    ([E, N, K]) e4m3 integers q - z, exactly: the weight cuBLAS or the grouped fp8 kernel multiplies with per-group
+    scales. Given the group scales [(E,) N, K/128] and row scales [(E,) N, 1] of the row-scaled form
+    (numerics/row_powers_of_two.py), each is times its group's power of two instead, exactly: the weight a
+    row-scaled GEMM multiplies with row_scale."""
+    experts, tiled = w.dim() == 3, is_tiled(w)
     lift = lambda t: None if t is None else _k_contiguous(t if experts else t.unsqueeze(0))
-    w3, zero3, scale3, row3 = lift(w), lift(zero_point), lift(scale), lift(row_scale)
-    (E, N), K = w3.shape[:2], w3.shape[2] * 2
+    zero3, scale3, row3 = lift(zero_point), lift(scale), lift(row_scale)
+    if tiled:  # one weight: E = 1, and the tiles addressed whole (their strides unread)
+        (E, N), K = (1, code_rows(w)), w.shape[1] * 2 * w.shape[3]
+        w3 = w.contiguous().view(1, N, K // 2)
+    else:
+        w3 = lift(w)
+        (E, N), K = w3.shape[:2], w3.shape[2] * 2
     out = torch.empty((E, N, K), dtype=torch.float8_e4m3fn, device=w.device)
     groups = next((t for t in (zero3, scale3) if t is not None), out)  # the group grids share their strides
     if zero3 is not None and scale3 is not None and zero3.stride() != scale3.stride():
@@ -215,11 +232,11 @@ def int4_as_e4m3(w: torch.Tensor, zero_point: torch.Tensor | None, scale: torch.
     rows = row3 if row3 is not None else out
     block_n = 64
     visible(_int4_e4m3_kernel)[(cdiv(N, block_n), K // GROUP, E)](
-        w3, zero3 if zero3 is not None else groups, scale3 if scale3 is not None else groups, rows, out, N,
+        w3, zero3 if zero3 is not None else groups, scale3 if scale3 is not None else groups, rows, out, N, K,
         w3.stride(0), w3.stride(1), groups.stride(0), groups.stride(1), rows.stride(0), rows.stride(1), out.stride(0),
         out.stride(1),
         HAS_ZP=zero_point is not None, ROWS=row_scale is not None, CAST=cast_mode(_int4_e4m3_kernel, w.device),
-        GROUP=GROUP, BLOCK_N=block_n)
+        GROUP=GROUP, BLOCK_N=block_n, TILED=tiled)
     return out if experts else out[0]
 
 
@@ -260,15 +277,17 @@ def dot_type(kernel):
 def int4_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                 zero_point: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype,
                 config: dict | None = None, row_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """a: [M, K] e4m3 codes with a_scale [M, 1] (per token); w: [N, K/2] packed int4 codes with w_scale [N, K/128]
-    fp32 and zero_point [N, K/128] uint8 (or None: symmetric codes). Returns [M, N] in out_dtype. config: tiles (and
-    CUBLAS) replacing `int4_fp8_config`'s (a sweep's). row_scale: [N, 1] where w_scale is in the row-scaled form
-    (numerics/row_powers_of_two.py), which the cuBLAS route multiplies row-scaled; the kernel reads w_scale."""
+    """a: [M, K] e4m3 codes with a_scale [M, 1] (per token); w: [N, K/2] packed int4 codes, or their tiles
+    (`code_tiles`), with w_scale [N, K/128] fp32 and zero_point [N, K/128] uint8 (or None: symmetric codes).
+    Returns [M, N] in out_dtype. config: tiles (and CUBLAS) replacing `int4_fp8_config`'s (a sweep's). row_scale:
+    [N, 1] where w_scale is in the row-scaled form (numerics/row_powers_of_two.py), which the cuBLAS route multiplies
+    row-scaled; the kernel reads w_scale."""
     M, K = a.shape
-    N = w.shape[0]
-    if w.shape != (N, K // 2) or w_scale.shape != (N, K // GROUP):
-        raise ValueError(f"fxquant: int4 x fp8 GEMM needs codes [N, K/2] and scales [N, K/{GROUP}] for K = {K}; got "
-                         f"{tuple(w.shape)} and {tuple(w_scale.shape)}")
+    N, tiled = code_rows(w), is_tiled(w)
+    stored = tiled_shape(N, K) if tiled else (N, K // 2)
+    if w.shape != stored or w_scale.shape != (N, K // GROUP):
+        raise ValueError(f"fxquant: int4 x fp8 GEMM needs codes [N, K/2] (or their tiles) and scales [N, K/{GROUP}] "
+                         f"for K = {K}; got {tuple(w.shape)} and {tuple(w_scale.shape)}")
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
@@ -290,7 +309,8 @@ def int4_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
         CAST=cast_mode(_int4_fp8_kernel, a.device), SPLIT_K=split, LAST_SLICE_SUMS=count is not None, GROUP=GROUP,
         DOT=dot_type(_int4_fp8_kernel),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], PAIR_ORDER=cfg.get("PAIR_ORDER", False), **launch_options(a.device))
+        num_stages=cfg["num_stages"], PAIR_ORDER=cfg.get("PAIR_ORDER", False), TILED=tiled,
+        **launch_options(a.device))
     if split > 1 and count is None:
         reduce_partials(ws, out, bias, TORCH_TO_TL[out_dtype])
     return out

@@ -30,8 +30,8 @@ W4A8 (e4m3 activations per token, as int4_fp8 quantizes them) runs on the same s
 fp16 pairs (a byte permute and `cvt.rn.f16x2.e4m3x2` a pair, exact: e4m3 is a subset of fp16), the step takes the fp16
 MMA, and the token's scale multiplies the sums once after the K loop, as `gemm_int4_fp8` does. Its K loop is 493 SASS
 instructions for 256 codes a thread (554 before fp16's decode took one shift a word), against 367 for 128 in
-`gemm_int4_fp8`'s decode tiles (`python -m bench.sass mma --e4m3`, `w4a8`). It takes int4_fp8's one-row GEMMs under the option
-int4_fp8_lanes (on): the 32-layer step at one sequence took 3.470 against 4.293 GPU ms on the W4A8 kernel (H100,
+`gemm_int4_fp8`'s decode tiles (`python -m bench.sass mma --e4m3`, `w4a8`). It takes int4_fp8's one-row GEMMs under the
+option int4_fp8_lanes (on): the 32-layer step at one sequence took 3.470 against 4.293 GPU ms on the W4A8 kernel (H100,
 docs/decisions/0043-w4a8-decode-on-the-int4-mma-kernel.md).
 
 Inline PTX does not run under Triton's interpreter: there `supports` is false and the caller takes

@@ -147,8 +147,9 @@ def _(x, w, w_scale, bias, group_size):
 def _scaled_mm_int4_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, w_zero_point: Tensor | None,
                         bias: Tensor | None, group_size: int, out_features: int, out_dtype: torch.dtype,
                         w_row_scale: Tensor | None = None) -> Tensor:
-    """(a [..., K] * a_scale [..., 1]) @ (int4 w [N, K/2], scales and zero points per group_size).T + bias, fp32
-    accumulation, one cast to out_dtype: W4A8 on the fp8 tensor cores where the kernel serves, else the reference.
+    """(a [..., K] * a_scale [..., 1]) @ (int4 w [N, K/2], or its tiles (`code_tiles`), scales and zero points per
+    group_size).T + bias, fp32 accumulation, one cast to out_dtype: W4A8 on the GPU's kernels where they serve, else
+    the reference (which untiles tiled codes).
     w_row_scale [N, 1]: the scales are in the row-scaled form (numerics/row_powers_of_two.py), which the GPU's
     large-M route multiplies row-scaled."""
     lead, K = a.shape[:-1], a.shape[-1]
@@ -157,6 +158,7 @@ def _scaled_mm_int4_fp8(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, 
         out = gemm_int4_fp8.int4_fp8_mm(a2, s2, w, w_scale, w_zero_point, bias, out_dtype, row_scale=w_row_scale)
     else:
         qa = Quantized(a2, s2, "fp8_e4m3", activation_granularity(0), a2.shape, out_dtype)
+        w = untile_codes(w) if is_tiled(w) else w
         qw = Quantized(w, w_scale, "int4", Granularity("group", (group_size,)), torch.Size((out_features, K)),
                        out_dtype, zero_point=w_zero_point)
         out = chunked_linear(qa, qw, bias, out_dtype)

@@ -6,8 +6,9 @@ process, owned here rather than by a pass.
   before quantizing. Entries live as long as the weight they quantize (a weak reference to the model's parameter)
   and are re-quantized in place, for every graph at once, when that weight changed. merge_linear may re-point their
   tensors into a stacked copy, which is then the one copy.
-- `tiles_chosen` / `stored_layout`: 4-bit weight-only codes are held in tiles (kernels/code_tiles.py) where the GPU's
-  kernels read them, rather than in the rows `quantize` packs: the one copy, in the layout its readers want.
+- `tiles_chosen` / `stored_layout`: 4-bit codes (weight-only, and W4A8's) are held in tiles (kernels/code_tiles.py)
+  where the GPU's kernels read them, rather than in the rows `quantize` packs: the one copy, in the layout its readers
+  want.
 - `lanes_of` / `refresh_lanes`: the per-lane copies of 4-bit scales (and int4's zero points) that the mma.sync decode
   kernels read (pack_lanes), re-packed in place whenever their sources may have changed.
 """
@@ -56,20 +57,23 @@ def shared_quantized(owner: torch.Tensor | None, weight: torch.Tensor, recipe: s
 
 
 def tiles_chosen(config: QuantConfig, scheme: LinearScheme, weight: torch.Tensor) -> bool:
-    """Whether an [N, K] weight's 4-bit weight-only codes are held in tiles: int4's, and MXFP4's and NVFP4's where
-    their mma.sync kernel serves them (the option fp4_lanes). Under the option int4_code_tiles None (the default)
-    where the GPU's kernels read them (CUDA, sm_80+), True wherever the shape tiles (the CPU's reference untiles
-    them), False nowhere. In the 32-layer int4_wo decode step at one sequence the GPU took 3.130 ms over tiles
-    against 3.432 over rows, and at 16 sequences 5.176 against 5.086, within the noise (H100,
-    docs/decisions/0029-int4-codes-held-in-tiles-on-the-gpu.md); FP4 on its mma.sync kernel took 2.146 ms over tiles
-    against 2.530 over rows for 32 layers' MXFP4 GEMMs (docs/decisions/0031-fp4-decode-on-mma-sync.md)."""
+    """Whether an [N, K] weight's 4-bit codes are held in tiles: int4's (weight-only, and int4_fp8's W4A8), and MXFP4's
+    and NVFP4's where their mma.sync kernel serves them (the option fp4_lanes). Under the option int4_code_tiles None
+    (the default) where the GPU's kernels read them (CUDA, sm_80+; sm_89+ for W4A8), True wherever the shape tiles (the
+    CPU's reference untiles them), False nowhere. W4A8's one-row GEMMs on the int4 kernel ran 14-21% faster alone over
+    tiles than over rows (H100, BENCHMARKS.md, "W4A8 decode on the int4 kernel"). In the 32-layer int4_wo decode step at
+    one sequence the GPU took 3.130 ms over tiles against 3.432 over rows, and at 16 sequences 5.176 against 5.086,
+    within the noise (H100, docs/decisions/0029-int4-codes-held-in-tiles-on-the-gpu.md); FP4 on its mma.sync kernel took
+    2.146 ms over tiles against 2.530 over rows for 32 layers' MXFP4 GEMMs
+    (docs/decisions/0031-fp4-decode-on-mma-sync.md)."""
     option = config.int4_code_tiles
     formats = ("int4", "mxfp4", "nvfp4") if config.fp4_lanes else ("int4",)
-    if option is False or scheme.kind != "weight_only" or scheme.weight_fmt not in formats or weight.dim() != 2:
+    w4a8 = scheme.kind == "int4_fp8"
+    if option is False or (scheme.kind != "weight_only" and not w4a8) or scheme.weight_fmt not in formats:
         return False
-    if not tiles_fit(*weight.shape):
+    if weight.dim() != 2 or not tiles_fit(*weight.shape):
         return False
-    return option is True or (weight.is_cuda and capability(weight.device) >= (8, 0))
+    return option is True or (weight.is_cuda and capability(weight.device) >= ((8, 9) if w4a8 else (8, 0)))
 
 
 def stored_layout(q: Quantized, tiled: bool) -> Quantized:

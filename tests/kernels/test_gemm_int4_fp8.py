@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fxquant.kernels import gemm_int4_fp8
+from fxquant.kernels.code_tiles import tile_codes
 from fxquant.kernels.cublas_fp8 import cublas_scaled_mm
 from fxquant.kernels.gemm_int4_fp8 import GROUP, cublas_int4_fp8, cublas_supports, int4_as_e4m3, int4_fp8_mm, supports
 from fxquant.kernels.splitk import reduce_in_gemm, reduce_partials
@@ -135,6 +136,38 @@ def test_the_codes_become_their_e4m3_integers_bit_for_bit(symmetric):
     ints = R.dequantize(dataclasses.replace(qw, scale=torch.ones_like(qw.scale)), torch.float32)  # q - z
     assert bool((ints < 0).any() and (ints > 0).any())  # random weights: codes of both signs
     assert torch.equal(int4_as_e4m3(qw.data, qw.zero_point).float(), ints)
+
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zero_point", "symmetric"])
+@pytest.mark.parametrize("shape", [(1, 64, 256), (16, 128, 384), (37, 128, 256), (3, 64, 1024), (200, 128, 256)],
+                         ids=str)
+def test_codes_in_tiles_give_their_rows_product_bit_for_bit(shape, symmetric):
+    """The backend holds int4_fp8's codes in tiles on the GPU: the kernel (decode with K split, the 64-row tiles)
+    and, past 128 rows, the cuBLAS route read them to the same bits as the rows they tile."""
+    M, N, K = shape
+    gen = torch.Generator().manual_seed(M + N + K)
+    qa = R.quantize(torch.randn(M, K, generator=gen).to(DEVICE, torch.bfloat16), "fp8_e4m3", "token")
+    qw = R.quantize(torch.randn(N, K, generator=gen).to(DEVICE, torch.bfloat16), "int4", ("group", GROUP),
+                    symmetric=symmetric)
+    bias = None if M == 200 else torch.randn(N, generator=gen).to(DEVICE, torch.bfloat16)  # cuBLAS takes no bias
+    rows = int4_fp8_mm(qa.data, qa.scale, qw.data, qw.scale, qw.zero_point, bias, torch.bfloat16)
+    tiled = int4_fp8_mm(qa.data, qa.scale, tile_codes(qw.data), qw.scale, qw.zero_point, bias, torch.bfloat16)
+    assert rows.abs().max() > 0 and torch.equal(tiled, rows)
+    with pytest.raises(ValueError, match="or their tiles"):
+        int4_fp8_mm(qa.data, qa.scale, tile_codes(qw.data)[:, :1], qw.scale, qw.zero_point, bias, torch.bfloat16)
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zero_point", "symmetric"])
+def test_codes_in_tiles_become_the_e4m3_integers_of_their_rows(symmetric):
+    """The codes made e4m3 for cuBLAS past 128 rows, from tiles: plain q - z, and in the row-scaled form."""
+    gen = torch.Generator().manual_seed(6)
+    qw = R.quantize(torch.randn(128, 384, generator=gen).to(DEVICE, torch.bfloat16), "int4", ("group", GROUP),
+                    symmetric=symmetric)
+    assert torch.equal(int4_as_e4m3(tile_codes(qw.data), qw.zero_point), int4_as_e4m3(qw.data, qw.zero_point))
+    scaled = row_scaled_weight(192, 512, 13)
+    assert torch.equal(int4_as_e4m3(tile_codes(scaled.data), None, scaled.scale, scaled.row_scale),
+                       int4_as_e4m3(scaled.data, None, scaled.scale, scaled.row_scale))
 
 
 def row_scaled_weight(n: int, k: int, seed: int):

@@ -16,6 +16,7 @@ from ptx_emulator import run
 from triton import language as tl
 
 from fxquant.kernels import gemm_int4_mma
+from fxquant.kernels.code_tiles import tile_codes
 from fxquant.kernels.gemm_int4_mma import int4_mma_mm, lane_layout_shape, pack_lanes, supports
 from fxquant.kernels.gemm_weight_only import weight_operands
 from fxquant.numerics import reference as R
@@ -135,6 +136,9 @@ def test_e4m3_activations_on_the_gpu(M, N, K, symmetric):
         out = int4_mma_mm(qa.data, codes, lane_scale, lane_zero, 128, bias, split=split,
                           a_scale=qa.scale.reshape(M).float())
         assert out.dtype == torch.bfloat16 and within_bound(out, x_hp, w_hp, bias)
+        tiles = tile_codes(codes.view(torch.uint8)).view(torch.int32)  # as the backend holds int4_fp8's codes
+        assert torch.equal(int4_mma_mm(qa.data, tiles, lane_scale, lane_zero, 128, bias, split=split,
+                                       a_scale=qa.scale.reshape(M).float()), out)
 
 
 def test_zero_points_after_the_mmas_take_bf16_only():

@@ -197,13 +197,30 @@ def test_int4_codes_in_tiles_are_the_graphs_one_copy_give_the_same_numbers_and_t
     (True, "int4_wo", (128, 256), True),
     (True, "int4_sym_wo", (128, 256), True),
     (True, "int4_wo", (96, 256), False),  # N not a multiple of a tile's 64 rows
-    (True, "int4_fp8", (128, 256), False),  # its kernel reads rows
+    (True, "int4_fp8", (128, 256), True),  # W4A8's kernels read tiles too
+    (None, "int4_fp8", (128, 256), False),
     (True, "int8_wo", (128, 256), False),
     (False, "int4_wo", (128, 256), False),
 ])
-def test_tiles_are_chosen_for_int4_weight_only_codes_whose_shape_tiles_where_the_option_asks(option, recipe, shape,
-                                                                                             expected):
+def test_tiles_are_chosen_for_int4_codes_whose_shape_tiles_where_the_option_asks(option, recipe, shape, expected):
     assert tiles_chosen(QuantConfig(int4_code_tiles=option), RECIPES[recipe], torch.zeros(shape)) is expected
+
+
+def test_w4a8_codes_in_tiles_give_the_same_numbers_through_both_its_ops(serves):
+    """int4_fp8's codes tiled: its lanes op (one row) and its W4A8 op (the prompt's rows) read them, the reference
+    untiling them on the CPU."""
+    model = decoder("llama", num_hidden_layers=1)
+    fn, _ = compile_collecting(model, "int4_fp8", int4_code_tiles=False)
+    ids = PROMPT[:, :1]  # one row: the lanes op's kernel case
+    with torch.no_grad():
+        logits, one = fn(PROMPT, use_cache=False).logits, fn(ids, use_cache=False).logits
+    fn, callables = compile_collecting(model, "int4_fp8", int4_code_tiles=True)
+    with torch.no_grad():
+        assert torch.equal(fn(PROMPT, use_cache=False).logits, logits)
+        assert torch.equal(fn(ids, use_cache=False).logits, one)
+    codes = [getattr(gm, node.args[2].target) for gm in (c.result.gm for c in callables) for node in gm.graph.nodes
+             if node.target is W4A8_LANES]
+    assert len(codes) >= 4 and all(is_tiled(c) for c in codes)
 
 
 @pytest.mark.parametrize(("option", "fp4_lanes", "recipe", "expected"), [
