@@ -34,6 +34,7 @@ fxquant:<recipe>+without=<pass> (without one of the pipeline's optional passes; 
 fxquant:<recipe>+inductor=<option> (one of Inductor's boolean options on, e.g. combo_kernels; =0 after it turns it
 off, e.g. +inductor=triton.enable_pdl=0; repeatable),
 fxquant:<recipe>+rows (int4 codes held in rows, not the GPU's default tiles: the option int4_code_tiles=False),
+fxquant:<recipe>+tiles (int4 codes held in tiles wherever they tile, int4_fp8's too: int4_code_tiles=True),
 fxquant:<recipe>+fp4inregisters (MXFP4 / NVFP4 GEMMs of one row in the in-register GEMM over rows: fp4_lanes=False),
 fxquant:<recipe>+w4a8kernel (int4_fp8's GEMMs of one row on the W4A8 kernel, not the int4 mma.sync kernel:
 int4_fp8_lanes=False),
@@ -317,6 +318,7 @@ HEAD = "+head="  # fxquant:<recipe>+head=<recipe>: the lm_head quantized too, un
 WITHOUT = "+without="  # fxquant:<recipe>+without=<pass>: the pipeline without one of its optional passes
 INDUCTOR = "+inductor="  # fxquant:<recipe>+inductor=<option>[=0]: one of Inductor's boolean options on (=0: off)
 ROWS = "+rows"  # fxquant:<recipe>+rows: int4 codes held in rows (the backend's option int4_code_tiles=False)
+TILES = "+tiles"  # int4 codes held in tiles wherever they tile, int4_fp8's too (int4_code_tiles=True)
 IN_REGISTERS = "+fp4inregisters"  # MXFP4 / NVFP4 at M = 1 in the in-register GEMM over rows (fp4_lanes=False)
 W4A8_KERNEL = "+w4a8kernel"  # int4_fp8's one-row GEMMs on the W4A8 kernel (int4_fp8_lanes=False)
 IN_PLACE = "+inplace"  # fxquant:<recipe>+inplace: the model quantize_'d first (its copy), then compiled
@@ -340,6 +342,8 @@ def recipe_options(path: str) -> dict:
             options.setdefault("inductor", {})[option] = flag != "0"
         elif key == ROWS:
             options["int4_code_tiles"] = False
+        elif key == TILES:
+            options["int4_code_tiles"] = True
         elif key == IN_REGISTERS:
             options["fp4_lanes"] = False
         elif key == W4A8_KERNEL:

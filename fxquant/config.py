@@ -86,9 +86,9 @@ class QuantConfig:
     # Inductor's own options for the inner compile, as torch.compile(options=...) takes them without fxquant
     # ({"combo_kernels": True}); they come after the ones `mode` sets
     inductor: tuple[tuple[str, object], ...] = ()
-    # The layout the backend holds int4 codes in, weight-only and int4_fp8's (weight_store.tiles_chosen), and MXFP4's
-    # and NVFP4's under fp4_lanes: None, tiles where the GPU's 4-bit kernels read them (CUDA, sm_80+; sm_89+ for
-    # int4_fp8) and rows elsewhere; True, tiles wherever the shape tiles; False, rows
+    # The layout the backend holds int4 codes in (weight_store.tiles_chosen), and MXFP4's and NVFP4's under
+    # fp4_lanes: None, tiles where the GPU's 4-bit kernels read them (CUDA, sm_80+; int4_fp8's rows until its step is
+    # timed over tiles) and rows elsewhere; True, tiles wherever the shape tiles, int4_fp8's too; False, rows
     # (docs/decisions/0029-int4-codes-held-in-tiles-on-the-gpu.md)
     int4_code_tiles: bool | None = None
     # MXFP4 and NVFP4 weight-only linears at one activation row take the mma.sync decode kernel

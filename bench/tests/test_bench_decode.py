@@ -85,6 +85,7 @@ def test_path_suffixes_become_backend_options():
     assert recipe_options("fxquant:int4_wo+inductor=triton.enable_pdl=0+inductor=combo_kernels") == {
         "recipe": "int4_wo", "inductor": {"triton.enable_pdl": False, "combo_kernels": True}}
     assert recipe_options("fxquant:int4_wo+rows") == {"recipe": "int4_wo", "int4_code_tiles": False}
+    assert recipe_options("fxquant:int4_fp8+tiles") == {"recipe": "int4_fp8", "int4_code_tiles": True}
     assert recipe_options("fxquant:mxfp4_wo+fp4inregisters") == {"recipe": "mxfp4_wo", "fp4_lanes": False}
     assert recipe_options("fxquant:int4_fp8+w4a8kernel") == {"recipe": "int4_fp8", "int4_fp8_lanes": False}
     for setting in ("+nopdl", "+reducekernel", "+prefetch", "+mma8"):  # launch settings, applied by work()

@@ -14,8 +14,8 @@ kept in high precision also reads (a tied lm_head and its embedding keep one hig
     %y = bmm(%W[%ids], %x.unsqueeze(-1))   ->  rows sorted by expert (fxquant.sort_by_expert), grouped, put back
 
 Expert weights [E, N, K] are quantized expert by expert (`reference.quantize_experts`): no scale spans two experts.
-int4 codes (weight-only, and int4_fp8's) are held in tiles where the GPU's kernels read them
-(`weight_store.tiles_chosen`), as the one copy the ops read and the backend re-quantizes into.
+int4 codes are held in tiles where the GPU's kernels read them (`weight_store.tiles_chosen`; int4_fp8's under
+int4_code_tiles=True), as the one copy the ops read and the backend re-quantizes into.
 """
 
 from __future__ import annotations

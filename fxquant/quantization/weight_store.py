@@ -57,12 +57,13 @@ def shared_quantized(owner: torch.Tensor | None, weight: torch.Tensor, recipe: s
 
 
 def tiles_chosen(config: QuantConfig, scheme: LinearScheme, weight: torch.Tensor) -> bool:
-    """Whether an [N, K] weight's 4-bit codes are held in tiles: int4's (weight-only, and int4_fp8's W4A8), and MXFP4's
-    and NVFP4's where their mma.sync kernel serves them (the option fp4_lanes). Under the option int4_code_tiles None
-    (the default) where the GPU's kernels read them (CUDA, sm_80+; sm_89+ for W4A8), True wherever the shape tiles (the
-    CPU's reference untiles them), False nowhere. W4A8's one-row GEMMs on the int4 kernel ran 14-21% faster alone over
-    tiles than over rows (H100, BENCHMARKS.md, "W4A8 decode on the int4 kernel"). In the 32-layer int4_wo decode step at
-    one sequence the GPU took 3.130 ms over tiles against 3.432 over rows, and at 16 sequences 5.176 against 5.086,
+    """Whether an [N, K] weight's 4-bit codes are held in tiles: int4's (weight-only, and int4_fp8's W4A8 under
+    int4_code_tiles=True), and MXFP4's and NVFP4's where their mma.sync kernel serves them (the option fp4_lanes). Under
+    the option int4_code_tiles None (the default) where the GPU's kernels read them (CUDA, sm_80+), True wherever the
+    shape tiles (the CPU's reference untiles them), False nowhere. W4A8's one-row GEMMs on the int4 kernel ran 14-21%
+    faster alone over tiles than over rows (H100, BENCHMARKS.md, "W4A8 decode on the int4 kernel"); its 32-layer step
+    over tiles is not yet timed (`bench.decode fxquant:int4_fp8 fxquant:int4_fp8+tiles`). In the 32-layer int4_wo step
+    at one sequence the GPU took 3.130 ms over tiles against 3.432 over rows, and at 16 sequences 5.176 against 5.086,
     within the noise (H100, docs/decisions/0029-int4-codes-held-in-tiles-on-the-gpu.md); FP4 on its mma.sync kernel took
     2.146 ms over tiles against 2.530 over rows for 32 layers' MXFP4 GEMMs
     (docs/decisions/0031-fp4-decode-on-mma-sync.md)."""
@@ -73,7 +74,8 @@ def tiles_chosen(config: QuantConfig, scheme: LinearScheme, weight: torch.Tensor
         return False
     if weight.dim() != 2 or not tiles_fit(*weight.shape):
         return False
-    return option is True or (weight.is_cuda and capability(weight.device) >= ((8, 9) if w4a8 else (8, 0)))
+    # W4A8's tiles wait for the 32-layer step to time them: its kernels read them, by default its codes stay rows
+    return option is True or (not w4a8 and weight.is_cuda and capability(weight.device) >= (8, 0))
 
 
 def stored_layout(q: Quantized, tiled: bool) -> Quantized:
