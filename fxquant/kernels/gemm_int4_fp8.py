@@ -121,16 +121,16 @@ def int4_fp8_accumulate(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zero_ptr, offs
                         stride_am, stride_wn, stride_sn, HAS_ZP: tl.constexpr, DOT: tl.constexpr,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR_ORDER: tl.constexpr,
                         TILED: tl.constexpr):
-    """The fp32 tile (A[offs_m] * a_scale) @ (W[offs_n] * w_scale).T over weight groups [first, last); a_ptr and
-    w_ptr: int32 words of four activation codes and of eight weight codes (strides in words; TILED: the codes are
-    `code_tiles`' tiles of a weight K codes wide). Each e4m3 activation
-    and each q - z is exact in fp16 (DOT on the GPU), where sm_90's mma.sync multiplies fp8 operands anyway, after
-    converting them: the codes become q - z two at a time from bits (`codes.int4_integers`), the activations fp16
-    two at a time (`codes.e4m3_words`); PAIR_ORDER: K meets in `codes.pair_order`. Compiled for sm_90 at the decode
-    tile (`python -m bench.sass w4a8`, Triton 3.8) a K step takes 367 instructions a thread and 128 registers (382
-    before fp16's decode took one shift a code word), where the codes made e4m3 through fp32 and the bit-exact cast,
-    then widened with the activations, took 816 and 168; at the 64-row tile 507 against 801 (before that change), on
-    fp16 wgmma where fp8 wgmma ran, whose accumulator keeps fewer bits (docs/decisions/0002)."""
+    """The fp32 tile (A[offs_m] * a_scale) @ (W[offs_n] * w_scale).T over weight groups [first, last); a_ptr and w_ptr:
+    int32 words of four activation codes and of eight weight codes (strides in words; TILED: the codes are `code_tiles`'
+    tiles of a weight K codes wide). Each e4m3 activation and each q - z is exact in fp16 (DOT on the GPU), where
+    sm_90's mma.sync multiplies fp8 operands anyway, after converting them: the codes become q - z two at a time from
+    bits (`codes.int4_integers`), the activations fp16 two at a time (`codes.e4m3_words`); PAIR_ORDER: K meets in
+    `codes.pair_order`. Compiled for sm_90 at the decode tile (`python -m bench.sass w4a8`, Triton 3.8) a K step takes
+    367 instructions a thread and 128 registers (382 before fp16's decode took one shift a code word), where the codes
+    made e4m3 through fp32 and the bit-exact cast, then widened with the activations, took 816 and 168; at the 64-row
+    tile 507 against 801 (before that change), on fp16 wgmma where fp8 wgmma ran, whose accumulator keeps fewer bits
+    (docs/decisions/0002)."""
     offs_w = tl.arange(0, GROUP // 4)
     mask_m, mask_n = offs_m < M, offs_n < N
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + first * (GROUP // 4) + offs_w[None, :]
