@@ -24,8 +24,9 @@ one and the down projections into another (the GEMM's own floor without 128 laun
 With --offset-after, the tiles with each step's zero points applied before the MMAs (the product) and after them
 (`gemm_int4_mma.step_asm`), in turn.
 
-With --rows, the chain at M = 1 and 8 rows (or those given, up to 8) on the mma.sync kernel and on the in-register
-kernel that the backend gives more than one row, each against bf16 at the same M (`rows_chain`); with --rows and
+With --rows, the chain at M = 1 and 8 rows (or those given) on the mma.sync kernel (up to 8 rows), on the in-register
+kernel that the backend gives more than one row, and on the W4A8 kernel over codes in rows and in tiles, each against
+bf16 at the same M (`rows_chain`); with --rows and
 --sweep, the in-register kernel alone at those M (up to 16) under other warps, depths and split-K targets.
 
 Run: python -m bench.int4_chain [--programs 450 1800 ...] [--stages 4 5 ...] [--grid | --floors | --offset-after |
@@ -45,9 +46,11 @@ import triton.testing
 from bench.common import copy_bandwidth_gbs, header, table, values_after
 from bench.read_floor import FLAT_WORDS, read_as_int4_programs, read_flat, read_then_sum_as_int4_programs
 from fxquant.kernels.cast import float_cast_mode
-from fxquant.kernels.code_tiles import tile_codes
+from fxquant.kernels.code_tiles import tile_codes, untile_codes
 from fxquant.kernels.dependent_launch import dependent_launches, launch_options, weights_prefetched
+from fxquant.kernels.gemm_int4_fp8 import int4_fp8_mm
 from fxquant.kernels.gemm_int4_mma import (
+    MAX_M,
     STEP_K,
     _int4_mma_kernel,
     int4_mma_mm,
@@ -97,11 +100,13 @@ def chain_operands() -> tuple[list, int]:
 
 
 def rows_chain(ms: list[int], ceiling: float) -> list[dict]:
-    """--rows: the chain at M <= 8 activation rows on the mma.sync kernel (its zero points applied before the MMAs and
-    after them; and over the rows' e4m3 codes, as W4A8 runs it) and on the in-register kernel, which the backend gives
-    every int4 GEMM of more than one row, against bf16 at the same M. First, on the merged gate/up, the two kernels'
-    largest difference over the largest output."""
+    """--rows: the chain at M activation rows on the mma.sync kernel up to 8 rows (its zero points applied before the
+    MMAs and after them; and over the rows' e4m3 codes, as int4_fp8 runs one row), on the in-register kernel, which the
+    backend gives every int4 weight-only GEMM of more than one row, and on the W4A8 kernel over the same e4m3 codes
+    (int4_fp8's from 2 to 128 rows) with its codes in rows and in tiles, against bf16 at the same M. First, on the
+    merged gate/up, the mma.sync and in-register kernels' largest difference over the largest output."""
     layers, nbytes = chain_operands()
+    rows_of = {id(tb): untile_codes(tb) for layer in layers for *_, tb, _, _ in layer}  # the W4A8 kernel over rows
     rows = []
     for m in ms:
         xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k in sorted({k for _, k in LAYER})}
@@ -109,24 +114,36 @@ def rows_chain(ms: list[int], ceiling: float) -> list[dict]:
         bf16_ms = bf16_chain_ms(xs)
         torch.cuda.empty_cache()
         k, tiles, lane_scale, lane_zero, tile_bytes, scale, zero = layers[0][2]
-        on_mma = int4_mma_mm(xs[k], tiles, lane_scale, lane_zero, GROUP).float()
-        in_registers = weight_only_mm(xs[k], tile_bytes, scale, "int4", GROUP, tiles.shape[0] * 64,
-                                      zero_point=zero).float()
-        error = ((on_mma - in_registers).abs().max() / in_registers.abs().max()).item()
-        print(f"M = {m}: mma.sync against in-register on 28672x4096, max |difference| / max |output| {error:.1e}",
-              flush=True)
-        if not error < 1e-2:  # two fp32 sums of the same exact products, each rounded once to bf16
-            raise SystemExit(f"bench.int4_chain: the kernels disagree at M = {m} ({error:.1e})")
-        kernels = {
-            "mma.sync": lambda: [int4_mma_mm(xs[k], t, ls, lz, GROUP)
-                                 for layer in layers for k, t, ls, lz, *_ in layer],
-            "mma.sync, zero points after the MMAs": lambda: [int4_mma_mm(xs[k], t, ls, lz, GROUP, offset_after=True)
-                                                             for layer in layers for k, t, ls, lz, *_ in layer],
-            "mma.sync over e4m3 activations (W4A8)": lambda: [
-                int4_mma_mm(e4m3[k].data, t, ls, lz, GROUP, a_scale=e4m3[k].scale.reshape(-1))
-                for layer in layers for k, t, ls, lz, *_ in layer],
+        w4a8 = lambda k, codes, s, z: int4_fp8_mm(e4m3[k].data, e4m3[k].scale, codes, s, z, None, torch.bfloat16)
+        w4a8_tiles, w4a8_rows = (w4a8(k, c, scale, zero) for c in (tile_bytes, rows_of[id(tile_bytes)]))
+        if not torch.equal(w4a8_tiles, w4a8_rows):
+            raise SystemExit(f"bench.int4_chain: the W4A8 kernel's tiles and rows disagree at M = {m}")
+        kernels = {}
+        if m <= MAX_M:
+            on_mma = int4_mma_mm(xs[k], tiles, lane_scale, lane_zero, GROUP).float()
+            in_registers = weight_only_mm(xs[k], tile_bytes, scale, "int4", GROUP, tiles.shape[0] * 64,
+                                          zero_point=zero).float()
+            error = ((on_mma - in_registers).abs().max() / in_registers.abs().max()).item()
+            print(f"M = {m}: mma.sync against in-register on 28672x4096, max |difference| / max |output| {error:.1e}",
+                  flush=True)
+            if not error < 1e-2:  # two fp32 sums of the same exact products, each rounded once to bf16
+                raise SystemExit(f"bench.int4_chain: the kernels disagree at M = {m} ({error:.1e})")
+            kernels |= {
+                "mma.sync": lambda: [int4_mma_mm(xs[k], t, ls, lz, GROUP)
+                                     for layer in layers for k, t, ls, lz, *_ in layer],
+                "mma.sync, zero points after the MMAs": lambda: [
+                    int4_mma_mm(xs[k], t, ls, lz, GROUP, offset_after=True)
+                    for layer in layers for k, t, ls, lz, *_ in layer],
+                "mma.sync over e4m3 activations (W4A8)": lambda: [
+                    int4_mma_mm(e4m3[k].data, t, ls, lz, GROUP, a_scale=e4m3[k].scale.reshape(-1))
+                    for layer in layers for k, t, ls, lz, *_ in layer]}
+        kernels |= {
             "in-register": lambda: [weight_only_mm(xs[k], tb, s, "int4", GROUP, t.shape[0] * 64, zero_point=z)
-                                    for layer in layers for k, t, _, _, tb, s, z in layer]}
+                                    for layer in layers for k, t, _, _, tb, s, z in layer],
+            "W4A8 kernel over e4m3 activations, codes in rows": lambda: [
+                w4a8(k, rows_of[id(tb)], s, z) for layer in layers for k, _, _, _, tb, s, z in layer],
+            "W4A8 kernel over e4m3 activations, codes in tiles": lambda: [
+                w4a8(k, tb, s, z) for layer in layers for k, _, _, _, tb, s, z in layer]}
         rows.append({"M": m, "kernels": "bf16 torch.mm", "ms": f"{bf16_ms:.3f}", "x bf16": "1.00"})
         for name, run in kernels.items():
             with dependent_launches(True):
@@ -134,8 +151,8 @@ def rows_chain(ms: list[int], ceiling: float) -> list[dict]:
             rows.append({"M": m, "kernels": f"int4 {name}", "ms": f"{ms_:.3f}", "x bf16": f"{bf16_ms / ms_:.2f}",
                          "% copy": f"{100 * nbytes / ms_ / 1e6 / ceiling:.0f}"})
             print(rows[-1], flush=True)
-    print(f"{LAYERS} layers x {len(LAYER)} GEMMs, one CUDA graph, codes in tiles, dependent launch on; int4 bytes "
-          f"(codes, lane scales, zero points): {nbytes / 1e9:.2f} GB")
+    print(f"{LAYERS} layers x {len(LAYER)} GEMMs, one CUDA graph, codes in tiles (the W4A8 kernel's in rows too), "
+          f"dependent launch on; int4 bytes (codes, lane scales, zero points): {nbytes / 1e9:.2f} GB")
     return rows
 
 
