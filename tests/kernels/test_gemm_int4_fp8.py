@@ -138,7 +138,6 @@ def test_the_codes_become_their_e4m3_integers_bit_for_bit(symmetric):
     assert torch.equal(int4_as_e4m3(qw.data, qw.zero_point).float(), ints)
 
 
-
 @pytest.mark.parametrize("symmetric", [False, True], ids=["zero_point", "symmetric"])
 @pytest.mark.parametrize("shape", [(1, 64, 256), (16, 128, 384), (37, 128, 256), (3, 64, 1024), (200, 128, 256)],
                          ids=str)
