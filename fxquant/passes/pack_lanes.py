@@ -20,8 +20,9 @@ tensors and the in-register kernel.
     %y = fxquant.scaled_mm_int4_fp8(%a, %as, %w, %s, None, %b, 128, N, bf16, %rs)
         ->  %y = fxquant.scaled_mm_int4_fp8_lanes(%a, %as, %w, %s, None, %s_lanes, None, %b, 128, N, bf16, %rs)
 
-The codes stay what quantize_linear made them: on the GPU, int4's are tiles (kernels/code_tiles.py,
-weight_store.tiles_chosen), which every kernel of the op reads at every row count; FP4's are rows.
+The codes stay what quantize_linear made them: on the GPU, int4 weight-only codes are tiles (kernels/code_tiles.py,
+weight_store.tiles_chosen), int4_fp8's rows unless int4_code_tiles=True, and every kernel of the ops reads either at
+every row count; FP4's are rows.
 
 The copy is shared by every graph that reads the same scales, and re-packed in place whenever they may have
 changed: when a graph is compiled (another graph may have re-quantized shared weights), and on
